@@ -1,0 +1,56 @@
+"""Bit-stream packing of small unsigned integers into int32 words.
+
+Layout (stable, documented in the README): along the last dimension, value j occupies
+bits [b*j, b*j + b) of a little-endian bit stream cut into 32-bit words. Every 32 values
+fill exactly b words, so for b in {1, 2, 4, 8} a word holds 32/b whole values and for b = 3
+a value may straddle two words. The last dimension must be a multiple of 32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+WORD_BITS = 32
+
+
+def packed_words(n: int, bits: int) -> int:
+    if n % WORD_BITS:
+        raise ValueError(f"cannot pack {n} values: the packed dimension must be a multiple of {WORD_BITS}")
+    return n // WORD_BITS * bits
+
+
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integers in [0, 2**bits) along the last dim into int32 words."""
+    if not 1 <= bits <= 16:
+        raise ValueError(f"bits must be in 1..16, got {bits}")
+    *lead, n = values.shape
+    words = torch.zeros(*lead, packed_words(n, bits), dtype=torch.int64, device=values.device)
+    v = values.to(torch.int64).reshape(*lead, n // WORD_BITS, WORD_BITS)
+    w = words.view(*lead, n // WORD_BITS, bits)
+    for j in range(WORD_BITS):
+        offset = bits * j
+        word, shift = divmod(offset, WORD_BITS)
+        w[..., word] |= (v[..., j] << shift) & 0xFFFFFFFF
+        if shift + bits > WORD_BITS:
+            w[..., word + 1] |= v[..., j] >> (WORD_BITS - shift)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of `pack`: int32 words -> uint8/int16 values (int64 arithmetic inside)."""
+    *lead, nw = words.shape
+    if nw != packed_words(n, bits):
+        raise ValueError(f"{nw} words cannot hold {n} values of {bits} bits")
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    w = w.view(*lead, n // WORD_BITS, bits)
+    mask = (1 << bits) - 1
+    out = torch.empty(*lead, n // WORD_BITS, WORD_BITS, dtype=torch.int64, device=words.device)
+    for j in range(WORD_BITS):
+        offset = bits * j
+        word, shift = divmod(offset, WORD_BITS)
+        value = w[..., word] >> shift
+        if shift + bits > WORD_BITS:
+            value = value | (w[..., word + 1] << (WORD_BITS - shift))
+        out[..., j] = value & mask
+    dtype = torch.uint8 if bits <= 8 else torch.int16
+    return out.reshape(*lead, n).to(dtype)

@@ -1,0 +1,99 @@
+"""GPTQ (Frantar et al., 2023): column-by-column quantization with inverse-Hessian error feedback.
+
+For each column j (in act-order if asked), q_j = quant(w_j) and the error
+e_j = (w_j − q_j) / [H⁻¹]_jj is pushed onto the columns not yet quantized:
+W[:, j+1:] −= e_j · [H⁻¹]_{j, j+1:}, using the upper Cholesky factor U of H⁻¹ (lazy batch
+updates every `block_size` columns). Group scales are fitted from the *updated* weights of
+the group when its first column is reached (or from the original weights with
+`static_groups`, which keeps groups contiguous under act-order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bitquilt.formats.uniform import UniformFormat, UniformGrid, resolve_group_size
+from bitquilt.solvers.base import LayerSpec, LinearStats, check_finite, register_solver
+from bitquilt.solvers.hessian import invert_permutation, prepare_hessian
+from bitquilt.solvers.rtn import quantize_groups
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = False
+    static_groups: bool = False
+    mse: bool = False  # MSE range search for each group's grid
+
+
+def gptq_sweep(W: torch.Tensor, hinv_u: torch.Tensor, block_size: int, quantize_column) -> torch.Tensor:
+    """The GPTQ column sweep. `quantize_column(j, W_block, i)` returns the quantized column j.
+
+    W is updated in place (error feedback); returns the quantized matrix. Shared by every
+    solver whose per-column step is 'project onto my grid'.
+    """
+    rows, cols = W.shape
+    Q = torch.zeros_like(W)
+    for i1 in range(0, cols, block_size):
+        i2 = min(i1 + block_size, cols)
+        W1 = W[:, i1:i2].clone()
+        E1 = torch.zeros_like(W1)
+        U1 = hinv_u[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w = W1[:, i]
+            q = quantize_column(i1 + i, W1, i)
+            Q[:, i1 + i] = q
+            err = (w - q) / U1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
+            E1[:, i] = err
+        W[:, i2:] -= E1 @ hinv_u[i1:i2, i2:]
+    return Q
+
+
+@register_solver("gptq", GPTQOptions)
+def gptq(weight: torch.Tensor, stats: LinearStats | None, spec: LayerSpec, opts: GPTQOptions) -> UniformFormat:
+    check_finite(weight)
+    rows, cols = weight.shape
+    g = resolve_group_size(spec.group_size, cols)
+    grid = UniformGrid(spec.bits, spec.sym)
+    prep, W = prepare_hessian(stats.hessian, weight, opts.damp, opts.act_order)
+    perm = prep.perm
+    n_groups = cols // g
+    scales = torch.zeros(rows, n_groups, device=W.device)
+    zeros = torch.zeros_like(scales)
+    codes = torch.zeros_like(W)
+    fit = grid.fit_mse if opts.mse else grid.fit
+
+    # Groups whose parameters are fixed before the sweep: per-channel, or static groups.
+    fixed = g == cols or opts.static_groups
+    if fixed:
+        W_orig = W[:, invert_permutation(perm)] if perm is not None else W
+        _, scales, zeros = quantize_groups(W_orig, grid, g, opts.mse)
+    group_of = (perm if perm is not None else torch.arange(cols, device=W.device)) // g if fixed else None
+
+    def quantize_column(j: int, W1: torch.Tensor, i: int) -> torch.Tensor:
+        if fixed:
+            grp = int(group_of[j])
+        else:
+            grp = j // g
+            if j % g == 0:
+                # the group's columns still inside this block are taken updated, later ones as they stand
+                group_cols = torch.cat([W1[:, i:], W[:, j - i + W1.shape[1]:]], dim=1)[:, :g]
+                scales[:, grp], zeros[:, grp] = fit(group_cols)
+        s, z = scales[:, grp], zeros[:, grp]
+        q = torch.clamp(torch.round(W1[:, i] / s) + z, 0, grid.maxq)
+        codes[:, j] = q
+        return s * (q - z)
+
+    gptq_sweep(W, prep.hinv_u, opts.block_size, quantize_column)
+
+    g_idx = None
+    if perm is not None:
+        inv = invert_permutation(perm)
+        codes = codes[:, inv]
+        if not fixed:
+            g_idx = (torch.arange(cols, device=W.device) // g)[inv]
+    return UniformFormat.from_codes(codes, scales, zeros, grid, g, g_idx=g_idx)
