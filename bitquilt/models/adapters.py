@@ -1,0 +1,80 @@
+"""Declarative architecture adapters: where the decoder blocks are and how their linears connect.
+
+One small description per family instead of copies of modeling files. The engine walks
+`groups` in order ("true sequential"): the linears of a group read the same input, which
+is the output of `prev` (a norm or a linear) — what scale-migrating transforms such as AWQ
+and SmoothQuant fold their inverse scales into.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class InputGroup:
+    linears: tuple[str, ...]  # names relative to a decoder block
+    prev: str  # module whose output is the group's input
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    model_types: tuple[str, ...]
+    groups: tuple[InputGroup, ...]
+    layers: str = "model.layers"
+    embed: str = "model.embed_tokens"
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (offset + weight)
+
+    def linear_names(self) -> tuple[str, ...]:
+        return tuple(n for g in self.groups for n in g.linears)
+
+
+def _llama_like(name: str, model_types: tuple[str, ...], mlp_norm: str = "post_attention_layernorm", **kw):
+    return Architecture(
+        name=name,
+        model_types=model_types,
+        groups=(
+            InputGroup(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
+            InputGroup(("self_attn.o_proj",), "self_attn.v_proj"),
+            InputGroup(("mlp.gate_proj", "mlp.up_proj"), mlp_norm),
+            InputGroup(("mlp.down_proj",), "mlp.up_proj"),
+        ),
+        **kw,
+    )
+
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    _llama_like("llama", ("llama",)),
+    _llama_like("mistral", ("mistral",)),
+    _llama_like("qwen2", ("qwen2",)),
+    _llama_like("qwen3", ("qwen3",)),
+    _llama_like("gemma3", ("gemma3_text",), mlp_norm="pre_feedforward_layernorm", norm_offset=1.0),
+)
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for a in ARCHITECTURES for t in a.model_types)
+
+
+def architecture_of(model: nn.Module) -> Architecture:
+    """The adapter for a transformers causal LM, or an error naming what is supported."""
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    for arch in ARCHITECTURES:
+        if model_type in arch.model_types:
+            return arch
+    raise UnsupportedArchitecture(
+        f"unsupported architecture {model_type!r}; supported model types: {', '.join(supported_model_types())}"
+    )
+
+
+def decoder_layers(model: nn.Module, arch: Architecture) -> nn.ModuleList:
+    return model.get_submodule(arch.layers)
