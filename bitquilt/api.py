@@ -63,7 +63,7 @@ def quantize(
     check_finite_weights(model)
     config = calib if isinstance(calib, CalibConfig) else (CalibConfig() if calib is None else None)
     ids = calib if isinstance(calib, torch.Tensor) else None
-    if ids is None:
+    if ids is None and recipe.needs_calibration:
         if tokenizer is None:
             raise UserError("quantize needs calibration token ids or a tokenizer to build them")
         ids = calibration_ids(tokenizer, config)

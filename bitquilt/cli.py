@@ -157,16 +157,15 @@ def cmd_fetch(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from bitquilt.api import calibration_ids, load, quantize, save
+    from bitquilt.api import load, quantize, save
 
     recipe = _recipe_from_args(args, args.method, args.w_bits, args.group_size)
     out = Path(args.output)
     if out.exists() and not args.overwrite:
         raise UserError(f"output directory {out} already exists; choose another path or pass --overwrite")
-    model, tokenizer = load(args.model)
     calib = _calib_config(args)
-    report = quantize(model, recipe, calibration_ids(tokenizer, calib), progress=not args.json)
-    report.calibration = {**vars(calib)} if report.calibration is not None or recipe.method != "rtn" else None
+    model, tokenizer = load(args.model)
+    report = quantize(model, recipe, calib, tokenizer=tokenizer, progress=not args.json)
     save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
     summary = {"output": str(out), "method": recipe.method, "w_bits": recipe.w_bits,
                "group_size": recipe.group_size, **_model_summary(model),
@@ -216,14 +215,14 @@ def cmd_compare(args) -> int:
     recipes = {(m, b, g): _recipe_from_args(args, m, b, g) for m, b, g in configs if m != "fp"}  # validate first
     calib = _calib_config(args)
     base, tokenizer = load(args.model)
-    ids = calibration_ids(tokenizer, calib) if any(r.method != "rtn" for r in recipes.values()) else None
+    ids = calibration_ids(tokenizer, calib) if any(r.needs_calibration for r in recipes.values()) else None
     rows = []
     for m, b, g in configs:
         model = base if m == "fp" else load(args.model)[0]
         row: dict[str, Any] = {"method": m, "w_bits": b or 16, "group_size": g}
         if m != "fp":
-            report = quantize(model, recipes[(m, b, g)], ids if ids is not None else calib, tokenizer=tokenizer,
-                              progress=not args.json)
+            report = quantize(model, recipes[(m, b, g)], ids, progress=not args.json)
+            report.calibration = vars(calib) if ids is not None else None
             row.update(quant_time_s=report.total_seconds, peak_rss_mb=report.peak_rss_mb)
         row.update(_model_summary(model))
         row.update(_evaluate(model, tokenizer, args, cache_key=f"{_fingerprint(args.model)}|{m}|{b}|{g}|{calib}"))

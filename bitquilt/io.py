@@ -124,7 +124,7 @@ def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
     except (SafetensorError, OSError) as e:
         raise UserError(f"cannot read {directory / WEIGHTS_NAME} (missing or corrupted): {e}") from None
     config = AutoConfig.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for name, info in qconfig["layers"].items():
         prefix = f"{name}.packed_"
         fmt_tensors = {k[len(prefix):]: tensors.pop(k) for k in list(tensors) if k.startswith(prefix)}
@@ -134,7 +134,8 @@ def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
         setattr(model.get_submodule(parent), child, QuantLinear(fmt, bias))
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    missing = [k for k in missing if k not in tied and not k.endswith(("rotary_emb.inv_freq", "original_inv_freq"))]
+    quantized = tuple(f"{name}." for name in qconfig["layers"])
+    missing = [k for k in missing if k not in tied and not k.startswith(quantized)]
     if missing or unexpected:
         raise UserError(f"{directory} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if tied:

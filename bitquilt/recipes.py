@@ -63,6 +63,12 @@ class Recipe:
         return self.method.split("+")[:-1]
 
     @property
+    def needs_calibration(self) -> bool:
+        from bitquilt.transforms import get_transform
+
+        return get_solver(self.solver).needs_stats or any(get_transform(t).scope == "block" for t in self.transforms)
+
+    @property
     def default_spec(self) -> LayerSpec:
         return LayerSpec(self.w_bits, self.group_size, self.sym)
 

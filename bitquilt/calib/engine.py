@@ -19,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_block
+from bitquilt.formats.uniform import resolve_group_size
 from bitquilt.models.adapters import architecture_of, decoder_layers
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import CalibConfig, Recipe
@@ -78,6 +79,19 @@ def _solve_linear(block, name, full_name, spec, solver, options, stats) -> Linea
     return LinearReport(full_name, fmt.describe(), fmt.bits_per_weight(), fmt.nbytes(), time.perf_counter() - t0, err)
 
 
+def check_layer_shapes(model: nn.Module, arch, recipe: Recipe) -> None:
+    """Fail before any work if a target linear cannot take its grid (e.g. group size vs width)."""
+    for i, block in enumerate(decoder_layers(model, arch)):
+        for name in arch.linear_names():
+            spec = recipe.spec_for(f"{arch.layers}.{i}.{name}")
+            if spec is not None:
+                width = block.get_submodule(name).in_features
+                try:
+                    resolve_group_size(spec.group_size, width)
+                except ValueError as e:
+                    raise ValueError(f"{arch.layers}.{i}.{name}: {e}") from None
+
+
 @torch.no_grad()
 def quantize_model(
     model: nn.Module,
@@ -92,10 +106,11 @@ def quantize_model(
     solver = get_solver(recipe.solver)
     options = solver.make_options(recipe.options)
     transforms = [get_transform(t) for t in recipe.transforms]
-    needs_data = solver.needs_stats or any(t.scope == "block" for t in transforms)
+    needs_data = recipe.needs_calibration
     if needs_data and calib_ids is None:
         raise ValueError(f"method {recipe.method!r} needs calibration data")
     report = QuantReport(recipe.to_dict(), asdict(calib) if calib and needs_data else None)
+    check_layer_shapes(model, arch, recipe)
 
     for t in transforms:
         if t.scope == "model":

@@ -1,6 +1,10 @@
 """Low-bit weight representations. Importing this package registers every format."""
 
 from bitquilt.formats.base import FORMATS, WeightFormat, format_class, register_format
+from bitquilt.formats.bitplane import BitplaneFormat
 from bitquilt.formats.uniform import UniformFormat, UniformGrid
 
-__all__ = ["FORMATS", "WeightFormat", "format_class", "register_format", "UniformFormat", "UniformGrid"]
+__all__ = [
+    "FORMATS", "WeightFormat", "format_class", "register_format", "UniformFormat", "UniformGrid",
+    "BitplaneFormat",
+]

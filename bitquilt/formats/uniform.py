@@ -22,14 +22,23 @@ SUPPORTED_GROUP_SIZES = (32, 64, 128, 256, -1)  # -1: one group per row (per-cha
 
 
 def resolve_group_size(group_size: int, in_features: int) -> int:
-    """Concrete group size for a layer; -1 means the whole row. Raises on a bad size."""
-    g = in_features if group_size == -1 else group_size
-    if g <= 0 or in_features % g:
-        raise ValueError(
-            f"group size {group_size} does not divide the layer width {in_features}; "
-            f"use one of {', '.join(str(s) for s in SUPPORTED_GROUP_SIZES if s > 0)} that divides it, or -1"
-        )
-    return g
+    """Concrete group size for a layer: -1 (or anything ≥ the width) means the whole row.
+
+    A size that does not divide the width leaves a shorter last group in each row, as the
+    GPTQ reference does (smollm2's width 576 at g128: four groups of 128 and one of 64).
+    """
+    if group_size != -1 and group_size <= 0:
+        raise ValueError(f"group size must be positive or -1 (per channel), got {group_size}")
+    return in_features if group_size == -1 else min(group_size, in_features)
+
+
+def n_groups(in_features: int, group_size: int) -> int:
+    return -(-in_features // group_size)
+
+
+def expand_groups(t: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
+    """[rows, G] per-group values -> [rows, in_features] per-column values."""
+    return t.repeat_interleave(group_size, dim=1)[:, :in_features]
 
 
 @dataclass(frozen=True)
@@ -140,7 +149,8 @@ class UniformFormat(WeightFormat):
         if self.g_idx is not None:
             idx = self.g_idx.long()
             return scales[:, idx], zeros[:, idx]
-        return (scales.repeat_interleave(self.group_size, dim=1), zeros.repeat_interleave(self.group_size, dim=1))
+        g, n = self.group_size, self.in_features
+        return expand_groups(scales, g, n), expand_groups(zeros, g, n)
 
     def dequantize(self) -> torch.Tensor:
         scale, zero = self.column_params()

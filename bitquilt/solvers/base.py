@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,17 @@ def get_solver(name: str) -> Solver:
         return SOLVERS[name]
     except KeyError:
         raise ValueError(f"unknown solver {name!r}; known: {', '.join(sorted(SOLVERS))}") from None
+
+
+@contextmanager
+def single_thread():
+    """Run a loop of many tiny tensor ops on one thread (OpenMP barriers dominate them otherwise)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def check_finite(weight: torch.Tensor, what: str = "weight") -> None:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bitquilt.formats.uniform import UniformFormat, UniformGrid, resolve_group_size
-from bitquilt.solvers.base import LayerSpec, LinearStats, check_finite, register_solver
+from bitquilt.formats.uniform import UniformFormat, UniformGrid, n_groups, resolve_group_size
+from bitquilt.solvers.base import LayerSpec, LinearStats, check_finite, register_solver, single_thread
 from bitquilt.solvers.hessian import invert_permutation, prepare_hessian
 from bitquilt.solvers.rtn import quantize_groups
 
@@ -29,11 +29,34 @@ class GPTQOptions:
     mse: bool = False  # MSE range search for each group's grid
 
 
-def gptq_sweep(W: torch.Tensor, hinv_u: torch.Tensor, block_size: int, quantize_column) -> torch.Tensor:
-    """The GPTQ column sweep. `quantize_column(j, W_block, i)` returns the quantized column j.
+def sweep_columns(
+    W1: torch.Tensor, U1: torch.Tensor, E1: torch.Tensor, Q1: torch.Tensor, quantize_column, offset: int = 0
+) -> None:
+    """GPTQ's per-column step over the columns of one block (starting at column `offset`), in place.
 
-    W is updated in place (error feedback); returns the quantized matrix. Shared by every
-    solver whose per-column step is 'project onto my grid'.
+    For each column i, q = `quantize_column(offset + i, W1, i)`, e_i = (w_i − q) / U_ii and
+    W1[:, i:] −= e_i · U1[i, i:]. Q1 receives the quantized columns and E1 the scaled errors,
+    so that W1_start = Q1 + E1·U1.
+    """
+    for i in range(W1.shape[1]):
+        w = W1[:, i]
+        q = quantize_column(offset + i, W1, i)
+        Q1[:, i] = q
+        err = (w - q) / U1[i, i]
+        W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
+        E1[:, i] = err
+
+
+def gptq_sweep(
+    W: torch.Tensor, hinv_u: torch.Tensor, block_size: int, quantize_column=None, quantize_block=None
+) -> torch.Tensor:
+    """The GPTQ column sweep with lazy block updates; W is updated in place, returns the quantized matrix.
+
+    Per column, `quantize_column(j, W_block, i)` returns the quantized column j (shared by every
+    solver whose per-column step is 'project onto my grid'). A solver that works on whole blocks
+    passes `quantize_block(i1, W1, U1, E1, Q1)` instead: it must fill Q1 and E1 for the block
+    starting at column i1 with W1_start = Q1 + E1·U1 (e.g. with `sweep_columns`); the columns
+    after the block are then updated from E1.
     """
     rows, cols = W.shape
     Q = torch.zeros_like(W)
@@ -42,13 +65,11 @@ def gptq_sweep(W: torch.Tensor, hinv_u: torch.Tensor, block_size: int, quantize_
         W1 = W[:, i1:i2].clone()
         E1 = torch.zeros_like(W1)
         U1 = hinv_u[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            w = W1[:, i]
-            q = quantize_column(i1 + i, W1, i)
-            Q[:, i1 + i] = q
-            err = (w - q) / U1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
-            E1[:, i] = err
+        with single_thread():  # column steps are tiny ops: OpenMP barriers would dominate them
+            if quantize_block is None:
+                sweep_columns(W1, U1, E1, Q[:, i1:i2], quantize_column, i1)
+            else:
+                quantize_block(i1, W1, U1, E1, Q[:, i1:i2])
         W[:, i2:] -= E1 @ hinv_u[i1:i2, i2:]
     return Q
 
@@ -61,8 +82,7 @@ def gptq(weight: torch.Tensor, stats: LinearStats | None, spec: LayerSpec, opts:
     grid = UniformGrid(spec.bits, spec.sym)
     prep, W = prepare_hessian(stats.hessian, weight, opts.damp, opts.act_order)
     perm = prep.perm
-    n_groups = cols // g
-    scales = torch.zeros(rows, n_groups, device=W.device)
+    scales = torch.zeros(rows, n_groups(cols, g), device=W.device)
     zeros = torch.zeros_like(scales)
     codes = torch.zeros_like(W)
     fit = grid.fit_mse if opts.mse else grid.fit

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bitquilt.formats.uniform import UniformFormat, UniformGrid, resolve_group_size
+from bitquilt.formats.uniform import UniformFormat, UniformGrid, expand_groups, resolve_group_size
 from bitquilt.solvers.base import LayerSpec, LinearStats, check_finite, register_solver
 
 
@@ -16,13 +16,23 @@ class RTNOptions:
 
 
 def quantize_groups(w: torch.Tensor, grid: UniformGrid, group_size: int, mse: bool = False):
-    """Codes [out, in], scales and zeros [out, G] for contiguous groups of `group_size` columns."""
+    """Codes [out, in], scales and zeros [out, G] for contiguous groups of `group_size` columns
+    (the last group of a row is shorter when the size does not divide the width)."""
     rows, cols = w.shape
-    groups = w.reshape(rows * cols // group_size, group_size)
-    scale, zero = grid.fit_mse(groups) if mse else grid.fit(groups)
-    q = grid.quantize(groups, scale, zero).reshape(rows, cols)
-    n_groups = cols // group_size
-    return q, scale.reshape(rows, n_groups), zero.reshape(rows, n_groups)
+    full = cols // group_size * group_size
+    parts = [w[:, :full].reshape(-1, group_size)] + ([w[:, full:]] if full < cols else [])
+    codes, scales, zeros = [], [], []
+    for part in parts:
+        scale, zero = grid.fit_mse(part) if mse else grid.fit(part)
+        codes.append(grid.quantize(part, scale, zero).reshape(rows, -1))
+        scales.append(scale.reshape(rows, -1))
+        zeros.append(zero.reshape(rows, -1))
+    return torch.cat(codes, dim=1), torch.cat(scales, dim=1), torch.cat(zeros, dim=1)
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    cols = q.shape[1]
+    return expand_groups(scale, group_size, cols) * (q - expand_groups(zero, group_size, cols))
 
 
 @register_solver("rtn", RTNOptions, needs_stats=False)

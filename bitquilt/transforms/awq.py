@@ -21,7 +21,7 @@ from bitquilt.calib.capture import collect_stats
 from bitquilt.formats.uniform import UniformGrid, resolve_group_size
 from bitquilt.models.adapters import Architecture
 from bitquilt.solvers.base import LayerSpec
-from bitquilt.solvers.rtn import quantize_groups
+from bitquilt.solvers.rtn import dequantize_groups, quantize_groups
 from bitquilt.transforms import register_transform
 from bitquilt.transforms.scaling import can_fold, fold_scales
 
@@ -34,8 +34,7 @@ class AWQOptions:
 def fake_quantize(w: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
     grid = UniformGrid(spec.bits, spec.sym)
     g = resolve_group_size(spec.group_size, w.shape[1])
-    q, scale, zero = quantize_groups(w, grid, g)
-    return ((q.reshape(-1, g) - zero.reshape(-1, 1)) * scale.reshape(-1, 1)).reshape(w.shape)
+    return dequantize_groups(*quantize_groups(w, grid, g), g)
 
 
 def search_scales(

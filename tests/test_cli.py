@@ -1,0 +1,99 @@
+"""The command line end to end on the default model, and every kind of bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bitquilt.cli import main
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_quantize_eval_inspect_end_to_end(tmp_path, capsys):
+    out = tmp_path / "q4"
+    code, stdout, _ = run(capsys, "quantize", "smollm2-135m", "--method", "gptq", "--w-bits", "4",
+                          "--group-size", "128", "--calib-samples", "4", "--calib-seqlen", "128",
+                          "--skip", "model.layers.[1-9].*", "--skip", "model.layers.[12]?.*", "-o", out, "--json")
+    assert code == 0, stdout
+    summary = json.loads(stdout)
+    assert summary["method"] == "gptq" and summary["size_mb"] > 0
+    code, stdout, _ = run(capsys, "eval", out, "--ppl", "--seqlen", "128", "--ppl-windows", "2", "--json")
+    assert code == 0
+    result = json.loads(stdout)
+    assert 5 < result["ppl_wiki"] < 100 and result["ppl_settings"]["wiki"]["n_windows"] == 2
+    code, stdout, _ = run(capsys, "inspect", out, "--json")
+    info = json.loads(stdout)
+    assert info["summary"]["layers"] == 7 and info["summary"]["calibration"]["n_samples"] == 4
+    # 4 bits + fp16 scale and uint8 zero per group; width 576 has 5 groups (the last one ragged)
+    expected = {4 + 24 * 5 / 576, 4 + 24 * 12 / 1536}
+    assert {round(r["bits_per_weight"], 6) for r in info["layers"]} == {round(b, 6) for b in expected}
+
+
+def test_compare_prints_a_table(capsys):
+    code, stdout, _ = run(capsys, "compare", "smollm2-135m", "--methods", "fp,rtn", "--w-bits", "4,2",
+                          "--group-size", "64", "--seqlen", "128", "--ppl-windows", "2")
+    assert code == 0
+    lines = [line for line in stdout.splitlines() if line.startswith("|")]
+    assert len(lines) == 2 + 3 and "ppl_wiki" in lines[0]
+
+
+def test_models_lists_the_default(capsys):
+    code, stdout, _ = run(capsys, "models", "--json")
+    rows = json.loads(stdout)
+    assert code == 0 and any(r["name"] == "smollm2-135m" and r["fetched"] for r in rows)
+
+
+def test_console_script_help():
+    result = subprocess.run([sys.executable, "-m", "bitquilt.cli", "quantize", "--help"],
+                            capture_output=True, text=True, check=True)
+    assert "--group-size" in result.stdout and "per-channel" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--w-bits", "5"], "unsupported weight bits 5; supported: 2, 3, 4, 8"),
+    (["--group-size", "100"], "unsupported group size 100"),
+    (["--calib-samples", "0"], "--calib-samples must be"),
+    (["--method", "gptx"], "unknown solver 'gptx'"),
+])
+def test_bad_quantize_options(tmp_path, capsys, args, message):
+    out = tmp_path / "q"
+    code, _, err = run(capsys, "quantize", "smollm2-135m", "-o", out, "--method", "rtn", *args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_bad_model_paths(tmp_path, capsys):
+    code, _, err = run(capsys, "eval", tmp_path / "nope")
+    assert code == 2 and "neither a packaged model nor an existing path" in err
+    (tmp_path / "empty").mkdir()
+    code, _, err = run(capsys, "eval", tmp_path / "empty")
+    assert code == 2 and "not a model" in err
+    code, _, err = run(capsys, "eval", "no-such-model")
+    assert code == 2 and "smollm2-135m" in err
+
+
+def test_nan_weights_and_tiny_calibration_file(tmp_path, capsys, smollm):
+    from tests.conftest import make_tiny
+
+    model = make_tiny("llama")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(tmp_path / "nan_model")
+    smollm[1].save_pretrained(tmp_path / "nan_model")
+    out = tmp_path / "q"
+    code, _, err = run(capsys, "quantize", tmp_path / "nan_model", "--method", "rtn", "-o", out)
+    assert code == 2 and "NaN/Inf" in err and not out.exists()
+
+    (tmp_path / "calib.txt").write_text("too short")
+    code, _, err = run(capsys, "quantize", "smollm2-135m", "--calib-data", tmp_path / "calib.txt", "-o", out)
+    assert code == 2 and "calib.txt" in err and not out.exists()
+    (tmp_path / "empty.txt").write_text("")
+    code, _, err = run(capsys, "quantize", "smollm2-135m", "--calib-data", tmp_path / "empty.txt", "-o", out)
+    assert code == 2 and "empty.txt" in err and not out.exists()

@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from bitquilt.calib.engine import quantize_model
+from bitquilt.models.adapters import UnsupportedArchitecture, architecture_of
+from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.recipes import Recipe
+from tests.conftest import make_tiny
+
+
+def _ids(n=8, seqlen=64, vocab=320):
+    return torch.randint(0, vocab, (n, seqlen), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_every_adapter_quantizes_every_linear(model_type, method):
+    model = make_tiny(model_type)
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids[:2]).logits
+    report = quantize_model(model, Recipe(method, w_bits=8, group_size=32), ids, progress=False)
+    qlins = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(qlins) == len(report.linears) == 2 * 7
+    with torch.no_grad():
+        out = model(ids[:2]).logits
+    rel = (out - ref).pow(2).mean() / ref.pow(2).mean()
+    assert rel < 1e-3, rel
+
+
+def test_awq_scaling_is_function_preserving_before_quantization():
+    from bitquilt.calib.capture import capture_block_inputs
+    from bitquilt.models.adapters import decoder_layers
+    from bitquilt.transforms.awq import awq
+
+    for model_type in ("llama", "gemma3_text"):
+        model = make_tiny(model_type)
+        ids = _ids()
+        arch = architecture_of(model)
+        with torch.no_grad():
+            ref = model(ids[:2]).logits
+            inputs, kwargs = capture_block_inputs(model, arch, ids)
+            block = decoder_layers(model, arch)[0]
+            report = awq(block, arch, inputs, kwargs[0], lambda name: Recipe("awq", 3, 32).spec_for(name))
+            out = model(ids[:2]).logits
+        assert report and all(r["alpha"] >= 0 for r in report.values())
+        assert torch.allclose(out, ref, atol=1e-4), (model_type, (out - ref).abs().max())
+
+
+def test_gptq_true_sequential_beats_rtn_on_tiny_model():
+    ids = _ids(16)
+    errs = {}
+    for method in ("rtn", "gptq"):
+        model = make_tiny("llama")
+        with torch.no_grad():
+            ref = model(ids).logits
+        quantize_model(model, Recipe(method, w_bits=3, group_size=32), ids, progress=False)
+        with torch.no_grad():
+            errs[method] = (model(ids).logits - ref).pow(2).mean().item()
+    assert errs["gptq"] < errs["rtn"]
+
+
+def test_skip_and_overrides():
+    model = make_tiny("llama")
+    recipe = Recipe("rtn", w_bits=4, group_size=32, skip=("*.mlp.down_proj",),
+                    overrides={"model.layers.1.*": {"bits": 2, "group_size": 64}})
+    report = quantize_model(model, recipe, None, progress=False)
+    names = {r.name: r for r in report.linears}
+    assert "model.layers.0.mlp.down_proj" not in names
+    assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
+    assert names["model.layers.1.self_attn.q_proj"].format == "uniform w2 g64 asym"
+    assert names["model.layers.0.self_attn.q_proj"].format == "uniform w4 g32 asym"
+
+
+def test_unsupported_architecture_is_named():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedArchitecture, match="'gpt2'.*supported model types: gemma3_text, llama"):
+        architecture_of(model)
+
+
+def test_bad_recipe_is_rejected_before_any_work():
+    with pytest.raises(ValueError, match="unsupported weight bits 5"):
+        Recipe("gptq", w_bits=5)
+    with pytest.raises(ValueError, match="unsupported group size 100"):
+        Recipe("gptq", group_size=100)
+    with pytest.raises(ValueError, match="unknown solver 'gptx'"):
+        Recipe("gptx")
+    with pytest.raises(ValueError, match="unknown transform"):
+        Recipe("rotate+gptq")

@@ -1,0 +1,87 @@
+import json
+
+import pytest
+import torch
+
+from bitquilt.api import model_nbytes, quantize, save
+from bitquilt.errors import UserError
+from bitquilt.io import CONFIG_NAME, WEIGHTS_NAME, load_quantized
+from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.recipes import Recipe
+from tests.conftest import make_tiny
+
+
+def _ids(n=4, seqlen=32):
+    return torch.randint(0, 320, (n, seqlen), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("method, options", [("gptq", {"act_order": True}), ("rtn", {}), ("awq", {})])
+def test_save_load_is_bit_exact(tmp_path, method, options):
+    model = make_tiny("qwen2")  # qkv bias: exercises QuantLinear bias round trip
+    quantize(model, Recipe(method, w_bits=3, group_size=32, options=options), _ids(), progress=False)
+    ids = _ids(2)
+    with torch.no_grad():
+        ref = model(ids).logits
+    save(model, tmp_path / "q")
+    loaded, _ = load_quantized(tmp_path / "q")
+    with torch.no_grad():
+        out = loaded(ids).logits
+    assert torch.equal(out, ref)
+    qconfig = json.loads((tmp_path / "q" / CONFIG_NAME).read_text())
+    assert qconfig["recipe"]["method"] == ("awq+rtn" if method == "awq" else method)
+    assert len(qconfig["layers"]) == 14 and qconfig["versions"]["torch"]
+
+
+def test_saved_size_matches_format_bytes(tmp_path):
+    model = make_tiny("llama")
+    quantize(model, Recipe("rtn", w_bits=4, group_size=64), _ids(), progress=False)
+    save(model, tmp_path / "q")
+    packed = sum(m.fmt.nbytes() for m in model.modules() if isinstance(m, QuantLinear))
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights appear once
+    file_size = (tmp_path / "q" / WEIGHTS_NAME).stat().st_size
+    assert model_nbytes(model) == packed + dense  # tied head counted once
+    assert 0 <= file_size - model_nbytes(model) < 16_384  # safetensors header only
+
+
+def test_save_is_atomic_and_refuses_to_overwrite(tmp_path, monkeypatch):
+    model = make_tiny("llama")
+    quantize(model, Recipe("rtn", w_bits=4, group_size=64), None, progress=False)
+    import bitquilt.io as bio
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(bio, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        save(model, tmp_path / "q")
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+    monkeypatch.undo()
+    save(model, tmp_path / "q")
+    with pytest.raises(UserError, match="already exists"):
+        save(model, tmp_path / "q")
+
+
+def test_corrupted_checkpoint_is_reported(tmp_path):
+    model = make_tiny("llama")
+    quantize(model, Recipe("rtn", w_bits=4, group_size=64), None, progress=False)
+    save(model, tmp_path / "q")
+    weights = tmp_path / "q" / WEIGHTS_NAME
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(UserError, match="missing or corrupted"):
+        load_quantized(tmp_path / "q")
+
+
+def test_real_model_rtn_round_trip(smollm, tmp_path):
+    from bitquilt.models.loading import load_model
+
+    model, tok = load_model("smollm2-135m")
+    quantize(model, Recipe("rtn", w_bits=4, group_size=128), None, progress=False)
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = model(ids).logits
+    save(model, tmp_path / "q4", tokenizer=tok)
+    loaded, tok2 = load_model(tmp_path / "q4")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ref)
+    assert tok2 is not None
+    assert model_nbytes(loaded) < 0.45 * model_nbytes(smollm[0])  # embeddings stay fp32
