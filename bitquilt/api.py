@@ -81,3 +81,13 @@ def model_nbytes(model: nn.Module) -> int:
     from bitquilt.io import _state_tensors
 
     return sum(t.numel() * t.element_size() for t in _state_tensors(model).values())
+
+
+def model_summary(model: nn.Module) -> dict[str, float]:
+    """Stored size in MB and the mean bits per weight over the quantized linears (32: fp32 storage, if none)."""
+    from bitquilt.nn.quant_linear import QuantLinear
+
+    q = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    n_weights = sum(m.in_features * m.out_features for m in q)
+    bits = sum(m.fmt.bits_per_weight() * m.in_features * m.out_features for m in q)
+    return {"size_mb": model_nbytes(model) / 2**20, "bits_per_weight": bits / n_weights if n_weights else 32.0}

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bitquilt.api import model_summary
 from bitquilt.errors import UserError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -122,16 +123,6 @@ def _evaluate(model, tokenizer, args, cache_key: str) -> dict[str, Any]:
     return out
 
 
-def _model_summary(model) -> dict[str, Any]:
-    from bitquilt.api import model_nbytes
-    from bitquilt.nn.quant_linear import QuantLinear
-
-    q = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    n_w = sum(m.in_features * m.out_features for m in q)
-    bits = sum(m.fmt.bits_per_weight() * m.in_features * m.out_features for m in q)
-    return {"size_mb": model_nbytes(model) / 2**20, "bits_per_weight": bits / n_w if n_w else 16.0 * 2}
-
-
 # ---------------------------------------------------------------- commands
 def cmd_models(args) -> int:
     from bitquilt.models.registry import list_models
@@ -168,7 +159,7 @@ def cmd_quantize(args) -> int:
     report = quantize(model, recipe, calib, tokenizer=tokenizer, progress=not args.json)
     save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
     summary = {"output": str(out), "method": recipe.method, "w_bits": recipe.w_bits,
-               "group_size": recipe.group_size, **_model_summary(model),
+               "group_size": recipe.group_size, **model_summary(model),
                "quant_time_s": report.total_seconds, "peak_rss_mb": report.peak_rss_mb}
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -184,7 +175,7 @@ def cmd_eval(args) -> int:
     model, tokenizer = load(args.model)
     if tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files; cannot evaluate")
-    row = {"model": resolve_model_name(args.model), **_model_summary(model),
+    row = {"model": resolve_model_name(args.model), **model_summary(model),
            **_evaluate(model, tokenizer, args, cache_key=_fingerprint(args.model))}
     if args.json:
         print(json.dumps(row, indent=2, default=str))
@@ -219,12 +210,12 @@ def cmd_compare(args) -> int:
     rows = []
     for m, b, g in configs:
         model = base if m == "fp" else load(args.model)[0]
-        row: dict[str, Any] = {"method": m, "w_bits": b or 16, "group_size": g}
+        row: dict[str, Any] = {"method": m, "w_bits": b or 32, "group_size": g}
         if m != "fp":
             report = quantize(model, recipes[(m, b, g)], ids, progress=not args.json)
             report.calibration = vars(calib) if ids is not None else None
             row.update(quant_time_s=report.total_seconds, peak_rss_mb=report.peak_rss_mb)
-        row.update(_model_summary(model))
+        row.update(model_summary(model))
         row.update(_evaluate(model, tokenizer, args, cache_key=f"{_fingerprint(args.model)}|{m}|{b}|{g}|{calib}"))
         rows.append(row)
         if not args.json:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import resource
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +53,22 @@ class QuantReport:
         return asdict(self)
 
 
+def reset_peak_rss() -> None:
+    """Restart the peak-RSS counter (Linux: writing 5 to clear_refs resets VmHWM)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def peak_rss_mb() -> float:
+    """Peak resident memory since the last `reset_peak_rss` (or process start), in MiB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -102,6 +118,7 @@ def quantize_model(
 ) -> QuantReport:
     """Quantize `model` in place according to `recipe`; returns what was done and what it cost."""
     start = time.perf_counter()
+    reset_peak_rss()
     arch = architecture_of(model)
     solver = get_solver(recipe.solver)
     options = solver.make_options(recipe.options)
