@@ -72,15 +72,26 @@ def capture_block_inputs(
 def collect_stats(
     block: nn.Module, linear_names: list[str], inputs: list[torch.Tensor], kwargs: dict[str, Any]
 ) -> dict[str, LinearStats]:
-    """Input statistics of `linear_names` in `block`, stopping each forward once all were seen."""
+    """Input statistics of `linear_names` in `block`, stopping each forward once all were seen.
+
+    Linears fed the very same tensor (q/k/v, gate/up) share one statistics object, so each
+    Hessian is accumulated once per distinct input.
+    """
     modules = {n: block.get_submodule(n) for n in linear_names}
-    stats = {n: LinearStats.empty(m.in_features, device=inputs[0].device) for n, m in modules.items()}
-    seen: set[str] = set()
+    stats: dict[str, LinearStats] = {}
+    seen: dict[str, torch.Tensor] = {}
 
     def hook(name):
         def fn(_module, args):
-            stats[name].update(args[0])
-            seen.add(name)
+            x = args[0]
+            twin = next((other for other, t in seen.items() if t is x), None)
+            if twin is not None:
+                stats.setdefault(name, stats[twin])
+            else:
+                if name not in stats:
+                    stats[name] = LinearStats.empty(modules[name].in_features, device=x.device)
+                stats[name].update(x)
+            seen[name] = x
             if len(seen) == len(modules):
                 raise _Stop
 

@@ -4,6 +4,10 @@ One small description per family instead of copies of modeling files. The engine
 `groups` in order ("true sequential"): the linears of a group read the same input, which
 is the output of `prev` (a norm or a linear) — what scale-migrating transforms such as AWQ
 and SmoothQuant fold their inverse scales into.
+
+Rotations of the residual stream (QuaRot) also need to know who reads and writes it: groups
+whose `prev` is a norm read it (and the LM head, after the final norm); `writers` add to it,
+through `post_norms` where the family normalises a branch's output first (Gemma 3).
 """
 
 from __future__ import annotations
@@ -29,9 +33,18 @@ class Architecture:
     final_norm: str = "model.norm"
     lm_head: str = "lm_head"
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (offset + weight)
+    attention: str = "self_attn"  # the module whose keys/values enter the cache
+    values: tuple[str, str] = ("self_attn.v_proj", "self_attn.o_proj")  # value producer, its consumer (per head)
+    writers: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")  # linears whose output joins the residual
+    post_norms: tuple[str, ...] = ()  # norm applied to each writer's output before the residual add, if any
 
     def linear_names(self) -> tuple[str, ...]:
         return tuple(n for g in self.groups for n in g.linears)
+
+    def residual_groups(self) -> tuple[InputGroup, ...]:
+        """Groups that read the (normalised) residual stream: their producer is a norm, not a linear."""
+        linears = set(self.linear_names())
+        return tuple(g for g in self.groups if g.prev not in linears)
 
 
 def _llama_like(name: str, model_types: tuple[str, ...], mlp_norm: str = "post_attention_layernorm", **kw):
@@ -53,7 +66,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     _llama_like("mistral", ("mistral",)),
     _llama_like("qwen2", ("qwen2",)),
     _llama_like("qwen3", ("qwen3",)),
-    _llama_like("gemma3", ("gemma3_text",), mlp_norm="pre_feedforward_layernorm", norm_offset=1.0),
+    _llama_like("gemma3", ("gemma3_text",), mlp_norm="pre_feedforward_layernorm", norm_offset=1.0,
+                post_norms=("post_attention_layernorm", "post_feedforward_layernorm")),
 )
 
 

@@ -39,6 +39,8 @@ class ModelPart:
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """A packaged model: its wheels in concatenation order, the GGUF they form, and what it is."""
+
     name: str
     packages: tuple[ModelPart, ...]
     file: str  # name of the (assembled) GGUF

@@ -57,7 +57,7 @@ def prepare_hessian(
                 if attempt:
                     log.warning("Hessian not positive definite: dampening raised to %.3g", lam)
                 return PreparedHessian(U, perm, lam, dead), W
-        lam *= 10
+        lam = lam * 10 if lam > 0 else 1e-4
     raise HessianError(f"Hessian could not be factorised even with damp={lam / 10:g}; calibration data degenerate?")
 
 
