@@ -17,6 +17,15 @@ from bitquilt.formats.base import WeightFormat
 KernelFn = Callable[[WeightFormat, torch.Tensor], "torch.Tensor | None"]
 _KERNELS: dict[str, list[tuple[str, KernelFn]]] = {}
 _enabled = True
+_builtin_loaded = False
+
+
+def _load_builtin() -> None:
+    """Register the compiled CPU kernels on first use (builds them if `make kernels` did not)."""
+    global _builtin_loaded
+    if not _builtin_loaded:
+        _builtin_loaded = True
+        import bitquilt.kernels.cpu  # noqa: F401  (registers on import; warns once if unavailable)
 
 
 def register_kernel(format_name: str, kernel_name: str, fn: KernelFn) -> None:
@@ -42,6 +51,7 @@ def quant_matmul(fmt: WeightFormat, x: torch.Tensor) -> torch.Tensor | None:
     """x [tokens, in] @ Ŵᵀ through the first registered kernel that accepts the call, else None."""
     if not _enabled:
         return None
+    _load_builtin()
     for _, fn in _KERNELS.get(fmt.name, []):
         y = fn(fmt, x)
         if y is not None:

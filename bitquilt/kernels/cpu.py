@@ -7,23 +7,28 @@ registered, so `QuantLinear` keeps the torch reference path. `python -m bitquilt
 builds ahead of time (called by `make kernels`).
 
 Both formats run through one kernel: a weight matrix is k binary planes with per-(row, group)
-coefficients (a b-bit uniform grid is b planes with C_i = s·2^(i-1), C0 = −s·z). The packed
-layout the kernel wants is built from the format's own tensors on first use and cached on the
-format object (`fmt._cpu_lut`); the stored format is unchanged.
+coefficients (a b-bit uniform grid is b planes with C_i = s·2^(i-1), C0 = −s·z), multiplied by
+activation lookup tables (see csrc/lut_matmul.cpp); from a bit-width-dependent batch size on,
+rows are instead dequantized to fp32 in chunks and multiplied by sgemm. The packed layout is
+built from the format's own tensors on first use and cached on the format object
+(`fmt._cpu_lut`, about the size of the packed weights again); the stored format is unchanged.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from bitquilt import cache
 from bitquilt.formats.base import WeightFormat
-from bitquilt.kernels import register_kernel
+from bitquilt.formats.uniform import resolve_group_size
+from bitquilt.kernels import kernels_for, register_kernel
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +40,7 @@ _failed = False
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("BITQUILT_CACHE", Path.home() / ".cache" / "bitquilt")) / "ext"
+    return cache.cache_dir() / "ext"
 
 
 def _load_extension(verbose: bool = False) -> ModuleType:
@@ -62,12 +67,31 @@ def extension() -> ModuleType | None:
     return _ext
 
 
-# Byte t of a packed 32-byte vector holds tile row _ROW_OF_BYTE[t] (see csrc/lut_matmul.cpp).
-_ROW_OF_BYTE = [8 * (t % 16 // 4) + (t >= 16) * 4 + t % 4 for t in range(TILE)]
+def _row_of_byte() -> list[int]:
+    """Tile row held by byte t of a packed 32-byte vector.
+
+    The kernel widens even and odd bytes separately, then unpacks 128-bit halves into int32; this
+    order leaves rows 8m..8m+7 in result vector m.
+    """
+    rows = [0] * TILE
+    for m in range(4):
+        for lane in range(8):
+            rows[lane // 4 * 16 + m % 2 * 8 + 2 * (lane % 4) + m // 2] = 8 * m + lane
+    return rows
 
 
-def _block(group: int) -> int | None:
-    return next((b for b in (128, 64, 32) if group % b == 0), None)
+_ROW_OF_BYTE = _row_of_byte()
+_BYTE_OF_ROW = sorted(range(TILE), key=_ROW_OF_BYTE.__getitem__)
+
+# Batch size from which dequantizing row chunks to fp32 and calling sgemm beats the tables (whose
+# cost grows with the planes; sgemm's does not): measured on a 2-core Zen 3 (MKL sgemm ~40 GFLOP/s
+# per core) with `python bench/kernels.py --crossover`.
+_SGEMM_BATCH = {2: 192, 3: 96, 4: 64, 8: 32}
+
+
+def _block(group: int, in_features: int) -> int | None:
+    """Columns per table scale: the largest of 128/64/32 dividing both the group and the width."""
+    return next((b for b in (128, 64, 32) if math.gcd(group, in_features) % b == 0), None)
 
 
 def _pad_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -92,69 +116,90 @@ def _tile_coefficients(c: torch.Tensor) -> torch.Tensor:
     return _pad_rows(c, 0).view(-1, TILE, g, m).permute(0, 2, 3, 1).contiguous()
 
 
-def codes_to_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Integer codes [N, K] -> bit-plane bytes uint8 [bits, N, K/8] (bit j of byte p = column 8p+j)."""
-    n, k = codes.shape
-    c = codes.to(torch.int32).view(n, k // 8, 8)
-    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.int32)
-    return torch.stack([(((c >> i) & 1) * weights).sum(-1) for i in range(bits)]).to(torch.uint8)
+@dataclass(frozen=True)
+class Packed:
+    """A weight matrix in the kernel's layout (see csrc/lut_matmul.cpp)."""
+
+    planes: torch.Tensor  # uint8 [tiles, blocks, bits, block/8, 32]
+    coeffs: torch.Tensor  # fp16 [tiles, G, bits+1, 32] (C0..Ck), or fp32 [tiles, G, 2, 32] (s, −s·z) if uniform
+    out_features: int
+    bits: int
+    block: int  # columns per activation-table scale
+    group: int
+    uniform: bool
+
+    def nbytes(self) -> int:
+        return self.planes.nbytes + self.coeffs.nbytes
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] fp32 contiguous -> x @ Ŵᵀ [T, out] fp32, by whichever path is faster at this batch."""
+        return self.sgemm(x) if x.shape[0] >= _SGEMM_BATCH.get(self.bits, 64) else self.lut(x)
+
+    def lut(self, x: torch.Tensor) -> torch.Tensor:
+        """The lookup-table kernel."""
+        return _ext.lut_matmul(x, *self._args())
+
+    def sgemm(self, x: torch.Tensor) -> torch.Tensor:
+        """Dequantize chunks of rows to fp32 and multiply with at::mm."""
+        return _ext.dequant_matmul(x, *self._args(), _BYTE_OF_ROW)
+
+    def _args(self) -> tuple:
+        return self.planes, self.coeffs, self.out_features, self.bits, self.block, self.group, self.uniform
 
 
-def _prepare_bitplane(fmt) -> tuple | None:
-    block = _block(fmt.group_size)
-    if block is None or fmt.in_features % 8:
+def _pack_bitplane(fmt) -> Packed | None:
+    block = _block(fmt.group_size, fmt.in_features)
+    if block is None:
         return None
-    planes = fmt.planes.contiguous().view(torch.uint8)  # little-endian: byte p of row = columns 8p..8p+7
-    w = pack_planes(planes.view(fmt.bits, fmt.out_features, -1), block)
-    coef = _tile_coefficients(fmt.coeffs.to(torch.float16))
-    return w, coef, fmt.bits, block, fmt.group_size, False
+    planes = fmt.planes.contiguous().view(torch.uint8)  # little-endian: byte p of a row = columns 8p..8p+7
+    return Packed(pack_planes(planes.view(fmt.bits, fmt.out_features, -1), block),
+                  _tile_coefficients(fmt.coeffs.to(torch.float16)), fmt.out_features, fmt.bits, block,
+                  fmt.group_size, uniform=False)
 
 
-def _prepare_uniform(fmt) -> tuple | None:
-    group = fmt.group_size if fmt.group_size > 0 else fmt.in_features
-    block = _block(group)
-    if fmt.g_idx is not None or block is None or fmt.in_features % group:
+def _pack_uniform(fmt) -> Packed | None:
+    group = resolve_group_size(fmt.group_size, fmt.in_features)
+    block = _block(group, fmt.in_features)
+    if fmt.g_idx is not None or block is None:
         return None
-    w = pack_planes(codes_to_planes(fmt.codes(), fmt.bits), block)
     scale = fmt.scales.float()
     zero = fmt.zeros.float() if fmt.zeros is not None else torch.full_like(scale, 2 ** (fmt.bits - 1))
-    coef = _tile_coefficients(torch.stack([scale, -scale * zero], dim=-1))
-    return w, coef, fmt.bits, block, group, True
+    planes = _ext.stream_to_planes(fmt.qweight.contiguous(), fmt.bits)  # [bits, N, K/8]
+    return Packed(pack_planes(planes, block),
+                  _tile_coefficients(torch.stack([scale, -scale * zero], dim=-1)), fmt.out_features, fmt.bits,
+                  block, group, uniform=True)
 
 
-def _run(fmt: WeightFormat, x: torch.Tensor, prepare) -> torch.Tensor | None:
+_PACKERS = {"bitplane": _pack_bitplane, "uniform": _pack_uniform}
+
+
+def packed(fmt: WeightFormat) -> Packed | None:
+    """The kernel layout of `fmt`, built once and cached on it (`fmt._cpu_lut`).
+
+    None if the format or shape is unsupported or the extension is unavailable.
+    """
+    if extension() is None:
+        return None
+    if not hasattr(fmt, "_cpu_lut"):
+        fmt._cpu_lut = _PACKERS[fmt.name](fmt)
+    return fmt._cpu_lut
+
+
+def matmul(fmt: WeightFormat, x: torch.Tensor) -> torch.Tensor | None:
+    """x [T, in] @ Ŵᵀ for a `BitplaneFormat` or a `UniformFormat` without act-order; None to decline."""
     if x.device.type != "cpu" or x.dim() != 2 or (x.requires_grad and torch.is_grad_enabled()):
         return None
-    ext = extension()
-    if ext is None:
-        return None
-    packed = getattr(fmt, "_cpu_lut", None)
-    if packed is None:
-        packed = prepare(fmt) or ()
-        fmt._cpu_lut = packed
-    if not packed:
-        return None
-    w, coef, bits, block, group, uniform = packed
-    y = ext.lut_matmul(x.float().contiguous(), w, coef, fmt.out_features, bits, block, group, uniform)
-    return y.to(x.dtype)
-
-
-def bitplane_matmul(fmt: WeightFormat, x: torch.Tensor) -> torch.Tensor | None:
-    """x [T, in] @ Ŵᵀ for a `BitplaneFormat`; None when the shape is unsupported."""
-    return _run(fmt, x, _prepare_bitplane)
-
-
-def uniform_matmul(fmt: WeightFormat, x: torch.Tensor) -> torch.Tensor | None:
-    """x [T, in] @ Ŵᵀ for a `UniformFormat` without act-order (g_idx); None otherwise."""
-    return _run(fmt, x, _prepare_uniform)
+    p = packed(fmt)
+    return None if p is None else p.matmul(x.float().contiguous()).to(x.dtype)
 
 
 def register() -> bool:
     """Register the kernels if the extension loads; False (torch reference path) otherwise."""
     if extension() is None:
         return False
-    register_kernel("bitplane", "cpu_lut", bitplane_matmul)
-    register_kernel("uniform", "cpu_lut", uniform_matmul)
+    for name in _PACKERS:
+        if "cpu_lut" not in kernels_for(name):
+            register_kernel(name, "cpu_lut", matmul)
     return True
 
 

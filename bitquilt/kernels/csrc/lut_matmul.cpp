@@ -6,42 +6,48 @@
 // P is computed with vpshufb: for every 4 activations a 16-entry table holds the 16 possible partial
 // sums, and each plane's 4-bit nibble (4 columns of one row) indexes it, 32 rows per instruction.
 //
-// Precision: a table entry is an int16 v = 256*h + l (h signed byte, l unsigned byte) scaled per
-// block of <= 128 columns (v = round(T * 32767 / max|T|)); the h and l bytes are looked up
-// separately and summed exactly in int16/int32, so the only error is the 2^-16 relative rounding of
-// each table entry -- activations keep ~16 bits instead of int8's 8. Coefficients are applied in fp32
-// per group, and C0 multiplies the exact fp32 block sum of x.
+// Precision: a table entry is a 21-bit integer v = round(T * (2^20 - 1) / max|T|), one scale per
+// block of <= 128 columns, split into three 7-bit limbs v = 2^14 h + 2^7 m + l (h signed). Each limb
+// has its own 16-byte table; two lookups of a limb fit a byte, are widened to int16 with vpmaddubsw
+// and recombined exactly in int32, so the only error is the 2^-21 relative rounding of each entry.
+// Coefficients are applied in fp32 per group, and C0 multiplies the fp32 block sum of x.
 //
 // Packed weight layout (built by bitquilt.kernels.cpu): uint8 [tiles][blocks][k][B/8][32]; byte t of
-// a 32-byte vector is row ROW_OF_BYTE[t] of the 32-row tile, its low nibble columns 8p..8p+3 (bit j =
-// column 8p+j) and its high nibble columns 8p+4..8p+7. The byte order undoes the lane shuffles of
-// the int8 -> int16 -> int32 widening, so each int32 result vector covers 8 consecutive rows.
+// a 32-byte vector belongs to one row of the 32-row tile (the order undoes the lane shuffles of the
+// int16 -> int32 widening, so each int32 result vector covers 8 consecutive rows), its low nibble
+// holds columns 8p..8p+3 (bit j = column 8p+j) and its high nibble columns 8p+4..8p+7.
 //
 // Coefficients: mode "planes": fp16 [tiles][groups][k+1][32] (C0, C1..Ck per row);
 //               mode "uniform": fp32 [tiles][groups][2][32] (s, -s*z) with C_i = s * 2^(i-1).
+//
+// Large batches go through dequant_matmul instead: rows dequantized to fp32 in chunks, then at::mm.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <immintrin.h>
 #include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t TILE = 32;
-constexpr int64_t MAX_BLOCK = 128;  // int16 accumulators hold <= 16 nibble-pair sums of each byte
-constexpr int64_t PREFETCH = 1024;  // bytes ahead in the weight stream
+constexpr int64_t MAX_BLOCK = 128;  // int16 accumulators hold <= 16 pair sums of each limb
+constexpr float VMAX = (1 << 20) - 1;  // largest table entry
+constexpr int64_t PREFETCH = 2048;  // bytes ahead in the weight stream
 
 struct Shape {
   int64_t K, N, k, block, group;
   int64_t tiles() const { return (N + TILE - 1) / TILE; }
   int64_t blocks() const { return K / block; }
   int64_t groups() const { return (K + group - 1) / group; }  // the last group may be shorter
-  int64_t tab_bytes() const { return K / 4 * 32; }  // per token
+  int64_t tab_bytes() const { return K / 4 * 48; }  // per token
   int64_t tile_bytes() const { return K / 8 * TILE * k; }
 };
 
@@ -61,16 +67,20 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
+// 16 int32 entries (a: 0..7, c: 8..15) -> 16 bytes in order (values fit int8).
+inline __m128i bytes16(__m256i a, __m256i c) {
+  const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8);
+  return _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+}
+
 // Tables of one token, written to its slots of [blocks][T] arrays: per block, for each column quad
-// q, the 16 high bytes then the 16 low bytes of the int16 entries; the block's table scale and sum of x.
+// q, the 16-byte h, m and l limb tables; the block's table scale and sum of x.
 void build_tables(const float* x, const Shape& s, int64_t T, uint8_t* tab, float* scale, float* sums) {
   const __m256 bit0 = _mm256_castsi256_ps(_mm256_setr_epi32(0, -1, 0, -1, 0, -1, 0, -1));
   const __m256 bit1 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, -1, -1, 0, 0, -1, -1));
   const __m256 bit2 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, 0, 0, -1, -1, -1, -1));
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  // per 128-bit lane: the 8 low bytes of the int16 entries, then the 8 high bytes
-  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m256i low7 = _mm256_set1_epi32(127);
   alignas(32) float t[MAX_BLOCK / 4 * 16];
   const int64_t nq = s.block / 4;
   for (int64_t b = 0; b < s.blocks(); ++b) {
@@ -82,21 +92,24 @@ void build_tables(const float* x, const Shape& s, int64_t T, uint8_t* tab, float
       __m256 lo = _mm256_and_ps(_mm256_set1_ps(xq[0]), bit0);
       lo = _mm256_add_ps(lo, _mm256_and_ps(_mm256_set1_ps(xq[1]), bit1));
       lo = _mm256_add_ps(lo, _mm256_and_ps(_mm256_set1_ps(xq[2]), bit2));
-      __m256 hi = _mm256_add_ps(lo, _mm256_set1_ps(xq[3]));
+      const __m256 hi = _mm256_add_ps(lo, _mm256_set1_ps(xq[3]));
       _mm256_store_ps(t + 16 * q, lo);
       _mm256_store_ps(t + 16 * q + 8, hi);
       vmax = _mm256_max_ps(vmax, _mm256_max_ps(_mm256_and_ps(lo, absmask), _mm256_and_ps(hi, absmask)));
     }
     const float mx = hmax(vmax);
-    scale[b * T] = mx / 32767.f;
+    scale[b * T] = mx / VMAX;
     sums[b * T] = hsum(vsum);
-    const __m256 inv = _mm256_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
+    const __m256 inv = _mm256_set1_ps(mx > 0.f ? VMAX / mx : 0.f);
+    uint8_t* tb = tab + b * T * s.block * 12;
     for (int64_t q = 0; q < nq; ++q) {
-      __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(t + 16 * q), inv));
-      __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(t + 16 * q + 8), inv));
-      __m256i v = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8);  // int16 entries 0..15
-      v = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), 0x8D);    // [high bytes | low bytes]
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tab + (b * T * nq + q) * 32), v);
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(t + 16 * q), inv));
+      const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(t + 16 * q + 8), inv));
+      __m128i* out = reinterpret_cast<__m128i*>(tb + 48 * q);
+      _mm_storeu_si128(out, bytes16(_mm256_srai_epi32(a, 14), _mm256_srai_epi32(c, 14)));
+      _mm_storeu_si128(out + 1, bytes16(_mm256_and_si256(_mm256_srai_epi32(a, 7), low7),
+                                        _mm256_and_si256(_mm256_srai_epi32(c, 7), low7)));
+      _mm_storeu_si128(out + 2, bytes16(_mm256_and_si256(a, low7), _mm256_and_si256(c, low7)));
     }
   }
 }
@@ -104,30 +117,41 @@ void build_tables(const float* x, const Shape& s, int64_t T, uint8_t* tab, float
 // sum_{c in block} x[c] * B[r, c] for the 32 rows of a tile and one plane, in units of the block's
 // table scale: r[m] holds rows 8m..8m+7 as int32.
 inline void plane_block(const uint8_t* w, const uint8_t* tab, int64_t pairs, __m256i r[4]) {
-  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi8(1);
-  __m256i ha = _mm256_setzero_si256(), hb = ha, la = ha, lb = ha;
-#pragma GCC unroll 4
-  for (int64_t p = 0; p < pairs; ++p) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + 32 * p + PREFETCH), _MM_HINT_T0);
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * p));
+  const __m256i nib = _mm256_set1_epi8(0x0F), even = _mm256_set1_epi16(1), odd = _mm256_set1_epi16(256);
+  __m256i he = _mm256_setzero_si256(), ho = he, me = he, mo = he, le = he, lo = he;
+  // one 32-byte vector: nibbles q = 2p (low) and q' = 2p + 1 (high) of 32 rows
+  auto pair = [&](const uint8_t* wp, const __m128i* t) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
     const __m256i i0 = _mm256_and_si256(v, nib);
     const __m256i i1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-    const __m128i* t = reinterpret_cast<const __m128i*>(tab + 64 * p);
-    const __m256i h0 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(t)), i0);
-    const __m256i l0 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(t + 1)), i0);
-    const __m256i h1 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(t + 2)), i1);
-    const __m256i l1 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(t + 3)), i1);
-    // interleave the two nibbles of each row and add them pairwise into int16 lanes
-    ha = _mm256_add_epi16(ha, _mm256_maddubs_epi16(ones, _mm256_unpacklo_epi8(h0, h1)));
-    hb = _mm256_add_epi16(hb, _mm256_maddubs_epi16(ones, _mm256_unpackhi_epi8(h0, h1)));
-    la = _mm256_add_epi16(la, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(l0, l1), ones));
-    lb = _mm256_add_epi16(lb, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(l0, l1), ones));
+    const auto look = [&](int j, __m256i idx) {
+      return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(t + j)), idx);
+    };
+    const __m256i hs = _mm256_add_epi8(look(0, i0), look(3, i1));  // both limbs' sums fit a byte
+    const __m256i ms = _mm256_add_epi8(look(1, i0), look(4, i1));
+    const __m256i ls = _mm256_add_epi8(look(2, i0), look(5, i1));
+    he = _mm256_add_epi16(he, _mm256_maddubs_epi16(even, hs));  // even bytes, sign-extended
+    ho = _mm256_add_epi16(ho, _mm256_maddubs_epi16(odd, hs));
+    me = _mm256_add_epi16(me, _mm256_maddubs_epi16(ms, even));
+    mo = _mm256_add_epi16(mo, _mm256_maddubs_epi16(ms, odd));
+    le = _mm256_add_epi16(le, _mm256_maddubs_epi16(ls, even));
+    lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(ls, odd));
+  };
+  for (int64_t p = 0; p < pairs; p += 2) {  // pairs is even (block >= 32)
+    _mm_prefetch(reinterpret_cast<const char*>(w + 32 * p + PREFETCH), _MM_HINT_T0);
+    pair(w + 32 * p, reinterpret_cast<const __m128i*>(tab + 96 * p));
+    pair(w + 32 * p + 32, reinterpret_cast<const __m128i*>(tab + 96 * p + 96));
   }
-  const __m256i w256 = _mm256_set1_epi32(0x01000001);  // int16 pairs (l, h) -> l + 256 h
-  r[0] = _mm256_madd_epi16(_mm256_unpacklo_epi16(la, ha), w256);
-  r[1] = _mm256_madd_epi16(_mm256_unpackhi_epi16(la, ha), w256);
-  r[2] = _mm256_madd_epi16(_mm256_unpacklo_epi16(lb, hb), w256);
-  r[3] = _mm256_madd_epi16(_mm256_unpackhi_epi16(lb, hb), w256);
+  // int32 l + 2^7 m + 2^14 h; the unpacks put rows 8m..8m+7 in r[m] given the packed byte order
+  const __m256i w128 = _mm256_set1_epi32(0x00800001), z = _mm256_setzero_si256();
+  r[0] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi16(le, me), w128),
+                          _mm256_srai_epi32(_mm256_unpacklo_epi16(z, he), 2));
+  r[1] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpackhi_epi16(le, me), w128),
+                          _mm256_srai_epi32(_mm256_unpackhi_epi16(z, he), 2));
+  r[2] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi16(lo, mo), w128),
+                          _mm256_srai_epi32(_mm256_unpacklo_epi16(z, ho), 2));
+  r[3] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpackhi_epi16(lo, mo), w128),
+                          _mm256_srai_epi32(_mm256_unpackhi_epi16(z, ho), 2));
 }
 
 // acc[0..32) += the contribution of block b (all planes) to the 32 rows of one tile, one token.
@@ -137,18 +161,17 @@ inline void tile_block(const uint8_t* w, const void* coef, const uint8_t* tab, f
   const int64_t pairs = s.block / 8, plane_bytes = s.block * 4;
   const __m256 sc = _mm256_set1_ps(scale), sx = _mm256_set1_ps(sum);
   __m256i r[4];
-  if constexpr (UNIFORM) {  // planes combine exactly in int32: q = sum_i 2^i P_i
+  if constexpr (UNIFORM) {  // C_i = s * 2^(i-1): weight the planes by powers of two, then by s
     const float* c = static_cast<const float*>(coef);
-    __m256i q[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                    _mm256_setzero_si256()};
+    __m256 f[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t i = 0; i < s.k; ++i) {
       plane_block(w + i * plane_bytes, tab, pairs, r);
-      const __m128i sh = _mm_cvtsi32_si128(static_cast<int>(i));
-      for (int m = 0; m < 4; ++m) q[m] = _mm256_add_epi32(q[m], _mm256_sll_epi32(r[m], sh));
+      const __m256 p2 = _mm256_set1_ps(static_cast<float>(1 << i));
+      for (int m = 0; m < 4; ++m) f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r[m]), p2, f[m]);
     }
     for (int m = 0; m < 4; ++m) {
       __m256 a = _mm256_loadu_ps(acc + 8 * m);
-      a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q[m]), sc), _mm256_loadu_ps(c + 8 * m), a);
+      a = _mm256_fmadd_ps(_mm256_mul_ps(f[m], sc), _mm256_loadu_ps(c + 8 * m), a);
       _mm256_storeu_ps(acc + 8 * m, _mm256_fmadd_ps(_mm256_loadu_ps(c + TILE + 8 * m), sx, a));
     }
   } else {
@@ -171,6 +194,7 @@ Shape check(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, in
             int64_t k, int64_t block, int64_t group, bool uniform) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [T, K]");
   const Shape s{x.size(1), N, k, block, group};
+  TORCH_CHECK(k >= 1 && k <= 8, "1 to 8 planes");
   TORCH_CHECK(block == 32 || block == 64 || block == MAX_BLOCK, "block must be 32, 64 or 128");
   TORCH_CHECK(s.K % block == 0 && group % block == 0, "block must divide K and the group size");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == s.tiles() * s.tile_bytes(),
@@ -183,8 +207,8 @@ Shape check(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, in
 }
 
 // y [T, N] = x [T, K] @ W^T for W in the packed bit-plane layout.
-at::Tensor lut_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, int64_t N,
-                         int64_t k, int64_t block, int64_t group, bool uniform) {
+at::Tensor lut_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k,
+                      int64_t block, int64_t group, bool uniform) {
   const Shape s = check(x, w, coef, N, k, block, group, uniform);
   const int64_t T = x.size(0), ntiles = s.tiles();
   std::vector<uint8_t> tab(T * s.tab_bytes());
@@ -192,7 +216,7 @@ at::Tensor lut_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      build_tables(xp + t * s.K, s, T, tab.data() + t * s.block * 8, scale.data() + t, sums.data() + t);
+      build_tables(xp + t * s.K, s, T, tab.data() + t * s.block * 12, scale.data() + t, sums.data() + t);
   });
   auto y = at::empty({T, N}, x.options());
   float* yp = y.data_ptr<float>();
@@ -201,32 +225,132 @@ at::Tensor lut_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const int64_t coef_group = (uniform ? 2 : k + 1) * TILE * coef.element_size();
   const int64_t per_group = group / block, plane_bytes = block * 4;
   // Per tile, blocks outer and tokens inner: a block's weights (k * block * 4 bytes) stay in L1
-  // while every token's 1 KB table slice for that block passes over them.
-  at::parallel_for(0, ntiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(T * TILE);
-    for (int64_t i = begin; i < end; ++i) {
+  // while every token's table slice for that block (12 bytes per column) passes over them. With
+  // several tokens, a few tiles share each slice while it is in L1.
+  const int64_t span = T > 1 ? 4 : 1;
+  at::parallel_for(0, ntiles, span, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(span * T * TILE);
+    for (int64_t first = begin; first < end; first += span) {
+      const int64_t last = std::min(end, first + span);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0; b < s.blocks(); ++b) {
-        const uint8_t* wb = wp + i * s.tile_bytes() + b * s.k * plane_bytes;
-        const void* cb = cp + (i * s.groups() + b / per_group) * coef_group;
+      for (int64_t b = 0; b < s.blocks(); ++b)
         for (int64_t t = 0; t < T; ++t) {
-          const uint8_t* tb = tab.data() + (b * T + t) * block * 8;
+          const uint8_t* tb = tab.data() + (b * T + t) * block * 12;
           const int64_t j = b * T + t;
-          if (uniform)
-            tile_block<true>(wb, cb, tb, scale[j], sums[j], s, acc.data() + t * TILE);
-          else
-            tile_block<false>(wb, cb, tb, scale[j], sums[j], s, acc.data() + t * TILE);
+          for (int64_t i = first; i < last; ++i) {
+            const uint8_t* wb = wp + i * s.tile_bytes() + b * s.k * plane_bytes;
+            const void* cb = cp + (i * s.groups() + b / per_group) * coef_group;
+            float* out = acc.data() + ((i - first) * T + t) * TILE;
+            if (uniform)
+              tile_block<true>(wb, cb, tb, scale[j], sums[j], s, out);
+            else
+              tile_block<false>(wb, cb, tb, scale[j], sums[j], s, out);
+          }
         }
+      for (int64_t i = first; i < last; ++i) {
+        const int64_t rows = std::min(TILE, N - i * TILE);
+        for (int64_t t = 0; t < T; ++t)
+          std::copy_n(acc.data() + ((i - first) * T + t) * TILE, rows, yp + t * N + i * TILE);
       }
-      const int64_t rows = std::min(TILE, N - i * TILE);
-      for (int64_t t = 0; t < T; ++t) std::copy_n(acc.data() + t * TILE, rows, yp + t * N + i * TILE);
     }
   });
   return y;
+}
+
+// Rows of one tile dequantized to fp32 row-major: out[r * K + c] = C0 + sum_i C_i B_i[r, c].
+void dequant_tile(const uint8_t* w, const char* coef, int64_t coef_group, bool uniform, const Shape& s,
+                  const uint8_t* byte_of_row, float* out) {
+  // kBits[b] = the 8 bits of byte b as floats 0/1
+  static const std::vector<float> kBits = [] {
+    std::vector<float> v(256 * 8);
+    for (int b = 0; b < 256; ++b)
+      for (int j = 0; j < 8; ++j) v[b * 8 + j] = static_cast<float>((b >> j) & 1);
+    return v;
+  }();
+  const int64_t pairs = s.block / 8, plane_bytes = s.block * 4, per_group = s.group / s.block;
+  float c[9];
+  for (int64_t b = 0; b < s.blocks(); ++b) {
+    const char* cg = coef + (b / per_group) * coef_group;
+    const uint8_t* wb = w + b * s.k * plane_bytes;
+    for (int64_t r = 0; r < TILE; ++r) {
+      if (uniform) {  // (s, -s z) -> C0 = -s z, C_{i+1} = s 2^i
+        const float* u = reinterpret_cast<const float*>(cg);
+        c[0] = u[TILE + r];
+        for (int64_t i = 0; i < s.k; ++i) c[i + 1] = u[r] * static_cast<float>(1 << i);
+      } else {
+        const at::Half* h = reinterpret_cast<const at::Half*>(cg);
+        for (int64_t i = 0; i <= s.k; ++i) c[i] = static_cast<float>(h[i * TILE + r]);
+      }
+      const uint8_t* wr = wb + byte_of_row[r];
+      float* o = out + r * s.K + b * s.block;
+      for (int64_t p = 0; p < pairs; ++p) {
+        __m256 v = _mm256_set1_ps(c[0]);
+        for (int64_t i = 0; i < s.k; ++i)
+          v = _mm256_fmadd_ps(_mm256_loadu_ps(kBits.data() + 8 * wr[i * plane_bytes + 32 * p]),
+                              _mm256_set1_ps(c[i + 1]), v);
+        _mm256_storeu_ps(o + 8 * p, v);
+      }
+    }
+  }
+}
+
+// y [T, N] = x [T, K] @ W^T by dequantizing chunks of rows to fp32 and calling at::mm: faster than
+// the tables once the batch is large enough for sgemm to be compute-efficient.
+at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k,
+                          int64_t block, int64_t group, bool uniform, const std::vector<int64_t>& byte_of_row) {
+  const Shape s = check(x, w, coef, N, k, block, group, uniform);
+  TORCH_CHECK(byte_of_row.size() == TILE, "byte_of_row needs one entry per tile row");
+  uint8_t bor[TILE];
+  std::copy(byte_of_row.begin(), byte_of_row.end(), bor);
+  const int64_t ntiles = s.tiles(), chunk = std::max<int64_t>(1, (4 << 20) / (TILE * s.K * 4));
+  auto yt = at::empty({ntiles * TILE, x.size(0)}, x.options());  // y^T, rows padded to whole tiles
+  auto wf = at::empty({chunk * TILE, s.K}, x.options());
+  const at::Tensor xt = x.t();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const char* cp = static_cast<const char*>(coef.data_ptr());
+  const int64_t coef_group = (uniform ? 2 : k + 1) * TILE * coef.element_size();
+  for (int64_t c0 = 0; c0 < ntiles; c0 += chunk) {
+    const int64_t c1 = std::min(ntiles, c0 + chunk);
+    at::parallel_for(c0, c1, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        dequant_tile(wp + i * s.tile_bytes(), cp + i * s.groups() * coef_group, coef_group, uniform, s, bor,
+                     wf.data_ptr<float>() + (i - c0) * TILE * s.K);
+    });
+    auto out = yt.narrow(0, c0 * TILE, (c1 - c0) * TILE);
+    at::mm_out(out, wf.narrow(0, 0, (c1 - c0) * TILE), xt);
+  }
+  return yt.narrow(0, 0, N).t().contiguous();
+}
+
+// Bit planes of b-bit codes packed as a little-endian bit stream (bitquilt.formats.packing):
+// qweight int32 [N, K*b/32] -> uint8 [b, N, K/8], bit j of byte p of plane i = bit i of code 8p+j.
+at::Tensor stream_to_planes(const at::Tensor& qweight, int64_t bits) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt && qweight.is_contiguous(),
+              "qweight: contiguous int32 [N, K*bits/32]");
+  TORCH_CHECK(bits >= 1 && bits <= 8 && qweight.size(1) % bits == 0, "bits must be 1..8 and divide the words");
+  const int64_t N = qweight.size(0), row_bytes = qweight.size(1) * 4, groups = row_bytes / bits;
+  auto out = at::empty({bits, N, groups}, qweight.options().dtype(at::kByte));
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(qweight.data_ptr<int32_t>());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t g = 0; g < groups; ++g) {  // 8 codes = `bits` whole bytes of the stream
+        uint64_t u = 0;
+        std::memcpy(&u, src + r * row_bytes + g * bits, bits);
+        for (int64_t i = 0; i < bits; ++i) {
+          uint32_t byte = 0;
+          for (int64_t j = 0; j < 8; ++j) byte |= ((u >> (bits * j + i)) & 1u) << j;
+          dst[(i * N + r) * groups + g] = static_cast<uint8_t>(byte);
+        }
+      }
+  });
+  return out;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut_matmul", &lut_matmul, "y = x @ W^T for bit-plane packed W (AVX2 lookup tables)");
+  m.def("dequant_matmul", &dequant_matmul, "y = x @ W^T through dequantized fp32 row chunks and at::mm");
+  m.def("stream_to_planes", &stream_to_planes, "bit planes of bit-stream packed codes");
 }

@@ -1,0 +1,228 @@
+"""CPU kernels (bitquilt.kernels.cpu) against the torch reference, and the fallback without them."""
+
+import logging
+
+import pytest
+import torch
+
+from bitquilt import kernels
+from bitquilt.formats import BitplaneFormat, UniformFormat, UniformGrid
+from bitquilt.formats.packing import pack
+from bitquilt.kernels import cpu
+from bitquilt.nn.quant_linear import QuantLinear
+
+needs_ext = pytest.mark.skipif(cpu.extension() is None, reason="CPU extension unavailable (no AVX2 or build failed)")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def make_bitplane(n: int, k: int, bits: int, group: int, seed: int = 0) -> BitplaneFormat:
+    gen = torch.Generator().manual_seed(seed)
+    planes = torch.randint(0, 2, (bits, n, k), generator=gen)
+    coeffs = torch.randn(n, -(-k // group), bits + 1, generator=gen) * 0.02  # a ragged last group is allowed
+    return BitplaneFormat(pack(planes, 1), coeffs.half(), bits, group, k)
+
+
+def make_uniform(w: torch.Tensor, bits: int, group: int, sym: bool) -> UniformFormat:
+    """RTN codes per (row, group); the last group may be shorter than `group`."""
+    n, k = w.shape
+    grid = UniformGrid(bits, sym)
+    g = k if group == -1 else group
+    q, scales, zeros = [], [], []
+    for start in range(0, k, g):
+        s, z = grid.fit(w[:, start:start + g])
+        q.append(grid.quantize(w[:, start:start + g], s, z))
+        scales.append(s)
+        zeros.append(z)
+    return UniformFormat.from_codes(torch.cat(q, 1), torch.stack(scales, 1), torch.stack(zeros, 1), grid, g)
+
+
+def llm_like(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Heavy-tailed weights with uneven row scales, activations with a few outlier channels."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.exp(0.7 * torch.randn(n, k, generator=gen))  # scale mixture
+    w *= 0.02 * torch.exp(0.5 * torch.randn(n, 1, generator=gen))
+    x = torch.randn(5, k, generator=gen)
+    x[:, torch.randperm(k, generator=gen)[:3]] *= 60
+    return w, x
+
+
+def term_magnitudes(fmt) -> torch.Tensor:
+    """|C0| + Σ|C_i|·B_i per weight: the size of the terms the kernels add up (the planes form)."""
+    if isinstance(fmt, BitplaneFormat):
+        return BitplaneFormat(fmt.planes, fmt.coeffs.abs(), fmt.bits, fmt.group_size, fmt.in_features).dequantize()
+    scale, zero = fmt.column_params()
+    return scale * (fmt.codes().float() + zero)
+
+
+def table_rounding(fmt, x: torch.Tensor) -> torch.Tensor:
+    """Bound [tokens, out] on what the 21-bit activation tables add to the lookup-table kernel.
+
+    In each block of B columns a table entry is off by at most ~0.63 step (half a step, plus fp32
+    rounding of the scaling), a step being max|T|/(2^20 − 1) over the block's tables; B/4 lookups
+    per plane, each weighted by |C_i|. So the error is relative to the largest activation of the
+    block, not to each activation: an outlier channel coarsens its block's neighbours.
+    """
+    p = cpu.packed(fmt)
+    tokens, k = x.shape
+    quads = x.double().view(tokens, k // 4, 4)
+    t_max = torch.maximum(quads.clamp(min=0).sum(-1), (-quads).clamp(min=0).sum(-1))  # max_m |T_q[m]|
+    step = t_max.view(tokens, k // p.block, p.block // 4).amax(-1) / (2**20 - 1)  # [tokens, blocks]
+    if isinstance(fmt, BitplaneFormat):
+        c_sum = fmt.coeffs[..., 1:].double().abs().sum(-1)  # Σ_i |C_i| per (row, group)
+    else:
+        c_sum = fmt.scales.double() * (2**fmt.bits - 1)
+    group_of_block = torch.arange(k // p.block) * p.block // p.group
+    return step @ c_sum[:, group_of_block].T * (0.7 * p.block / 4)
+
+
+def assert_fp32_accurate(y: torch.Tensor, fmt, x: torch.Tensor, tables: bool = True) -> None:
+    """|y − y_exact| ≤ γ·|x|·(|C0| + Σ|C_i|B_i)ᵀ (+ the table rounding bound for the LUT kernel).
+
+    The first term is the classical fp32 bound for summing those terms, γ = K·2^-24 ≤ γ_K; the
+    terms, not |Ŵ|, set the scale because C0 and the planes are summed separately (as in any
+    zero-point-folding kernel), so cancellation between them shows.
+    """
+    exact = x.double() @ fmt.dequantize().double().T
+    bound = (x.double().abs() @ term_magnitudes(fmt).double().T) * (x.shape[1] * 2.0**-24)
+    if tables:
+        bound += table_rounding(fmt, x)
+    assert y.shape == exact.shape and y.dtype == x.dtype
+    excess = ((y.double() - exact).abs() - bound).max().item()
+    assert excess <= 0, f"error exceeds the bound by {excess:.3g}"
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 1e-4  # fp16 weights alone: ~1e-3
+
+
+@needs_ext
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("group", [32, 64, 128, -1])
+def test_bitplane_matches_reference(bits, group):
+    n, k = 77, 384  # rows not a multiple of the 32-row tile
+    fmt = make_bitplane(n, k, bits, k if group == -1 else group, seed=bits)
+    gen = torch.Generator().manual_seed(bits)
+    for tokens in (1, 3, 17):
+        x = torch.randn(tokens, k, generator=gen)
+        assert_fp32_accurate(cpu.matmul(fmt, x), fmt, x)
+
+
+@needs_ext
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128, -1])
+@pytest.mark.parametrize("sym", [False, True])
+def test_uniform_matches_reference(bits, group, sym):
+    w, x = llm_like(45, 256, seed=bits)
+    fmt = make_uniform(w, bits, group, sym)
+    assert_fp32_accurate(cpu.matmul(fmt, x), fmt, x)
+    assert_fp32_accurate(cpu.matmul(fmt, x[:1]), fmt, x[:1])
+
+
+@needs_ext
+def test_ragged_last_group_and_tiny_layer():
+    w, x = llm_like(40, 576)  # smollm2's width at g128: groups of 128, 128, 128, 128, 64
+    fmt = make_uniform(w, 4, 128, sym=False)
+    assert fmt.scales.shape == (40, 5)
+    assert_fp32_accurate(cpu.matmul(fmt, x), fmt, x)
+    planes = make_bitplane(40, 576, 3, 128)
+    assert planes.coeffs.shape == (40, 5, 4)
+    assert_fp32_accurate(cpu.matmul(planes, x), planes, x)
+    tiny = make_bitplane(3, 32, 2, 32)
+    x = torch.randn(2, 32)
+    assert_fp32_accurate(cpu.matmul(tiny, x), tiny, x)
+
+
+@needs_ext
+def test_uniform_as_bitplanes_agrees():
+    w, x = llm_like(64, 256)
+    u = make_uniform(w, 3, 64, sym=True)  # symmetric: C0 = −s·z is exact in fp16
+    b = BitplaneFormat.from_uniform(u)
+    assert torch.equal(b.dequantize(), u.dequantize())
+    torch.testing.assert_close(cpu.matmul(b, x), cpu.matmul(u, x), rtol=2e-6, atol=1e-5)
+
+
+@needs_ext
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_sgemm_path_for_large_batches(bits):
+    w, _ = llm_like(70, 384, seed=bits)
+    fmt = make_uniform(w, bits, 128, sym=False)
+    x = torch.randn(40, 384, generator=torch.Generator().manual_seed(bits))
+    p = cpu.packed(fmt)
+    assert_fp32_accurate(p.sgemm(x), fmt, x, tables=False)
+    assert_fp32_accurate(p.lut(x), fmt, x)
+    big = torch.randn(cpu._SGEMM_BATCH[bits], 384)
+    assert torch.equal(cpu.matmul(fmt, big), p.sgemm(big))
+    assert torch.equal(cpu.matmul(fmt, big[:-1]), p.lut(big[:-1]))
+
+
+@needs_ext
+def test_declines_what_it_cannot_run():
+    w, x = llm_like(32, 128)
+    fmt = make_uniform(w, 4, 32, sym=False)
+    fmt.g_idx = torch.arange(128, dtype=torch.int32) // 32
+    assert cpu.matmul(fmt, x) is None  # act-order
+    odd = make_uniform(w[:, :96], 4, 48, sym=False)
+    assert cpu.matmul(odd, x[:, :96]) is None  # group not a multiple of 32
+    plain = make_uniform(w, 4, 32, sym=False)
+    assert cpu.matmul(plain, x.requires_grad_()) is None  # autograd wants the reference
+    with torch.no_grad():
+        assert cpu.matmul(plain, x) is not None
+
+
+@needs_ext
+def test_threads_give_identical_results():
+    fmt = make_bitplane(300, 512, 3, 128)
+    x = torch.randn(4, 512)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1 = cpu.matmul(fmt, x)
+        torch.set_num_threads(2)
+        y2 = cpu.matmul(fmt, x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(y1, y2)
+
+
+@needs_ext
+def test_quant_linear_dispatches_to_the_kernel():
+    assert "cpu_lut" in kernels.kernels_for("bitplane") and "cpu_lut" in kernels.kernels_for("uniform")
+    fmt = make_bitplane(96, 256, 4, 64)
+    layer = QuantLinear(fmt, bias=torch.randn(96))
+    x = torch.randn(2, 3, 256)
+    with torch.no_grad():
+        y = layer(x)
+        y16 = layer(x.bfloat16())
+        assert layer._dequantized is None  # the kernel never materialised the fp32 weight
+        kernels.set_kernels_enabled(False)
+        try:
+            ref = layer(x)
+        finally:
+            kernels.set_kernels_enabled(True)
+    assert y.shape == (2, 3, 96) and y16.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    expected16 = (x.bfloat16().float() @ fmt.dequantize().T).bfloat16() + layer.bias.bfloat16()
+    torch.testing.assert_close(y16, expected16)
+
+
+def test_fallback_when_the_extension_cannot_build(monkeypatch, caplog):
+    def broken(verbose: bool = False):
+        raise RuntimeError("simulated compiler failure")
+
+    monkeypatch.setattr(cpu, "_load_extension", broken)
+    monkeypatch.setattr(cpu, "_ext", None)
+    monkeypatch.setattr(cpu, "_failed", False)
+    monkeypatch.setattr(kernels, "_KERNELS", {})
+    with caplog.at_level(logging.WARNING, logger=cpu.__name__):
+        assert cpu.register() is False
+        assert cpu.register() is False
+    assert len(caplog.records) == 1 and "torch reference" in caplog.records[0].getMessage()
+    assert kernels.kernels_for("bitplane") == [] and kernels.kernels_for("uniform") == []
+
+    fmt = make_bitplane(40, 128, 3, 32)
+    x = torch.randn(3, 128)
+    assert cpu.matmul(fmt, x) is None
+    with torch.no_grad():
+        y = QuantLinear(fmt)(x)
+    torch.testing.assert_close(y, x @ fmt.dequantize().T)
