@@ -29,7 +29,7 @@ RESULTS = Path(__file__).parent / "results"
 
 # (label, method, bits, group size, solver options); grid order = run order
 MAIN = [
-    (m, m, b, g, {}) for b, g in ((4, 128), (3, 128), (2, 64)) for m in ("rtn", "gptq", "awq")
+    (m, m, b, g, {}) for b, g in ((4, 128), (3, 128), (2, 64)) for m in ("rtn", "gptq", "bpdq", "awq")
 ]
 REFERENCE_EXTRAS = [
     ("rtn", "rtn", 4, -1, {}), ("gptq", "gptq", 4, -1, {}),
@@ -44,7 +44,7 @@ IMPROVEMENTS = [
 ] + [
     ("awq+gptq", "awq+gptq", b, g, {}) for b, g in ((4, 128), (3, 128), (2, 64))
 ]
-BPDQ = [("bpdq", "bpdq", b, g, {}) for b, g in ((2, 64), (3, 64), (2, 128), (3, 128), (4, 128))]
+BPDQ = [("bpdq", "bpdq", b, g, {}) for b, g in ((3, 64), (2, 128))]
 SUITES = {"main": MAIN, "reference": REFERENCE_EXTRAS, "improvements": IMPROVEMENTS, "bpdq": BPDQ}
 
 # The figures from the unmodified IST-DASLab GPTQ reference on smollm2-135m (same settings).
@@ -104,11 +104,12 @@ def render(records: list[dict]) -> str:
                   f"Calibration: {c['n_samples']} × {c['seqlen']} tokens of `{c['source']}` (seed {c['seed']}); "
                   f"evaluation: first {settings['ppl_windows']} windows × {settings['seqlen']} tokens of "
                   f"`{settings['ppl_data']}`. Machine: {rows[0]['machine']}.", "",
-                  f"Command: `{rows[0]['command']}`", "",
+                  "Commands: " + ", ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in rows)), "",
                   "| method | bits | group | ppl | ref | size MB | bits/weight | quant time s | peak RSS MB |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted(rows, key=lambda r: (r["w_bits"] or 99, -(r["group_size"] or 0), r["label"]),
-                        reverse=False):
+        order = {"fp": 0, "rtn": 1, "awq": 2, "gptq": 3, "bpdq": 9}
+        for r in sorted(rows, key=lambda r: (r["w_bits"] is not None, -(r["w_bits"] or 0),
+                                             -(r["group_size"] or 0) % 10**6, order.get(r["label"], 5), r["label"])):
             g = "" if r["group_size"] is None else ("per-ch" if r["group_size"] == -1 else r["group_size"])
             ref = REFERENCE_PPL.get((r["label"], r["w_bits"], r["group_size"])) if model == "smollm2-135m" else None
             qt = "" if r["quant_time_s"] is None else f"{r['quant_time_s']:.0f}"
@@ -122,6 +123,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--suites", default="main,reference,improvements", help=f"comma-separated: {', '.join(SUITES)}")
+    p.add_argument("--labels", default=None, help="only these config labels, e.g. rtn,gptq")
+    p.add_argument("--grid", default=None, help="only these bits:group pairs, in this order, e.g. 3:128,2:64")
     p.add_argument("--calib-data", default="sciq")
     p.add_argument("--calib-samples", type=int, default=64)
     p.add_argument("--calib-seqlen", type=int, default=512)
@@ -129,7 +132,11 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--ppl-windows", type=int, default=40)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--render-only", action="store_true", help="only rewrite accuracy.md from accuracy.json")
     args = p.parse_args()
+    if args.render_only:
+        write_atomic(RESULTS / "accuracy.md", render(load_records()))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -141,6 +148,12 @@ def main() -> None:
     done = {(r["model"], r["label"], r["w_bits"], r["group_size"], json.dumps(r["settings"], sort_keys=True))
             for r in records}
     configs = [("fp", "fp", None, None, {})] + [c for s in args.suites.split(",") for c in SUITES[s]]
+    if args.labels:
+        configs = [c for c in configs if c[0] in ("fp", *args.labels.split(","))]
+    if args.grid:
+        order = [tuple(int(v) for v in pair.split(":")) for pair in args.grid.split(",")]
+        configs = [c for c in configs if c[0] == "fp"] + sorted(
+            (c for c in configs if (c[2], c[3]) in order), key=lambda c: order.index((c[2], c[3])))
     fp_model, tokenizer = load(args.model)
     ids = None
     for label, method, bits, group, options in configs:

@@ -25,16 +25,28 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _clip(text: str) -> float | None:
+    if text == "search":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a ratio in (0, 1] or 'search', got {text!r}") from None
+
+
 def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     g = p.add_argument_group("weight quantization")
     if multi:
         g.add_argument("--methods", default="fp,rtn,gptq,awq",
-                       help="comma-separated methods to compare: fp, rtn, gptq, awq (=awq+rtn), awq+gptq, bpdq")
+                       help="comma-separated methods to compare: fp, rtn, gptq, awq (=awq+rtn), awq+gptq, bpdq, "
+                       "smoothquant+rtn, quarot+rtn, quarot+gptq")
         g.add_argument("--w-bits", type=_int_list, default=[4, 3, 2], help="weight bit widths, e.g. 4,3,2")
         g.add_argument("--group-size", type=_int_list, default=[128],
                        help="group sizes (32/64/128/256, -1 = per channel); one per bit width or one for all")
     else:
-        g.add_argument("--method", default="gptq", help="rtn | gptq | awq (=awq+rtn) | awq+gptq | bpdq (default: gptq)")
+        g.add_argument("--method", "--recipe", dest="method", default="gptq",
+                       help="rtn | gptq | awq (=awq+rtn) | awq+gptq | bpdq | smoothquant+rtn | quarot+rtn | "
+                       "quarot+gptq (default: gptq)")
         g.add_argument("--w-bits", type=int, default=4, help="weight bits: 2, 3, 4 or 8 (default 4)")
         g.add_argument("--group-size", type=int, default=128,
                        help="columns sharing a scale: 32, 64, 128, 256, or -1 for per-channel (default 128)")
@@ -45,6 +57,14 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     g.add_argument("--mse", action="store_true", help="RTN/GPTQ: search a shrunk range per group (MSE clipping)")
     g.add_argument("--skip", action="append", default=[], metavar="GLOB",
                    help="keep linears matching GLOB in full precision (repeatable), e.g. '*.down_proj'")
+    a = p.add_argument_group("activation and KV-cache quantization")
+    a.add_argument("--a-bits", type=int, default=16, help="per-token activation bits of every linear's input: "
+                   "4, 6, 8, ... (default 16 = off)")
+    a.add_argument("--a-sym", action="store_true", help="symmetric activation grid (default asymmetric)")
+    a.add_argument("--a-clip", type=_clip, default=1.0,
+                   help="activation clipping ratio in (0, 1], or 'search' (per linear, on calibration data)")
+    a.add_argument("--kv-bits", type=int, default=16, help="key/value cache bits, 4 or 8 (default 16 = off)")
+    a.add_argument("--kv-group-size", type=int, default=-1, help="KV values per group along head_dim (default: head)")
     c = p.add_argument_group("calibration")
     c.add_argument("--calib-data", default="sciq",
                    help="calibration text: sciq (default), wiki, lambada, or a .txt/.jsonl file")
@@ -75,7 +95,8 @@ def _recipe_from_args(args, method: str, bits: int, group_size: int):
     wanted = {"act_order": args.act_order, "static_groups": args.static_groups, "mse": args.mse, "damp": args.damp}
     options = {k: v for k, v in wanted.items() if k in fields and v not in (None, False)}
     return Recipe(method=method, w_bits=bits, group_size=group_size, sym=args.sym, options=options,
-                  skip=tuple(args.skip))
+                  skip=tuple(args.skip), a_bits=args.a_bits, a_sym=args.a_sym, a_clip=args.a_clip,
+                  kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
 
 
 def _calib_config(args):
@@ -159,7 +180,8 @@ def cmd_quantize(args) -> int:
     report = quantize(model, recipe, calib, tokenizer=tokenizer, progress=not args.json)
     save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
     summary = {"output": str(out), "method": recipe.method, "w_bits": recipe.w_bits,
-               "group_size": recipe.group_size, **model_summary(model),
+               "group_size": recipe.group_size, "a_bits": recipe.a_bits, "kv_bits": recipe.kv_bits,
+               **model_summary(model),
                "quant_time_s": report.total_seconds, "peak_rss_mb": report.peak_rss_mb}
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -210,13 +232,17 @@ def cmd_compare(args) -> int:
     rows = []
     for m, b, g in configs:
         model = base if m == "fp" else load(args.model)[0]
-        row: dict[str, Any] = {"method": m, "w_bits": b or 32, "group_size": g}
+        row: dict[str, Any] = {"method": m, "w_bits": b or 32, "group_size": g,
+                               "a_bits": 16 if m == "fp" else args.a_bits, "kv_bits": 16 if m == "fp" else args.kv_bits}
         if m != "fp":
             report = quantize(model, recipes[(m, b, g)], ids, progress=not args.json)
             report.calibration = vars(calib) if ids is not None else None
             row.update(quant_time_s=report.total_seconds, peak_rss_mb=report.peak_rss_mb)
         row.update(model_summary(model))
-        row.update(_evaluate(model, tokenizer, args, cache_key=f"{_fingerprint(args.model)}|{m}|{b}|{g}|{calib}"))
+        act = f"|a{args.a_bits}:{args.a_sym}:{args.a_clip}|kv{args.kv_bits}:{args.kv_group_size}" if (
+            m != "fp" and (args.a_bits < 16 or args.kv_bits < 16)) else ""
+        row.update(_evaluate(model, tokenizer, args,
+                             cache_key=f"{_fingerprint(args.model)}|{m}|{b}|{g}{act}|{calib}"))
         rows.append(row)
         if not args.json:
             print(f"[{m} w{b} g{g}] " + ", ".join(f"{k}={v:.4g}" for k, v in row.items()

@@ -5,7 +5,8 @@ Layout of a saved directory
   model.safetensors       every tensor: full-precision parameters under their usual names,
                           packed formats as `<linear>.packed_<tensor>` (+ `<linear>.bias`)
   quantization_config.json  format version, recipe, calibration, per-linear format + meta,
-                          the quantization report, library versions
+                          the quantization report, library versions, and the online modules
+                          (activation/KV quantizers, online rotations) with their configs
 Writes go to a temporary sibling directory renamed into place, so an interrupted save never
 leaves a directory that loads.
 """
@@ -54,6 +55,28 @@ def _state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+ONLINE_MODULES = ("act_quant", "kv_quant", "output_rotation")  # attribute names, attached by bitquilt.nn / rotation
+
+
+def online_state(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """{attribute: {host module name: config}} of the online modules attached to `model`."""
+    return {attr: {name: getattr(m, attr).to_dict() for name, m in model.named_modules()
+                   if getattr(m, attr, None) is not None} for attr in ONLINE_MODULES}
+
+
+def restore_online_state(model: nn.Module, state: dict[str, dict[str, Any]]) -> None:
+    from bitquilt.nn.act_quant import ActQuantizer, attach_act_quant
+    from bitquilt.nn.kv_quant import KVQuantizer, attach_kv_quant
+    from bitquilt.transforms.rotation import OutputRotation, attach_output_rotation
+
+    for name, d in state.get("act_quant", {}).items():
+        attach_act_quant(model.get_submodule(name), ActQuantizer.from_dict(d))
+    for name, d in state.get("kv_quant", {}).items():
+        attach_kv_quant(model, name, KVQuantizer.from_dict(d))
+    for name, d in state.get("output_rotation", {}).items():
+        attach_output_rotation(model.get_submodule(name), OutputRotation.from_dict(d))
+
+
 def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, extra: dict[str, Any] | None = None,
          overwrite: bool = False) -> Path:
     """Write a quantized (or full-precision) model to `directory` atomically."""
@@ -70,6 +93,7 @@ def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, extra: 
     qconfig = {
         "format_version": FORMAT_VERSION,
         "layers": layers,
+        "online": online_state(model),
         "recipe": report.recipe if report else None,
         "calibration": report.calibration if report else None,
         "report": report.to_dict() if report else None,
@@ -140,6 +164,7 @@ def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
         raise UserError(f"{directory} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if tied:
         model.tie_weights()
+    restore_online_state(model, qconfig.get("online", {}))
     model.eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)

@@ -22,6 +22,8 @@ from tqdm.auto import tqdm
 from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_block
 from bitquilt.formats.uniform import resolve_group_size
 from bitquilt.models.adapters import architecture_of, decoder_layers
+from bitquilt.nn.act_quant import input_quantizers
+from bitquilt.nn.kv_quant import configure_kv_quant
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import CalibConfig, Recipe
 from bitquilt.solvers import get_solver
@@ -84,12 +86,12 @@ def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
 
 
-def _solve_linear(block, name, full_name, spec, solver, options, stats) -> LinearReport:
+def _solve_linear(block, name, full_name, spec, solver, options, stats, act_quant=None) -> LinearReport:
     t0 = time.perf_counter()
     lin = block.get_submodule(name)
     w = lin.weight.detach().float()
     fmt = solver(w, stats, spec, options)
-    qlin = QuantLinear(fmt, lin.bias).to(lin.weight.device)
+    qlin = QuantLinear(fmt, lin.bias, act_quant=act_quant).to(lin.weight.device)
     err = relative_error(w, qlin.dequantized(), stats) if stats is not None else None
     replace_module(block, name, qlin)
     return LinearReport(full_name, fmt.describe(), fmt.bits_per_weight(), fmt.nbytes(), time.perf_counter() - t0, err)
@@ -131,7 +133,8 @@ def quantize_model(
 
     for t in transforms:
         if t.scope == "model":
-            report.transforms[t.name] = t.fn(model, arch, recipe.transform_options.get(t.name))
+            report.transforms[t.name] = t.fn(model, arch, recipe.transform_options_for(t.name))
+    configure_kv_quant(model, arch, recipe.kv_config())
     layers = decoder_layers(model, arch)
     use_cache = getattr(model.config, "use_cache", None)
     model.config.use_cache = False
@@ -145,17 +148,19 @@ def quantize_model(
         for t in transforms:
             if t.scope == "block":
                 report.transforms.setdefault(t.name, {})[prefix] = t.fn(
-                    block, arch, inputs, kwargs, recipe.spec_for, recipe.transform_options.get(t.name), prefix
+                    block, arch, inputs, kwargs, recipe.spec_for, recipe.transform_options_for(t.name), prefix
                 )
         for group in arch.groups:
             names = [n for n in group.linears if recipe.spec_for(f"{prefix}.{n}") is not None]
             if not names:
                 continue
             stats = collect_stats(block, names, inputs, kwargs) if solver.needs_stats else {}
+            acts = input_quantizers(block, names, {n: recipe.act_config_for(f"{prefix}.{n}") for n in names},
+                                    inputs, kwargs)
             for n in names:
                 full = f"{prefix}.{n}"
                 report.linears.append(
-                    _solve_linear(block, n, full, recipe.spec_for(full), solver, options, stats.get(n))
+                    _solve_linear(block, n, full, recipe.spec_for(full), solver, options, stats.get(n), acts[n])
                 )
         if needs_data:
             inputs = run_block(block, inputs, kwargs)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 from bitquilt.cache import atomic_file
 from bitquilt.eval.zeroshot import average_accuracy, primary_metric
@@ -155,6 +156,9 @@ def _plot(ax, rows: list[dict[str, Any]], value, log_y: bool) -> bool:
             drawn = True
     if log_y:
         ax.set_yscale("log")
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.margins(x=0.15)
     ax.set_xlabel("bits per weight")
     ax.grid(True, alpha=0.3)
     return drawn
@@ -169,9 +173,9 @@ def _ppl_figure(rows: list[dict[str, Any]]) -> Figure | None:
     if not sets:
         return None
     fig = Figure(figsize=(5.5 * len(sets), 4.5), layout="constrained")
-    drawn = False
     for ax, s in zip(fig.subplots(1, len(sets), squeeze=False)[0], sets):
-        drawn |= _plot(ax, rows, lambda r, s=s: _ppl(r).get(s), log_y=True)
+        if not _plot(ax, rows, lambda r, s=s: _ppl(r).get(s), log_y=True):
+            return None
         pts = [(r["bits_per_weight"], _ppl(r)[s]) for r in rows
                if not _is_reference(r) and r.get("bits_per_weight") and _finite(_ppl(r).get(s))]
         if len(pts) > 1:
@@ -180,16 +184,16 @@ def _ppl_figure(rows: list[dict[str, Any]]) -> Figure | None:
         ax.set_title(f"perplexity ({s})")
         ax.set_ylabel("perplexity (log)")
         ax.legend(fontsize=8)
-    return fig if drawn else None
+    return fig
 
 
 def _acc_figure(rows: list[dict[str, Any]]) -> Figure | None:
     fig = Figure(figsize=(5.5, 4.5), layout="constrained")
     ax = fig.subplots()
-    if not _plot(ax, rows, _avg, log_y=False):
+    if not _plot(ax, rows, lambda r: None if _avg(r) is None else 100 * _avg(r), log_y=False):
         return None
     ax.set_title("zero-shot accuracy")
-    ax.set_ylabel("average accuracy")
+    ax.set_ylabel("average accuracy (%)")
     ax.legend(fontsize=8)
     return fig
 

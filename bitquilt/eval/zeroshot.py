@@ -5,22 +5,27 @@ How the scores match lm-evaluation-harness (HFLM, v0.4):
 - Tokenization: trailing whitespace of a context moves onto its continuation; the continuation's
   tokens are ``encode(context + continuation)[len(encode(context)):]`` and the model reads
   ``encode(context) + continuation tokens``, left-truncated to the model's maximum length. An empty
-  context becomes the BOS token (EOS when there is none).
+  context becomes the BOS token (EOS when there is none). No other special tokens are added.
 - acc: the choice with the highest summed log-likelihood (first on ties) is the gold one.
-- acc_norm: the same with each log-likelihood divided by the length in characters of the choice text
-  (without the leading space), lm-eval's ``acc_norm``.
+- acc_norm: the same with each log-likelihood divided by the length of the choice text in characters
+  (Python ``len``, without the leading space), exactly lm-eval's ``acc_norm``; this equals the UTF-8
+  byte length for ASCII text (lm-eval's separate ``acc_bytes`` is not computed).
 - lambada acc: greedy decoding reproduces every target token; perplexity is
   ``exp(-mean over items of the target's summed log-likelihood)``, lm-eval's per-document perplexity.
-- ``*_stderr``: sample standard error of the mean (ddof=1), as lm-eval reports.
+- ``*_stderr``: sample standard error of the mean (ddof=1) of acc / acc_norm, as lm-eval reports
+  (none for perplexity, which lm-eval bootstraps).
 
 Deviations from lm-eval:
 
 - BOS: lm-eval never adds special tokens for causal LMs unless ``add_bos_token=True``; here the BOS
-  token is prepended whenever the model's tokenizer adds it by default (Llama-2-style tokenizers).
-  SmolLM2 and Qwen tokenizers add none, so for them the inputs are identical.
+  token is prepended whenever the model's tokenizer adds it by default (Llama-2-style tokenizers),
+  i.e. lm-eval's ``add_bos_token=True`` for those. SmolLM2 and Qwen tokenizers add none, so for them
+  the inputs are identical.
 - ``limit``: a fixed random sample of N items (``seed``), not lm-eval's first N.
-- Batching shares each item's common prefix through the KV cache and pads differently from lm-eval,
-  which changes log-likelihoods only at float rounding level.
+- Batching: the tokens all choices of an item share (the context) run once and are reused through
+  the KV cache (1.5-2.5x faster than padding every choice on CPU for arc, hellaswag, boolq, lambada;
+  equal for piqa and winogrande), and padding differs from lm-eval's, so log-likelihoods differ at
+  float rounding level only (≈1e-5 in float32).
 """
 
 from __future__ import annotations
@@ -76,13 +81,11 @@ def _encode_requests(items: list[Item], tokenizer: Any, max_len: int) -> list[li
     for i, item in enumerate(items):
         rows = []
         for c, (ctx, cont) in enumerate(zip(item.contexts, item.continuations)):
-            if ctx:
-                n_space = len(ctx) - len(ctx.rstrip())
-                ctx, cont = ctx[:len(ctx) - n_space], ctx[len(ctx) - n_space:] + cont
-                ctx_ids = encode(ctx)
-                cont_ids = encode(ctx + cont)[len(ctx_ids):]
-            else:
-                ctx_ids, cont_ids = empty_ctx, tokenizer(cont, add_special_tokens=False)["input_ids"]
+            n_space = len(ctx) - len(ctx.rstrip())
+            ctx, cont = ctx[:len(ctx) - n_space], ctx[len(ctx) - n_space:] + cont
+            ctx_ids = encode(ctx)
+            cont_ids = encode(ctx + cont)[len(ctx_ids):]
+            ctx_ids = ctx_ids or empty_ctx
             if not cont_ids:
                 continue
             tokens = ctx_ids + cont_ids

@@ -8,7 +8,9 @@ Stored tensors (the layout the LUT kernels read)
   planes  int32 [k, out, in/32]    plane i (0 = least significant, coefficient C_{i+1}): bit j of
                                    word w of row r is B_{i+1}[r, 32·w + j] (`pack(·, 1)` layout)
   coeffs  fp16  [out, G, k + 1]    coeffs[r, g, 0] = C0, coeffs[r, g, i] = C_i
-Meta: bits k, group_size, in_features. Cost: k + 16·(k + 1)/group_size bits per weight.
+Meta: bits k, group_size, in_features. Column c belongs to group c // group_size; when the size
+does not divide the width, the last group of each row is shorter (G = ⌈in/group_size⌉).
+Cost: k + 16·(k + 1)·G/in bits per weight (k + 16·(k + 1)/group_size when it divides).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from bitquilt.formats.base import WeightFormat, register_format
 from bitquilt.formats.packing import WORD_BITS, pack, unpack
-from bitquilt.formats.uniform import UniformFormat
+from bitquilt.formats.uniform import UniformFormat, n_groups
 
 SUPPORTED_BITS = (2, 3, 4)
 
@@ -45,13 +47,14 @@ class BitplaneFormat(WeightFormat):
     def __init__(self, planes: torch.Tensor, coeffs: torch.Tensor, bits: int, group_size: int, in_features: int):
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"unsupported bit-plane count {bits}; supported: {SUPPORTED_BITS}")
-        if group_size <= 0 or in_features % group_size or in_features % WORD_BITS:
+        if group_size <= 0 or in_features % WORD_BITS:
             raise ValueError(
-                f"group size {group_size} must divide in_features={in_features}, a multiple of {WORD_BITS}"
+                f"bit-planes need a positive group size and in_features divisible by {WORD_BITS}; "
+                f"got group size {group_size}, in_features {in_features}"
             )
         out = coeffs.shape[0]
         want_planes = (bits, out, in_features // WORD_BITS)
-        want_coeffs = (out, in_features // group_size, bits + 1)
+        want_coeffs = (out, n_groups(in_features, group_size), bits + 1)
         if tuple(planes.shape) != want_planes or tuple(coeffs.shape) != want_coeffs:
             raise ValueError(
                 f"bitplane tensors have shapes planes {tuple(planes.shape)}, coeffs {tuple(coeffs.shape)}; "
@@ -62,15 +65,15 @@ class BitplaneFormat(WeightFormat):
         self.out_features, self.in_features = out, in_features
 
     @classmethod
-    def from_planes(cls, planes: torch.Tensor, coeffs: torch.Tensor, group_size: int) -> BitplaneFormat:
-        """Pack bit-planes planes [k, out, in] (values 0/1) with coefficients [out, G, k + 1]."""
-        k, _, in_features = planes.shape
+    def from_codes(cls, codes: torch.Tensor, coeffs: torch.Tensor, bits: int, group_size: int) -> BitplaneFormat:
+        """Pack codes [out, in] in [0, 2^bits) (bit i = plane i) with coefficients [out, G, bits + 1]."""
+        codes = codes.to(torch.int64)
         return cls(
-            planes=pack(planes.to(torch.int64), 1),
+            planes=torch.stack([pack((codes >> i) & 1, 1) for i in range(bits)]),
             coeffs=coeffs.to(torch.float16).contiguous(),
-            bits=k,
+            bits=bits,
             group_size=group_size,
-            in_features=in_features,
+            in_features=codes.shape[1],
         )
 
     @classmethod
@@ -87,20 +90,23 @@ class BitplaneFormat(WeightFormat):
         scale, zero = u.scales.float(), (u.zeros.float() if u.zeros is not None else None)
         if zero is None:
             zero = torch.full_like(scale, 2 ** (u.bits - 1))
-        q = u.codes().to(torch.int64)
-        planes = torch.stack([(q >> i) & 1 for i in range(u.bits)])
         steps = scale.unsqueeze(-1) * 2.0 ** torch.arange(u.bits, dtype=torch.float32, device=scale.device)
         coeffs = torch.cat([(-scale * zero).unsqueeze(-1), steps], dim=-1)
-        return cls.from_planes(planes, coeffs, u.group_size)
+        return cls.from_codes(u.codes(), coeffs, u.bits, u.group_size)
 
     def unpacked_planes(self) -> torch.Tensor:
         """B as uint8 [k, out, in]."""
         return unpack(self.planes, 1, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
-        n_groups = self.in_features // self.group_size
-        planes = self.unpacked_planes().view(self.bits, self.out_features, n_groups, self.group_size)
-        return combine(self.coeffs.unsqueeze(2), planes).reshape(self.out_features, self.in_features)
+        k, rows, g = self.bits, self.out_features, self.group_size
+        planes = self.unpacked_planes()
+        full = self.in_features // g * g  # columns in whole groups; a ragged last group follows
+        whole = planes[..., :full].reshape(k, rows, full // g, g)
+        parts = [combine(self.coeffs[:, : full // g].unsqueeze(2), whole).reshape(rows, full)]
+        if full < self.in_features:
+            parts.append(combine(self.coeffs[:, -1:], planes[..., full:]))
+        return torch.cat(parts, dim=1)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"planes": self.planes, "coeffs": self.coeffs}

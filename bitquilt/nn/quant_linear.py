@@ -14,10 +14,12 @@ class QuantLinear(nn.Module):
 
     The forward asks the kernel registry first; if no kernel takes the call it falls back to
     the torch reference (dequantize, then matmul). The dequantized matrix is cached on first
-    use by the reference path (`cache_dequantized=False` trades speed for memory).
+    use by the reference path (`cache_dequantized=False` trades speed for memory). An optional
+    `act_quant` (`bitquilt.nn.act_quant.ActQuantizer`) transforms/quantizes x before the matmul.
     """
 
-    def __init__(self, fmt: WeightFormat, bias: torch.Tensor | None = None, cache_dequantized: bool = True):
+    def __init__(self, fmt: WeightFormat, bias: torch.Tensor | None = None, cache_dequantized: bool = True,
+                 act_quant: nn.Module | None = None):
         super().__init__()
         self.fmt = fmt
         self.in_features, self.out_features = fmt.in_features, fmt.out_features
@@ -26,6 +28,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.cache_dequantized = cache_dequantized
         self._dequantized: torch.Tensor | None = None
+        self.act_quant = act_quant
 
     @property
     def weight(self) -> torch.Tensor:
@@ -49,6 +52,8 @@ class QuantLinear(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_quant is not None:
+            x = self.act_quant(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         y = kernels.quant_matmul(self.fmt, x2)

@@ -22,6 +22,11 @@ compensate) or its diagonal (which also ignores correlations inside the group).
 
 Rows are independent in all of this (H and U are shared), so the best iterate is kept per row.
 Coefficients are rounded to fp16 right after each fit: the solver optimises the stored values.
+
+Ablations (smollm2-135m, layer 15 q/o/up/down, g64 and g128, 2–4 bits; geometric mean of the
+Hessian-weighted error relative to the defaults): 1 round +9%, 2 rounds +4%, 10 rounds −1%;
+starting from k-bit RTN codes instead of 8-bit MSB planes +10%; metric H_SS +3.5%, diag(H_SS)
++3.3%; no delta correction +10%; no reorder +13%; ridge 0 ±0%, ridge 1e-2 +62%.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 
 from bitquilt.formats.bitplane import SUPPORTED_BITS, BitplaneFormat, combine
 from bitquilt.formats.packing import WORD_BITS
-from bitquilt.formats.uniform import UniformGrid, resolve_group_size
+from bitquilt.formats.uniform import UniformGrid, n_groups, resolve_group_size
 from bitquilt.solvers.base import LayerSpec, LinearStats, check_finite, register_solver
 from bitquilt.solvers.gptq import gptq_sweep, sweep_columns
 from bitquilt.solvers.hessian import invert_permutation, prepare_hessian
@@ -41,6 +46,8 @@ from bitquilt.solvers.hessian import invert_permutation, prepare_hessian
 
 @dataclass(frozen=True)
 class BPDQOptions:
+    """BPDQ's knobs; the defaults are what the measurements in the module docstring support."""
+
     damp: float = 0.01
     block_size: int = 128  # columns per lazy GPTQ update, rounded up to whole groups
     n_iters: int = 5  # sweep/refit rounds per group (stops early once no bit-plane changes)
@@ -51,19 +58,24 @@ class BPDQOptions:
 
 @dataclass
 class BPDQResult:
-    """Sweep output, in sweep column order: planes [k, rows, cols] (0/1), coeffs [rows, G, k + 1]
-    (fp16 values), Q = combine(coeffs, planes) and E, the scaled errors propagated (W = Q + E·U)."""
+    """Sweep output, in sweep column order: codes [rows, cols] (uint8, bit i = plane i), coeffs
+    [rows, G, k + 1] (fp16 values), Q = combine(coeffs, planes) and E, the scaled errors
+    propagated (W = Q + E·U)."""
 
-    planes: torch.Tensor
+    codes: torch.Tensor
     coeffs: torch.Tensor
     Q: torch.Tensor
     E: torch.Tensor
 
 
+def code_planes(codes: torch.Tensor, k: int) -> torch.Tensor:
+    """The k bit-planes [k, ...] (fp32 0/1) of integer codes: plane i is bit i."""
+    return torch.stack([(codes >> i) & 1 for i in range(k)]).float()
+
+
 def bit_patterns(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """All 2^k bit patterns as planes [k, 2^k]: entry (i, p) is bit i of p."""
-    p = torch.arange(2**k, device=device)
-    return torch.stack([(p >> i) & 1 for i in range(k)]).float()
+    """All 2^k codes as planes [k, 2^k]: entry (i, p) is bit i of p."""
+    return code_planes(torch.arange(2**k, device=device), k)
 
 
 def nearest_level(w: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -75,7 +87,7 @@ def init_planes(target: torch.Tensor, k: int, init_bits: int) -> torch.Tensor:
     """The k most significant bit-planes [k, rows, g] of an `init_bits` min-max RTN of target [rows, g]."""
     grid = UniformGrid(init_bits)
     q = grid.quantize(target, *grid.fit(target)).to(torch.int64)
-    return torch.stack([(q >> (init_bits - k + i)) & 1 for i in range(k)]).float()
+    return code_planes(q >> (init_bits - k), k)
 
 
 def fit_coeffs(target: torch.Tensor, planes: torch.Tensor, u_s: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -102,11 +114,10 @@ def fit_coeffs(target: torch.Tensor, planes: torch.Tensor, u_s: torch.Tensor, ri
     return c16.float()
 
 
-def pick_levels(levels: torch.Tensor, patterns: torch.Tensor, planes: torch.Tensor, j: int, W1: torch.Tensor,
-                i: int) -> torch.Tensor:
-    """`sweep_columns` step: column i of W1 to each row's nearest level, its bits recorded in planes[:, :, i]."""
+def pick_levels(levels: torch.Tensor, codes: torch.Tensor, j: int, W1: torch.Tensor, i: int) -> torch.Tensor:
+    """`sweep_columns` step: column i of W1 to each row's nearest level, its code recorded in codes[:, i]."""
     idx = nearest_level(W1[:, i], levels)
-    planes[:, :, i] = patterns[:, idx]
+    codes[:, i] = idx
     return levels.gather(1, idx.unsqueeze(1)).squeeze(1)
 
 
@@ -115,13 +126,13 @@ def sweep_group(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 2: GPTQ's column sweep over one group on the fixed grids `coeffs` [rows, k + 1].
 
-    Returns the chosen planes [k, rows, g], Q and the scaled errors E (start = Q + E·U_S).
+    Returns the chosen codes [rows, g] (bit i = plane i), Q and the scaled errors E (start = Q + E·U_S).
     """
-    planes = torch.empty(patterns.shape[0], *start.shape, device=start.device)
+    codes = torch.empty(start.shape, dtype=torch.int64, device=start.device)
     Q, E = torch.empty_like(start), torch.empty_like(start)
     levels = combine(coeffs.unsqueeze(1), patterns)  # [rows, 2^k]
-    sweep_columns(start.clone(), u_s, E, Q, partial(pick_levels, levels, patterns, planes))
-    return planes, Q, E
+    sweep_columns(start.clone(), u_s, E, Q, partial(pick_levels, levels, codes))
+    return codes, Q, E
 
 
 def solve_group(
@@ -129,7 +140,7 @@ def solve_group(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 1–4 for one group: start [rows, g] is its weights as the sweep reaches it.
 
-    Returns planes [k, rows, g], coeffs [rows, k + 1], Q [rows, g] and E [rows, g] with
+    Returns codes [rows, g], coeffs [rows, k + 1], Q [rows, g] and E [rows, g] with
     start = Q + E·U_S (up to rounding; without `delta_correction`, E is the sweep's stale error).
     A row whose planes come out of a sweep unchanged would repeat its last iterate, so it drops
     out of the remaining rounds.
@@ -137,20 +148,21 @@ def solve_group(
     rows, g = start.shape
     patterns = bit_patterns(k, start.device)
     best_score = torch.full((rows,), float("inf"), device=start.device)
-    best_planes = torch.zeros(k, rows, g, device=start.device)
+    best_codes = torch.zeros(rows, g, dtype=torch.int64, device=start.device)
     best_coeffs = torch.zeros(rows, k + 1, device=start.device)
     best_Q, best_E = torch.zeros_like(start), torch.zeros_like(start)
     active, target = torch.arange(rows, device=start.device), start
     coeffs = fit_coeffs(start, init_planes(start, k, opts.init_bits), u_s, opts.ridge)
     prev = None
     for _ in range(opts.n_iters):
-        planes, Q_old, E_old = sweep_group(target, u_s, coeffs, patterns)
+        codes, Q_old, E_old = sweep_group(target, u_s, coeffs, patterns)
         if prev is not None:
-            moved = (planes != prev).any(dim=2).any(dim=0)
+            moved = (codes != prev).any(dim=1)
             if not moved.any():
                 break
-            active, target, planes = active[moved], target[moved], planes[:, moved]
+            active, target, codes = active[moved], target[moved], codes[moved]
             Q_old, E_old = Q_old[moved], E_old[moved]
+        planes = code_planes(codes, k)
         coeffs = fit_coeffs(target, planes, u_s, opts.ridge)
         Q = combine(coeffs.unsqueeze(1), planes)
         E = E_old + torch.linalg.solve_triangular(u_s, Q_old - Q, upper=True, left=False)  # ΔE·U_S = −ΔQ
@@ -158,42 +170,47 @@ def solve_group(
         better = score < best_score[active]
         rows_better = active[better]
         best_score[rows_better] = score[better]
-        best_planes[:, rows_better], best_coeffs[rows_better] = planes[:, better], coeffs[better]
+        best_codes[rows_better], best_coeffs[rows_better] = codes[better], coeffs[better]
         best_Q[rows_better] = Q[better]
         best_E[rows_better] = (E if delta_correction else E_old)[better]
-        prev = planes
-    return best_planes, best_coeffs, best_Q, best_E
+        prev = codes
+    return best_codes, best_coeffs, best_Q, best_E
 
 
 def bpdq_sweep(
     W: torch.Tensor, hinv_u: torch.Tensor, k: int, g: int, opts: BPDQOptions, delta_correction: bool = True
 ) -> BPDQResult:
-    """The GPTQ sweep over W [rows, cols] (updated in place) with `solve_group` per group of g columns."""
+    """The GPTQ sweep over W [rows, cols] (updated in place) with `solve_group` per group of g columns
+    (the last group is shorter when g does not divide cols)."""
     rows, cols = W.shape
-    planes = torch.zeros(k, rows, cols, device=W.device)
-    coeffs = torch.zeros(rows, cols // g, k + 1, device=W.device)
+    codes = torch.zeros(rows, cols, dtype=torch.uint8, device=W.device)
+    coeffs = torch.zeros(rows, n_groups(cols, g), k + 1, device=W.device)
     E = torch.zeros_like(W)
 
     def quantize_block(i1: int, W1: torch.Tensor, U1: torch.Tensor, E1: torch.Tensor, Q1: torch.Tensor) -> None:
         for lo in range(0, W1.shape[1], g):
-            hi = lo + g
-            p, c, Q1[:, lo:hi], E1[:, lo:hi] = solve_group(W1[:, lo:hi], U1[lo:hi, lo:hi], k, opts, delta_correction)
-            planes[:, :, i1 + lo:i1 + hi], coeffs[:, (i1 + lo) // g] = p, c
+            hi = min(lo + g, W1.shape[1])
+            q, c, Q1[:, lo:hi], E1[:, lo:hi] = solve_group(W1[:, lo:hi], U1[lo:hi, lo:hi], k, opts, delta_correction)
+            codes[:, i1 + lo:i1 + hi], coeffs[:, (i1 + lo) // g] = q, c
             W1[:, hi:] -= E1[:, lo:hi] @ U1[lo:hi, hi:]
         E[:, i1:i1 + W1.shape[1]] = E1
 
     block = max(1, opts.block_size // g) * g
     Q = gptq_sweep(W, hinv_u, block, quantize_block=quantize_block)
-    return BPDQResult(planes, coeffs, Q, E)
+    return BPDQResult(codes, coeffs, Q, E)
 
 
 def group_aware_order(diag: torch.Tensor, g: int) -> torch.Tensor:
-    """Act-order that keeps groups contiguous: groups by Σ H_jj (descending), columns in a group by H_jj."""
-    n_groups = diag.numel() // g
-    within = torch.argsort(diag.view(n_groups, g), dim=1, descending=True)
-    cols = within + g * torch.arange(n_groups, device=diag.device).unsqueeze(1)
-    order = torch.argsort(diag.view(n_groups, g).sum(dim=1), descending=True)
-    return cols[order].reshape(-1)
+    """Act-order that keeps groups contiguous: groups by Σ H_jj (descending), columns in a group by H_jj.
+
+    A ragged last group stays last, so that the sweep's groups stay aligned to multiples of g.
+    """
+    full = diag.numel() // g * g
+    per_group = diag[:full].view(-1, g)
+    within = torch.argsort(per_group, dim=1, descending=True)
+    cols = within + g * torch.arange(per_group.shape[0], device=diag.device).unsqueeze(1)
+    order = torch.argsort(per_group.sum(dim=1), descending=True)
+    return torch.cat([cols[order].reshape(-1), full + torch.argsort(diag[full:], descending=True)])
 
 
 @register_solver("bpdq", BPDQOptions)
@@ -205,16 +222,16 @@ def bpdq(weight: torch.Tensor, stats: LinearStats | None, spec: LayerSpec, opts:
     if cols % WORD_BITS:
         raise ValueError(f"BPDQ needs in_features divisible by {WORD_BITS} to pack bit-planes, got {cols}")
     g = resolve_group_size(spec.group_size, cols)
-    if not spec.bits <= opts.init_bits <= 16:
-        raise ValueError(f"init_bits must be in {spec.bits}..16 for {spec.bits} bit-planes, got {opts.init_bits}")
+    if not spec.bits <= opts.init_bits <= 8:
+        raise ValueError(f"init_bits must be in {spec.bits}..8 for {spec.bits} bit-planes, got {opts.init_bits}")
     hessian = stats.hessian
     perm = group_aware_order(torch.diag(hessian), g) if opts.reorder else None
     if perm is not None:
         weight, hessian = weight[:, perm], hessian[perm][:, perm]
     prep, W = prepare_hessian(hessian, weight, opts.damp)
     res = bpdq_sweep(W, prep.hinv_u, spec.bits, g, opts)
-    planes, coeffs = res.planes, res.coeffs
+    codes, coeffs = res.codes, res.coeffs
     if perm is not None:
-        planes = planes[:, :, invert_permutation(perm)]
+        codes = codes[:, invert_permutation(perm)]
         coeffs = coeffs[:, invert_permutation(perm[::g] // g)]
-    return BitplaneFormat.from_planes(planes, coeffs, g)
+    return BitplaneFormat.from_codes(codes, coeffs, spec.bits, g)

@@ -16,17 +16,18 @@ class Transform:
     name: str
     scope: str  # "block" or "model"
     fn: Callable
+    recipe_fields: tuple[str, ...] = ()  # Recipe attributes passed in its options (e.g. "act_config_for")
 
 
 TRANSFORMS: dict[str, Transform] = {}
 
 
-def register_transform(name: str, scope: str):
+def register_transform(name: str, scope: str, recipe_fields: tuple[str, ...] = ()):
     if scope not in ("block", "model"):
         raise ValueError(f"transform scope must be 'block' or 'model', not {scope!r}")
 
     def wrap(fn):
-        TRANSFORMS[name] = Transform(name, scope, fn)
+        TRANSFORMS[name] = Transform(name, scope, fn, tuple(recipe_fields))
         return fn
 
     return wrap
@@ -41,4 +42,4 @@ def get_transform(name: str) -> Transform:
 
 
 def _register_builtin() -> None:
-    from bitquilt.transforms import awq  # noqa: F401
+    from bitquilt.transforms import awq, rotation, smoothquant  # noqa: F401

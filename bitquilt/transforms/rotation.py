@@ -1,0 +1,183 @@
+"""Norm fusion and QuaRot (Ashkboos et al., 2024): rotate the residual stream by a random Hadamard.
+
+Rows are tokens: a linear computes y = x Wᵀ + b. With Q = diag(s) M_d orthogonal (s random ±1,
+M_d the Hadamard of `hadamard.py`) the residual stream x becomes x Q, and the model computes the
+same function if
+
+  norm fusion   RMSNorm(x)·(o + g) feeds W  →  W diag(o + g), g ← 1 − o  (o: Gemma's offset);
+                RMSNorm commutes with Q since ‖x Q‖ = ‖x‖ (an LM head tied to the embedding is
+                untied first: they now differ)
+  embedding     E ← E Q
+  readers       W ← W Q          (q/k/v, gate/up, LM head: their input is x Q)
+  writers       W ← Qᵀ W, b ← b Q (o_proj, down_proj: their output joins x Q);
+                where a norm sits between a writer and the residual add (Gemma 3's post-norms)
+                the writer is left alone and Q is applied online to the norm's output.
+
+Then, for activation and KV quantization (function-preserving as well):
+
+  values        per head, W_v,h ← Hᵀ W_v,h and W_o[:, h] ← W_o[:, h] H  (H = M_head_dim)
+  online        the writers' inputs x ↦ x M and W ← W M (a Hadamard over all of o_proj's input,
+                i.e. across heads too, and over down_proj's FFN width), in their `ActQuantizer`
+  queries/keys  q, k ↦ q H, k H per head after RoPE (QKᵀ unchanged), in the `KVQuantizer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from bitquilt.models.adapters import Architecture, decoder_layers
+from bitquilt.nn.act_quant import ActQuantizer, attach_act_quant
+from bitquilt.nn.kv_quant import KVQuantizer, attach_kv_quant
+from bitquilt.transforms import register_transform
+from bitquilt.transforms.hadamard import hadamard_transform, random_signs
+
+
+@dataclass(frozen=True)
+class QuaRotOptions:
+    seed: int = 0  # of the residual rotation's random signs
+    online_hadamard: bool = True  # Hadamard on the writers' inputs (for activation quantization)
+    head_hadamard: bool = True  # head-wise Hadamard on values, and online on queries/keys (for KV quantization)
+
+
+class OutputRotation(nn.Module):
+    """y ↦ y Q, Q = diag(s) M_n with s from `seed`: the residual rotation applied to a norm's output."""
+
+    def __init__(self, size: int, seed: int):
+        super().__init__()
+        self.size, self.seed = size, seed
+        self.register_buffer("signs", random_signs(size, seed).float(), persistent=False)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return hadamard_transform(y, self.signs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "seed": self.seed}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OutputRotation:
+        return cls(d["size"], d["seed"])
+
+
+def _rotate_output(module: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return module.output_rotation(output)
+
+
+def attach_output_rotation(module: nn.Module, rotation: OutputRotation) -> None:
+    """Rotate the output of `module` (a norm) online by `rotation`."""
+    module.output_rotation = rotation
+    if not getattr(module, "_output_rotation_hooked", False):
+        module.register_forward_hook(_rotate_output)
+        module._output_rotation_hooked = True
+
+
+def _times(w: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """w (diag(s) M) on the last dimension, computed in float64."""
+    return hadamard_transform(w.double(), signs).to(w.dtype)
+
+
+@torch.no_grad()
+def _set(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.copy_(value.reshape(param.shape))
+
+
+def _linear(root: nn.Module, name: str) -> nn.Linear:
+    lin = root.get_submodule(name)
+    if type(lin) is not nn.Linear:
+        raise ValueError(f"{name} is a {type(lin).__name__}; rotations must run on the full-precision model")
+    return lin
+
+
+def untie_lm_head(model: nn.Module, arch: Architecture) -> bool:
+    """Give the LM head its own weight if it shares the embedding's; True if it did."""
+    head, embed = model.get_submodule(arch.lm_head), model.get_submodule(arch.embed)
+    if head.weight.data_ptr() != embed.weight.data_ptr():
+        return False
+    head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+    model.config.tie_word_embeddings = False
+    return True
+
+
+@torch.no_grad()
+def fuse_norms(model: nn.Module, arch: Architecture) -> None:
+    """Fold the scale (o + g) of every norm that feeds linears into them; the norms keep only x/rms(x)."""
+    untie_lm_head(model, arch)
+    pairs = [(block.get_submodule(g.prev), [_linear(block, n) for n in g.linears])
+             for block in decoder_layers(model, arch) for g in arch.residual_groups()]
+    pairs.append((model.get_submodule(arch.final_norm), [_linear(model, arch.lm_head)]))
+    for norm, linears in pairs:
+        if getattr(norm, "bias", None) is not None:
+            raise ValueError(f"cannot fuse a norm with a bias ({type(norm).__name__})")
+        scale = arch.norm_offset + norm.weight.double()
+        for lin in linears:
+            _set(lin.weight, lin.weight.double() * scale)
+        norm.weight.fill_(1 - arch.norm_offset)
+
+
+@torch.no_grad()
+def rotate_residual(model: nn.Module, arch: Architecture, signs: torch.Tensor, seed: int) -> None:
+    """x → x Q on the whole residual stream (norms must be fused first); `signs` = random_signs(d, seed)."""
+    embed = model.get_submodule(arch.embed)
+    _set(embed.weight, _times(embed.weight, signs))
+    for block in decoder_layers(model, arch):
+        for g in arch.residual_groups():
+            for n in g.linears:
+                lin = _linear(block, n)
+                _set(lin.weight, _times(lin.weight, signs))
+        for i, n in enumerate(arch.writers):
+            if arch.post_norms:
+                attach_output_rotation(block.get_submodule(arch.post_norms[i]), OutputRotation(len(signs), seed))
+                continue
+            lin = _linear(block, n)
+            _set(lin.weight, _times(lin.weight.T, signs).T)
+            if lin.bias is not None:
+                _set(lin.bias, _times(lin.bias, signs))
+    head = _linear(model, arch.lm_head)
+    _set(head.weight, _times(head.weight, signs))
+
+
+@torch.no_grad()
+def rotate_heads(model: nn.Module, arch: Architecture) -> None:
+    """Head-wise Hadamard on values (v_proj rows, o_proj columns) and online on queries/keys."""
+    for i, block in enumerate(decoder_layers(model, arch)):
+        head_dim = block.get_submodule(arch.attention).head_dim
+        v, o = _linear(block, arch.values[0]), _linear(block, arch.values[1])
+        w = v.weight.reshape(-1, head_dim, v.in_features).transpose(1, 2)  # [heads, in, head_dim]
+        _set(v.weight, _times(w).transpose(1, 2))
+        if v.bias is not None:
+            _set(v.bias, _times(v.bias.reshape(-1, head_dim)))
+        _set(o.weight, _times(o.weight.reshape(o.out_features, -1, head_dim)))
+        name = f"{arch.layers}.{i}.{arch.attention}"
+        current = getattr(model.get_submodule(name), "kv_quant", None)
+        attach_kv_quant(model, name, KVQuantizer(current.config if current is not None else None, hadamard=True))
+
+
+@torch.no_grad()
+def online_hadamard(model: nn.Module, arch: Architecture) -> None:
+    """W ← W M on every writer, whose input is then x M online (in its ActQuantizer)."""
+    for block in decoder_layers(model, arch):
+        for n in arch.writers:
+            lin = _linear(block, n)
+            _set(lin.weight, _times(lin.weight))
+            current = getattr(lin, "act_quant", None)
+            attach_act_quant(lin, ActQuantizer(current.config if current is not None else None, hadamard=True))
+
+
+@register_transform("quarot", scope="model")
+@torch.no_grad()
+def quarot(model: nn.Module, arch: Architecture, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    opts = QuaRotOptions(**(options or {}))
+    untied = untie_lm_head(model, arch)
+    fuse_norms(model, arch)
+    d = model.get_submodule(arch.embed).weight.shape[1]
+    rotate_residual(model, arch, random_signs(d, opts.seed), opts.seed)
+    if opts.head_hadamard:
+        rotate_heads(model, arch)
+    if opts.online_hadamard:
+        online_hadamard(model, arch)
+    return {"seed": opts.seed, "hidden_size": d, "untied_lm_head": untied,
+            "online_hadamard": list(arch.writers) if opts.online_hadamard else [],
+            "online_output_rotation": list(arch.post_norms)}
