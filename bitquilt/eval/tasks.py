@@ -191,7 +191,7 @@ def _user_task(spec: str) -> Task:
     if not path.is_file():
         raise UserError(f"task file {path} does not exist")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError as e:
         raise UserError(f"task file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     items = [_user_item(line, f"{path}:{i}") for i, line in enumerate(lines, 1) if line.strip()]
