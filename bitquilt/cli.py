@@ -190,10 +190,20 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def _check_task_names(args) -> None:
+    """Fail on a mistyped task before paying for a model load."""
+    from bitquilt.eval.tasks import TASK_NAMES
+
+    for task in (t for t in args.tasks.split(",") if t):
+        if not task.endswith(".jsonl") and task not in TASK_NAMES:
+            raise UserError(f"unknown task {task!r}; known tasks: {', '.join(TASK_NAMES)} (or a .jsonl file)")
+
+
 def cmd_eval(args) -> int:
     from bitquilt.api import load
     from bitquilt.models.loading import resolve_model_name
 
+    _check_task_names(args)
     model, tokenizer = load(args.model)
     if tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files; cannot evaluate")
@@ -227,6 +237,7 @@ def cmd_compare(args) -> int:
     configs += [(m, b, g) for m in methods if m != "fp" for b, g in zip(args.w_bits, sizes)]
     recipes = {(m, b, g): _recipe_from_args(args, m, b, g) for m, b, g in configs if m != "fp"}  # validate first
     calib = _calib_config(args)
+    _check_task_names(args)
     base, tokenizer = load(args.model)
     ids = calibration_ids(tokenizer, calib) if any(r.needs_calibration for r in recipes.values()) else None
     rows = []

@@ -69,6 +69,14 @@ def test_bad_quantize_options(tmp_path, capsys, args, message):
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_unknown_task_fails_before_loading(capsys, monkeypatch):
+    import bitquilt.api
+
+    monkeypatch.setattr(bitquilt.api, "load", lambda spec: pytest.fail("model loaded before the task check"))
+    code, _, err = run(capsys, "eval", "smollm2-135m", "--tasks", "piqa,arc_eazy")
+    assert code == 2 and "unknown task 'arc_eazy'" in err and "arc_easy" in err
+
+
 def test_bad_model_paths(tmp_path, capsys):
     code, _, err = run(capsys, "eval", tmp_path / "nope")
     assert code == 2 and "neither a packaged model nor an existing path" in err
