@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+from common import RESULTS, fmt_ppl, machine, write_atomic
 
-from bitquilt.api import calibration_ids, load, model_summary, quantize
+from bitquilt.api import calibration_ids, load, model_summary, quantize, save
 from bitquilt.calib.engine import peak_rss_mb, reset_peak_rss
 from bitquilt.eval import perplexity
 from bitquilt.recipes import CalibConfig, Recipe
-
-RESULTS = Path(__file__).parent / "results"
 
 # (label, method, bits, group size, solver options); grid order = run order
 MAIN = [
@@ -59,29 +56,14 @@ REFERENCE_PPL = {
 }
 
 
-def machine() -> dict:
-    import transformers
-
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": sys.version.split()[0]}
-
-
 def load_records() -> list[dict]:
     path = RESULTS / "accuracy.json"
     return json.loads(path.read_text())["records"] if path.exists() else []
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def fmt_ppl(x: float | None) -> str:
-    if x is None:
-        return ""
-    return f"{x:,.0f}" if x >= 1000 else f"{x:.2f}"
+def saved_name(model: str, label: str, bits: int, group: int) -> str:
+    """Directory name of a saved benchmark model, e.g. smollm2-135m-gptq_act-order-w3g128."""
+    return f"{model}-{label.replace(' ', '_').replace('+', '_')}-w{bits}g{group}"
 
 
 def render(records: list[dict]) -> str:
@@ -132,6 +114,8 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--ppl-windows", type=int, default=40)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--save-dir", type=Path, default=None,
+                   help="also save each quantized model under SAVE_DIR (see saved_name) for other benches")
     p.add_argument("--render-only", action="store_true", help="only rewrite accuracy.md from accuracy.json")
     args = p.parse_args()
     if args.render_only:
@@ -178,6 +162,8 @@ def main() -> None:
         print(f"{label:24s} w{bits} g{group}: ppl {ppl.ppl:.2f}  {record['size_mb']:.1f} MB  "
               f"{record['bits_per_weight']:.3f} bpw  {quant_time or 0:.0f} s", flush=True)
         records.append(record)
+        if args.save_dir and method != "fp":
+            save(model, args.save_dir / saved_name(args.model, label, bits, group), tokenizer, overwrite=True)
         write_atomic(RESULTS / "accuracy.json", json.dumps({"records": records}, indent=1))
         write_atomic(RESULTS / "accuracy.md", render(records))
         del model

@@ -15,17 +15,15 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from common import RESULTS, cpu_name, loadavg, write_atomic
 
 from bitquilt.formats import BitplaneFormat, UniformFormat
 from bitquilt.kernels import cpu
 
-RESULTS = Path(__file__).parent / "results"
 COLD_BYTES = 96 << 20
 GROUP = 128
 SHAPES = [(2048, 2048), (4096, 4096), (4096, 11008), (11008, 4096)]  # (N out, K in)
@@ -155,12 +153,8 @@ def main() -> None:
     else:
         shapes, batches, threads = SHAPES, [1, 16, 128], [1, 2]
         formats = [("bitplane", b) for b in (2, 3, 4)] + [("uniform", b) for b in (2, 3, 4, 8)]
-    meta = dict(cpu=platform.processor() or platform.machine(), torch=torch.__version__,
-                loadavg_start=" ".join(f"{v:.1f}" for v in os.getloadavg()), quick=args.quick)
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            meta["cpu"] = f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-            break
+    meta = dict(cpu=f"{cpu_name()}, {os.cpu_count()} cores", torch=torch.__version__, loadavg_start=loadavg(),
+                quick=args.quick)
 
     def log(r: dict) -> None:
         cpu_time = ""
@@ -173,10 +167,9 @@ def main() -> None:
     rows = []
     for n, k in shapes:
         rows += bench_shape(n, k, batches, threads, formats, log)
-    meta["loadavg_end"] = " ".join(f"{v:.1f}" for v in os.getloadavg())
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "kernels.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
-    (RESULTS / "kernels.md").write_text(markdown(rows, meta))
+    meta["loadavg_end"] = loadavg()
+    write_atomic(RESULTS / "kernels.json", json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
+    write_atomic(RESULTS / "kernels.md", markdown(rows, meta))
     print(f"wrote {RESULTS / 'kernels.json'} and {RESULTS / 'kernels.md'}")
 
 

@@ -12,17 +12,15 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
-from accuracy import fmt_ppl, machine, write_atomic
+from common import RESULTS, fmt_ppl, machine, write_atomic
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
 from bitquilt.calib.engine import peak_rss_mb, reset_peak_rss
 from bitquilt.eval import perplexity
 from bitquilt.recipes import CalibConfig, Recipe
 
-RESULTS = Path(__file__).parent / "results"
 METHODS = ("rtn", "smoothquant+rtn", "quarot+rtn", "quarot+gptq")
 PRECISIONS = {"W4A16": (16, 16), "W4A8KV8": (8, 8), "W4A4KV4": (4, 4)}  # name -> (a_bits, kv_bits)
 

@@ -1,4 +1,4 @@
-"""The `bitquilt` command line: models, fetch, quantize, eval, compare, inspect."""
+"""The `bitquilt` command line: models, fetch, quantize, eval, compare, inspect, generate, bench."""
 
 from __future__ import annotations
 
@@ -301,6 +301,70 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise UserError(f"--threads must be at least 1, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from bitquilt.api import load
+    from bitquilt.eval.speed import decode
+
+    if not args.prompt:
+        raise UserError("--prompt is empty; give the text to continue")
+    _set_threads(args.threads)
+    model, tokenizer = load(args.model)
+    if tokenizer is None:
+        raise UserError(f"{args.model} has no tokenizer files; cannot generate text")
+    ids = torch.tensor([tokenizer(args.prompt)["input_ids"]])
+    run = decode(model, ids, args.max_new_tokens, args.temperature, args.seed,
+                 stop_ids=None if args.ignore_eos or tokenizer.eos_token_id is None else {tokenizer.eos_token_id})
+    text = tokenizer.decode(run.new_ids, skip_special_tokens=True)
+    stats = {"prompt_tokens": ids.shape[1], "new_tokens": len(run.new_ids),
+             "prefill_tokens_per_s": ids.shape[1] / run.prefill_seconds,
+             "decode_tokens_per_s": (len(run.new_ids) - 1) / run.decode_seconds if len(run.new_ids) > 1 else None}
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "completion": text, **stats}, indent=2))
+    else:
+        print(args.prompt + text)
+        print(", ".join(f"{k}={v:.4g}" for k, v in stats.items() if v is not None), file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from bitquilt.api import load
+    from bitquilt.calib.engine import reset_peak_rss
+    from bitquilt.eval.speed import check_speed_settings, measure_speed
+
+    check_speed_settings(args.prompt_tokens, args.new_tokens, args.repeats)
+    _set_threads(args.threads)
+    rows = []
+    for spec in args.models:
+        reset_peak_rss()
+        model, _ = load(spec)
+        result = measure_speed(model, model.config.vocab_size, args.prompt_tokens, args.new_tokens, args.repeats)
+        row = {"model": spec, **model_summary(model), **result.to_dict()}
+        if rows:
+            row["decode_speedup"] = row["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
+            row["prefill_speedup"] = row["prefill_tokens_per_s"] / rows[0]["prefill_tokens_per_s"]
+        rows.append(row)
+        del model
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        _print_table(rows, ["model", "bits_per_weight", "weights_mb", "kernel_layout_mb", "peak_rss_mb",
+                            "prefill_tokens_per_s", "decode_tokens_per_s", "prefill_speedup", "decode_speedup"])
+        print(f"{args.prompt_tokens}-token random prompt, {args.new_tokens} decode steps, batch 1, "
+              f"median of {args.repeats}, {rows[0]['threads']} threads; speedups relative to the first model")
+    return 0
+
+
 # ---------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bitquilt", description="Post-training quantization of LLMs.")
@@ -344,6 +408,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_inspect)
+
+    s = sub.add_parser("generate", help="continue a prompt with a model (greedy by default) and report tokens/s")
+    s.add_argument("model", help=model_help)
+    s.add_argument("--prompt", required=True, help="text to continue")
+    s.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
+    s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("bench", help="prefill and batch-1 decode tokens/s and memory of one or more models")
+    s.add_argument("models", nargs="+", metavar="model",
+                   help=model_help + "; speedups are relative to the first, e.g. `bench smollm2-135m out/q4`")
+    s.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for prefill (default 128)")
+    s.add_argument("--new-tokens", type=int, default=32, help="decode steps per run (default 32)")
+    s.add_argument("--repeats", type=int, default=3, help="runs per model; the median is reported (default 3)")
+    s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_bench)
     return p
 
 

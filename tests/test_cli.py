@@ -105,3 +105,31 @@ def test_nan_weights_and_tiny_calibration_file(tmp_path, capsys, smollm):
     (tmp_path / "empty.txt").write_text("")
     code, _, err = run(capsys, "quantize", "smollm2-135m", "--calib-data", tmp_path / "empty.txt", "-o", out)
     assert code == 2 and "empty.txt" in err and not out.exists()
+
+
+def test_generate_and_bench(tmp_path, capsys):
+    code, stdout, _ = run(capsys, "generate", "smollm2-135m", "--prompt", "The capital of France is",
+                          "--max-new-tokens", "3", "--json")
+    assert code == 0
+    result = json.loads(stdout)
+    assert result["new_tokens"] <= 3 and "Paris" in result["completion"]
+    q = tmp_path / "q2"
+    assert run(capsys, "quantize", "smollm2-135m", "--method", "rtn", "--w-bits", "2", "--group-size", "64",
+               "-o", q)[0] == 0
+    code, stdout, _ = run(capsys, "bench", "smollm2-135m", q, "--prompt-tokens", "8", "--new-tokens", "3",
+                          "--repeats", "1", "--threads", "1", "--json")
+    assert code == 0
+    fp, quant = json.loads(stdout)
+    assert quant["weights_mb"] < fp["weights_mb"] / 3 and quant["kernel_layout_mb"] > 0
+    assert quant["decode_speedup"] > 0 and fp["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "smollm2-135m", "--prompt", ""], "--prompt is empty"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be"),
+    (["bench", "smollm2-135m", "--new-tokens", "1"], "need prompt_tokens"),
+    (["bench", "smollm2-135m", "--threads", "0"], "--threads must be"),
+])
+def test_generate_and_bench_bad_input(capsys, args, message):
+    code, _, err = run(capsys, *args)
+    assert code == 2 and message in err and "Traceback" not in err

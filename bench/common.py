@@ -1,0 +1,48 @@
+"""Plumbing shared by the benchmark scripts: machine description, atomic writes, number formatting."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (Linux), else platform's processor name."""
+    info = Path("/proc/cpuinfo")
+    for line in info.read_text().splitlines() if info.exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def loadavg() -> str:
+    return " ".join(f"{v:.1f}" for v in os.getloadavg())
+
+
+def machine() -> dict:
+    """What a reader needs to compare runs: CPU, cores, torch threads and library versions."""
+    import transformers
+
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": sys.version.split()[0]}
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file and rename, so a killed run never leaves half a report."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def fmt_ppl(x: float | None) -> str:
+    if x is None:
+        return ""
+    return f"{x:,.0f}" if x >= 1000 else f"{x:.2f}"

@@ -1,0 +1,111 @@
+"""Generation and end-to-end speed: prefill and batch-1 decode tokens/s, and the model's memory.
+
+One decode loop serves both `bitquilt generate` (text out) and `bitquilt bench` (timings):
+the prompt goes through the model once (prefill, KV cache filled), then one token per
+forward pass (decode) with the cache. The first call on a quantized model also builds each
+kernel's packed layout, so `measure_speed` runs an untimed warm-up first.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from bitquilt.calib.engine import peak_rss_mb
+
+
+@dataclass
+class DecodeRun:
+    """Token ids produced after the prompt, and the seconds spent in prefill and in decode."""
+
+    new_ids: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+
+
+@dataclass
+class SpeedResult:
+    prompt_tokens: int
+    new_tokens: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    weights_mb: float  # stored size of the model's tensors (packed formats as stored)
+    kernel_layout_mb: float  # extra copies the CPU kernels keep in their own layout
+    peak_rss_mb: float  # peak resident memory of the process
+    threads: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def decode(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+           seed: int = 0, stop_ids: set[int] | None = None) -> DecodeRun:
+    """Greedy (temperature 0) or sampled continuation of prompt_ids [1, T], with the KV cache."""
+    if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] == 0:
+        raise ValueError(f"decode needs one non-empty prompt [1, T], got shape {tuple(prompt_ids.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
+    t0 = time.perf_counter()
+    out = model(prompt_ids, use_cache=True, logits_to_keep=1)
+    token = _next_token(out.logits[0, -1], temperature, generator)
+    t1 = time.perf_counter()
+    new_ids = [token]
+    cache = out.cache
+    while len(new_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
+        out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
+        cache = out.cache
+        token = _next_token(out.logits[0, -1], temperature, generator)
+        new_ids.append(token)
+    return DecodeRun(new_ids, t1 - t0, time.perf_counter() - t1)
+
+
+def kernel_layout_bytes(model: nn.Module) -> int:
+    """Bytes of the kernel-side layouts built so far (cached on each QuantLinear's format)."""
+    from bitquilt.nn.quant_linear import QuantLinear
+
+    total = 0
+    for m in model.modules():
+        layout = getattr(m.fmt, "_cpu_lut", None) if isinstance(m, QuantLinear) else None
+        total += layout.nbytes() if layout is not None else 0
+    return total
+
+
+def check_speed_settings(prompt_tokens: int, new_tokens: int, repeats: int) -> None:
+    if prompt_tokens < 1 or new_tokens < 2 or repeats < 1:
+        raise ValueError(f"need prompt_tokens >= 1, new_tokens >= 2 and repeats >= 1, got {prompt_tokens}, "
+                         f"{new_tokens} and {repeats}")
+
+
+@torch.no_grad()
+def measure_speed(model: nn.Module, vocab_size: int, prompt_tokens: int = 128, new_tokens: int = 32,
+                  repeats: int = 3, seed: int = 0) -> SpeedResult:
+    """Median prefill and decode throughput over `repeats` runs on a random-token prompt.
+
+    Decode runs exactly `new_tokens` steps (no stop token); its rate excludes the prefill.
+    """
+    from bitquilt.api import model_nbytes
+
+    check_speed_settings(prompt_tokens, new_tokens, repeats)
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab_size, (1, prompt_tokens), generator=gen)
+    decode(model, prompt[:, : min(8, prompt_tokens)], 2)  # warm-up: kernel layouts, allocator
+    runs = [decode(model, prompt, new_tokens) for _ in range(repeats)]
+    prefill = statistics.median(r.prefill_seconds for r in runs)
+    per_token = statistics.median(r.decode_seconds / (len(r.new_ids) - 1) for r in runs)
+    return SpeedResult(prompt_tokens, new_tokens, prompt_tokens / prefill, 1.0 / per_token,
+                       model_nbytes(model) / 2**20, kernel_layout_bytes(model) / 2**20, peak_rss_mb(),
+                       torch.get_num_threads())
