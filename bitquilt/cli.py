@@ -201,14 +201,14 @@ def _check_task_names(args) -> None:
 
 def cmd_eval(args) -> int:
     from bitquilt.api import load
-    from bitquilt.models.loading import resolve_model_name
+    from bitquilt.models.loading import resolve_model_name, source_fingerprint
 
     _check_task_names(args)
     model, tokenizer = load(args.model)
     if tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files; cannot evaluate")
     row = {"model": resolve_model_name(args.model), **model_summary(model),
-           **_evaluate(model, tokenizer, args, cache_key=_fingerprint(args.model))}
+           **_evaluate(model, tokenizer, args, cache_key=source_fingerprint(args.model))}
     if args.json:
         print(json.dumps(row, indent=2, default=str))
     else:
@@ -218,16 +218,9 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _fingerprint(spec: str) -> str:
-    """Cache key for zero-shot results: the path and its weights' mtime/size, or the model name."""
-    p = Path(spec)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else ([p] if p.exists() else [])
-    stamp = ",".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-    return f"{p.resolve() if p.exists() else spec}|{stamp}"
-
-
 def cmd_compare(args) -> int:
     from bitquilt.api import calibration_ids, load, quantize
+    from bitquilt.models.loading import source_fingerprint
 
     methods = [m for m in args.methods.split(",") if m]
     sizes = args.group_size * len(args.w_bits) if len(args.group_size) == 1 else args.group_size
@@ -253,7 +246,7 @@ def cmd_compare(args) -> int:
         act = f"|a{args.a_bits}:{args.a_sym}:{args.a_clip}|kv{args.kv_bits}:{args.kv_group_size}" if (
             m != "fp" and (args.a_bits < 16 or args.kv_bits < 16)) else ""
         row.update(_evaluate(model, tokenizer, args,
-                             cache_key=f"{_fingerprint(args.model)}|{m}|{b}|{g}{act}|{calib}"))
+                             cache_key=f"{source_fingerprint(args.model)}|{m}|{b}|{g}{act}|{calib}"))
         rows.append(row)
         if not args.json:
             print(f"[{m} w{b} g{g}] " + ", ".join(f"{k}={v:.4g}" for k, v in row.items()

@@ -39,6 +39,14 @@ def resolve_model_name(spec: str | Path) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def source_fingerprint(spec: str | Path) -> str:
+    """Cache key for results computed from a model source: its path and its weights' sizes/mtimes, or the name."""
+    p = Path(spec)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else ([p] if p.exists() else [])
+    stamp = ",".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    return f"{p.resolve() if p.exists() else spec}|{stamp}"
+
+
 def check_safetensors(path: Path) -> None:
     """Raise UserError unless `path` is a complete safetensors file (header readable, size matches)."""
     size = path.stat().st_size
