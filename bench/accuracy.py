@@ -128,9 +128,10 @@ def main() -> None:
     settings = {"calibration": vars(calib), "ppl_data": args.ppl_data, "seqlen": args.seqlen,
                 "ppl_windows": args.ppl_windows}
     command = "python bench/accuracy.py " + " ".join(sys.argv[1:])
-    records = load_records()
-    done = {(r["model"], r["label"], r["w_bits"], r["group_size"], json.dumps(r["settings"], sort_keys=True))
-            for r in records}
+
+    def done() -> set[tuple]:  # re-read each time: other runs may be appending to the same file
+        return {(r["model"], r["label"], r["w_bits"], r["group_size"], json.dumps(r["settings"], sort_keys=True))
+                for r in load_records()}
     configs = [("fp", "fp", None, None, {})] + [c for s in args.suites.split(",") for c in SUITES[s]]
     if args.labels:
         configs = [c for c in configs if c[0] in ("fp", *args.labels.split(","))]
@@ -142,7 +143,7 @@ def main() -> None:
     ids = None
     for label, method, bits, group, options in configs:
         key = (args.model, label, bits, group, json.dumps(settings, sort_keys=True))
-        if key in done:
+        if key in done():
             continue
         model = fp_model if method == "fp" else load(args.model)[0]
         quant_time = None
@@ -161,9 +162,9 @@ def main() -> None:
                   "settings": settings, "machine": machine(), "command": command}
         print(f"{label:24s} w{bits} g{group}: ppl {ppl.ppl:.2f}  {record['size_mb']:.1f} MB  "
               f"{record['bits_per_weight']:.3f} bpw  {quant_time or 0:.0f} s", flush=True)
-        records.append(record)
         if args.save_dir and method != "fp":
             save(model, args.save_dir / saved_name(args.model, label, bits, group), tokenizer, overwrite=True)
+        records = load_records() + [record]
         write_atomic(RESULTS / "accuracy.json", json.dumps({"records": records}, indent=1))
         write_atomic(RESULTS / "accuracy.md", render(records))
         del model

@@ -37,7 +37,7 @@ def machine() -> dict:
 def write_atomic(path: Path, text: str) -> None:
     """Write through a temporary file and rename, so a killed run never leaves half a report."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 
