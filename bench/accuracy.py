@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, fmt_ppl, machine, write_atomic
+from common import RESULTS, by_setting, fmt_ppl, machine, setting_header, write_atomic
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize, save
 from bitquilt.calib.engine import peak_rss_mb, reset_peak_rss
@@ -76,19 +76,10 @@ def render(records: list[dict]) -> str:
              "reference is the dequantized GGUF, so mild re-quantization (4-bit, small groups) looks better "
              "than it would on a true FP16 checkpoint. 2–3-bit results and the ordering of methods are the "
              "meaningful part.", ""]
-    by_setting: dict[str, list[dict]] = {}
-    for r in records:
-        by_setting.setdefault(json.dumps([r["model"], r["settings"]], sort_keys=True), []).append(r)
-    for key, rows in by_setting.items():
-        model, settings = json.loads(key)
-        c = settings["calibration"]
-        lines += [f"## {model}", "",
-                  f"Calibration: {c['n_samples']} × {c['seqlen']} tokens of `{c['source']}` (seed {c['seed']}); "
-                  f"evaluation: first {settings['ppl_windows']} windows × {settings['seqlen']} tokens of "
-                  f"`{settings['ppl_data']}`. Machine: {rows[0]['machine']}.", "",
-                  "Commands: " + ", ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in rows)), "",
-                  "| method | bits | group | ppl | ref | size MB | bits/weight | quant time s | peak RSS MB |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+    for model, settings, rows in by_setting(records):
+        lines += setting_header(model, settings, rows) + [
+            "| method | bits | group | ppl | ref | size MB | bits/weight | quant time s | peak RSS MB |",
+            "|---|---|---|---|---|---|---|---|---|"]
         order = {"fp": 0, "rtn": 1, "awq": 2, "gptq": 3, "bpdq": 9}
         for r in sorted(rows, key=lambda r: (r["w_bits"] is not None, -(r["w_bits"] or 0),
                                              -(r["group_size"] or 0) % 10**6, order.get(r["label"], 5), r["label"])):

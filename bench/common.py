@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -46,3 +47,22 @@ def fmt_ppl(x: float | None) -> str:
     if x is None:
         return ""
     return f"{x:,.0f}" if x >= 1000 else f"{x:.2f}"
+
+
+def by_setting(records: list[dict]) -> list[tuple[str, dict, list[dict]]]:
+    """Records grouped by (model, measurement settings), in first-seen order."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(json.dumps([r["model"], r["settings"]], sort_keys=True), []).append(r)
+    return [(*json.loads(key), rows) for key, rows in groups.items()]
+
+
+def setting_header(model: str, settings: dict, rows: list[dict]) -> list[str]:
+    """Markdown section heading stating calibration, evaluation, machine and the commands that ran."""
+    c = settings["calibration"]
+    commands = ", ".join(f"`{cmd}`" for cmd in dict.fromkeys(r["command"] for r in rows))
+    return [f"## {model}", "",
+            f"Calibration: {c['n_samples']} × {c['seqlen']} tokens of `{c['source']}` (seed {c['seed']}); "
+            f"evaluation: first {settings['ppl_windows']} windows × {settings['seqlen']} tokens of "
+            f"`{settings['ppl_data']}`. Machine: {rows[-1]['machine']}.", "",
+            f"Command(s): {commands}", ""]

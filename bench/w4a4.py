@@ -14,7 +14,7 @@ import sys
 import time
 
 import torch
-from common import RESULTS, fmt_ppl, machine, write_atomic
+from common import RESULTS, by_setting, fmt_ppl, machine, setting_header, write_atomic
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
 from bitquilt.calib.engine import peak_rss_mb, reset_peak_rss
@@ -40,18 +40,9 @@ def render(records: list[dict]) -> str:
              "**Caveat:** the packaged FP reference is a dequantized 4-bit GGUF, so plain RTN re-quantization of "
              "unrotated weights is flattered at W4A16 (the weights already sit on a 4-bit grid); rotations destroy "
              "that alignment.", ""]
-    by_setting: dict[str, list[dict]] = {}
-    for r in records:
-        by_setting.setdefault(json.dumps([r["model"], r["settings"]], sort_keys=True), []).append(r)
-    for key, rows in by_setting.items():
-        model, settings = json.loads(key)
-        c = settings["calibration"]
-        lines += [f"## {model}", "",
-                  f"Calibration: {c['n_samples']} × {c['seqlen']} tokens of `{c['source']}` (seed {c['seed']}); "
-                  f"evaluation: first {settings['ppl_windows']} windows × {settings['seqlen']} tokens of "
-                  f"`{settings['ppl_data']}`. Machine: {rows[0]['machine']}.", "",
-                  f"Command: `{rows[0]['command']}`", "",
-                  "| precision | " + " | ".join(METHODS) + " |", "|---|" + "---|" * len(METHODS)]
+    for model, settings, rows in by_setting(records):
+        lines += setting_header(model, settings, rows) + [
+            "| precision | " + " | ".join(METHODS) + " |", "|---|" + "---|" * len(METHODS)]
         cell = {(r["precision"], r["method"]): r for r in rows}
         if ("FP", "fp") in cell:
             lines.append(f"| FP | {fmt_ppl(cell['FP', 'fp']['ppl'])} (all) |" + " |" * (len(METHODS) - 1))
