@@ -17,12 +17,23 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, by_setting, fmt_ppl, machine, setting_header, write_atomic
+from common import (
+    RESULTS,
+    add_protocol_args,
+    append_record,
+    by_setting,
+    fmt_ppl,
+    load_records,
+    machine,
+    protocol_settings,
+    setting_header,
+    write_atomic,
+)
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize, save
 from bitquilt.calib.engine import peak_rss_mb, reset_peak_rss
 from bitquilt.eval import perplexity
-from bitquilt.recipes import CalibConfig, Recipe
+from bitquilt.recipes import Recipe
 
 # (label, method, bits, group size, solver options); grid order = run order
 MAIN = [
@@ -54,11 +65,6 @@ REFERENCE_PPL = {
     ("rtn", 3, 32): 47.7, ("gptq", 3, 32): 50.2,
     ("gptq act-order+static", 3, 128): 56.7, ("gptq act-order+static", 2, 64): 2627,
 }
-
-
-def load_records() -> list[dict]:
-    path = RESULTS / "accuracy.json"
-    return json.loads(path.read_text())["records"] if path.exists() else []
 
 
 def saved_name(model: str, label: str, bits: int, group: int) -> str:
@@ -98,31 +104,23 @@ def main() -> None:
     p.add_argument("--suites", default="main,reference,improvements", help=f"comma-separated: {', '.join(SUITES)}")
     p.add_argument("--labels", default=None, help="only these config labels, e.g. rtn,gptq")
     p.add_argument("--grid", default=None, help="only these bits:group pairs, in this order, e.g. 3:128,2:64")
-    p.add_argument("--calib-data", default="sciq")
-    p.add_argument("--calib-samples", type=int, default=64)
-    p.add_argument("--calib-seqlen", type=int, default=512)
-    p.add_argument("--ppl-data", default="wiki")
-    p.add_argument("--seqlen", type=int, default=512)
-    p.add_argument("--ppl-windows", type=int, default=40)
+    add_protocol_args(p, calib_samples=64, ppl_windows=40)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--save-dir", type=Path, default=None,
                    help="also save each quantized model under SAVE_DIR (see saved_name) for other benches")
     p.add_argument("--render-only", action="store_true", help="only rewrite accuracy.md from accuracy.json")
     args = p.parse_args()
     if args.render_only:
-        write_atomic(RESULTS / "accuracy.md", render(load_records()))
+        write_atomic(RESULTS / "accuracy.md", render(load_records("accuracy")))
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    calib = CalibConfig(args.calib_data, args.calib_samples, args.calib_seqlen, 0)
-    settings = {"calibration": vars(calib), "ppl_data": args.ppl_data, "seqlen": args.seqlen,
-                "ppl_windows": args.ppl_windows}
+    calib, settings = protocol_settings(args)
     command = "python bench/accuracy.py " + " ".join(sys.argv[1:])
 
     def done() -> set[tuple]:  # re-read each time: other runs may be appending to the same file
         return {(r["model"], r["label"], r["w_bits"], r["group_size"], json.dumps(r["settings"], sort_keys=True))
-                for r in load_records()}
+                for r in load_records("accuracy")}
     configs = [("fp", "fp", None, None, {})] + [c for s in args.suites.split(",") for c in SUITES[s]]
     if args.labels:
         configs = [c for c in configs if c[0] in ("fp", *args.labels.split(","))]
@@ -155,9 +153,7 @@ def main() -> None:
               f"{record['bits_per_weight']:.3f} bpw  {quant_time or 0:.0f} s", flush=True)
         if args.save_dir and method != "fp":
             save(model, args.save_dir / saved_name(args.model, label, bits, group), tokenizer, overwrite=True)
-        records = load_records() + [record]
-        write_atomic(RESULTS / "accuracy.json", json.dumps({"records": records}, indent=1))
-        write_atomic(RESULTS / "accuracy.md", render(records))
+        write_atomic(RESULTS / "accuracy.md", render(append_record("accuracy", record)))
         del model
 
 

@@ -1,7 +1,8 @@
-"""Plumbing shared by the benchmark scripts: machine description, atomic writes, number formatting."""
+"""Plumbing shared by the benchmark scripts: machine description, the perplexity protocol, result records."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from bitquilt.recipes import CalibConfig
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -66,3 +69,34 @@ def setting_header(model: str, settings: dict, rows: list[dict]) -> list[str]:
             f"evaluation: first {settings['ppl_windows']} windows × {settings['seqlen']} tokens of "
             f"`{settings['ppl_data']}`. Machine: {rows[-1]['machine']}.", "",
             f"Command(s): {commands}", ""]
+
+
+def load_records(name: str) -> list[dict]:
+    """The records in results/NAME.json (empty if it does not exist yet)."""
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text())["records"] if path.exists() else []
+
+
+def append_record(name: str, record: dict) -> list[dict]:
+    """Add one record to results/NAME.json, re-reading it first so concurrent runs don't drop each
+    other's records; returns all records."""
+    records = load_records(name) + [record]
+    write_atomic(RESULTS / f"{name}.json", json.dumps({"records": records}, indent=1))
+    return records
+
+
+def add_protocol_args(p: argparse.ArgumentParser, calib_samples: int, ppl_windows: int) -> None:
+    """Calibration and perplexity-evaluation options shared by the perplexity benchmarks."""
+    p.add_argument("--calib-data", default="sciq")
+    p.add_argument("--calib-samples", type=int, default=calib_samples)
+    p.add_argument("--calib-seqlen", type=int, default=512)
+    p.add_argument("--ppl-data", default="wiki")
+    p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--ppl-windows", type=int, default=ppl_windows)
+
+
+def protocol_settings(args: argparse.Namespace) -> tuple[CalibConfig, dict]:
+    """The calibration config (seed 0) and the settings dict every record stores and is keyed by."""
+    calib = CalibConfig(args.calib_data, args.calib_samples, args.calib_seqlen, 0)
+    return calib, {"calibration": vars(calib), "ppl_data": args.ppl_data, "seqlen": args.seqlen,
+                   "ppl_windows": args.ppl_windows}

@@ -22,7 +22,7 @@ from common import RESULTS, loadavg, machine, write_atomic
 from torch import nn
 
 from bitquilt.api import load, model_summary, quantize
-from bitquilt.calib.engine import reset_peak_rss
+from bitquilt.calib.engine import replace_module, reset_peak_rss
 from bitquilt.eval.speed import measure_speed
 from bitquilt.formats import BitplaneFormat
 from bitquilt.nn.quant_linear import QuantLinear
@@ -33,11 +33,9 @@ CONFIGS = [(4, 128), (3, 128), (2, 64)]  # (bits, group size), as in the accurac
 
 def to_bitplane(model: nn.Module) -> None:
     """Swap every uniform QuantLinear for the exact bit-plane form of the same grid."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, QuantLinear):
-                fmt = BitplaneFormat.from_uniform(child.fmt)
-                setattr(parent, name, QuantLinear(fmt, child.bias))
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantLinear):
+            replace_module(model, name, QuantLinear(BitplaneFormat.from_uniform(module.fmt), module.bias))
 
 
 def render(records: list[dict]) -> str:

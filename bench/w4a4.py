@@ -14,20 +14,26 @@ import sys
 import time
 
 import torch
-from common import RESULTS, by_setting, fmt_ppl, machine, setting_header, write_atomic
+from common import (
+    RESULTS,
+    add_protocol_args,
+    append_record,
+    by_setting,
+    fmt_ppl,
+    load_records,
+    machine,
+    protocol_settings,
+    setting_header,
+    write_atomic,
+)
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
 from bitquilt.calib.engine import peak_rss_mb, reset_peak_rss
 from bitquilt.eval import perplexity
-from bitquilt.recipes import CalibConfig, Recipe
+from bitquilt.recipes import Recipe
 
 METHODS = ("rtn", "smoothquant+rtn", "quarot+rtn", "quarot+gptq")
 PRECISIONS = {"W4A16": (16, 16), "W4A8KV8": (8, 8), "W4A4KV4": (4, 4)}  # name -> (a_bits, kv_bits)
-
-
-def load_records() -> list[dict]:
-    path = RESULTS / "w4a4.json"
-    return json.loads(path.read_text())["records"] if path.exists() else []
 
 
 def render(records: list[dict]) -> str:
@@ -63,23 +69,15 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--precisions", default=",".join(PRECISIONS))
-    p.add_argument("--calib-data", default="sciq")
-    p.add_argument("--calib-samples", type=int, default=32)
-    p.add_argument("--calib-seqlen", type=int, default=512)
-    p.add_argument("--ppl-data", default="wiki")
-    p.add_argument("--seqlen", type=int, default=512)
-    p.add_argument("--ppl-windows", type=int, default=20)
+    add_protocol_args(p, calib_samples=32, ppl_windows=20)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    calib = CalibConfig(args.calib_data, args.calib_samples, args.calib_seqlen, 0)
-    settings = {"calibration": vars(calib), "ppl_data": args.ppl_data, "seqlen": args.seqlen,
-                "ppl_windows": args.ppl_windows}
+    calib, settings = protocol_settings(args)
     command = "python bench/w4a4.py " + " ".join(sys.argv[1:])
-    records = load_records()
-    done = {(r["model"], r["precision"], r["method"], json.dumps(r["settings"], sort_keys=True)) for r in records}
+    done = {(r["model"], r["precision"], r["method"], json.dumps(r["settings"], sort_keys=True))
+            for r in load_records("w4a4")}
     configs = [("FP", "fp")] + [(prec, m) for prec in args.precisions.split(",") for m in args.methods.split(",")]
     fp_model, tokenizer = load(args.model)
     ids = calibration_ids(tokenizer, calib)
@@ -102,9 +100,7 @@ def main() -> None:
                   "settings": settings, "machine": machine(), "command": command}
         print(f"{prec:8s} {method:16s} ppl {ppl.ppl:10.2f}  quant {quant_time or 0:5.0f} s  eval {ppl.seconds:.0f} s",
               flush=True)
-        records.append(record)
-        write_atomic(RESULTS / "w4a4.json", json.dumps({"records": records}, indent=1))
-        write_atomic(RESULTS / "w4a4.md", render(records))
+        write_atomic(RESULTS / "w4a4.md", render(append_record("w4a4", record)))
         del model
 
 

@@ -22,8 +22,6 @@ from bitquilt.eval.tasks import TASK_NAMES
 from bitquilt.eval.zeroshot import average_accuracy, evaluate_tasks, primary_metric
 from bitquilt.models.loading import source_fingerprint
 
-TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "boolq", "lambada")
-
 
 def render(rows: list[dict], limit: int | None, command: str) -> str:
     tasks = list(rows[0]["tasks"])
@@ -53,7 +51,7 @@ def render(rows: list[dict], limit: int | None, command: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("models", nargs="+", metavar="LABEL=SPEC")
-    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {', '.join(TASK_NAMES)}")
+    p.add_argument("--tasks", default=",".join(TASK_NAMES), help=f"comma-separated, from {', '.join(TASK_NAMES)}")
     p.add_argument("--limit", type=int, default=None, help="items per task (default: full sets)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
