@@ -25,6 +25,7 @@ from common import (
     fmt_ppl,
     load_records,
     machine,
+    measured,
     protocol_settings,
     setting_header,
     write_atomic,
@@ -34,6 +35,8 @@ from bitquilt.api import calibration_ids, load, model_summary, quantize, save
 from bitquilt.calib.engine import peak_rss_mb, reset_peak_rss
 from bitquilt.eval import perplexity
 from bitquilt.recipes import Recipe
+
+KEY = ("model", "label", "w_bits", "group_size")  # + settings: what identifies a record
 
 # (label, method, bits, group size, solver options); grid order = run order
 MAIN = [
@@ -118,9 +121,6 @@ def main() -> None:
     calib, settings = protocol_settings(args)
     command = "python bench/accuracy.py " + " ".join(sys.argv[1:])
 
-    def done() -> set[tuple]:  # re-read each time: other runs may be appending to the same file
-        return {(r["model"], r["label"], r["w_bits"], r["group_size"], json.dumps(r["settings"], sort_keys=True))
-                for r in load_records("accuracy")}
     configs = [("fp", "fp", None, None, {})] + [c for s in args.suites.split(",") for c in SUITES[s]]
     if args.labels:
         configs = [c for c in configs if c[0] in ("fp", *args.labels.split(","))]
@@ -128,13 +128,12 @@ def main() -> None:
         order = [tuple(int(v) for v in pair.split(":")) for pair in args.grid.split(",")]
         configs = [c for c in configs if c[0] == "fp"] + sorted(
             (c for c in configs if (c[2], c[3]) in order), key=lambda c: order.index((c[2], c[3])))
-    fp_model, tokenizer = load(args.model)
     ids = None
     for label, method, bits, group, options in configs:
         key = (args.model, label, bits, group, json.dumps(settings, sort_keys=True))
-        if key in done():
+        if key in measured("accuracy", KEY):
             continue
-        model = fp_model if method == "fp" else load(args.model)[0]
+        model, tokenizer = load(args.model)  # one model in memory at a time: two 1.5B jobs must fit in RAM
         quant_time = None
         reset_peak_rss()
         if method != "fp":
@@ -153,7 +152,7 @@ def main() -> None:
               f"{record['bits_per_weight']:.3f} bpw  {quant_time or 0:.0f} s", flush=True)
         if args.save_dir and method != "fp":
             save(model, args.save_dir / saved_name(args.model, label, bits, group), tokenizer, overwrite=True)
-        write_atomic(RESULTS / "accuracy.md", render(append_record("accuracy", record)))
+        write_atomic(RESULTS / "accuracy.md", render(append_record("accuracy", record, KEY)))
         del model
 
 

