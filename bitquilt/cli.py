@@ -37,7 +37,7 @@ def _clip(text: str) -> float | None:
 def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     g = p.add_argument_group("weight quantization")
     if multi:
-        g.add_argument("--methods", default="fp,rtn,gptq,awq",
+        g.add_argument("--methods", "--recipes", dest="methods", default="fp,rtn,gptq,awq",
                        help="comma-separated methods to compare: fp, rtn, gptq, awq (=awq+rtn), awq+gptq, bpdq, "
                        "smoothquant+rtn, quarot+rtn, quarot+gptq")
         g.add_argument("--w-bits", type=_int_list, default=[4, 3, 2], help="weight bit widths, e.g. 4,3,2")

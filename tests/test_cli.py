@@ -52,6 +52,12 @@ def test_compare_refuses_to_evaluate_on_the_calibration_text(capsys):
     assert code == 2 and "'wiki' shares" in err and stdout == ""
 
 
+def test_compare_takes_recipes_and_validates_them_first(capsys):
+    code, stdout, err = run(capsys, "compare", "smollm2-135m", "--recipes", "rtn,quarot+gptx", "--w-bits", "4",
+                            "--a-bits", "4", "--kv-bits", "4")
+    assert code == 2 and "unknown solver 'gptx'" in err and stdout == ""
+
+
 def test_models_lists_the_default(capsys):
     code, stdout, _ = run(capsys, "models", "--json")
     rows = json.loads(stdout)
