@@ -39,21 +39,24 @@ from bitquilt.recipes import Recipe
 KEY = ("model", "label", "w_bits", "group_size")  # + settings: what identifies a record
 
 # (label, method, bits, group size, solver options); grid order = run order
-MAIN = [
-    (m, m, b, g, {}) for b, g in ((4, 128), (3, 128), (2, 64)) for m in ("rtn", "gptq", "bpdq", "awq")
-]
+GRID = ((4, 128), (3, 128), (2, 64))
+ACT_ORDER_STATIC = {"act_order": True, "static_groups": True}  # act-order that keeps groups contiguous (kernels)
+MAIN = [(m, m, b, g, {}) for b, g in GRID for m in ("rtn", "gptq", "bpdq", "awq")]
 REFERENCE_EXTRAS = [
     ("rtn", "rtn", 4, -1, {}), ("gptq", "gptq", 4, -1, {}),
     ("rtn", "rtn", 3, 32, {}), ("gptq", "gptq", 3, 32, {}),
-    ("gptq act-order+static", "gptq", 3, 128, {"act_order": True, "static_groups": True}),
-    ("gptq act-order+static", "gptq", 2, 64, {"act_order": True, "static_groups": True}),
+    ("gptq act-order+static", "gptq", 3, 128, ACT_ORDER_STATIC),
+    ("gptq act-order+static", "gptq", 2, 64, ACT_ORDER_STATIC),
 ]
 IMPROVEMENTS = [
-    ("gptq act-order", "gptq", b, g, {"act_order": True}) for b, g in ((4, 128), (3, 128), (2, 64))
-] + [
-    ("gptq mse", "gptq", b, g, {"mse": True}) for b, g in ((4, 128), (3, 128), (2, 64))
-] + [
-    ("awq+gptq", "awq+gptq", b, g, {}) for b, g in ((4, 128), (3, 128), (2, 64))
+    (label, method, b, g, options) for b, g in GRID for label, method, options in (
+        ("gptq act-order+static", "gptq", ACT_ORDER_STATIC),
+        ("gptq act-order", "gptq", {"act_order": True}),
+        ("gptq mse", "gptq", {"mse": True}),
+        ("gptq damp 0.1", "gptq", {"damp": 0.1}),
+        ("awq+gptq", "awq+gptq", {}),
+        ("awq+gptq act-order+static", "awq+gptq", ACT_ORDER_STATIC),
+    )
 ]
 BPDQ = [("bpdq", "bpdq", b, g, {}) for b, g in ((3, 64), (2, 128))]
 SUITES = {"main": MAIN, "reference": REFERENCE_EXTRAS, "improvements": IMPROVEMENTS, "bpdq": BPDQ}
