@@ -1,0 +1,99 @@
+"""Held-out layer error: does a solver's gain on its calibration tokens carry over to other text?
+
+    python bench/heldout_error.py --model qwen2.5-1.5b --layer 3 --bits 2 --group-size 64 --threads 1
+
+For one decoder block (inputs from the FP blocks before it), each solver quantizes a few of its
+linears from the Hessian of `--calib-samples` SciQ windows; the relative output error
+tr(D H Dᵀ) / tr(W H Wᵀ), D = W − Ŵ, is then measured under three Hessians: the one it was fitted
+on, one from 4× more SciQ windows (same domain, unseen tokens), and one from `wiki` windows
+(the perplexity text). Writes bench/results/heldout_error.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+from common import RESULTS, machine, write_atomic
+
+from bitquilt.api import calibration_ids, load
+from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_block
+from bitquilt.calib.engine import relative_error
+from bitquilt.data.windows import eval_windows
+from bitquilt.models.adapters import architecture_of, decoder_layers
+from bitquilt.recipes import CalibConfig
+from bitquilt.solvers import get_solver
+from bitquilt.solvers.base import LayerSpec
+
+SOLVERS = [  # (label, solver, options)
+    ("rtn", "rtn", {}),
+    ("gptq", "gptq", {}),
+    ("gptq damp 0.1", "gptq", {"damp": 0.1}),
+    ("gptq act-order+static", "gptq", {"act_order": True, "static_groups": True}),
+    ("bpdq", "bpdq", {}),
+]
+
+
+@torch.no_grad()
+def block_inputs(model, arch, ids: torch.Tensor, layer: int) -> tuple[list[torch.Tensor], dict]:
+    xs, kwargs = capture_block_inputs(model, arch, ids)
+    for block, kw in zip(decoder_layers(model, arch)[:layer], kwargs):
+        xs = run_block(block, xs, kw)
+    return xs, kwargs[layer]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-1.5b")
+    p.add_argument("--layer", type=int, default=3)
+    p.add_argument("--linears", default="mlp.down_proj,mlp.gate_proj,self_attn.o_proj")
+    p.add_argument("--bits", type=int, default=2)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--calib-samples", type=int, default=16, help="windows the solvers fit on (4× more are held out)")
+    p.add_argument("--eval-windows", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load(args.model)
+    model.config.use_cache = False
+    arch = architecture_of(model)
+    n = args.calib_samples
+    t0 = time.perf_counter()
+    sciq = calibration_ids(tokenizer, CalibConfig("sciq", 5 * n, 512, 0))  # its first n = the benches' n windows
+    calib, kwargs = block_inputs(model, arch, sciq, args.layer)
+    wiki, _ = block_inputs(model, arch, eval_windows(tokenizer, "wiki", 512, args.eval_windows), args.layer)
+    block = decoder_layers(model, arch)[args.layer]
+    spec = LayerSpec(args.bits, args.group_size)
+    rows = []
+    for name in args.linears.split(","):
+        stats = {key: collect_stats(block, [name], xs, kwargs)[name]
+                 for key, xs in (("fit", calib[:n]), ("unseen", calib[n:]), ("wiki", wiki))}
+        weight = block.get_submodule(name).weight.detach().float()
+        for label, solver_name, options in SOLVERS:
+            solver = get_solver(solver_name)
+            t = time.perf_counter()
+            w_hat = solver(weight, stats["fit"], spec, solver.make_options(options)).dequantize().float()
+            row = {"linear": name, "solver": label, "seconds": time.perf_counter() - t,
+                   **{key: relative_error(weight, w_hat, s) for key, s in stats.items()}}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    settings = {**vars(args), "unseen_samples": 4 * n, "total_seconds": time.perf_counter() - t0}
+    write_atomic(RESULTS / "heldout_error.json",
+                 json.dumps({"settings": settings, "machine": machine(), "rows": rows}, indent=1))
+    lines = ["# Held-out layer error", "", f"`python bench/heldout_error.py {' '.join(sys.argv[1:])}`", "",
+             f"{args.model}, block {args.layer} (inputs from the FP blocks before it), W{args.bits} "
+             f"g{args.group_size}. Relative output error tr(D H Dᵀ)/tr(W H Wᵀ) under the Hessian of: *fit* = the "
+             f"{n} × 512 SciQ tokens the solver was fitted on; *unseen SciQ* = {4 * n} other SciQ windows; *wiki* = "
+             f"{args.eval_windows} × 512 windows of the perplexity text. Lower is better.", "",
+             "| linear | solver | fit | unseen SciQ | wiki | solve s |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['linear']} | {r['solver']} | {r['fit']:.4f} | {r['unseen']:.4f} | {r['wiki']:.4f} | "
+              f"{r['seconds']:.1f} |" for r in rows]
+    write_atomic(RESULTS / "heldout_error.md", "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
