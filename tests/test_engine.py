@@ -89,3 +89,21 @@ def test_bad_recipe_is_rejected_before_any_work():
         Recipe("gptx")
     with pytest.raises(ValueError, match="unknown transform"):
         Recipe("rotate+gptq")
+
+
+def test_solving_a_linear_keeps_no_fp32_copy_of_the_weight():
+    """The error report must not leave a cached dequantized matrix behind (it doubled peak memory)."""
+    from torch import nn
+
+    from bitquilt.calib.engine import _solve_linear
+    from bitquilt.solvers import get_solver
+    from bitquilt.solvers.base import LayerSpec, LinearStats
+
+    block = nn.Module()
+    block.proj = nn.Linear(64, 32)
+    stats = LinearStats.empty(64)
+    stats.update(torch.randn(256, 64, generator=torch.Generator().manual_seed(0)))
+    solver = get_solver("gptq")
+    report = _solve_linear(block, "proj", "proj", LayerSpec(4, 32), solver, solver.make_options(), stats)
+    assert isinstance(block.proj, QuantLinear) and block.proj._dequantized is None
+    assert 0 < report.rel_error < 0.05
