@@ -11,7 +11,6 @@ and bench/results/accuracy.md is regenerated from all records.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from common import (
     machine,
     measured,
     protocol_settings,
+    record_key,
     setting_header,
     write_atomic,
 )
@@ -133,8 +133,8 @@ def main() -> None:
             (c for c in configs if (c[2], c[3]) in order), key=lambda c: order.index((c[2], c[3])))
     ids = None
     for label, method, bits, group, options in configs:
-        key = (args.model, label, bits, group, json.dumps(settings, sort_keys=True))
-        if key in measured("accuracy", KEY):
+        wanted = {"model": args.model, "label": label, "w_bits": bits, "group_size": group, "settings": settings}
+        if record_key(wanted, KEY) in measured("accuracy", KEY):
             continue
         model, tokenizer = load(args.model)  # one model in memory at a time: two 1.5B jobs must fit in RAM
         quant_time = None

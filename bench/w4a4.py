@@ -9,7 +9,6 @@ settings is skipped, so an interrupted run resumes) and bench/results/w4a4.md is
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -23,6 +22,7 @@ from common import (
     machine,
     measured,
     protocol_settings,
+    record_key,
     setting_header,
     write_atomic,
 )
@@ -80,7 +80,8 @@ def main() -> None:
     configs = [("FP", "fp")] + [(prec, m) for prec in args.precisions.split(",") for m in args.methods.split(",")]
     ids = None
     for prec, method in configs:
-        if (args.model, prec, method, json.dumps(settings, sort_keys=True)) in measured("w4a4", KEY):
+        wanted = {"model": args.model, "precision": prec, "method": method, "settings": settings}
+        if record_key(wanted, KEY) in measured("w4a4", KEY):
             continue
         model, tokenizer = load(args.model)  # one model in memory at a time: two 1.5B jobs must fit in RAM
         if ids is None:

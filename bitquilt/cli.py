@@ -231,13 +231,14 @@ def cmd_compare(args) -> int:
     recipes = {(m, b, g): _recipe_from_args(args, m, b, g) for m, b, g in configs if m != "fp"}  # validate first
     calib = _calib_config(args)
     _check_task_names(args)
-    if any(r.needs_calibration for r in recipes.values()):  # fail before hours of quantization, not after
+    needs_calibration = any(r.needs_calibration for r in recipes.values())
+    if needs_calibration:  # fail before hours of quantization, not after
         from bitquilt.data.corpora import check_disjoint
 
         for source in (s for s in args.ppl_data.split(",") if s):
             check_disjoint(calib.source, source)
     base, tokenizer = load(args.model)
-    ids = calibration_ids(tokenizer, calib) if any(r.needs_calibration for r in recipes.values()) else None
+    ids = calibration_ids(tokenizer, calib) if needs_calibration else None
     rows = []
     for m, b, g in configs:
         model = base if m == "fp" else load(args.model)[0]

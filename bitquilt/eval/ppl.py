@@ -19,8 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from bitquilt.data.corpora import TEXT_SETS, check_disjoint
-
 
 @dataclass
 class PerplexityResult:
@@ -42,6 +40,8 @@ def default_seqlen(model: nn.Module, requested: int | None = None) -> int:
 
 def calibration_source(model: nn.Module) -> str | None:
     """The calibration text a bitquilt-quantized model was calibrated on, if any and still readable."""
+    from bitquilt.data.corpora import TEXT_SETS
+
     report = getattr(model, "bitquilt_quantization", None)
     calib = report.calibration if report is not None else getattr(model, "bitquilt_qconfig", {}).get("calibration")
     source = (calib or {}).get("source")
@@ -74,6 +74,7 @@ def perplexity(
     A model quantized by bitquilt (in memory or loaded from disk) must not be evaluated on
     its own calibration text: that raises a UserError.
     """
+    from bitquilt.data.corpora import check_disjoint
     from bitquilt.data.windows import eval_windows
 
     calib_source = calibration_source(model)
