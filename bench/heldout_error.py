@@ -30,8 +30,8 @@ from bitquilt.solvers.base import LayerSpec
 
 SOLVERS = [  # (label, solver, options)
     ("rtn", "rtn", {}),
-    ("gptq", "gptq", {}),
-    ("gptq damp 0.1", "gptq", {"damp": 0.1}),
+    ("gptq", "gptq", {"act_order": False, "static_groups": False}),  # the original sweep
+    ("gptq damp 0.1", "gptq", {"act_order": False, "static_groups": False, "damp": 0.1}),
     ("gptq act-order+static", "gptq", {"act_order": True, "static_groups": True}),
     ("bpdq", "bpdq", {}),
 ]

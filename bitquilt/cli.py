@@ -51,10 +51,15 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
         g.add_argument("--group-size", type=int, default=128,
                        help="columns sharing a scale: 32, 64, 128, 256, or -1 for per-channel (default 128)")
     g.add_argument("--sym", action="store_true", help="symmetric grid (default asymmetric, with zero points)")
-    g.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
-    g.add_argument("--static-groups", action="store_true", help="GPTQ act-order: fix group grids before the sweep")
+    g.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ: quantize columns by decreasing Hessian diagonal (default on; --no-act-order: the "
+                   "original sweep in column order)")
+    g.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ act-order: fit group grids before the sweep, keeping groups contiguous (default on; "
+                   "--no-static-groups: fit each group when the sweep reaches it)")
     g.add_argument("--damp", type=float, default=None, help="GPTQ/BPDQ: Hessian dampening, fraction of mean diag")
-    g.add_argument("--mse", action="store_true", help="RTN/GPTQ: search a shrunk range per group (MSE clipping)")
+    g.add_argument("--mse", action="store_true", default=None,
+                   help="RTN/GPTQ: search a shrunk range per group (MSE clipping)")
     g.add_argument("--skip", action="append", default=[], metavar="GLOB",
                    help="keep linears matching GLOB in full precision (repeatable), e.g. '*.down_proj'")
     a = p.add_argument_group("activation and KV-cache quantization")
@@ -93,7 +98,7 @@ def _recipe_from_args(args, method: str, bits: int, group_size: int):
     solver = get_solver(method.split("+")[-1] if method != "awq" else "rtn")
     fields = {f for f in solver.options.__dataclass_fields__}
     wanted = {"act_order": args.act_order, "static_groups": args.static_groups, "mse": args.mse, "damp": args.damp}
-    options = {k: v for k, v in wanted.items() if k in fields and v not in (None, False)}
+    options = {k: v for k, v in wanted.items() if k in fields and v is not None}
     return Recipe(method=method, w_bits=bits, group_size=group_size, sym=args.sym, options=options,
                   skip=tuple(args.skip), a_bits=args.a_bits, a_sym=args.a_sym, a_clip=args.a_clip,
                   kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bitquilt.cli import main
+from bitquilt.io import CONFIG_NAME
 
 
 def run(capsys, *argv):
@@ -20,10 +21,13 @@ def test_quantize_eval_inspect_end_to_end(tmp_path, capsys):
     out = tmp_path / "q4"
     code, stdout, _ = run(capsys, "quantize", "smollm2-135m", "--method", "gptq", "--w-bits", "4",
                           "--group-size", "128", "--calib-samples", "4", "--calib-seqlen", "128",
-                          "--skip", "model.layers.[1-9].*", "--skip", "model.layers.[12]?.*", "-o", out, "--json")
+                          "--skip", "model.layers.[1-9].*", "--skip", "model.layers.[12]?.*", "--no-act-order",
+                          "-o", out, "--json")
     assert code == 0, stdout
     summary = json.loads(stdout)
     assert summary["method"] == "gptq" and summary["size_mb"] > 0
+    options = json.loads((out / CONFIG_NAME).read_text())["recipe"]["options"]
+    assert options["act_order"] is False and options["static_groups"] is True  # every option spelled out
     code, stdout, _ = run(capsys, "eval", out, "--ppl", "--seqlen", "128", "--ppl-windows", "2", "--json")
     assert code == 0
     result = json.loads(stdout)

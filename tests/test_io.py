@@ -10,12 +10,16 @@ from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import Recipe
 from tests.conftest import make_tiny
 
+GPTQ_DEFAULTS = {"damp": 0.01, "block_size": 128, "act_order": True, "static_groups": True, "mse": False}
+
 
 def _ids(n=4, seqlen=32):
     return torch.randint(0, 320, (n, seqlen), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("method, options", [("gptq", {"act_order": True}), ("rtn", {}), ("awq", {})])
+@pytest.mark.parametrize(
+    "method, options", [("gptq", {}), ("gptq", {"static_groups": False}), ("rtn", {}), ("awq", {})]
+)
 def test_save_load_is_bit_exact(tmp_path, method, options):
     model = make_tiny("qwen2")  # qkv bias: exercises QuantLinear bias round trip
     quantize(model, Recipe(method, w_bits=3, group_size=32, options=options), _ids(), progress=False)
@@ -29,6 +33,8 @@ def test_save_load_is_bit_exact(tmp_path, method, options):
     assert torch.equal(out, ref)
     qconfig = json.loads((tmp_path / "q" / CONFIG_NAME).read_text())
     assert qconfig["recipe"]["method"] == ("awq+rtn" if method == "awq" else method)
+    if method == "gptq":  # the resolved options, defaults included (act-order + static groups)
+        assert qconfig["recipe"]["options"] == {**GPTQ_DEFAULTS, **options}
     assert len(qconfig["layers"]) == 14 and qconfig["versions"]["torch"]
 
 

@@ -27,8 +27,8 @@ def test_gptq_error_falls_with_bits(real_linears):
 
 def test_act_order_variants_are_valid(real_linears):
     layer = real_linears[0]
-    plain = _err(layer, "gptq", LayerSpec(3, 128))
-    for options in ({"act_order": True}, {"act_order": True, "static_groups": True}):
+    plain = _err(layer, "gptq", LayerSpec(3, 128), act_order=False)
+    for options in ({"static_groups": False}, {}):  # act-order with dynamic groups; the default (static)
         err = _err(layer, "gptq", LayerSpec(3, 128), **options)
         assert err < 1.5 * plain and err < _err(layer, "rtn", LayerSpec(3, 128))
 
@@ -39,7 +39,7 @@ def test_act_order_dequantizes_in_original_column_order():
     stats = LinearStats.empty(64)
     stats.update(x)
     w = torch.randn(16, 64)
-    fmt = get_solver("gptq")(w, stats, LayerSpec(8, 32), {"act_order": True})
+    fmt = get_solver("gptq")(w, stats, LayerSpec(8, 32), {"static_groups": False})
     assert fmt.g_idx is not None
     assert torch.allclose(fmt.dequantize(), w, atol=0.05)  # 8 bits: close to w column by column
 

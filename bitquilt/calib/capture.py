@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,38 +70,25 @@ def capture_block_inputs(
 
 
 @torch.no_grad()
-def collect_stats(
-    block: nn.Module, linear_names: list[str], inputs: list[torch.Tensor], kwargs: dict[str, Any]
-) -> dict[str, LinearStats]:
-    """Input statistics of `linear_names` in `block`, stopping each forward once all were seen.
-
-    Linears fed the very same tensor (q/k/v, gate/up) share one statistics object, so each
-    Hessian is accumulated once per distinct input.
-    """
-    modules = {n: block.get_submodule(n) for n in linear_names}
-    stats: dict[str, LinearStats] = {}
-    seen: dict[str, torch.Tensor] = {}
+def feed_linears(block: nn.Module, linear_names: list[str], inputs: list[torch.Tensor], kwargs: dict[str, Any],
+                 on_input: Callable[[str, torch.Tensor], None]) -> None:
+    """Run `block` on each input, calling `on_input(name, x)` with what each linear of `linear_names`
+    receives; every forward stops as soon as all of them have been fed, skipping the rest of the block."""
+    pending: set[str] = set()
 
     def hook(name):
         def fn(_module, args):
-            x = args[0]
-            twin = next((other for other, t in seen.items() if t is x), None)
-            if twin is not None:
-                stats.setdefault(name, stats[twin])
-            else:
-                if name not in stats:
-                    stats[name] = LinearStats.empty(modules[name].in_features, device=x.device)
-                stats[name].update(x)
-            seen[name] = x
-            if len(seen) == len(modules):
+            on_input(name, args[0])
+            pending.discard(name)
+            if not pending:
                 raise _Stop
 
         return fn
 
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
+    handles = [block.get_submodule(n).register_forward_pre_hook(hook(n)) for n in linear_names]
     try:
         for x in inputs:
-            seen.clear()
+            pending.update(linear_names)
             try:
                 block(x, **kwargs)
             except _Stop:
@@ -108,7 +96,48 @@ def collect_stats(
     finally:
         for h in handles:
             h.remove()
+
+
+@torch.no_grad()
+def collect_stats(
+    block: nn.Module, linear_names: list[str], inputs: list[torch.Tensor], kwargs: dict[str, Any],
+    hessian: bool = True,
+) -> dict[str, LinearStats]:
+    """Input statistics of `linear_names` in `block` (`hessian=False`: ranges only, which skips the
+    costly XᵀX of wide inputs when only ranges are needed).
+
+    Linears fed the very same tensor (q/k/v, gate/up) share one statistics object, so each
+    Hessian is accumulated once per distinct input.
+    """
+    stats: dict[str, LinearStats] = {}
+    last: list = [None, None]  # the tensor last accumulated (held, so its identity is not reused) and its owner
+
+    def take(name: str, x: torch.Tensor) -> None:
+        if last[0] is x:  # the same input as the linear just fed: share its statistics
+            stats.setdefault(name, stats[last[1]])
+            return
+        if name not in stats:
+            stats[name] = LinearStats.empty(x.shape[-1], device=x.device, hessian=hessian)
+        stats[name].update(x)
+        last[:] = [x, name]
+
+    feed_linears(block, linear_names, inputs, kwargs, take)
     return stats
+
+
+@torch.no_grad()
+def sample_inputs(block: nn.Module, linear_names: list[str], inputs: list[torch.Tensor], kwargs: dict[str, Any],
+                  max_tokens: int = 1024, max_samples: int = 4) -> dict[str, torch.Tensor]:
+    """Inputs [tokens, in_features] of `linear_names` (as their matmul sees them), evenly subsampled
+    from the first `max_samples` calibration inputs of `block`."""
+    got: dict[str, list[torch.Tensor]] = {n: [] for n in linear_names}
+    feed_linears(block, linear_names, inputs[:max_samples], kwargs,
+                 lambda name, x: got[name].append(x.detach().reshape(-1, x.shape[-1]).float()))
+    out = {}
+    for n, xs in got.items():
+        x = torch.cat(xs)
+        out[n] = x[torch.linspace(0, x.shape[0] - 1, min(max_tokens, x.shape[0])).long()]
+    return out
 
 
 @torch.no_grad()

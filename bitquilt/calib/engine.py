@@ -129,7 +129,9 @@ def quantize_model(
     needs_data = recipe.needs_calibration
     if needs_data and calib_ids is None:
         raise ValueError(f"method {recipe.method!r} needs calibration data")
-    report = QuantReport(recipe.to_dict(), asdict(calib) if calib and needs_data else None)
+    # the saved recipe spells out every solver option, so changing a default never changes what it means
+    recorded = {**recipe.to_dict(), "options": asdict(options)}
+    report = QuantReport(recorded, asdict(calib) if calib and needs_data else None)
     check_layer_shapes(model, arch, recipe)
 
     for t in transforms:

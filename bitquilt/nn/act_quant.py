@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bitquilt.calib.capture import sample_inputs
 from bitquilt.transforms.hadamard import hadamard_transform
 
 ACT_BITS = (2, 3, 4, 5, 6, 7, 8, 16)  # 16: no quantization
@@ -129,32 +130,6 @@ def attach_act_quant(linear: nn.Module, quantizer: ActQuantizer | None) -> None:
 
 
 @torch.no_grad()
-def sample_inputs(block: nn.Module, names: list[str], inputs: list[torch.Tensor], kwargs: dict[str, Any],
-                  max_tokens: int = 1024, max_samples: int = 4) -> dict[str, torch.Tensor]:
-    """Inputs [tokens, in_features] of linears `names` (as their matmul sees them), evenly subsampled
-    from the first `max_samples` calibration inputs of `block`."""
-    got: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-
-    def hook(name):
-        def fn(_module, args):
-            got[name].append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
-
-        return fn
-
-    handles = [block.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
-    try:
-        for x in inputs[:max_samples]:
-            block(x, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    out = {}
-    for n, xs in got.items():
-        x = torch.cat(xs)
-        out[n] = x[torch.linspace(0, x.shape[0] - 1, min(max_tokens, x.shape[0])).long()]
-    return out
-
-
 def search_clip_ratio(x: torch.Tensor, weight: torch.Tensor, config: ActQuantConfig,
                       grid: tuple[float, ...] = CLIP_GRID) -> float:
     """The ratio c minimising the output error Σ_t ‖(x̂_t − x_t) Wᵀ‖² on samples x [tokens, in]

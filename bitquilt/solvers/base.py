@@ -41,26 +41,28 @@ class LayerSpec:
 class LinearStats:
     """Calibration statistics of one linear's input X [tokens, in_features].
 
-    hessian      Σ xxᵀ / n  (fp32), GPTQ's H up to the factor 2
+    hessian      Σ xxᵀ / n  (fp32), GPTQ's H up to the factor 2; None when only ranges were collected
     act_absmax   max |x| per input channel
     act_absmean  mean |x| per input channel (AWQ's activation salience)
     """
 
-    hessian: torch.Tensor
+    hessian: torch.Tensor | None
     act_absmax: torch.Tensor
     act_absmean: torch.Tensor
     n_tokens: int
 
     @classmethod
-    def empty(cls, in_features: int, device: torch.device | str = "cpu") -> LinearStats:
+    def empty(cls, in_features: int, device: torch.device | str = "cpu", hessian: bool = True) -> LinearStats:
         z = torch.zeros(in_features, device=device)
-        return cls(torch.zeros(in_features, in_features, device=device), z.clone(), z.clone(), 0)
+        h = torch.zeros(in_features, in_features, device=device) if hessian else None
+        return cls(h, z.clone(), z.clone(), 0)
 
     def update(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
         n = x.shape[0]
         total = self.n_tokens + n
-        self.hessian.mul_(self.n_tokens / total).addmm_(x.T, x, alpha=1.0 / total)
+        if self.hessian is not None:
+            self.hessian.mul_(self.n_tokens / total).addmm_(x.T, x, alpha=1.0 / total)
         self.act_absmean.mul_(self.n_tokens / total).add_(x.abs().sum(0), alpha=1.0 / total)
         self.act_absmax = torch.maximum(self.act_absmax, x.abs().amax(0))
         self.n_tokens = total

@@ -6,6 +6,11 @@ W[:, j+1:] −= e_j · [H⁻¹]_{j, j+1:}, using the upper Cholesky factor U of 
 updates every `block_size` columns). Group scales are fitted from the *updated* weights of
 the group when its first column is reached (or from the original weights with
 `static_groups`, which keeps groups contiguous under act-order).
+
+Default: act-order with static groups. On smollm2-135m it beats the plain sweep at every width
+measured (W4g128 26.4 vs 29.2, W3g128 56.5 vs 85.3, W2g64 2,370 vs 11,122; bench/accuracy.py)
+and, unlike dynamic groups, keeps each group's columns contiguous, so the packed layout and its
+kernels are unchanged. `act_order=False` gives the original paper's sweep.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from bitquilt.solvers.rtn import quantize_groups
 class GPTQOptions:
     damp: float = 0.01
     block_size: int = 128
-    act_order: bool = False
-    static_groups: bool = False
+    act_order: bool = True
+    static_groups: bool = True  # only read with act_order
     mse: bool = False  # MSE range search for each group's grid
 
 

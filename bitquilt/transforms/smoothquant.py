@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from bitquilt.calib.capture import collect_stats
+from bitquilt.calib.capture import collect_stats, sample_inputs
 from bitquilt.models.adapters import Architecture, InputGroup
-from bitquilt.nn.act_quant import ActQuantConfig, fake_quantize, sample_inputs
+from bitquilt.nn.act_quant import ActQuantConfig, fake_quantize
 from bitquilt.solvers.base import LayerSpec
 from bitquilt.transforms import register_transform
 from bitquilt.transforms.awq import fake_quantize as fake_quantize_weight
@@ -75,7 +75,7 @@ def smoothquant(block: nn.Module, arch: Architecture, inputs: list[torch.Tensor]
     opts = SmoothQuantOptions(**(options or {}))
     groups = [g for g in arch.groups if can_fold(block, g) and not _crosses_online_transform(block, g)]
     first = {g.linears[0]: g for g in groups}
-    stats = collect_stats(block, list(first), inputs, kwargs)
+    stats = collect_stats(block, list(first), inputs, kwargs, hessian=False)  # ranges only
     samples = sample_inputs(block, list(first), inputs, kwargs, opts.max_tokens) if opts.alpha is None else {}
     report = {}
     for name, group in first.items():
