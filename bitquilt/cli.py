@@ -70,6 +70,9 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    help="activation clipping ratio in (0, 1], or 'search' (per linear, on calibration data)")
     a.add_argument("--kv-bits", type=int, default=16, help="key/value cache bits, 4 or 8 (default 16 = off)")
     a.add_argument("--kv-group-size", type=int, default=-1, help="KV values per group along head_dim (default: head)")
+    a.add_argument("--kv-center", action=argparse.BooleanOptionalAction, default=True,
+                   help="quantize keys around their mean on the calibration data (default on; it keeps Qwen2.5's "
+                   "biased keys from collapsing at 4 bits)")
     c = p.add_argument_group("calibration")
     c.add_argument("--calib-data", default="sciq",
                    help="calibration text: sciq (default), wiki, lambada, or a .txt/.jsonl file")
@@ -101,7 +104,7 @@ def _recipe_from_args(args, method: str, bits: int, group_size: int):
     options = {k: v for k, v in wanted.items() if k in fields and v is not None}
     return Recipe(method=method, w_bits=bits, group_size=group_size, sym=args.sym, options=options,
                   skip=tuple(args.skip), a_bits=args.a_bits, a_sym=args.a_sym, a_clip=args.a_clip,
-                  kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+                  kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_center=args.kv_center)
 
 
 def _calib_config(args):

@@ -156,6 +156,7 @@ def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
         bias = tensors.pop(f"{name}.bias", None)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, QuantLinear(fmt, bias))
+    restore_online_state(model, qconfig.get("online", {}))  # before the tensors: some own buffers (key centres)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     quantized = tuple(f"{name}." for name in qconfig["layers"])
@@ -164,7 +165,6 @@ def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
         raise UserError(f"{directory} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if tied:
         model.tie_weights()
-    restore_online_state(model, qconfig.get("online", {}))
     model.eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)

@@ -49,6 +49,7 @@ class Recipe:
     a_clip: float | None = 1.0  # clipping ratio of the activation range; None: searched per linear
     kv_bits: int = 16  # keys (after RoPE) and values, per head (16: off)
     kv_group_size: int = -1  # values per KV group along head_dim (-1: the whole head)
+    kv_center: bool = True  # quantize keys around their calibrated mean (see bitquilt.nn.kv_quant)
 
     def __post_init__(self) -> None:
         self.method = METHOD_ALIASES.get(self.method, self.method)
@@ -85,7 +86,7 @@ class Recipe:
 
         searched_clip = self.a_clip is None or any(f.get("a_clip", 0) is None for f in self.overrides.values())
         return (get_solver(self.solver).needs_stats or any(get_transform(t).scope == "block" for t in self.transforms)
-                or (searched_clip and self.a_bits < 16))
+                or (searched_clip and self.a_bits < 16) or (self.kv_center and self.kv_bits < 16))
 
     @property
     def default_spec(self) -> LayerSpec:

@@ -203,6 +203,30 @@ def test_kv4_costs_less_than_a4_on_the_default_model(smollm, calib_ids):
     assert 0 < kv_cost < act_cost, (kv_cost, act_cost)
 
 
+def test_key_centring_rescues_keys_with_a_large_constant_part():
+    # Qwen2.5's k_proj biases make most of each key the same for every token; a 4-bit grid spanning
+    # that leaves almost nothing for the part attention depends on, unless keys are centred first.
+    # (Large constant parts sit in slowly rotating RoPE channels: fast ones would average out over positions.)
+    model = make_tiny("qwen2")
+    arch = architecture_of(model)
+    with torch.no_grad():
+        for block in decoder_layers(model, arch):
+            block.self_attn.k_proj.bias[15::16] += 100.0  # the slowest RoPE pair of each head: ~constant
+            block.self_attn.q_proj.weight *= 20  # sharp attention, as in a trained model: keys matter
+            block.self_attn.k_proj.weight *= 20
+    ids = _ids()
+    ref = _logits(model, ids[:2])
+    errors = {}
+    for center in (False, True):
+        m = copy.deepcopy(model)
+        quantize_model(m, Recipe("rtn", w_bits=8, group_size=32, kv_bits=4, kv_center=center), ids, progress=False)
+        centres = [b.self_attn.kv_quant.key_center for b in decoder_layers(m, arch)]
+        assert all((c is not None) == center for c in centres)
+        errors[center] = float((_logits(m, ids[:2]) - ref).pow(2).mean())
+    assert centres[0].shape == (2, 1, 32)  # kv heads, broadcast over tokens, head_dim
+    assert errors[True] < 0.3 * errors[False], errors
+
+
 # ---------------------------------------------------------------- SmoothQuant and recipes
 def test_smoothquant_scaling_is_function_preserving_before_quantization():
     from bitquilt.calib.capture import capture_block_inputs
@@ -235,6 +259,9 @@ def test_w4a4kv4_save_load_gives_identical_logits(tmp_path, model_type):
     assert loaded.bitquilt_qconfig["recipe"]["a_bits"] == 4 and loaded.bitquilt_qconfig["recipe"]["kv_bits"] == 4
     clips = {m.act_quant.config.clip_ratio for m in loaded.modules() if isinstance(m, QuantLinear)}
     assert clips and all(c is not None for c in clips)
+    saved, restored = ([m.kv_quant.key_center for m in mm.modules() if getattr(m, "kv_quant", None) is not None]
+                       for mm in (model, loaded))
+    assert len(restored) == 2 and all(torch.equal(a, b) for a, b in zip(saved, restored))
 
 
 def test_recipe_validation_and_cli_flags():

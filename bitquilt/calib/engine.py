@@ -23,7 +23,7 @@ from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_bloc
 from bitquilt.formats.uniform import resolve_group_size
 from bitquilt.models.adapters import architecture_of, decoder_layers
 from bitquilt.nn.act_quant import input_quantizers
-from bitquilt.nn.kv_quant import configure_kv_quant
+from bitquilt.nn.kv_quant import configure_kv_quant, fit_key_center
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import CalibConfig, Recipe
 from bitquilt.solvers import get_solver
@@ -153,6 +153,8 @@ def quantize_model(
                 report.transforms.setdefault(t.name, {})[prefix] = t.fn(
                     block, arch, inputs, kwargs, recipe.spec_for, recipe.transform_options_for(t.name), prefix
                 )
+        if recipe.kv_center and recipe.kv_bits < 16:
+            fit_key_center(block, arch, inputs, kwargs)
         for group in arch.groups:
             names = [n for n in group.linears if recipe.spec_for(f"{prefix}.{n}") is not None]
             if not names:

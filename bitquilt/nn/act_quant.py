@@ -88,9 +88,10 @@ class DynamicQuantizer(nn.Module):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]):
+        """Inverse of `to_dict`: the config's fields, then the subclass's own constructor arguments."""
         d = dict(d)
-        hadamard = d.pop("hadamard", False)
-        return cls(ActQuantConfig(**d), hadamard)
+        config = ActQuantConfig(**{f: d.pop(f) for f in ActQuantConfig.__dataclass_fields__ if f in d})
+        return cls(config, **d)
 
     def extra_repr(self) -> str:
         c = self.config
