@@ -107,3 +107,15 @@ def test_solving_a_linear_keeps_no_fp32_copy_of_the_weight():
     report = _solve_linear(block, "proj", "proj", LayerSpec(4, 32), solver, solver.make_options(), stats)
     assert isinstance(block.proj, QuantLinear) and block.proj._dequantized is None
     assert 0 < report.rel_error < 0.05
+
+
+def test_too_few_calibration_tokens_for_a_layer_warn_once(caplog):
+    model = make_tiny("llama")  # MLP width 256: 2 × 64 = 128 tokens leave down_proj's Hessian rank-deficient
+    with caplog.at_level("WARNING", logger="bitquilt.calib.engine"):
+        quantize_model(model, Recipe("gptq", w_bits=4, group_size=32), _ids(2), progress=False)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "model.layers.0.mlp.down_proj: 128 calibration tokens for 256 inputs" in warnings[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="bitquilt.calib.engine"):
+        quantize_model(make_tiny("llama"), Recipe("gptq", w_bits=4, group_size=32), _ids(8), progress=False)
+    assert not caplog.records

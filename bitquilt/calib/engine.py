@@ -9,6 +9,7 @@ Only one block's calibration activations are held at a time.
 
 from __future__ import annotations
 
+import logging
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,8 @@ from bitquilt.recipes import CalibConfig, Recipe
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LinearStats
 from bitquilt.transforms import get_transform
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,6 +101,18 @@ def _solve_linear(block, name, full_name, spec, solver, options, stats, act_quan
     return LinearReport(full_name, fmt.describe(), fmt.bits_per_weight(), fmt.nbytes(), time.perf_counter() - t0, err)
 
 
+def warn_if_underdetermined(stats: dict[str, LinearStats], prefix: str, warned: set[int]) -> None:
+    """Warn (once per input width) when a Hessian has fewer calibration tokens than inputs: it is then
+    rank-deficient and Hessian-based solvers fit the calibration text instead of the layer."""
+    for name, s in stats.items():
+        width = s.act_absmax.numel()
+        if s.n_tokens < width and width not in warned:
+            warned.add(width)
+            log.warning("%s.%s: %d calibration tokens for %d inputs, so its Hessian is rank-deficient and the "
+                        "solver may overfit the calibration text; use at least %d tokens (--calib-samples × "
+                        "--calib-seqlen) or a larger --damp", prefix, name, s.n_tokens, width, width)
+
+
 def check_layer_shapes(model: nn.Module, arch, recipe: Recipe) -> None:
     """Fail before any work if a target linear cannot take its grid (e.g. group size vs width)."""
     for i, block in enumerate(decoder_layers(model, arch)):
@@ -143,6 +158,7 @@ def quantize_model(
     model.config.use_cache = False
     inputs, layer_kwargs = capture_block_inputs(model, arch, calib_ids) if needs_data else ([], [])
 
+    warned: set[int] = set()
     bar = tqdm(range(len(layers)), desc=f"quantize {recipe.label()}", unit="block", disable=not progress)
     for i in bar:
         t_block = time.perf_counter()
@@ -160,6 +176,7 @@ def quantize_model(
             if not names:
                 continue
             stats = collect_stats(block, names, inputs, kwargs) if solver.needs_stats else {}
+            warn_if_underdetermined(stats, prefix, warned)
             acts = input_quantizers(block, names, {n: recipe.act_config_for(f"{prefix}.{n}") for n in names},
                                     inputs, kwargs)
             for n in names:
