@@ -1,4 +1,4 @@
-"""W4A4KV4 benchmark: perplexity of rtn / smoothquant+rtn / quarot+rtn / quarot+gptq at W4A16, W4A8KV8, W4A4KV4.
+"""W4A4KV4 benchmark: perplexity of rtn / smoothquant+rtn / quarot+rtn / quarot+gptq from W4A16 to W4A4KV4.
 
     python bench/w4a4.py --model smollm2-135m --threads 1
 
@@ -34,7 +34,8 @@ from bitquilt.recipes import Recipe
 
 METHODS = ("rtn", "smoothquant+rtn", "quarot+rtn", "quarot+gptq")
 KEY = ("model", "precision", "kv_center", "method")  # + settings: what identifies a record
-PRECISIONS = {"W4A16": (16, 16), "W4A8KV8": (8, 8), "W4A4KV4": (4, 4)}  # name -> (a_bits, kv_bits)
+# name -> (a_bits, kv_bits); W4KV4 and W4A4 separate what the KV cache and the activations each cost
+PRECISIONS = {"W4A16": (16, 16), "W4KV4": (16, 4), "W4A4": (4, 16), "W4A8KV8": (8, 8), "W4A4KV4": (4, 4)}
 
 
 def row_label(record: dict) -> str:
