@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 from common import (
+    GPTQ_ACT_ORDER_STATIC,
+    GPTQ_PLAIN,
     RESULTS,
     add_protocol_args,
     append_record,
@@ -40,25 +42,23 @@ KEY = ("model", "label", "w_bits", "group_size")  # + settings: what identifies 
 
 # (label, method, bits, group size, solver options); grid order = run order
 GRID = ((4, 128), (3, 128), (2, 64))
-# GPTQ's default is act-order + static groups; the "gptq" rows are the original sweep, as in the reference.
-PLAIN = {"act_order": False, "static_groups": False}
-ACT_ORDER_STATIC = {"act_order": True, "static_groups": True}  # act-order that keeps groups contiguous (kernels)
-OPTIONS = {"gptq": PLAIN, "awq+gptq": PLAIN}  # per method, in the rows that name no variant
+# the "gptq" rows are the original sweep, as in the reference; GPTQ's own default is act-order + static groups
+OPTIONS = {"gptq": GPTQ_PLAIN, "awq+gptq": GPTQ_PLAIN}  # per method, in the rows that name no variant
 MAIN = [(m, m, b, g, OPTIONS.get(m, {})) for b, g in GRID for m in ("rtn", "gptq", "bpdq", "awq")]
 REFERENCE_EXTRAS = [
-    ("rtn", "rtn", 4, -1, {}), ("gptq", "gptq", 4, -1, PLAIN),
-    ("rtn", "rtn", 3, 32, {}), ("gptq", "gptq", 3, 32, PLAIN),
-    ("gptq act-order+static", "gptq", 3, 128, ACT_ORDER_STATIC),
-    ("gptq act-order+static", "gptq", 2, 64, ACT_ORDER_STATIC),
+    ("rtn", "rtn", 4, -1, {}), ("gptq", "gptq", 4, -1, GPTQ_PLAIN),
+    ("rtn", "rtn", 3, 32, {}), ("gptq", "gptq", 3, 32, GPTQ_PLAIN),
+    ("gptq act-order+static", "gptq", 3, 128, GPTQ_ACT_ORDER_STATIC),
+    ("gptq act-order+static", "gptq", 2, 64, GPTQ_ACT_ORDER_STATIC),
 ]
 IMPROVEMENTS = [
     (label, method, b, g, options) for b, g in GRID for label, method, options in (
-        ("gptq act-order+static", "gptq", ACT_ORDER_STATIC),
+        ("gptq act-order+static", "gptq", GPTQ_ACT_ORDER_STATIC),
         ("gptq act-order", "gptq", {"act_order": True, "static_groups": False}),
-        ("gptq mse", "gptq", {**PLAIN, "mse": True}),
-        ("gptq damp 0.1", "gptq", {**PLAIN, "damp": 0.1}),
-        ("awq+gptq", "awq+gptq", PLAIN),
-        ("awq+gptq act-order+static", "awq+gptq", ACT_ORDER_STATIC),
+        ("gptq mse", "gptq", {**GPTQ_PLAIN, "mse": True}),
+        ("gptq damp 0.1", "gptq", {**GPTQ_PLAIN, "damp": 0.1}),
+        ("awq+gptq", "awq+gptq", GPTQ_PLAIN),
+        ("awq+gptq act-order+static", "awq+gptq", GPTQ_ACT_ORDER_STATIC),
     )
 ]
 BPDQ = [("bpdq", "bpdq", b, g, {}) for b, g in ((3, 64), (2, 128))]

@@ -15,6 +15,9 @@ import torch
 from bitquilt.recipes import CalibConfig
 
 RESULTS = Path(__file__).parent / "results"
+# GPTQ option sets the benches name (GPTQ's default is act-order + static groups)
+GPTQ_PLAIN = {"act_order": False, "static_groups": False}  # the original column-order sweep, as the reference
+GPTQ_ACT_ORDER_STATIC = {"act_order": True, "static_groups": True}  # act-order that keeps groups contiguous
 
 
 def cpu_name() -> str:

@@ -17,7 +17,7 @@ import sys
 import time
 
 import torch
-from common import RESULTS, machine, write_atomic
+from common import GPTQ_ACT_ORDER_STATIC, GPTQ_PLAIN, RESULTS, machine, write_atomic
 
 from bitquilt.api import calibration_ids, load
 from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_block
@@ -30,9 +30,9 @@ from bitquilt.solvers.base import LayerSpec
 
 SOLVERS = [  # (label, solver, options)
     ("rtn", "rtn", {}),
-    ("gptq", "gptq", {"act_order": False, "static_groups": False}),  # the original sweep
-    ("gptq damp 0.1", "gptq", {"act_order": False, "static_groups": False, "damp": 0.1}),
-    ("gptq act-order+static", "gptq", {"act_order": True, "static_groups": True}),
+    ("gptq", "gptq", GPTQ_PLAIN),  # the original sweep
+    ("gptq damp 0.1", "gptq", {**GPTQ_PLAIN, "damp": 0.1}),
+    ("gptq act-order+static", "gptq", GPTQ_ACT_ORDER_STATIC),
     ("bpdq", "bpdq", {}),
 ]
 

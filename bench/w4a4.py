@@ -14,6 +14,7 @@ import time
 
 import torch
 from common import (
+    GPTQ_PLAIN,
     RESULTS,
     add_protocol_args,
     append_record,
@@ -50,9 +51,8 @@ def render(records: list[dict]) -> str:
              "every decoder linear's input, clipping ratio searched per linear on the calibration data. KV cache: "
              "keys after RoPE and values, asymmetric, one group per head; keys are quantized around their mean "
              "on the calibration data (a per-head, per-channel centre) except in the rows marked *keys not "
-             "centred*. The LM head and embeddings stay in full "
-             "precision. Perplexity is "
-             "token-level on non-overlapping windows (no BOS).", "",
+             "centred*. The LM head and embeddings stay in full precision. Perplexity is token-level on "
+             "non-overlapping windows (no BOS).", "",
              "**Caveat:** the packaged FP reference is a dequantized 4-bit GGUF, so plain RTN re-quantization of "
              "unrotated weights is flattered at W4A16 (the weights already sit on a 4-bit grid); rotations destroy "
              "that alignment.", ""]
@@ -62,7 +62,7 @@ def render(records: list[dict]) -> str:
         cell = {(row_label(r), r["method"]): r for r in rows}
         if ("FP", "fp") in cell:
             lines.append(f"| FP | {fmt_ppl(cell['FP', 'fp']['ppl'])} (all) |" + " |" * (len(METHODS) - 1))
-        labels = [p for p in PRECISIONS] + [f"{p}, keys not centred" for p, (_, kv) in PRECISIONS.items() if kv < 16]
+        labels = list(PRECISIONS) + [f"{p}, keys not centred" for p, (_, kv) in PRECISIONS.items() if kv < 16]
         labels = [p for p in labels if any(row == p for row, _ in cell)]
         for prec in labels:
             lines.append(f"| {prec} | " + " | ".join(fmt_ppl(cell[prec, m]["ppl"]) if (prec, m) in cell else ""
@@ -105,7 +105,7 @@ def main() -> None:
         reset_peak_rss()
         if method != "fp":
             a_bits, kv_bits = PRECISIONS[prec]
-            options = {"act_order": False, "static_groups": False} if method.endswith("gptq") else {}  # as recorded
+            options = GPTQ_PLAIN if method.endswith("gptq") else {}  # the sweep its records were measured with
             recipe = Recipe(method, w_bits=4, group_size=128, options=options, a_bits=a_bits, kv_bits=kv_bits,
                             a_clip=None, kv_center=bool(kv_center))
             t0 = time.perf_counter()

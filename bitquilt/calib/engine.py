@@ -143,7 +143,8 @@ def quantize_model(
     transforms = [get_transform(t) for t in recipe.transforms]
     needs_data = recipe.needs_calibration
     if needs_data and calib_ids is None:
-        raise ValueError(f"method {recipe.method!r} needs calibration data")
+        raise ValueError(f"recipe {recipe.label()!r} needs calibration data (solver statistics, a block transform, "
+                         "a clipping search or key centring); pass calibration ids")
     # the saved recipe spells out every solver option, so changing a default never changes what it means
     recorded = {**recipe.to_dict(), "options": asdict(options)}
     report = QuantReport(recorded, asdict(calib) if calib and needs_data else None)
