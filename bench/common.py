@@ -56,6 +56,12 @@ def fmt_ppl(x: float | None) -> str:
     return f"{x:,.0f}" if x >= 1000 else f"{x:.2f}"
 
 
+def pivot(corner: str, rows: list[str], cols: list[str], cell: dict[tuple[str, str], str]) -> list[str]:
+    """A markdown table with one row per `rows` entry and one column per `cols` entry; missing cells blank."""
+    return ([f"| {corner} | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+            + [f"| {r} | " + " | ".join(cell.get((r, c), "") for c in cols) + " |" for r in rows])
+
+
 def by_setting(records: list[dict]) -> list[tuple[str, dict, list[dict]]]:
     """Records grouped by (model, measurement settings), in first-seen order."""
     groups: dict[str, list[dict]] = {}

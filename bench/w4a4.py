@@ -22,6 +22,7 @@ from common import (
     fmt_ppl,
     machine,
     measured,
+    pivot,
     protocol_settings,
     record_key,
     setting_header,
@@ -57,21 +58,16 @@ def render(records: list[dict]) -> str:
              "unrotated weights is flattered at W4A16 (the weights already sit on a 4-bit grid); rotations destroy "
              "that alignment.", ""]
     for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows) + [
-            "| precision | " + " | ".join(METHODS) + " |", "|---|" + "---|" * len(METHODS)]
         cell = {(row_label(r), r["method"]): r for r in rows}
-        if ("FP", "fp") in cell:
-            lines.append(f"| FP | {fmt_ppl(cell['FP', 'fp']['ppl'])} (all) |" + " |" * (len(METHODS) - 1))
         labels = list(PRECISIONS) + [f"{p}, keys not centred" for p, (_, kv) in PRECISIONS.items() if kv < 16]
         labels = [p for p in labels if any(row == p for row, _ in cell)]
-        for prec in labels:
-            lines.append(f"| {prec} | " + " | ".join(fmt_ppl(cell[prec, m]["ppl"]) if (prec, m) in cell else ""
-                                                      for m in METHODS) + " |")
-        lines += ["", "Calibration + quantization time (s):", "",
-                  "| precision | " + " | ".join(METHODS) + " |", "|---|" + "---|" * len(METHODS)]
-        for prec in labels:
-            lines.append(f"| {prec} | " + " | ".join(f"{cell[prec, m]['quant_time_s']:.0f}" if (prec, m) in cell
-                                                      else "" for m in METHODS) + " |")
+        ppl = {k: fmt_ppl(r["ppl"]) for k, r in cell.items()}
+        if ("FP", "fp") in cell:
+            ppl["FP", METHODS[0]] = f"{ppl.pop(('FP', 'fp'))} (all)"
+        lines += setting_header(model, settings, rows) + pivot("precision", ["FP"] * (("FP", "fp") in cell) + labels,
+                                                               list(METHODS), ppl)
+        seconds = {k: f"{r['quant_time_s']:.0f}" for k, r in cell.items() if k[0] != "FP"}
+        lines += ["", "Calibration + quantization time (s):", ""] + pivot("precision", labels, list(METHODS), seconds)
         lines.append("")
     return "\n".join(lines)
 
