@@ -62,7 +62,8 @@ IMPROVEMENTS = [
         ("awq+gptq act-order+static", "awq+gptq", GPTQ_ACT_ORDER_STATIC),
     )
 ]
-BPDQ = [("bpdq", "bpdq", b, g, {}) for b, g in ((3, 64), (2, 128))]
+# BPDQ's extra grids, with the baselines it is compared against there
+BPDQ = [(m, m, b, g, OPTIONS.get(m, {})) for b, g in ((3, 64), (2, 128)) for m in ("bpdq", "rtn", "gptq", "awq")]
 SUITES = {"main": MAIN, "reference": REFERENCE_EXTRAS, "improvements": IMPROVEMENTS, "bpdq": BPDQ}
 
 # The figures from the unmodified IST-DASLab GPTQ reference on smollm2-135m (same settings).
