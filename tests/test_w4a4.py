@@ -16,8 +16,15 @@ from bitquilt.nn.act_quant import ActQuantConfig, ActQuantizer, attach_act_quant
 from bitquilt.nn.kv_quant import KVQuantizer, configure_kv_quant
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import Recipe
-from bitquilt.transforms.hadamard import hadamard_matrix, hadamard_transform, odd_factor, paley_hadamard, sylvester
-from bitquilt.transforms.rotation import fuse_norms, quarot
+from bitquilt.transforms.hadamard import (
+    hadamard_matrix,
+    hadamard_transform,
+    odd_factor,
+    paley_hadamard,
+    random_signs,
+    sylvester,
+)
+from bitquilt.transforms.rotation import _rowwise_float64, fuse_norms, quarot
 from tests.conftest import make_tiny
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3_text"]
@@ -67,6 +74,16 @@ def test_signs_randomise_the_rotation():
     x = torch.randn(3, 576, dtype=torch.float64)
     s = torch.randint(0, 2, (576,), generator=torch.Generator().manual_seed(0)).double() * 2 - 1
     assert torch.allclose(hadamard_transform(x, s), (x * s) @ hadamard_matrix(576), atol=1e-12)
+
+
+def test_rotating_a_large_matrix_in_row_chunks_is_exact():
+    """Embeddings and LM heads are rotated a chunk of rows at a time (bounded float64 memory); the result
+    must be the whole-matrix transform, bit for bit, including a short last chunk."""
+    w = torch.randn(23, 576, generator=torch.Generator().manual_seed(1))
+    s = random_signs(576, 0)
+    whole = hadamard_transform(w.double(), s).float()
+    assert torch.equal(_rowwise_float64(w, lambda rows: hadamard_transform(rows, s), rows=5), whole)
+    assert torch.equal(_rowwise_float64(w.T.contiguous().T, lambda rows: hadamard_transform(rows, s), rows=4), whole)
 
 
 # ---------------------------------------------------------------- norm fusion and rotation

@@ -23,6 +23,7 @@ Then, for activation and KV quantization (function-preserving as well):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,9 +75,20 @@ def attach_output_rotation(module: nn.Module, rotation: OutputRotation) -> None:
         module._output_rotation_hooked = True
 
 
+def _rowwise_float64(w: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], rows: int = 8192) -> torch.Tensor:
+    """fn (acting on each row of its input independently) applied to w in float64, a chunk of rows at
+    a time, returned in w's dtype: a float64 copy of a whole 150k-row embedding or LM head, plus the
+    transform's temporaries, would more than double the model's peak memory."""
+    flat = w.reshape(-1, w.shape[-1])
+    out = torch.empty(flat.shape, dtype=w.dtype, device=w.device)
+    for i in range(0, flat.shape[0], rows):
+        out[i:i + rows] = fn(flat[i:i + rows].double())
+    return out.reshape(w.shape)
+
+
 def _times(w: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
     """w (diag(s) M) on the last dimension, computed in float64."""
-    return hadamard_transform(w.double(), signs).to(w.dtype)
+    return _rowwise_float64(w, lambda rows: hadamard_transform(rows, signs))
 
 
 @torch.no_grad()
@@ -113,7 +125,7 @@ def fuse_norms(model: nn.Module, arch: Architecture) -> None:
             raise ValueError(f"cannot fuse a norm with a bias ({type(norm).__name__})")
         scale = arch.norm_offset + norm.weight.double()
         for lin in linears:
-            _set(lin.weight, lin.weight.double() * scale)
+            _set(lin.weight, _rowwise_float64(lin.weight, lambda rows, scale=scale: rows * scale))
         norm.weight.fill_(1 - arch.norm_offset)
 
 
