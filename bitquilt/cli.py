@@ -13,6 +13,7 @@ from typing import Any
 
 from bitquilt.api import model_summary
 from bitquilt.errors import UserError
+from bitquilt.recipes import Recipe
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -44,9 +45,10 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
         g.add_argument("--group-size", type=_int_list, default=[128],
                        help="group sizes (32/64/128/256, -1 = per channel); one per bit width or one for all")
     else:
-        g.add_argument("--method", "--recipe", dest="method", default="gptq",
+        g.add_argument("--method", "--recipe", dest="method", default=Recipe.method,
                        help="rtn | gptq | awq (=awq+rtn) | awq+gptq | bpdq | smoothquant+rtn | quarot+rtn | "
-                       "quarot+gptq (default: gptq)")
+                       f"quarot+gptq (default: {Recipe.method}, the most accurate uniform grid at 3-4 bits; gptq "
+                       "is faster; use bpdq at 2 bits)")
         g.add_argument("--w-bits", type=int, default=4, help="weight bits: 2, 3, 4 or 8 (default 4)")
         g.add_argument("--group-size", type=int, default=128,
                        help="columns sharing a scale: 32, 64, 128, 256, or -1 for per-channel (default 128)")
@@ -95,7 +97,6 @@ def _add_eval_args(p: argparse.ArgumentParser, ppl_flag: bool) -> None:
 
 
 def _recipe_from_args(args, method: str, bits: int, group_size: int):
-    from bitquilt.recipes import Recipe
     from bitquilt.solvers import get_solver
 
     solver = get_solver(method.split("+")[-1] if method != "awq" else "rtn")

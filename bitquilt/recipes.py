@@ -36,7 +36,8 @@ class CalibConfig:
 
 @dataclass
 class Recipe:
-    method: str = "gptq"
+    # the best uniform grid measured at 3-4 bits (bench/results/accuracy.md); 2 bits wants "bpdq"
+    method: str = "awq+gptq"
     w_bits: int = 4
     group_size: int = 128
     sym: bool = False

@@ -7,8 +7,10 @@ import sys
 import pytest
 import torch
 
-from bitquilt.cli import main
+from bitquilt.cli import build_parser, main
 from bitquilt.io import CONFIG_NAME
+from bitquilt.recipes import Recipe
+from bitquilt.solvers import get_solver
 
 
 def run(capsys, *argv):
@@ -66,6 +68,15 @@ def test_models_lists_the_default(capsys):
     code, stdout, _ = run(capsys, "models", "--json")
     rows = json.loads(stdout)
     assert code == 0 and any(r["name"] == "smollm2-135m" and r["fetched"] for r in rows)
+
+
+def test_default_method_is_awq_gptq_with_act_order_and_static_groups():
+    """The default recipe is the best uniform grid measured at 3-4 bits (bench/results/accuracy.md)."""
+    args = build_parser().parse_args(["quantize", "smollm2-135m", "-o", "out/q"])
+    recipe = Recipe()
+    assert args.method == recipe.method == "awq+gptq" and recipe.transforms == ["awq"] and recipe.solver == "gptq"
+    options = get_solver(recipe.solver).make_options(recipe.options)
+    assert options.act_order and options.static_groups
 
 
 def test_console_script_help():
