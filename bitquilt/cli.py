@@ -13,7 +13,7 @@ from typing import Any
 
 from bitquilt.api import model_summary
 from bitquilt.errors import UserError
-from bitquilt.recipes import Recipe
+from bitquilt.recipes import Recipe, solver_name
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -99,7 +99,7 @@ def _add_eval_args(p: argparse.ArgumentParser, ppl_flag: bool) -> None:
 def _recipe_from_args(args, method: str, bits: int, group_size: int):
     from bitquilt.solvers import get_solver
 
-    solver = get_solver(method.split("+")[-1] if method != "awq" else "rtn")
+    solver = get_solver(solver_name(method))
     fields = {f for f in solver.options.__dataclass_fields__}
     wanted = {"act_order": args.act_order, "static_groups": args.static_groups, "mse": args.mse, "damp": args.damp}
     options = {k: v for k, v in wanted.items() if k in fields and v is not None}

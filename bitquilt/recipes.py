@@ -20,8 +20,14 @@ from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec
 
 METHOD_ALIASES = {"awq": "awq+rtn"}
+
 WEIGHT_FIELDS = {"bits", "group_size", "sym"}
 ACT_FIELDS = {"a_bits": "bits", "a_sym": "sym", "a_clip": "clip_ratio"}  # override field -> ActQuantConfig field
+
+
+def solver_name(method: str) -> str:
+    """The solver a method ends in, e.g. "awq+gptq" -> "gptq", "awq" (= "awq+rtn") -> "rtn"."""
+    return METHOD_ALIASES.get(method, method).split("+")[-1]
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,7 @@ class Recipe:
 
     @property
     def solver(self) -> str:
-        return self.method.split("+")[-1]
+        return solver_name(self.method)
 
     @property
     def transforms(self) -> list[str]:
