@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -70,6 +71,18 @@ def by_setting(records: list[dict]) -> list[tuple[str, dict, list[dict]]]:
     return [(*json.loads(key), rows) for key, rows in groups.items()]
 
 
+def machines_line(rows: list[dict]) -> str:
+    """The machine the rows ran on; a field that differs between rows (runs are appended over
+    several sessions, e.g. with other thread counts) is listed with the number of rows per value."""
+    fields = dict.fromkeys(k for r in rows for k in r["machine"])
+    same = {k: rows[0]["machine"].get(k) for k in fields if len({str(r["machine"].get(k)) for r in rows}) == 1}
+    varying = [
+        f"{k}: " + ", ".join(f"{v} ({n} rows)" for v, n in Counter(str(r["machine"].get(k)) for r in rows).items())
+        for k in fields if k not in same
+    ]
+    return f"Machine: {same}" + "".join(f"; {v}" for v in varying) + "."
+
+
 def setting_header(model: str, settings: dict, rows: list[dict]) -> list[str]:
     """Markdown section heading stating calibration, evaluation, machine and the commands that ran."""
     c = settings["calibration"]
@@ -77,7 +90,7 @@ def setting_header(model: str, settings: dict, rows: list[dict]) -> list[str]:
     return [f"## {model}", "",
             f"Calibration: {c['n_samples']} × {c['seqlen']} tokens of `{c['source']}` (seed {c['seed']}); "
             f"evaluation: first {settings['ppl_windows']} windows × {settings['seqlen']} tokens of "
-            f"`{settings['ppl_data']}`. Machine: {rows[-1]['machine']}.", "",
+            f"`{settings['ppl_data']}`. {machines_line(rows)}", "",
             f"Command(s): {commands}", ""]
 
 
