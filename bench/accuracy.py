@@ -57,6 +57,7 @@ IMPROVEMENTS = [
         ("gptq act-order+static", "gptq", GPTQ_ACT_ORDER_STATIC),
         ("gptq act-order", "gptq", {"act_order": True, "static_groups": False}),
         ("gptq mse", "gptq", {**GPTQ_PLAIN, "mse": True}),
+        ("gptq act-order+static mse", "gptq", {**GPTQ_ACT_ORDER_STATIC, "mse": True}),
         ("gptq damp 0.1", "gptq", {**GPTQ_PLAIN, "damp": 0.1}),
         ("awq+gptq", "awq+gptq", GPTQ_PLAIN),
         ("awq+gptq act-order+static", "awq+gptq", GPTQ_ACT_ORDER_STATIC),
