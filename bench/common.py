@@ -75,12 +75,11 @@ def machines_line(rows: list[dict]) -> str:
     """The machine the rows ran on; a field that differs between rows (runs are appended over
     several sessions, e.g. with other thread counts) is listed with the number of rows per value."""
     fields = dict.fromkeys(k for r in rows for k in r["machine"])
-    same = {k: rows[0]["machine"].get(k) for k in fields if len({str(r["machine"].get(k)) for r in rows}) == 1}
-    varying = [
-        f"{k}: " + ", ".join(f"{v} ({n} rows)" for v, n in Counter(str(r["machine"].get(k)) for r in rows).items())
-        for k in fields if k not in same
-    ]
-    return f"Machine: {same}" + "".join(f"; {v}" for v in varying) + "."
+    counts = {k: Counter(str(r["machine"].get(k)) for r in rows) for k in fields}
+    same = {k: rows[0]["machine"].get(k) for k, c in counts.items() if len(c) == 1}
+    varying = "".join(f"; {k}: " + ", ".join(f"{v} ({n} rows)" for v, n in c.items())
+                      for k, c in counts.items() if len(c) > 1)
+    return f"Machine: {same}{varying}."
 
 
 def setting_header(model: str, settings: dict, rows: list[dict]) -> list[str]:
