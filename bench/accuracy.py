@@ -61,6 +61,7 @@ IMPROVEMENTS = [
         ("gptq damp 0.1", "gptq", {**GPTQ_PLAIN, "damp": 0.1}),
         ("awq+gptq", "awq+gptq", GPTQ_PLAIN),
         ("awq+gptq act-order+static", "awq+gptq", GPTQ_ACT_ORDER_STATIC),
+        ("awq+gptq act-order+static mse", "awq+gptq", {**GPTQ_ACT_ORDER_STATIC, "mse": True}),
     )
 ]
 # BPDQ's extra grids, with the baselines it is compared against there
