@@ -55,7 +55,7 @@ REFERENCE_EXTRAS = [
 IMPROVEMENTS = [
     (label, method, b, g, options) for b, g in GRID for label, method, options in (
         ("gptq act-order+static", "gptq", GPTQ_ACT_ORDER_STATIC),
-        ("gptq act-order", "gptq", {"act_order": True, "static_groups": False}),
+        ("gptq act-order", "gptq", {**GPTQ_ACT_ORDER_STATIC, "static_groups": False}),
         ("gptq mse", "gptq", {**GPTQ_PLAIN, "mse": True}),
         ("gptq act-order+static mse", "gptq", {**GPTQ_ACT_ORDER_STATIC, "mse": True}),
         ("gptq damp 0.1", "gptq", {**GPTQ_PLAIN, "damp": 0.1}),

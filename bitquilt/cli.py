@@ -60,8 +60,9 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    help="GPTQ act-order: fit group grids before the sweep, keeping groups contiguous (default on; "
                    "--no-static-groups: fit each group when the sweep reaches it)")
     g.add_argument("--damp", type=float, default=None, help="GPTQ/BPDQ: Hessian dampening, fraction of mean diag")
-    g.add_argument("--mse", action="store_true", default=None,
-                   help="RTN/GPTQ: search a shrunk range per group (MSE clipping)")
+    g.add_argument("--mse", action=argparse.BooleanOptionalAction, default=None,
+                   help="RTN/GPTQ: search a shrunk range per group for the least error (MSE clipping; "
+                   "default: on for GPTQ, off for RTN; --no-mse: plain min-max)")
     g.add_argument("--skip", action="append", default=[], metavar="GLOB",
                    help="keep linears matching GLOB in full precision (repeatable), e.g. '*.down_proj'")
     a = p.add_argument_group("activation and KV-cache quantization")

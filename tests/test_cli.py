@@ -70,13 +70,13 @@ def test_models_lists_the_default(capsys):
     assert code == 0 and any(r["name"] == "smollm2-135m" and r["fetched"] for r in rows)
 
 
-def test_default_method_is_awq_gptq_with_act_order_and_static_groups():
+def test_default_method_is_awq_gptq_with_act_order_static_groups_and_mse():
     """The default recipe is the best uniform grid measured at 3-4 bits (bench/results/accuracy.md)."""
     args = build_parser().parse_args(["quantize", "smollm2-135m", "-o", "out/q"])
     recipe = Recipe()
     assert args.method == recipe.method == "awq+gptq" and recipe.transforms == ["awq"] and recipe.solver == "gptq"
     options = get_solver(recipe.solver).make_options(recipe.options)
-    assert options.act_order and options.static_groups
+    assert options.act_order and options.static_groups and options.mse
 
 
 def test_console_script_help():

@@ -10,7 +10,7 @@ from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import Recipe
 from tests.conftest import make_tiny
 
-GPTQ_DEFAULTS = {"damp": 0.01, "block_size": 128, "act_order": True, "static_groups": True, "mse": False}
+GPTQ_DEFAULTS = {"damp": 0.01, "block_size": 128, "act_order": True, "static_groups": True, "mse": True}
 
 
 def _ids(n=4, seqlen=32):

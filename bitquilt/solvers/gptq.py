@@ -31,7 +31,7 @@ class GPTQOptions:
     block_size: int = 128
     act_order: bool = True
     static_groups: bool = True  # only read with act_order
-    mse: bool = False  # MSE range search for each group's grid
+    mse: bool = True  # search each group's range (shrunk min-max) for the least error, not plain min-max
 
 
 def sweep_columns(
