@@ -16,8 +16,8 @@ import torch
 from bitquilt.recipes import CalibConfig
 
 RESULTS = Path(__file__).parent / "results"
-# GPTQ option sets the benches name (GPTQ's default is act-order + static groups)
-# (spelled out in full, so that changing a default never changes what a measured row means)
+# GPTQ option sets the benches name (GPTQ's default is act-order + static groups + MSE ranges), spelled
+# out in full so that changing a default never changes what a measured row means
 GPTQ_PLAIN = {"act_order": False, "static_groups": False, "mse": False}  # the original sweep, as the reference
 GPTQ_ACT_ORDER_STATIC = {"act_order": True, "static_groups": True, "mse": False}  # act-order, contiguous groups
 

@@ -24,12 +24,13 @@ def test_quantize_eval_inspect_end_to_end(tmp_path, capsys):
     code, stdout, _ = run(capsys, "quantize", "smollm2-135m", "--method", "gptq", "--w-bits", "4",
                           "--group-size", "128", "--calib-samples", "4", "--calib-seqlen", "128",
                           "--skip", "model.layers.[1-9].*", "--skip", "model.layers.[12]?.*", "--no-act-order",
-                          "-o", out, "--json")
+                          "--no-mse", "-o", out, "--json")
     assert code == 0, stdout
     summary = json.loads(stdout)
     assert summary["method"] == "gptq" and summary["size_mb"] > 0
     options = json.loads((out / CONFIG_NAME).read_text())["recipe"]["options"]
-    assert options["act_order"] is False and options["static_groups"] is True  # every option spelled out
+    assert options["act_order"] is False and options["mse"] is False  # the flags reach the saved recipe
+    assert options["static_groups"] is True  # and every other option is spelled out
     code, stdout, _ = run(capsys, "eval", out, "--ppl", "--seqlen", "128", "--ppl-windows", "2", "--json")
     assert code == 0
     result = json.loads(stdout)
