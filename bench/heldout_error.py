@@ -6,7 +6,8 @@ For one decoder block (inputs from the FP blocks before it), each solver quantiz
 linears from the Hessian of `--calib-samples` SciQ windows; the relative output error
 tr(D H Dᵀ) / tr(W H Wᵀ), D = W − Ŵ, is then measured under three Hessians: the one it was fitted
 on, one from 4× more SciQ windows (same domain, unseen tokens), and one from `wiki` windows
-(the perplexity text). Writes bench/results/heldout_error.md and .json.
+(the perplexity text). Each run is one record of bench/results/heldout_error.json (keyed by model,
+block, bits and group size; a rerun replaces it); heldout_error.md shows every run.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import time
 
 import torch
-from common import GPTQ_ACT_ORDER_STATIC, GPTQ_PLAIN, RESULTS, machine, write_atomic
+from common import GPTQ_ACT_ORDER_STATIC, GPTQ_PLAIN, RESULTS, append_record, machine, write_atomic
 
 from bitquilt.api import calibration_ids, load
 from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_block
@@ -33,8 +34,11 @@ SOLVERS = [  # (label, solver, options)
     ("gptq", "gptq", GPTQ_PLAIN),  # the original sweep
     ("gptq damp 0.1", "gptq", {**GPTQ_PLAIN, "damp": 0.1}),
     ("gptq act-order+static", "gptq", GPTQ_ACT_ORDER_STATIC),
+    ("gptq default", "gptq", {}),  # act-order + static groups + MSE ranges
     ("bpdq", "bpdq", {}),
+    ("bpdq damp 0.1", "bpdq", {"damp": 0.1}),
 ]
+KEY = ("model", "layer", "bits", "group_size")
 
 
 @torch.no_grad()
@@ -81,18 +85,31 @@ def main() -> None:
                    **{key: relative_error(weight, w_hat, s) for key, s in stats.items()}}
             print(json.dumps(row), flush=True)
             rows.append(row)
-    settings = {**vars(args), "unseen_samples": 4 * n, "total_seconds": time.perf_counter() - t0}
-    write_atomic(RESULTS / "heldout_error.json",
-                 json.dumps({"settings": settings, "machine": machine(), "rows": rows}, indent=1))
-    lines = ["# Held-out layer error", "", f"`python bench/heldout_error.py {' '.join(sys.argv[1:])}`", "",
-             f"{args.model}, block {args.layer} (inputs from the FP blocks before it), W{args.bits} "
-             f"g{args.group_size}. Relative output error tr(D H Dᵀ)/tr(W H Wᵀ) under the Hessian of: *fit* = the "
-             f"{n} × 512 SciQ tokens the solver was fitted on; *unseen SciQ* = {4 * n} other SciQ windows; *wiki* = "
-             f"{args.eval_windows} × 512 windows of the perplexity text. Lower is better.", "",
-             "| linear | solver | fit | unseen SciQ | wiki | solve s |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['linear']} | {r['solver']} | {r['fit']:.4f} | {r['unseen']:.4f} | {r['wiki']:.4f} | "
-              f"{r['seconds']:.1f} |" for r in rows]
-    write_atomic(RESULTS / "heldout_error.md", "\n".join(lines) + "\n")
+    settings = {"linears": args.linears, "calib_samples": n, "unseen_samples": 4 * n,
+                "eval_windows": args.eval_windows}
+    record = {"model": args.model, "layer": args.layer, "bits": args.bits, "group_size": args.group_size,
+              "settings": settings, "command": f"python bench/heldout_error.py {' '.join(sys.argv[1:])}",
+              "machine": machine(), "total_seconds": time.perf_counter() - t0, "rows": rows}
+    write_atomic(RESULTS / "heldout_error.md", render(append_record("heldout_error", record, KEY)))
+
+
+def render(records: list[dict]) -> str:
+    """One section per run: the relative errors of every solver on every linear."""
+    lines = ["# Held-out layer error", "",
+             "Relative output error tr(D H Dᵀ)/tr(W H Wᵀ), D = W − Ŵ, of one block's linears (inputs from the FP "
+             "blocks before it) under the Hessian of: *fit* = the SciQ tokens the solver was fitted on; *unseen "
+             "SciQ* = 4× as many other SciQ windows; *wiki* = windows of the perplexity text. Lower is better."]
+    for r in records:
+        s = r["settings"]
+        lines += ["", f"## {r['model']}, block {r['layer']}, W{r['bits']} g{r['group_size']}", "",
+                  f"`{r['command']}`", "",
+                  f"Fit on {s['calib_samples']} × 512 SciQ tokens, {s['unseen_samples']} unseen SciQ windows, "
+                  f"{s['eval_windows']} × 512 `wiki` windows; {r['total_seconds']:.0f} s in all. "
+                  f"Machine: {r['machine']}.", "",
+                  "| linear | solver | fit | unseen SciQ | wiki | solve s |", "|---|---|---|---|---|---|"]
+        lines += [f"| {row['linear']} | {row['solver']} | {row['fit']:.4f} | {row['unseen']:.4f} | "
+                  f"{row['wiki']:.4f} | {row['seconds']:.1f} |" for row in r["rows"]]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
