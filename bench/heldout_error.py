@@ -101,7 +101,8 @@ def render(records: list[dict]) -> str:
              "SciQ* = 4× as many other SciQ windows; *wiki* = windows of the perplexity text. Lower is better."]
     for r in records:
         s = r["settings"]
-        lines += ["", f"## {r['model']}, block {r['layer']}, W{r['bits']} g{r['group_size']}", "",
+        lines += ["", f"## {r['model']}, block {r['layer']}, W{r['bits']} g{r['group_size']}, "
+                  f"fit on {s['calib_samples']} windows", "",
                   f"`{r['command']}`", "",
                   f"Fit on {s['calib_samples']} × 512 SciQ tokens, {s['unseen_samples']} unseen SciQ windows, "
                   f"{s['eval_windows']} × 512 `wiki` windows; {r['total_seconds']:.0f} s in all. "
