@@ -62,6 +62,7 @@ IMPROVEMENTS = [
         ("awq+gptq", "awq+gptq", GPTQ_PLAIN),
         ("awq+gptq act-order+static", "awq+gptq", GPTQ_ACT_ORDER_STATIC),
         ("awq+gptq act-order+static mse", "awq+gptq", {**GPTQ_ACT_ORDER_STATIC, "mse": True}),
+        ("bpdq damp 0.1", "bpdq", {"damp": 0.1}),
     )
 ]
 # BPDQ's extra grids, with the baselines it is compared against there
