@@ -6,8 +6,8 @@ For one decoder block (inputs from the FP blocks before it), each solver quantiz
 linears from the Hessian of `--calib-samples` SciQ windows; the relative output error
 tr(D H Dᵀ) / tr(W H Wᵀ), D = W − Ŵ, is then measured under three Hessians: the one it was fitted
 on, one from 4× more SciQ windows (same domain, unseen tokens), and one from `wiki` windows
-(the perplexity text). Each run is one record of bench/results/heldout_error.json (keyed by model,
-block, bits and group size; a rerun replaces it); heldout_error.md shows every run.
+(the perplexity text). Each run is one record of bench/results/heldout_error.json, keyed by model,
+block, bits, group size and settings (a rerun replaces it); heldout_error.md shows every run.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch
 from common import RESULTS, machine, write_atomic
 from safetensors import safe_open
 
-from bitquilt.models.registry import model_dir
+from bitquilt.models.registry import fetched_dir
 
 BLOCK = 32
 LINEAR = re.compile(r"layers\.(\d+)\.(\w+\.\w+_proj)\.weight$")
@@ -35,14 +35,14 @@ def levels_per_block(weight: torch.Tensor) -> torch.Tensor:
 def survey(name: str) -> list[dict]:
     """One row per linear tensor of the decoder blocks: its largest and mean levels per block."""
     rows = []
-    path = next(model_dir(name).glob("*.safetensors"))
-    with safe_open(str(path), "pt") as f:
-        for key in f.keys():
-            match = LINEAR.search(key)
-            if match:
-                levels = levels_per_block(f.get_tensor(key).float())
-                rows.append({"layer": int(match[1]), "linear": match[2], "max_levels": int(levels.max()),
-                             "mean_levels": float(levels.float().mean())})
+    for path in sorted(fetched_dir(name).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                match = LINEAR.search(key)
+                if match:
+                    levels = levels_per_block(f.get_tensor(key).float())
+                    rows.append({"layer": int(match[1]), "linear": match[2], "max_levels": int(levels.max()),
+                                 "mean_levels": float(levels.float().mean())})
     return sorted(rows, key=lambda r: (r["layer"], r["linear"]))
 
 
@@ -52,11 +52,10 @@ def summary(name: str, rows: list[dict]) -> list[str]:
              "| max > 32 | mean levels |", "|---|---|---|---|---|---|"]
     for linear in dict.fromkeys(r["linear"] for r in rows):
         sel = [r for r in rows if r["linear"] == linear]
-        four = [r["layer"] for r in sel if r["max_levels"] <= 16]
-        five = [r["layer"] for r in sel if 16 < r["max_levels"] <= 32]
+        four_bit = sum(r["max_levels"] <= 16 for r in sel)
+        finer = sum(16 < r["max_levels"] <= 32 for r in sel)
         mean = sum(r["mean_levels"] for r in sel) / len(sel)
-        lines.append(f"| {linear} | {len(sel)} | {len(four)} | {len(five)} | {len(sel) - len(four) - len(five)} "
-                     f"| {mean:.1f} |")
+        lines.append(f"| {linear} | {len(sel)} | {four_bit} | {finer} | {len(sel) - four_bit - finer} | {mean:.1f} |")
     return lines + [""]
 
 

