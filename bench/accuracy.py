@@ -30,6 +30,7 @@ from common import (
     pivot,
     protocol_settings,
     record_key,
+    run,
     setting_header,
     write_atomic,
 )
@@ -190,4 +191,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -9,10 +9,12 @@ import os
 import platform
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from bitquilt.errors import UserError
 from bitquilt.recipes import CalibConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -20,6 +22,15 @@ RESULTS = Path(__file__).parent / "results"
 # out in full so that changing a default never changes what a measured row means
 GPTQ_PLAIN = {"act_order": False, "static_groups": False, "mse": False}  # the original sweep, as the reference
 GPTQ_ACT_ORDER_STATIC = {"act_order": True, "static_groups": True, "mse": False}  # act-order, contiguous groups
+
+
+def run(main: Callable[[], None]) -> None:
+    """A bench's entry point: an error the user can fix (unknown model, not fetched, bad option) is one
+    line on stderr and exit status 1, not a traceback."""
+    try:
+        main()
+    except UserError as e:
+        sys.exit(f"{Path(sys.argv[0]).name}: error: {e}")
 
 
 def cpu_name() -> str:

@@ -18,7 +18,7 @@ import sys
 import time
 
 import torch
-from common import RESULTS, loadavg, machine, write_atomic
+from common import RESULTS, loadavg, machine, run, write_atomic
 from torch import nn
 
 from bitquilt.api import load, model_summary, quantize
@@ -101,4 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -18,7 +18,7 @@ import sys
 import time
 
 import torch
-from common import GPTQ_ACT_ORDER_STATIC, GPTQ_PLAIN, RESULTS, append_record, machine, write_atomic
+from common import GPTQ_ACT_ORDER_STATIC, GPTQ_PLAIN, RESULTS, append_record, machine, run, write_atomic
 
 from bitquilt.api import calibration_ids, load
 from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_block
@@ -114,4 +114,4 @@ def render(records: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -19,7 +19,7 @@ import statistics
 import time
 
 import torch
-from common import RESULTS, cpu_name, loadavg, write_atomic
+from common import RESULTS, cpu_name, loadavg, run, write_atomic
 
 from bitquilt.formats import BitplaneFormat, UniformFormat
 from bitquilt.kernels import cpu
@@ -174,4 +174,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

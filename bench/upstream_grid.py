@@ -17,7 +17,7 @@ import json
 import re
 
 import torch
-from common import RESULTS, machine, write_atomic
+from common import RESULTS, machine, run, write_atomic
 from safetensors import safe_open
 
 from bitquilt.models.registry import fetched_dir
@@ -77,4 +77,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -15,7 +15,7 @@ import json
 import sys
 
 import torch
-from common import RESULTS, machine, write_atomic
+from common import RESULTS, machine, run, write_atomic
 
 from bitquilt.api import load, model_summary
 from bitquilt.eval.tasks import TASK_NAMES
@@ -73,4 +73,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
