@@ -37,6 +37,7 @@ from common import (
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize, save
 from bitquilt.calib.engine import peak_rss_mb, reset_peak_rss
+from bitquilt.errors import UserError
 from bitquilt.eval import perplexity
 from bitquilt.recipes import Recipe
 
@@ -135,6 +136,32 @@ def render(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def select_configs(suites: str, labels: str | None, grid: str | None) -> list[tuple]:
+    """FP, then the configs of the comma-separated suites, narrowed to `labels` and to the `grid`'s
+    bits:group pairs (run in that order); a name or pair that selects nothing is a UserError."""
+    unknown = [s for s in suites.split(",") if s not in SUITES]
+    if unknown:
+        raise UserError(f"unknown suite(s) {', '.join(unknown)}; known: {', '.join(SUITES)}")
+    configs = [c for s in suites.split(",") for c in SUITES[s]]
+    if labels:
+        missing = sorted(set(labels.split(",")) - {c[0] for c in configs} - {"fp"})
+        if missing:
+            raise UserError(f"label(s) {', '.join(missing)} not in suites {suites}; they have: "
+                            f"{', '.join(dict.fromkeys(c[0] for c in configs))}")
+        configs = [c for c in configs if c[0] in labels.split(",")]
+    if grid:
+        try:
+            order = [tuple(int(v) for v in pair.split(":")) for pair in grid.split(",")]
+        except ValueError:
+            raise UserError(f"--grid takes bits:group pairs such as 3:128,2:64, got {grid!r}") from None
+        offered = {(c[2], c[3]) for c in configs}
+        if any(len(pair) != 2 or pair not in offered for pair in order):
+            raise UserError(f"--grid {grid} asks for pairs these configs do not have; they have: "
+                            f"{', '.join(f'{b}:{g}' for b, g in sorted(offered, reverse=True))}")
+        configs = sorted((c for c in configs if (c[2], c[3]) in order), key=lambda c: order.index((c[2], c[3])))
+    return [("fp", "fp", None, None, {}), *configs]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -155,15 +182,8 @@ def main() -> None:
     calib, settings = protocol_settings(args)
     command = "python bench/accuracy.py " + " ".join(sys.argv[1:])
 
-    configs = [("fp", "fp", None, None, {})] + [c for s in args.suites.split(",") for c in SUITES[s]]
-    if args.labels:
-        configs = [c for c in configs if c[0] in ("fp", *args.labels.split(","))]
-    if args.grid:
-        order = [tuple(int(v) for v in pair.split(":")) for pair in args.grid.split(",")]
-        configs = [c for c in configs if c[0] == "fp"] + sorted(
-            (c for c in configs if (c[2], c[3]) in order), key=lambda c: order.index((c[2], c[3])))
     ids = None
-    for label, method, bits, group, options in configs:
+    for label, method, bits, group, options in select_configs(args.suites, args.labels, args.grid):
         wanted = {"model": args.model, "label": label, "w_bits": bits, "group_size": group, "settings": settings}
         if record_key(wanted, KEY) in measured("accuracy", KEY):
             continue

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from bitquilt.errors import UserError
+from bitquilt.errors import USER_ERRORS
 from bitquilt.recipes import CalibConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -25,11 +25,11 @@ GPTQ_ACT_ORDER_STATIC = {"act_order": True, "static_groups": True, "mse": False}
 
 
 def run(main: Callable[[], None]) -> None:
-    """A bench's entry point: an error the user can fix (unknown model, not fetched, bad option) is one
-    line on stderr and exit status 1, not a traceback."""
+    """A bench's entry point: an error the user can fix (unknown model, not fetched, bad option; the
+    CLI's `USER_ERRORS`) is one line on stderr and exit status 1, not a traceback."""
     try:
         main()
-    except UserError as e:
+    except USER_ERRORS as e:
         sys.exit(f"{Path(sys.argv[0]).name}: error: {e}")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bitquilt.api import model_summary
-from bitquilt.errors import UserError
+from bitquilt.errors import USER_ERRORS, UserError
 from bitquilt.recipes import Recipe, solver_name
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return args.fn(args)
-    except (UserError, ValueError, FileNotFoundError) as e:
+    except USER_ERRORS as e:
         if args.debug:
             raise
         print(f"bitquilt {args.command}: error: {e}", file=sys.stderr)

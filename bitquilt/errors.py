@@ -3,3 +3,8 @@
 
 class UserError(Exception):
     pass
+
+
+# What the CLI and the bench scripts report as one line instead of a traceback: UserError, plus the
+# ValueError / FileNotFoundError that solvers, formats and loaders raise for input they reject.
+USER_ERRORS = (UserError, ValueError, FileNotFoundError)
