@@ -11,7 +11,6 @@ and bench/results/accuracy.md is regenerated from all records.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from common import (
     add_protocol_args,
     append_record,
     by_setting,
+    command_line,
     fmt_ppl,
     load_records,
     machine,
@@ -180,7 +180,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     calib, settings = protocol_settings(args)
-    command = "python bench/accuracy.py " + " ".join(sys.argv[1:])
+    command = command_line()
 
     ids = None
     for label, method, bits, group, options in select_configs(args.suites, args.labels, args.grid):

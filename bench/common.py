@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import platform
+import shlex
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -31,6 +32,11 @@ def run(main: Callable[[], None]) -> None:
         main()
     except USER_ERRORS as e:
         sys.exit(f"{Path(sys.argv[0]).name}: error: {e}")
+
+
+def command_line() -> str:
+    """How this bench was invoked, as a shell line that reruns it (arguments with spaces quoted)."""
+    return f"python bench/{Path(sys.argv[0]).name} {shlex.join(sys.argv[1:])}".rstrip()
 
 
 def cpu_name() -> str:

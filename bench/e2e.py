@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import torch
-from common import RESULTS, loadavg, machine, run, write_atomic
+from common import RESULTS, command_line, loadavg, machine, run, write_atomic
 from torch import nn
 
 from bitquilt.api import load, model_summary, quantize
@@ -76,7 +75,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    command = "python bench/e2e.py " + " ".join(sys.argv[1:])
+    command = command_line()
     records = []
     for name in args.models.split(","):
         variants = [("fp32", None, None)] + [(f, b, g) for b, g in CONFIGS for f in ("uniform", "bitplane")]

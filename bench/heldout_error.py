@@ -14,11 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import torch
-from common import GPTQ_ACT_ORDER_STATIC, GPTQ_PLAIN, RESULTS, append_record, machine, run, write_atomic
+from common import (
+    GPTQ_ACT_ORDER_STATIC,
+    GPTQ_PLAIN,
+    RESULTS,
+    append_record,
+    command_line,
+    machine,
+    run,
+    write_atomic,
+)
 
 from bitquilt.api import calibration_ids, load
 from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_block
@@ -88,7 +96,7 @@ def main() -> None:
     settings = {"linears": args.linears, "calib_samples": n, "unseen_samples": 4 * n,
                 "eval_windows": args.eval_windows}
     record = {"model": args.model, "layer": args.layer, "bits": args.bits, "group_size": args.group_size,
-              "settings": settings, "command": f"python bench/heldout_error.py {' '.join(sys.argv[1:])}",
+              "settings": settings, "command": command_line(),
               "machine": machine(), "total_seconds": time.perf_counter() - t0, "rows": rows}
     write_atomic(RESULTS / "heldout_error.md", render(append_record("heldout_error", record, KEY)))
 

@@ -9,7 +9,6 @@ settings is skipped, so an interrupted run resumes) and bench/results/w4a4.md is
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
@@ -19,6 +18,7 @@ from common import (
     add_protocol_args,
     append_record,
     by_setting,
+    command_line,
     fmt_ppl,
     machine,
     measured,
@@ -86,7 +86,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     calib, settings = protocol_settings(args)
-    command = "python bench/w4a4.py " + " ".join(sys.argv[1:])
+    command = command_line()
     configs = [("FP", "fp")] + [(prec, m) for prec in args.precisions.split(",") for m in args.methods.split(",")]
     ids = None
     for prec, method in configs:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import torch
-from common import RESULTS, machine, run, write_atomic
+from common import RESULTS, command_line, machine, run, write_atomic
 
 from bitquilt.api import load, model_summary
 from bitquilt.eval.tasks import TASK_NAMES
@@ -57,7 +56,7 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    command = "python bench/zeroshot.py " + " ".join(f'"{a}"' if " " in a else a for a in sys.argv[1:])
+    command = command_line()
     rows = []
     for entry in args.models:
         label, _, spec = entry.rpartition("=")
