@@ -29,6 +29,7 @@ from common import (
     measured,
     pivot,
     protocol_settings,
+    recheck,
     record_key,
     run,
     setting_header,
@@ -36,10 +37,10 @@ from common import (
 )
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize, save
-from bitquilt.calib.engine import peak_rss_mb, reset_peak_rss
 from bitquilt.errors import UserError
 from bitquilt.eval import perplexity
 from bitquilt.recipes import Recipe
+from bitquilt.resources import peak_rss_mb, reset_peak_rss
 
 KEY = ("model", "label", "w_bits", "group_size")  # + settings: what identifies a record
 
@@ -185,8 +186,8 @@ def main() -> None:
     ids = None
     for label, method, bits, group, options in select_configs(args.suites, args.labels, args.grid):
         wanted = {"model": args.model, "label": label, "w_bits": bits, "group_size": group, "settings": settings}
-        if record_key(wanted, KEY) in measured("accuracy", KEY):
-            continue
+        if (record_key(wanted, KEY) in measured("accuracy", KEY)) != args.recheck:
+            continue  # measure what is missing, or (--recheck) again what is stored
         model, tokenizer = load(args.model)  # one model in memory at a time: two 1.5B jobs must fit in RAM
         quant_time = None
         reset_peak_rss()
@@ -206,7 +207,10 @@ def main() -> None:
               f"{record['bits_per_weight']:.3f} bpw  {quant_time or 0:.0f} s", flush=True)
         if args.save_dir and method != "fp":
             save(model, args.save_dir / saved_name(args.model, label, bits, group), tokenizer, overwrite=True)
-        write_atomic(RESULTS / "accuracy.md", render(append_record("accuracy", record, KEY)))
+        if args.recheck:
+            recheck("accuracy", record, KEY)
+        else:
+            write_atomic(RESULTS / "accuracy.md", render(append_record("accuracy", record, KEY)))
         del model
 
 

@@ -21,11 +21,12 @@ from common import RESULTS, command_line, loadavg, machine, run, write_atomic
 from torch import nn
 
 from bitquilt.api import load, model_summary, quantize
-from bitquilt.calib.engine import replace_module, reset_peak_rss
 from bitquilt.eval.speed import measure_speed
 from bitquilt.formats import BitplaneFormat
 from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.pipeline.apply import replace_module
 from bitquilt.recipes import Recipe
+from bitquilt.resources import reset_peak_rss
 
 CONFIGS = [(4, 128), (3, 128), (2, 64)]  # (bits, group size), as in the accuracy tables
 

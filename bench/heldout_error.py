@@ -30,12 +30,11 @@ from common import (
 
 from bitquilt.api import calibration_ids, load
 from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_block
-from bitquilt.calib.engine import relative_error
 from bitquilt.data.windows import eval_windows
 from bitquilt.models.adapters import architecture_of, decoder_layers
 from bitquilt.recipes import CalibConfig
 from bitquilt.solvers import get_solver
-from bitquilt.solvers.base import LayerSpec
+from bitquilt.solvers.base import LayerSpec, relative_error
 
 SOLVERS = [  # (label, solver, options)
     ("rtn", "rtn", {}),
@@ -90,7 +89,7 @@ def main() -> None:
             t = time.perf_counter()
             w_hat = solver(weight, stats["fit"], spec, solver.make_options(options)).dequantize().float()
             row = {"linear": name, "solver": label, "seconds": time.perf_counter() - t,
-                   **{key: relative_error(weight, w_hat, s) for key, s in stats.items()}}
+                   **{key: relative_error(weight, w_hat, s.hessian) for key, s in stats.items()}}
             print(json.dumps(row), flush=True)
             rows.append(row)
     settings = {"linears": args.linears, "calib_samples": n, "unseen_samples": 4 * n,

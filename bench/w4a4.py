@@ -24,6 +24,7 @@ from common import (
     measured,
     pivot,
     protocol_settings,
+    recheck,
     record_key,
     run,
     setting_header,
@@ -31,9 +32,9 @@ from common import (
 )
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
-from bitquilt.calib.engine import peak_rss_mb, reset_peak_rss
 from bitquilt.eval import perplexity
 from bitquilt.recipes import Recipe
+from bitquilt.resources import peak_rss_mb, reset_peak_rss
 
 METHODS = ("rtn", "smoothquant+rtn", "quarot+rtn", "quarot+gptq")
 KEY = ("model", "precision", "kv_center", "method")  # + settings: what identifies a record
@@ -93,8 +94,8 @@ def main() -> None:
         kv_center = args.kv_center if prec != "FP" and PRECISIONS[prec][1] < 16 else None  # None: no KV quantization
         wanted = {"model": args.model, "precision": prec, "kv_center": kv_center, "method": method,
                   "settings": settings}
-        if record_key(wanted, KEY) in measured("w4a4", KEY):
-            continue
+        if (record_key(wanted, KEY) in measured("w4a4", KEY)) != args.recheck:
+            continue  # measure what is missing, or (--recheck) again what is stored
         model, tokenizer = load(args.model)  # one model in memory at a time: two 1.5B jobs must fit in RAM
         if ids is None:
             ids = calibration_ids(tokenizer, calib)
@@ -115,7 +116,10 @@ def main() -> None:
                   "settings": settings, "machine": machine(), "command": command}
         print(f"{prec:8s} {method:16s} ppl {ppl.ppl:10.2f}  quant {quant_time or 0:5.0f} s  eval {ppl.seconds:.0f} s",
               flush=True)
-        write_atomic(RESULTS / "w4a4.md", render(append_record("w4a4", record, KEY)))
+        if args.recheck:
+            recheck("w4a4", record, KEY)
+        else:
+            write_atomic(RESULTS / "w4a4.md", render(append_record("w4a4", record, KEY)))
         del model
 
 

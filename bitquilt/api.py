@@ -14,16 +14,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from bitquilt.calib.engine import QuantReport, quantize_model
 from bitquilt.errors import UserError
+from bitquilt.io import is_quantized_dir, load_quantized, model_nbytes, model_summary  # noqa: F401  (API)
+from bitquilt.models.loading import load_model, resolve_path
+from bitquilt.pipeline.engine import quantize_model
+from bitquilt.pipeline.report import QuantReport
 from bitquilt.recipes import CalibConfig, Recipe
 
 
 def load(spec: str | Path) -> tuple[nn.Module, Any]:
     """A packaged model name, HF directory, .gguf file, or saved quantized directory."""
-    from bitquilt.models.loading import load_model
-
-    return load_model(spec)
+    path = resolve_path(spec)
+    return load_quantized(path) if is_quantized_dir(path) else load_model(path)
 
 
 def fetch(name: str, force: bool = False) -> Path:
@@ -51,17 +53,19 @@ def calibration_ids(tokenizer: Any, calib: CalibConfig) -> torch.Tensor:
 
 def quantize(
     model: nn.Module,
-    recipe: Recipe | str = "gptq",
+    recipe: Recipe | str = Recipe.method,
     calib: CalibConfig | torch.Tensor | None = None,
     tokenizer: Any = None,
     progress: bool = True,
+    calib_config: CalibConfig | None = None,
     **recipe_fields: Any,
 ) -> QuantReport:
-    """Quantize `model` in place. `calib` is token ids [n, seqlen], a CalibConfig, or None (defaults)."""
+    """Quantize `model` in place. `calib` is token ids [n, seqlen], a CalibConfig, or None (defaults);
+    `calib_config` records what pre-built ids were made from."""
     if isinstance(recipe, str):
         recipe = Recipe(method=recipe, **recipe_fields)
     check_finite_weights(model)
-    config = calib if isinstance(calib, CalibConfig) else (CalibConfig() if calib is None else None)
+    config = calib if isinstance(calib, CalibConfig) else (CalibConfig() if calib is None else calib_config)
     ids = calib if isinstance(calib, torch.Tensor) else None
     if ids is None and recipe.needs_calibration:
         if tokenizer is None:
@@ -71,23 +75,6 @@ def quantize(
 
 
 def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, overwrite: bool = False) -> Path:
-    from bitquilt.io import save as _save
+    from bitquilt.io import save as save_model
 
-    return _save(model, directory, tokenizer=tokenizer, overwrite=overwrite)
-
-
-def model_nbytes(model: nn.Module) -> int:
-    """Bytes the model occupies as stored (packed formats, tied weights counted once)."""
-    from bitquilt.io import _state_tensors
-
-    return sum(t.numel() * t.element_size() for t in _state_tensors(model).values())
-
-
-def model_summary(model: nn.Module) -> dict[str, float]:
-    """Stored size in MB and the mean bits per weight over the quantized linears (32: fp32 storage, if none)."""
-    from bitquilt.nn.quant_linear import QuantLinear
-
-    q = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    n_weights = sum(m.in_features * m.out_features for m in q)
-    bits = sum(m.fmt.bits_per_weight() * m.in_features * m.out_features for m in q)
-    return {"size_mb": model_nbytes(model) / 2**20, "bits_per_weight": bits / n_weights if n_weights else 32.0}
+    return save_model(model, directory, tokenizer=tokenizer, overwrite=overwrite)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import json
 import logging
 import os
@@ -11,11 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bitquilt.api import model_summary
 from bitquilt.errors import USER_ERRORS, UserError
-from bitquilt.recipes import Recipe, solver_name
+from bitquilt.io import model_summary
+from bitquilt.models.registry import DEFAULT_MODEL
+from bitquilt.recipes import CalibConfig, Recipe, solver_name
+from bitquilt.solvers import SOLVERS
+from bitquilt.tables import markdown_table
 
-DEFAULT_MODEL = "smollm2-135m"
+RECIPE = {f.name: f.default for f in dataclasses.fields(Recipe) if f.default is not dataclasses.MISSING}
+CALIB = {f.name: f.default for f in dataclasses.fields(CalibConfig)}
 
 
 # ---------------------------------------------------------------- argument groups
@@ -35,6 +41,42 @@ def _clip(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"expected a ratio in (0, 1] or 'search', got {text!r}") from None
 
 
+def _option_value(text: str) -> Any:
+    """A Python literal (number, bool, None, tuple, ...) or else the text itself."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _opt(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. damp=0.1 or awq.grid=10), got {text!r}")
+    return key, _option_value(value)
+
+
+def solver_option_fields() -> dict[str, tuple[dataclasses.Field, list[str]]]:
+    """Every solver option by name, with the solvers that take it: each becomes a flag."""
+    out: dict[str, tuple[dataclasses.Field, list[str]]] = {}
+    for name, solver in SOLVERS.items():
+        for f in dataclasses.fields(solver.options):
+            out.setdefault(f.name, (f, []))[1].append(name)
+    return out
+
+
+def _add_solver_flags(g: argparse._ArgumentGroup) -> None:
+    """One flag per solver option, derived from the options dataclasses (`--opt` takes the rest)."""
+    for name, (f, solvers) in solver_option_fields().items():
+        flag = "--" + name.replace("_", "-")
+        defaults = ", ".join(f"{s} {getattr(SOLVERS.get(s).options(), name)!r}" for s in solvers)
+        help_text = f"{f.metadata.get('help', name)} ({defaults})"
+        if f.type in ("bool", bool):
+            g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            g.add_argument(flag, dest=name, type=_option_value, default=None, metavar="VALUE", help=help_text)
+
+
 def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     g = p.add_argument_group("weight quantization")
     if multi:
@@ -42,46 +84,47 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
                        help="comma-separated methods to compare: fp, rtn, gptq, awq (=awq+rtn), awq+gptq, bpdq, "
                        "smoothquant+rtn, quarot+rtn, quarot+gptq")
         g.add_argument("--w-bits", type=_int_list, default=[4, 3, 2], help="weight bit widths, e.g. 4,3,2")
-        g.add_argument("--group-size", type=_int_list, default=[128],
+        g.add_argument("--group-size", type=_int_list, default=[RECIPE["group_size"]],
                        help="group sizes (32/64/128/256, -1 = per channel); one per bit width or one for all")
     else:
-        g.add_argument("--method", "--recipe", dest="method", default=Recipe.method,
+        g.add_argument("--method", "--recipe", dest="method", default=RECIPE["method"],
                        help="rtn | gptq | awq (=awq+rtn) | awq+gptq | bpdq | smoothquant+rtn | quarot+rtn | "
-                       f"quarot+gptq (default: {Recipe.method}, the most accurate uniform grid at 3-4 bits; gptq "
+                       f"quarot+gptq (default: {RECIPE['method']}, the most accurate uniform grid at 3-4 bits; gptq "
                        "is faster; use bpdq at 2 bits)")
-        g.add_argument("--w-bits", type=int, default=4, help="weight bits: 2, 3, 4 or 8 (default 4)")
-        g.add_argument("--group-size", type=int, default=128,
-                       help="columns sharing a scale: 32, 64, 128, 256, or -1 for per-channel (default 128)")
+        g.add_argument("--w-bits", type=int, default=RECIPE["w_bits"],
+                       help=f"weight bits: 2, 3, 4 or 8 (default {RECIPE['w_bits']})")
+        g.add_argument("--group-size", type=int, default=RECIPE["group_size"],
+                       help=f"columns sharing a scale: 32, 64, 128, 256, or -1 for per-channel "
+                       f"(default {RECIPE['group_size']})")
     g.add_argument("--sym", action="store_true", help="symmetric grid (default asymmetric, with zero points)")
-    g.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
-                   help="GPTQ: quantize columns by decreasing Hessian diagonal (default on; --no-act-order: the "
-                   "original sweep in column order)")
-    g.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=None,
-                   help="GPTQ act-order: fit group grids before the sweep, keeping groups contiguous (default on; "
-                   "--no-static-groups: fit each group when the sweep reaches it)")
-    g.add_argument("--damp", type=float, default=None, help="GPTQ/BPDQ: Hessian dampening, fraction of mean diag")
-    g.add_argument("--mse", action=argparse.BooleanOptionalAction, default=None,
-                   help="RTN/GPTQ: search a shrunk range per group for the least error (MSE clipping; "
-                   "default: on for GPTQ, off for RTN; --no-mse: plain min-max)")
     g.add_argument("--skip", action="append", default=[], metavar="GLOB",
                    help="keep linears matching GLOB in full precision (repeatable), e.g. '*.down_proj'")
+    _add_solver_flags(p.add_argument_group("solver options (each applies to the solvers named in its help)"))
+    g.add_argument("--opt", action="append", type=_opt, default=[], metavar="KEY=VALUE",
+                   help="any solver option (e.g. damp=0.1) or stage option as STAGE.KEY (e.g. awq.grid=10, "
+                   "quarot.seed=1); repeatable")
     a = p.add_argument_group("activation and KV-cache quantization")
-    a.add_argument("--a-bits", type=int, default=16, help="per-token activation bits of every linear's input: "
-                   "4, 6, 8, ... (default 16 = off)")
+    a.add_argument("--a-bits", type=int, default=RECIPE["a_bits"], help="per-token activation bits of every linear's "
+                   f"input: 4, 6, 8, ... (default {RECIPE['a_bits']} = off)")
     a.add_argument("--a-sym", action="store_true", help="symmetric activation grid (default asymmetric)")
-    a.add_argument("--a-clip", type=_clip, default=1.0,
+    a.add_argument("--a-clip", type=_clip, default=RECIPE["a_clip"],
                    help="activation clipping ratio in (0, 1], or 'search' (per linear, on calibration data)")
-    a.add_argument("--kv-bits", type=int, default=16, help="key/value cache bits, 4 or 8 (default 16 = off)")
-    a.add_argument("--kv-group-size", type=int, default=-1, help="KV values per group along head_dim (default: head)")
-    a.add_argument("--kv-center", action=argparse.BooleanOptionalAction, default=True,
+    a.add_argument("--kv-bits", type=int, default=RECIPE["kv_bits"],
+                   help=f"key/value cache bits, 4 or 8 (default {RECIPE['kv_bits']} = off)")
+    a.add_argument("--kv-group-size", type=int, default=RECIPE["kv_group_size"],
+                   help="KV values per group along head_dim (default: head)")
+    a.add_argument("--kv-center", action=argparse.BooleanOptionalAction, default=RECIPE["kv_center"],
                    help="quantize keys around their mean on the calibration data (default on; it keeps Qwen2.5's "
                    "biased keys from collapsing at 4 bits)")
     c = p.add_argument_group("calibration")
-    c.add_argument("--calib-data", default="sciq",
-                   help="calibration text: sciq (default), wiki, lambada, or a .txt/.jsonl file")
-    c.add_argument("--calib-samples", type=int, default=64, help="number of calibration windows (default 64)")
-    c.add_argument("--calib-seqlen", type=int, default=512, help="tokens per calibration window (default 512)")
-    c.add_argument("--seed", type=int, default=0, help="sampling seed for calibration windows (default 0)")
+    c.add_argument("--calib-data", default=CALIB["source"],
+                   help=f"calibration text: sciq, wiki, lambada, or a .txt/.jsonl file (default {CALIB['source']})")
+    c.add_argument("--calib-samples", type=int, default=CALIB["n_samples"],
+                   help=f"number of calibration windows (default {CALIB['n_samples']})")
+    c.add_argument("--calib-seqlen", type=int, default=CALIB["seqlen"],
+                   help=f"tokens per calibration window (default {CALIB['seqlen']})")
+    c.add_argument("--seed", type=int, default=CALIB["seed"],
+                   help=f"sampling seed for calibration windows (default {CALIB['seed']})")
 
 
 def _add_eval_args(p: argparse.ArgumentParser, ppl_flag: bool) -> None:
@@ -97,21 +140,26 @@ def _add_eval_args(p: argparse.ArgumentParser, ppl_flag: bool) -> None:
     g.add_argument("--limit", type=int, default=None, help="zero-shot: score a fixed random subset of N items per task")
 
 
-def _recipe_from_args(args, method: str, bits: int, group_size: int):
-    from bitquilt.solvers import get_solver
-
-    solver = get_solver(solver_name(method))
-    fields = {f for f in solver.options.__dataclass_fields__}
-    wanted = {"act_order": args.act_order, "static_groups": args.static_groups, "mse": args.mse, "damp": args.damp}
-    options = {k: v for k, v in wanted.items() if k in fields and v is not None}
+def _recipe_from_args(args, method: str, bits: int, group_size: int) -> Recipe:
+    """The recipe the flags describe: derived solver flags the solver takes, then `--opt` entries
+    (KEY: a solver option; STAGE.KEY: an option of one of the method's stages)."""
+    solver = SOLVERS.get(solver_name(method))
+    taken = {f.name for f in dataclasses.fields(solver.options)}
+    options = {k: getattr(args, k) for k in solver_option_fields() if k in taken and getattr(args, k) is not None}
+    stage_options: dict[str, dict[str, Any]] = {}
+    for key, value in args.opt:
+        stage, _, name = key.rpartition(".")
+        if stage:
+            stage_options.setdefault(stage, {})[name] = value
+        else:
+            options[name] = value
     return Recipe(method=method, w_bits=bits, group_size=group_size, sym=args.sym, options=options,
-                  skip=tuple(args.skip), a_bits=args.a_bits, a_sym=args.a_sym, a_clip=args.a_clip,
-                  kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_center=args.kv_center)
+                  stage_options=stage_options, skip=tuple(args.skip), a_bits=args.a_bits, a_sym=args.a_sym,
+                  a_clip=args.a_clip, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                  kv_center=args.kv_center)
 
 
-def _calib_config(args):
-    from bitquilt.recipes import CalibConfig
-
+def _calib_config(args) -> CalibConfig:
     if args.calib_samples < 1 or args.calib_seqlen < 16:
         raise UserError("--calib-samples must be ≥ 1 and --calib-seqlen ≥ 16")
     return CalibConfig(args.calib_data, args.calib_samples, args.calib_seqlen, args.seed)
@@ -119,17 +167,7 @@ def _calib_config(args):
 
 # ---------------------------------------------------------------- helpers
 def _print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:,.2f}" if abs(v) < 1e6 else f"{v:.3g}"
-        return "" if v is None else str(v)
-
-    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
-    print("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in cells:
-        print("| " + " | ".join(v.rjust(w) for v, w in zip(row, widths)) + " |")
+    print(markdown_table(rows, columns), end="")
 
 
 def _evaluate(model, tokenizer, args, cache_key: str) -> dict[str, Any]:
@@ -255,8 +293,7 @@ def cmd_compare(args) -> int:
         row: dict[str, Any] = {"method": m, "w_bits": b or 32, "group_size": g,
                                "a_bits": 16 if m == "fp" else args.a_bits, "kv_bits": 16 if m == "fp" else args.kv_bits}
         if m != "fp":
-            report = quantize(model, recipes[(m, b, g)], ids, progress=not args.json)
-            report.calibration = vars(calib) if ids is not None else None
+            report = quantize(model, recipes[(m, b, g)], ids, progress=not args.json, calib_config=calib)
             row.update(quant_time_s=report.total_seconds, peak_rss_mb=report.peak_rss_mb)
         row.update(model_summary(model))
         act = f"|a{args.a_bits}:{args.a_sym}:{args.a_clip}|kv{args.kv_bits}:{args.kv_group_size}" if (
@@ -348,8 +385,8 @@ def cmd_generate(args) -> int:
 
 def cmd_bench(args) -> int:
     from bitquilt.api import load
-    from bitquilt.calib.engine import reset_peak_rss
     from bitquilt.eval.speed import check_speed_settings, measure_speed
+    from bitquilt.resources import reset_peak_rss
 
     check_speed_settings(args.prompt_tokens, args.new_tokens, args.repeats)
     _set_threads(args.threads)

@@ -6,7 +6,7 @@ Layout of a saved directory
                           packed formats as `<linear>.packed_<tensor>` (+ `<linear>.bias`)
   quantization_config.json  format version, recipe, calibration, per-linear format + meta,
                           the quantization report, library versions, and the online modules
-                          (activation/KV quantizers, online rotations) with their configs
+                          ({host: {slot: {class, config}}}, see `bitquilt.nn.online`)
 Writes go to a temporary sibling directory renamed into place, so an interrupted save never
 leaves a directory that loads.
 """
@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,25 @@ from torch import nn
 
 from bitquilt.errors import UserError
 from bitquilt.formats import format_class
+from bitquilt.formats.base import split_buffers
+from bitquilt.nn import online
 from bitquilt.nn.quant_linear import QuantLinear
 
 CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: online modules by host and slot (version 1 kept rotations inside quantizers)
+
+_records: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def set_quantization_record(model: nn.Module, record: dict[str, Any]) -> None:
+    """Remember how `model` was quantized (recipe, calibration, report): saved with it, read by evaluation."""
+    _records[model] = record
+
+
+def quantization_record(model: nn.Module) -> dict[str, Any] | None:
+    """{"recipe", "calibration", "report", ...} of a model quantized in this process or loaded from disk."""
+    return _records.get(model)
 
 
 def versions() -> dict[str, str]:
@@ -42,7 +57,7 @@ def versions() -> dict[str, str]:
     return {"bitquilt": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def _state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def stored_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """All tensors to store; a tied LM head is stored once (under the embedding)."""
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     seen: dict[int, str] = {}
@@ -55,26 +70,17 @@ def _state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-ONLINE_MODULES = ("act_quant", "kv_quant", "output_rotation")  # attribute names, attached by bitquilt.nn / rotation
+def model_nbytes(model: nn.Module) -> int:
+    """Bytes the model occupies as stored (packed formats, tied weights counted once)."""
+    return sum(t.numel() * t.element_size() for t in stored_tensors(model).values())
 
 
-def online_state(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """{attribute: {host module name: config}} of the online modules attached to `model`."""
-    return {attr: {name: getattr(m, attr).to_dict() for name, m in model.named_modules()
-                   if getattr(m, attr, None) is not None} for attr in ONLINE_MODULES}
-
-
-def restore_online_state(model: nn.Module, state: dict[str, dict[str, Any]]) -> None:
-    from bitquilt.nn.act_quant import ActQuantizer, attach_act_quant
-    from bitquilt.nn.kv_quant import KVQuantizer, attach_kv_quant
-    from bitquilt.transforms.rotation import OutputRotation, attach_output_rotation
-
-    for name, d in state.get("act_quant", {}).items():
-        attach_act_quant(model.get_submodule(name), ActQuantizer.from_dict(d))
-    for name, d in state.get("kv_quant", {}).items():
-        attach_kv_quant(model, name, KVQuantizer.from_dict(d))
-    for name, d in state.get("output_rotation", {}).items():
-        attach_output_rotation(model.get_submodule(name), OutputRotation.from_dict(d))
+def model_summary(model: nn.Module) -> dict[str, float]:
+    """Stored size in MB and the mean bits per weight over the quantized linears (32: fp32 storage, if none)."""
+    q = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    n_weights = sum(m.in_features * m.out_features for m in q)
+    bits = sum(m.fmt.bits_per_weight() * m.in_features * m.out_features for m in q)
+    return {"size_mb": model_nbytes(model) / 2**20, "bits_per_weight": bits / n_weights if n_weights else 32.0}
 
 
 def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, extra: dict[str, Any] | None = None,
@@ -89,14 +95,14 @@ def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, extra: 
         for name, m in model.named_modules()
         if isinstance(m, QuantLinear)
     }
-    report = getattr(model, "bitquilt_quantization", None)
+    record = quantization_record(model) or {}
     qconfig = {
         "format_version": FORMAT_VERSION,
         "layers": layers,
-        "online": online_state(model),
-        "recipe": report.recipe if report else None,
-        "calibration": report.calibration if report else None,
-        "report": report.to_dict() if report else None,
+        "online": online.online_state(model),
+        "recipe": record.get("recipe"),
+        "calibration": record.get("calibration"),
+        "report": record.get("report"),
         "versions": versions(),
         **(extra or {}),
     }
@@ -107,7 +113,7 @@ def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, extra: 
             model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        save_file(_state_tensors(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "bitquilt": "1"})
+        save_file(stored_tensors(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "bitquilt": "1"})
         (tmp / CONFIG_NAME).write_text(json.dumps(qconfig, indent=2, default=str))
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
@@ -133,7 +139,8 @@ def read_qconfig(directory: str | Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"{path} is not a readable bitquilt quantization config: {e}") from None
     if qconfig.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"{path}: format version {qconfig.get('format_version')} is not supported (expected 1)")
+        raise UserError(f"{path}: format version {qconfig.get('format_version')} is not supported (expected "
+                        f"{FORMAT_VERSION}); quantize the model again with this version of bitquilt")
     return qconfig
 
 
@@ -150,13 +157,12 @@ def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
     config = AutoConfig.from_pretrained(directory)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for name, info in qconfig["layers"].items():
-        prefix = f"{name}.packed_"
-        fmt_tensors = {k[len(prefix):]: tensors.pop(k) for k in list(tensors) if k.startswith(prefix)}
+        fmt_tensors = split_buffers(tensors, name)
         fmt = format_class(info["format"]).from_tensors(fmt_tensors, info["meta"])
         bias = tensors.pop(f"{name}.bias", None)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, QuantLinear(fmt, bias))
-    restore_online_state(model, qconfig.get("online", {}))  # before the tensors: some own buffers (key centres)
+    online.restore(model, qconfig.get("online", {}))  # before the tensors: some own buffers (key centres)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     quantized = tuple(f"{name}." for name in qconfig["layers"])
@@ -170,5 +176,5 @@ def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
         tokenizer = AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError):
         tokenizer = None
-    model.bitquilt_qconfig = qconfig
+    set_quantization_record(model, qconfig)
     return model, tokenizer

@@ -1,12 +1,13 @@
 """Recipes: a method name + weight grid + per-module overrides, as one serialisable object.
 
-A method is written `transform+...+solver`, e.g. `gptq`, `awq+rtn`, `awq+gptq`; transforms
-(registered in `bitquilt.transforms`) rewrite the model or a block before its linears are
-solved. Short aliases name the usual combinations (`awq` = `awq+rtn`).
+A method is written `stage+...+solver`, e.g. `gptq`, `awq+rtn`, `quarot+gptq`: every part but
+the last names a registered transform or policy stage (`bitquilt.calib.stages`), the last a
+solver (`bitquilt.solvers`). Short aliases name the usual combinations (`awq` = `awq+rtn`).
 
 Activations and the KV cache are quantized when `a_bits` / `kv_bits` are below 16 (W4A4KV4:
 `Recipe("quarot+gptq", w_bits=4, a_bits=4, kv_bits=4)`); overrides may set `a_bits`, `a_sym`
-and `a_clip` per linear as well as the weight grid.
+and `a_clip` per linear as well as the weight grid. Everything is validated when the recipe is
+built: names, every option set, and each grid against what the solver's format can hold.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import fnmatch
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import bitquilt.pipeline  # noqa: F401  (registers the built-in solvers, transforms and policies)
+from bitquilt.calib.stages import STAGES, Stage
 from bitquilt.nn.act_quant import ActQuantConfig
 from bitquilt.solvers import get_solver
-from bitquilt.solvers.base import LayerSpec
+from bitquilt.solvers.base import LayerSpec, Solver
 
 METHOD_ALIASES = {"awq": "awq+rtn"}
 
@@ -42,13 +45,13 @@ class CalibConfig:
 
 @dataclass
 class Recipe:
-    # the best uniform grid measured at 3-4 bits (bench/results/accuracy.md); 2 bits wants "bpdq"
+    # the best uniform grid measured at 3-4 bits (docs/benchmarks.md); 2 bits wants "bpdq"
     method: str = "awq+gptq"
     w_bits: int = 4
     group_size: int = 128
     sym: bool = False
     options: dict[str, Any] = field(default_factory=dict)  # solver options, e.g. {"act_order": True}
-    transform_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per transform name
+    stage_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per transform/policy name
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)  # glob on linear name -> spec fields
     skip: tuple[str, ...] = ()  # globs of linears kept in full precision
     a_bits: int = 16  # per-token dynamic activation quantization of every linear's input (16: off)
@@ -61,14 +64,13 @@ class Recipe:
     def __post_init__(self) -> None:
         self.method = METHOD_ALIASES.get(self.method, self.method)
         self.skip = tuple(self.skip)
-        from bitquilt.transforms import get_transform
-
-        for t in self.transforms:
-            get_transform(t)
-        solver = get_solver(self.solver)
-        solver.make_options(self.options)
-        supported = getattr(solver.options, "supported_bits", None)
-        self.default_spec.validate(**({"supported_bits": supported} if supported else {}))
+        for name in self.components:
+            stage = STAGES.get(name)
+            if stage.kind not in ("transform", "policy"):
+                raise ValueError(f"{name!r} in method {self.method!r} is a {stage.kind} stage; only transforms "
+                                 "and policies may precede the solver")
+        self.solver_spec.make_options(self.options)
+        self.solver_spec.validate(self.default_spec)
         self.default_act.validate()
         self.kv_config().validate()
         for pattern, fields in self.overrides.items():
@@ -76,7 +78,19 @@ class Recipe:
             if bad:
                 raise ValueError(f"override {pattern!r}: unknown field(s) {sorted(bad)}; "
                                  f"use {', '.join(sorted(WEIGHT_FIELDS | set(ACT_FIELDS)))}")
-        if "quarot" in self.transforms and "awq" in self.transforms:
+            try:
+                self.solver_spec.validate(LayerSpec(**{**asdict(self.default_spec),
+                                                       **{k: v for k, v in fields.items() if k in WEIGHT_FIELDS}}))
+                ActQuantConfig(**{**asdict(self.default_act),
+                                  **{ACT_FIELDS[k]: v for k, v in fields.items() if k in ACT_FIELDS}}).validate()
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"override {pattern!r}: {e}") from None
+        names = {s.name for s, _ in self.stages()}
+        unknown = sorted(set(self.stage_options) - names)
+        if unknown:
+            raise ValueError(f"stage options for {unknown}, which recipe {self.method!r} does not run; "
+                             f"its stages: {', '.join(sorted(names))}")
+        if "quarot" in self.components and "awq" in self.components:
             raise ValueError("awq cannot follow quarot: its scales would cross the online Hadamard transforms")
 
     @property
@@ -84,16 +98,37 @@ class Recipe:
         return solver_name(self.method)
 
     @property
-    def transforms(self) -> list[str]:
+    def solver_spec(self) -> Solver:
+        return get_solver(self.solver)
+
+    @property
+    def components(self) -> list[str]:
+        """The transform and policy stages the method names, in order."""
         return self.method.split("+")[:-1]
 
     @property
-    def needs_calibration(self) -> bool:
-        from bitquilt.transforms import get_transform
+    def transforms(self) -> list[str]:
+        return [n for n in self.components if STAGES.get(n).kind == "transform"]
 
-        searched_clip = self.a_clip is None or any(f.get("a_clip", 0) is None for f in self.overrides.values())
-        return (get_solver(self.solver).needs_stats or any(get_transform(t).scope == "block" for t in self.transforms)
-                or (searched_clip and self.a_bits < 16) or (self.kv_center and self.kv_bits < 16))
+    def _searches_clip(self) -> bool:
+        searched = self.a_bits < 16 and self.a_clip is None
+        return searched or any(f.get("a_clip", 0) is None for f in self.overrides.values())
+
+    def stages(self) -> list[tuple[Stage, Any]]:
+        """Every stage this recipe runs, with its options: the method's, then the ones its settings imply
+        (KV quantizers and key centres, activation clipping), then solving."""
+        names = list(self.components)
+        if self.kv_bits < 16:
+            names += ["kv_quant"] + (["kv_center"] if self.kv_center else [])
+        if self._searches_clip():
+            names.append("act_clip")
+        stages = [(STAGES.get(n), STAGES.get(n).make_options(self.stage_options.get(n))) for n in names]
+        solve = STAGES.get("solve")
+        return stages + [(solve, solve.make_options({"solver": self.solver, "options": self.options}))]
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.solver_spec.needs_stats or any(s.needs_calibration for s, _ in self.stages())
 
     @property
     def default_spec(self) -> LayerSpec:
@@ -115,7 +150,7 @@ class Recipe:
     def spec_for(self, name: str) -> LayerSpec | None:
         """The grid for linear `name`, or None if it stays in full precision."""
         spec = self._fields_for(name, asdict(self.default_spec), {k: k for k in WEIGHT_FIELDS})
-        return None if spec is None else LayerSpec(**spec).validate()
+        return None if spec is None else LayerSpec(**spec).validate(self.solver_spec.produces)
 
     def act_config_for(self, name: str) -> ActQuantConfig | None:
         """The input quantizer of linear `name`, or None if its input stays in full precision."""
@@ -125,13 +160,6 @@ class Recipe:
 
     def kv_config(self) -> ActQuantConfig:
         return ActQuantConfig(self.kv_bits, False, self.kv_group_size)
-
-    def transform_options_for(self, name: str) -> dict[str, Any]:
-        """The options of transform `name`: the recipe attributes it reads, then the user's."""
-        from bitquilt.transforms import get_transform
-
-        fields = {f: getattr(self, f) for f in get_transform(name).recipe_fields}
-        return {**fields, **self.transform_options.get(name, {})}
 
     def label(self) -> str:
         g = "pc" if self.group_size == -1 else f"g{self.group_size}"
@@ -144,6 +172,16 @@ class Recipe:
         d["skip"] = list(self.skip)
         return d
 
+    def record(self) -> dict[str, Any]:
+        """`to_dict` with every solver and stage option spelled out, defaults included, so that changing
+        a default never changes what a saved recipe means."""
+        stage_options = {s.name: asdict(o) for s, o in self.stages()[:-1] if asdict(o)}
+        return {**self.to_dict(), "options": asdict(self.solver_spec.make_options(self.options)),
+                "stage_options": stage_options}
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Recipe:
+        d = dict(d)
+        if "transform_options" in d:  # saved before stages replaced transforms
+            d["stage_options"] = d.pop("transform_options")
         return cls(**d)

@@ -8,8 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_block
 from bitquilt.models.adapters import architecture_of, decoder_layers
-
-DEFAULT_MODEL = "smollm2-135m"
+from bitquilt.models.registry import DEFAULT_MODEL  # noqa: E402
 
 # The suite is dominated by small tensor ops, where OpenMP synchronisation costs more than a
 # second thread gains (and collapses when the machine is loaded). Tests that measure threading set it.
@@ -80,3 +79,27 @@ def make_tiny(model_type: str = "llama", seed: int = 0):
 @pytest.fixture
 def tiny_llama():
     return make_tiny("llama")
+
+
+def block_context(model, recipe, ids, index: int = 0):
+    """The context a block stage of `recipe` sees on block `index` of `model` (inputs of the fp model)."""
+    from bitquilt.calib.stages import BlockContext
+    from bitquilt.pipeline.engine import initial_plan
+
+    arch = architecture_of(model)
+    inputs, kwargs = capture_block_inputs(model, arch, ids)
+    for block in list(decoder_layers(model, arch))[:index]:
+        inputs = run_block(block, inputs, kwargs[index])
+    return BlockContext(model, arch, initial_plan(model, arch, recipe), ids, index=index,
+                        block=decoder_layers(model, arch)[index], inputs=inputs, kwargs=kwargs[index])
+
+
+def attach_kv_quantizers(model, config):
+    """A KV quantizer with `config` on every attention module of `model`."""
+    from bitquilt.nn.kv_quant import KVQuantizer
+    from bitquilt.nn.online import attach, enable_attention_site
+
+    arch = architecture_of(model)
+    for block in decoder_layers(model, arch):
+        attach(block.get_submodule(arch.attention), "kv_quant", KVQuantizer(config))
+    enable_attention_site(model)

@@ -146,7 +146,7 @@ def test_round_trip_and_bits_per_weight():
 @pytest.mark.parametrize(
     ("spec", "cols", "message"),
     [
-        (LayerSpec(8, 64), 128, "unsupported weight bits 8; supported: 2, 3, 4"),
+        (LayerSpec(8, 64), 128, "unsupported weight bits 8 by solver 'bpdq'; supported: 2, 3, 4"),
         (LayerSpec(1, 64), 128, "unsupported weight bits 1"),
         (LayerSpec(2, 48), 128, "unsupported group size 48"),
         (LayerSpec(4, -1), 80, "in_features divisible by 32"),

@@ -87,7 +87,7 @@ def test_console_script_help():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--w-bits", "5"], "unsupported weight bits 5; supported: 2, 3, 4, 8"),
+    (["--w-bits", "5"], "unsupported weight bits 5 by solver 'rtn'; supported: 2, 3, 4, 8"),
     (["--group-size", "100"], "unsupported group size 100"),
     (["--calib-samples", "0"], "--calib-samples must be"),
     (["--method", "gptx"], "unknown solver 'gptx'"),

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from bitquilt.calib.engine import quantize_model
 from bitquilt.models.adapters import UnsupportedArchitecture, architecture_of
 from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.pipeline.engine import quantize_model
 from bitquilt.recipes import Recipe
-from tests.conftest import make_tiny
+from tests.conftest import block_context, make_tiny
 
 
 def _ids(n=8, seqlen=64, vocab=320):
@@ -29,19 +29,14 @@ def test_every_adapter_quantizes_every_linear(model_type, method):
 
 
 def test_awq_scaling_is_function_preserving_before_quantization():
-    from bitquilt.calib.capture import capture_block_inputs
-    from bitquilt.models.adapters import decoder_layers
-    from bitquilt.transforms.awq import awq
+    from bitquilt.transforms.awq import AWQOptions, awq
 
     for model_type in ("llama", "gemma3_text"):
         model = make_tiny(model_type)
         ids = _ids()
-        arch = architecture_of(model)
         with torch.no_grad():
             ref = model(ids[:2]).logits
-            inputs, kwargs = capture_block_inputs(model, arch, ids)
-            block = decoder_layers(model, arch)[0]
-            report = awq(block, arch, inputs, kwargs[0], lambda name: Recipe("awq", 3, 32).spec_for(name))
+            report = awq(block_context(model, Recipe("awq", 3, 32), ids), AWQOptions())
             out = model(ids[:2]).logits
         assert report and all(r["alpha"] >= 0 for r in report.values())
         assert torch.allclose(out, ref, atol=1e-4), (model_type, (out - ref).abs().max())
@@ -87,15 +82,27 @@ def test_bad_recipe_is_rejected_before_any_work():
         Recipe("gptq", group_size=100)
     with pytest.raises(ValueError, match="unknown solver 'gptx'"):
         Recipe("gptx")
-    with pytest.raises(ValueError, match="unknown transform"):
+    with pytest.raises(ValueError, match="unknown stage 'rotate'"):
         Recipe("rotate+gptq")
+    with pytest.raises(ValueError, match="unsupported weight bits 8 by solver 'bpdq'"):
+        Recipe("bpdq", w_bits=8)  # what the format can hold, checked before any calibration
+    with pytest.raises(ValueError, match=r"transform 'awq' has no option\(s\) \['grdi'\]; it accepts: grid=20"):
+        Recipe("awq+gptq", stage_options={"awq": {"grdi": 10}})
+    with pytest.raises(ValueError, match="solver 'gptq' option damp='x'"):
+        Recipe("gptq", options={"damp": "x"})
+    with pytest.raises(ValueError, match="override 'model.layers.0.\\*': unsupported weight bits 8 by solver 'bpdq'"):
+        Recipe("bpdq", w_bits=2, group_size=64, overrides={"model.layers.0.*": {"bits": 8}})
+    with pytest.raises(ValueError, match="stage options for \\['smoothquant'\\], which recipe 'awq\\+gptq'"):
+        Recipe("awq+gptq", stage_options={"smoothquant": {"alpha": 0.5}})
 
 
 def test_solving_a_linear_keeps_no_fp32_copy_of_the_weight():
     """The error report must not leave a cached dequantized matrix behind (it doubled peak memory)."""
     from torch import nn
 
-    from bitquilt.calib.engine import _solve_linear
+    from bitquilt.calib.plan import LinearPlan, Plan
+    from bitquilt.calib.stages import BlockContext
+    from bitquilt.pipeline.apply import solve_linear
     from bitquilt.solvers import get_solver
     from bitquilt.solvers.base import LayerSpec, LinearStats
 
@@ -104,18 +111,21 @@ def test_solving_a_linear_keeps_no_fp32_copy_of_the_weight():
     stats = LinearStats.empty(64)
     stats.update(torch.randn(256, 64, generator=torch.Generator().manual_seed(0)))
     solver = get_solver("gptq")
-    report = _solve_linear(block, "proj", "proj", LayerSpec(4, 32), solver, solver.make_options(), stats)
+    model = make_tiny("llama")
+    plan = Plan({"model.layers.0.proj": LinearPlan(LayerSpec(4, 32), None)}, {})
+    ctx = BlockContext(model, architecture_of(model), plan, None, index=0, block=block)
+    report = solve_linear(ctx, "proj", solver, solver.make_options(), stats)
     assert isinstance(block.proj, QuantLinear) and block.proj._dequantized is None
     assert 0 < report.rel_error < 0.05
 
 
 def test_too_few_calibration_tokens_for_a_layer_warn_once(caplog):
     model = make_tiny("llama")  # MLP width 256: 2 × 64 = 128 tokens leave down_proj's Hessian rank-deficient
-    with caplog.at_level("WARNING", logger="bitquilt.calib.engine"):
+    with caplog.at_level("WARNING", logger="bitquilt.pipeline.apply"):
         quantize_model(model, Recipe("gptq", w_bits=4, group_size=32), _ids(2), progress=False)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "model.layers.0.mlp.down_proj: 128 calibration tokens for 256 inputs" in warnings[0]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="bitquilt.calib.engine"):
+    with caplog.at_level("WARNING", logger="bitquilt.pipeline.apply"):
         quantize_model(make_tiny("llama"), Recipe("gptq", w_bits=4, group_size=32), _ids(8), progress=False)
     assert not caplog.records

@@ -1,9 +1,35 @@
+import json
+
 import pytest
 import torch
 
-from bitquilt.formats import UniformFormat, UniformGrid, format_class
-from bitquilt.formats.packing import pack, unpack
+from bitquilt.formats import BitplaneFormat, CompositeFormat, MatmulContext, UniformFormat, UniformGrid, format_class
+from bitquilt.formats.base import buffer_name, split_buffers, tensor_name
+from bitquilt.formats.packing import bit_planes, pack, unpack
 from bitquilt.solvers import LayerSpec, get_solver
+
+
+def rtn(w: torch.Tensor, bits: int = 3, group: int = 64, sym: bool = False) -> UniformFormat:
+    return get_solver("rtn")(w, None, LayerSpec(bits, group, sym))
+
+
+def residual_slices(w: torch.Tensor, n: int) -> CompositeFormat:
+    """n cumulative slices: slice e quantizes what slices 1..e−1 left of w."""
+    parts, rest = {}, w
+    for e in range(1, n + 1):
+        parts[f"slice{e}"] = rtn(rest)
+        rest = rest - parts[f"slice{e}"].dequantize()
+    return CompositeFormat(parts)
+
+
+def reference_plane_bytes(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [bits, *lead, n/8], bit j of byte p of plane i = bit i of values[..., 8p + j], one bit at a time."""
+    *lead, n = values.shape
+    out = torch.zeros(bits, *lead, n // 8, dtype=torch.int64)
+    for i in range(bits):
+        for j in range(8):
+            out[i] |= ((values[..., j::8].long() >> i) & 1) << j
+    return out.to(torch.uint8)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
@@ -84,3 +110,136 @@ def test_ragged_last_group(method):
     assert torch.allclose(fmt.dequantize(), w, atol=0.05 * w[:, 512:].abs().max().item() / 10 + 0.05)
     again = format_class(fmt.name).from_tensors(fmt.tensors(), fmt.meta())
     assert torch.equal(again.dequantize(), fmt.dequantize())
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_bit_planes_match_a_bitwise_reference(bits):
+    values = torch.randint(0, 2**bits, (5, 2, 96))
+    planes = bit_planes(pack(values, bits), bits, 96)
+    assert planes.dtype == torch.uint8 and planes.shape == (bits, 5, 2, 12)
+    assert torch.equal(planes, reference_plane_bytes(values, bits))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("sym", [False, True])
+def test_uniform_accessors(bits, sym):
+    fmt = rtn(torch.randn(16, 128), bits, 32, sym)
+    assert torch.equal(fmt.plane_bytes(), reference_plane_bytes(fmt.codes(), bits))
+    scale, zero = fmt.scale_zero()
+    assert scale.dtype == zero.dtype == torch.float32 and scale.shape == zero.shape == (16, 4)
+    assert torch.equal(scale, fmt.scales.float())
+    assert torch.equal(zero, torch.full_like(scale, 2 ** (bits - 1)) if sym else fmt.zeros.float())
+
+
+def test_bitplane_accessors_and_width():
+    planes = torch.randint(0, 2, (3, 8, 64))
+    fmt = BitplaneFormat.from_codes(planes[0] + 2 * planes[1] + 4 * planes[2], torch.randn(8, 2, 4), 3, 32)
+    assert torch.equal(fmt.plane_bytes(), reference_plane_bytes(planes, 1)[0])
+    BitplaneFormat.check_width(64)
+    with pytest.raises(ValueError, match="in_features divisible by 32, got 80"):
+        BitplaneFormat.check_width(80)
+
+
+def test_formats_declare_what_they_hold():
+    assert UniformFormat.supported_bits == (2, 3, 4, 8) and BitplaneFormat.supported_bits == (2, 3, 4)
+    assert UniformFormat.supported_group_sizes == BitplaneFormat.supported_group_sizes == (32, 64, 128, 256, -1)
+    assert LayerSpec(8, 128).validate(UniformFormat)
+    with pytest.raises(ValueError, match="unsupported weight bits 8"):
+        LayerSpec(8, 128).validate(BitplaneFormat)
+
+
+def test_buffer_names():
+    assert buffer_name("qweight") == "packed_qweight" and buffer_name("base.qweight") == "packed_base__qweight"
+    assert tensor_name("packed_base__qweight") == "base.qweight" and tensor_name("bias") is None
+    with pytest.raises(ValueError, match="cannot contain"):
+        buffer_name("a__b")
+    state = {"m.q.packed_qweight": 1, "m.q.packed_a__scales": 2, "m.q.bias": 3, "m.q.router.packed_x": 4,
+             "m.qk.packed_qweight": 5}
+    assert split_buffers(state, "m.q") == {"qweight": 1, "a.scales": 2}
+    assert state == {"m.q.bias": 3, "m.q.router.packed_x": 4, "m.qk.packed_qweight": 5}
+    assert split_buffers({"packed_perm": 6, "bias": 7}) == {"perm": 6}
+
+
+def test_matmul_context():
+    assert not MatmulContext().per_token() and MatmulContext(slices=torch.ones(2, 3)).per_token()
+    assert MatmulContext(slices=torch.ones(2, 3)).flat().slices.shape == (6,)
+    assert MatmulContext().flat().slices is None
+
+
+def test_single_part_reference_matmul():
+    fmt = rtn(torch.randn(24, 64))
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(fmt.reference_matmul(x), x @ fmt.dequantize().T)
+    assert torch.equal(fmt.reference_matmul(x, weight=torch.zeros(24, 64)), torch.zeros(5, 24))  # cache reused
+    assert torch.equal(fmt.dequantize(selector=0), fmt.dequantize())  # one part: the selector is ignored
+    ctx = MatmulContext(slices=torch.tensor([1, 0, 2, 1, 1]))
+    torch.testing.assert_close(fmt.reference_matmul(x, ctx), fmt.reference_matmul(x))
+    with pytest.raises(ValueError, match="for 4 tokens"):
+        fmt.reference_matmul(x[:4], ctx)
+
+
+def test_composite_round_trip_is_bit_exact():
+    torch.manual_seed(0)
+    w = torch.randn(32, 128)
+    base = rtn(w, 4, 64)
+    residual = BitplaneFormat.from_uniform(rtn(w - base.dequantize(), 2, 32, sym=True))
+    fmt = CompositeFormat({"base": base, "residual": residual}, perm=torch.randperm(128))
+    tensors, meta = fmt.tensors(), json.loads(json.dumps(fmt.meta()))
+    assert set(tensors) == {"base.qweight", "base.scales", "base.zeros", "residual.planes", "residual.coeffs", "perm"}
+    again = format_class("composite").from_tensors(dict(tensors), meta)
+    assert again.tensors().keys() == tensors.keys()
+    assert all(torch.equal(again.tensors()[k], t) for k, t in tensors.items())
+    assert torch.equal(again.dequantize(), fmt.dequantize()) and again.describe() == fmt.describe()
+    assert fmt.describe() == "composite(base: uniform w4 g64 asym + residual: bitplane w2 g32) permuted"
+    assert fmt.nbytes() == base.nbytes() + residual.nbytes() + 128 * 4
+    assert fmt.bits_per_weight() == pytest.approx(8 * fmt.nbytes() / (32 * 128))
+
+
+def test_composite_selector_sums_leading_parts():
+    torch.manual_seed(0)
+    w = torch.randn(16, 128)
+    fmt = residual_slices(w, 3)
+    parts = [p.dequantize() for p in fmt.parts.values()]
+    assert torch.equal(fmt.dequantize(0), torch.zeros_like(w))
+    assert torch.equal(fmt.dequantize(2), torch.zeros_like(w) + parts[0] + parts[1])
+    assert torch.equal(fmt.dequantize(), fmt.dequantize(3))
+    errors = [(fmt.dequantize(k) - w).norm().item() for k in range(4)]
+    assert all(a > 2 * b for a, b in zip(errors, errors[1:]))  # each slice refines the last
+    with pytest.raises(ValueError, match="out of range"):
+        fmt.dequantize(4)
+
+
+def test_composite_per_token_slices():
+    torch.manual_seed(0)
+    fmt = residual_slices(torch.randn(24, 64), 3)
+    x = torch.randn(7, 64)
+    slices = torch.tensor([3, 0, 1, 3, 2, 1, 3])
+    y = fmt.reference_matmul(x, MatmulContext(slices=slices))
+    expected = torch.stack([x[t] @ fmt.dequantize(int(s)).T for t, s in enumerate(slices)])
+    torch.testing.assert_close(y, expected)
+    assert torch.equal(y[1], torch.zeros(24))
+    torch.testing.assert_close(fmt.reference_matmul(x), x @ fmt.dequantize().T)
+
+
+def test_composite_permutation_and_inverse():
+    torch.manual_seed(0)
+    w = torch.randn(16, 64)
+    perm = torch.randperm(64)
+    fmt = CompositeFormat({"a": rtn(w[:, perm], 8, 32)}, perm=perm)
+    part = fmt.parts["a"].dequantize()
+    assert torch.equal(fmt.dequantize()[:, perm], part) and torch.equal(part[:, fmt.inverse], fmt.dequantize())
+    assert torch.equal(perm[fmt.inverse], torch.arange(64)) and torch.equal(fmt.inverse[perm], torch.arange(64))
+    assert (fmt.dequantize() - w).abs().max() < 0.02  # 8 bits: the permuted columns land back in place
+    assert CompositeFormat({"a": rtn(w)}).inverse is None
+
+
+def test_composite_rejects_bad_parts():
+    a, b = rtn(torch.randn(16, 64)), rtn(torch.randn(16, 128))
+    with pytest.raises(ValueError, match="share one"):
+        CompositeFormat({"a": a, "b": b})
+    with pytest.raises(ValueError, match="at least one part"):
+        CompositeFormat({})
+    with pytest.raises(ValueError, match="part names"):
+        CompositeFormat({"a.b": a})
+    with pytest.raises(ValueError, match="permutation"):
+        CompositeFormat({"a": a}, perm=torch.zeros(64, dtype=torch.long))

@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 
+import bitquilt
 from bitquilt.api import model_nbytes, quantize, save
 from bitquilt.errors import UserError
 from bitquilt.io import CONFIG_NAME, WEIGHTS_NAME, load_quantized
@@ -86,7 +87,7 @@ def test_real_model_rtn_round_trip(smollm, tmp_path):
     with torch.no_grad():
         ref = model(ids).logits
     save(model, tmp_path / "q4", tokenizer=tok)
-    loaded, tok2 = load_model(tmp_path / "q4")
+    loaded, tok2 = bitquilt.load(tmp_path / "q4")
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, ref)
     assert tok2 is not None

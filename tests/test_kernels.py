@@ -1,12 +1,15 @@
 """CPU kernels (bitquilt.kernels.cpu) against the torch reference, and the fallback without them."""
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
+from torch import nn
 
 from bitquilt import kernels
-from bitquilt.formats import BitplaneFormat, UniformFormat, UniformGrid
+from bitquilt.formats import BitplaneFormat, CompositeFormat, MatmulContext, UniformFormat, UniformGrid
 from bitquilt.formats.packing import pack
 from bitquilt.kernels import cpu
 from bitquilt.nn.quant_linear import QuantLinear
@@ -168,6 +171,85 @@ def test_declines_what_it_cannot_run():
     assert cpu.matmul(plain, x.requires_grad_()) is None  # autograd wants the reference
     with torch.no_grad():
         assert cpu.matmul(plain, x) is not None
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", ["asym", "sym", "bitplane"])
+def test_quant_matmul_agrees_with_the_format_reference(kind):
+    w, x = llm_like(64, 256)
+    fmt = make_bitplane(64, 256, 3, 64) if kind == "bitplane" else make_uniform(w, 4, 64, sym=kind == "sym")
+    y = kernels.quant_matmul(fmt, x)
+    assert y is not None
+    torch.testing.assert_close(y, fmt.reference_matmul(x), rtol=1e-4, atol=1e-4 * y.abs().max().item())
+
+
+@needs_ext
+def test_layouts_are_cached_in_kernels_not_on_the_format():
+    fmt = make_bitplane(64, 256, 2, 64)
+    attributes = set(vars(fmt))
+    assert kernels.kernel_layout_bytes(fmt) == 0
+    layout = cpu.packed(fmt)
+    assert cpu.packed(fmt) is layout and set(vars(fmt)) == attributes
+    assert kernels.kernel_layout_bytes(fmt) == layout.nbytes() > 0
+    dead = weakref.ref(layout)
+    del fmt, layout
+    gc.collect()
+    assert dead() is None  # dropped with its format
+
+
+@needs_ext
+def test_per_token_context_declines_to_the_reference():
+    fmt = make_bitplane(32, 128, 3, 32)
+    x = torch.randn(4, 128)
+    assert kernels.quant_matmul(fmt, x, MatmulContext()) is not None  # no per-token field: the kernel runs
+    assert kernels.quant_matmul(fmt, x, MatmulContext(slices=torch.ones(4, dtype=torch.long))) is None
+    assert cpu.matmul(fmt, x, MatmulContext(slices=torch.ones(4, dtype=torch.long))) is None
+
+
+def test_quant_matmul_hands_the_context_to_kernels(monkeypatch):
+    seen = []
+    monkeypatch.setattr(kernels, "_KERNELS", {})
+    kernels.register_kernel("bitplane", "spy", lambda fmt, x, ctx: seen.append(ctx))
+    ctx = MatmulContext(slices=torch.zeros(2))
+    assert kernels.quant_matmul(make_bitplane(8, 32, 2, 32), torch.randn(2, 32), ctx) is None
+    assert seen == [ctx]
+
+
+class SliceRouter(nn.Module):
+    """Tokens whose first feature is positive use every slice, the others only the first."""
+
+    def __init__(self, n_slices: int):
+        super().__init__()
+        self.n_slices = n_slices
+
+    def forward(self, x: torch.Tensor) -> MatmulContext:
+        return MatmulContext(slices=torch.where(x[..., 0] > 0, self.n_slices, 1))
+
+
+def test_quant_linear_routes_tokens_to_slices():
+    w, _ = llm_like(48, 128)
+    first = make_uniform(w, 2, 32, sym=False)
+    fmt = CompositeFormat({"slice1": first, "slice2": make_uniform(w - first.dequantize(), 4, 32, sym=False)})
+    layer = QuantLinear(fmt, bias=torch.randn(48), router=SliceRouter(2))
+    assert {"packed_slice1__qweight", "packed_slice2__scales"} <= set(layer.state_dict())
+    x = torch.randn(2, 3, 128)
+    with torch.no_grad():
+        y = layer(x)
+    assert layer._dequantized is None  # a per-token call never uses (or fills) the full-weight cache
+    flat = x.reshape(-1, 128)
+    expected = torch.stack([t @ fmt.dequantize(2 if t[0] > 0 else 1).T for t in flat]) + layer.bias
+    torch.testing.assert_close(y.reshape(-1, 48), expected)
+    layer.router = None
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), x @ fmt.dequantize().T + layer.bias)
+
+
+def test_quant_linear_buffers_rebuild_the_format():
+    w, _ = llm_like(32, 64)
+    fmt = CompositeFormat({"base": make_uniform(w, 4, 32, sym=True)}, perm=torch.randperm(64))
+    layer = QuantLinear(fmt).to("cpu")
+    assert isinstance(layer.fmt, CompositeFormat) and layer.fmt is not fmt
+    assert torch.equal(layer.fmt.dequantize(), fmt.dequantize())
 
 
 @needs_ext

@@ -194,11 +194,11 @@ def test_corrupted_safetensors_is_a_user_error(tiny_dir, damage):
 
 
 def test_quantized_dir_is_delegated_to_io(monkeypatch, tmp_path):
-    import bitquilt.io
+    import bitquilt.api
 
     (tmp_path / "quantization_config.json").write_text("{}")
-    monkeypatch.setattr(bitquilt.io, "load_quantized", lambda p: ("quantized", p))
-    assert load_model(tmp_path) == ("quantized", tmp_path)
+    monkeypatch.setattr(bitquilt.api, "load_quantized", lambda p: ("quantized", p))
+    assert bitquilt.api.load(tmp_path) == ("quantized", tmp_path)
 
 
 def test_resolve_model_name(tmp_path):

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from bitquilt.eval import report
-from bitquilt.eval.report import markdown_table, write_report
+from bitquilt.eval.report import write_report
+from bitquilt.tables import markdown_table
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -9,14 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from bitquilt.calib.engine import quantize_model
-from bitquilt.io import load_quantized, save
+from bitquilt.calib.stages import ModelContext
+from bitquilt.io import load_quantized, quantization_record, save
 from bitquilt.models.adapters import architecture_of, decoder_layers
-from bitquilt.nn.act_quant import ActQuantConfig, ActQuantizer, attach_act_quant, fake_quantize
-from bitquilt.nn.kv_quant import KVQuantizer, configure_kv_quant
-from bitquilt.nn.quant_linear import QuantLinear
-from bitquilt.recipes import Recipe
-from bitquilt.transforms.hadamard import (
+from bitquilt.nn.act_quant import ActQuantConfig, ActQuantizer, fake_quantize
+from bitquilt.nn.hadamard import (
     hadamard_matrix,
     hadamard_transform,
     odd_factor,
@@ -24,8 +21,14 @@ from bitquilt.transforms.hadamard import (
     random_signs,
     sylvester,
 )
-from bitquilt.transforms.rotation import _rowwise_float64, fuse_norms, quarot
-from tests.conftest import make_tiny
+from bitquilt.nn.kv_quant import KVQuantizer
+from bitquilt.nn.online import attach
+from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.nn.rotation import HadamardRotation
+from bitquilt.pipeline.engine import quantize_model
+from bitquilt.recipes import Recipe
+from bitquilt.transforms.rotation import QuaRotOptions, _rowwise_float64, fuse_norms, quarot
+from tests.conftest import attach_kv_quantizers, block_context, make_tiny
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3_text"]
 PACKAGED_SIZES = [64, 128, 576, 896, 1536, 4864, 8960]  # head_dim, hidden and FFN widths of the packaged models
@@ -99,7 +102,7 @@ def test_norm_fusion_and_quarot_are_function_preserving_on_tiny_models(model_typ
     fused = copy.deepcopy(model)
     fuse_norms(fused, architecture_of(fused))
     assert torch.allclose(_logits(fused, ids), ref, atol=1e-5)
-    report = quarot(model, architecture_of(model))
+    report = quarot(ModelContext(model, architecture_of(model), None, None), QuaRotOptions())
     assert torch.allclose(_logits(model, ids), ref, atol=1e-5), (_logits(model, ids) - ref).abs().max()
     assert report["untied_lm_head"] == tied and tied == (model_type in ("llama", "gemma3_text"))
 
@@ -107,7 +110,7 @@ def test_norm_fusion_and_quarot_are_function_preserving_on_tiny_models(model_typ
 @pytest.fixture(scope="module")
 def rotated_smollm(smollm):
     model = copy.deepcopy(smollm[0])
-    quarot(model, architecture_of(model))
+    quarot(ModelContext(model, architecture_of(model), None, None), QuaRotOptions())
     return model
 
 
@@ -170,9 +173,9 @@ def test_per_layer_activation_bits_are_honoured():
     down, up, o = block.mlp.down_proj, block.mlp.up_proj, block.self_attn.o_proj
     assert down.act_quant.config.bits == 8 and up.act_quant.config.bits == 4
     assert type(o) is nn.Linear and getattr(o, "act_quant", None) is None  # skipped: full precision
-    seen = {}
+    seen = {}  # what each linear receives, before its input quantizer (prepended: runs before the input site)
     for name, lin in (("down", down), ("up", up)):
-        lin.register_forward_pre_hook(lambda m, a, name=name: seen.__setitem__(name, a[0]))
+        lin.register_forward_pre_hook(lambda m, a, name=name: seen.__setitem__(name, a[0]), prepend=True)
     _logits(model, _ids(1))
     errors = {name: ((getattr(block.mlp, f"{name}_proj").act_quant(x) - x).pow(2).mean() / x.pow(2).mean()).item()
               for name, x in seen.items()}
@@ -183,7 +186,8 @@ def test_act_quantizer_on_a_plain_linear_runs_before_other_hooks():
     lin = nn.Linear(64, 8)
     seen = []
     lin.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
-    attach_act_quant(lin, ActQuantizer(ActQuantConfig(4), hadamard=True))
+    attach(lin, "act_quant", ActQuantizer(ActQuantConfig(4)))
+    attach(lin, "input_rotation", HadamardRotation(64))  # runs first, whatever the order of attaching
     x = torch.randn(3, 64)
     y = lin(x)
     expected = fake_quantize(hadamard_transform(x), ActQuantConfig(4))
@@ -193,7 +197,7 @@ def test_act_quantizer_on_a_plain_linear_runs_before_other_hooks():
 def test_kv_quantization_is_the_same_with_and_without_cache():
     model = make_tiny("llama")
     arch = architecture_of(model)
-    configure_kv_quant(model, arch, ActQuantConfig(4, group_size=16))
+    attach_kv_quantizers(model, ActQuantConfig(4, group_size=16))
     assert all(isinstance(b.self_attn.kv_quant, KVQuantizer) for b in decoder_layers(model, arch))
     ids = _ids(1, 24)
     full = _logits(model, ids)[0, -1]
@@ -211,11 +215,11 @@ def test_kv4_costs_less_than_a4_on_the_default_model(smollm, calib_ids):
     ids = calib_ids[:1, :128]
     fp = _loss(base, ids)
     kv = copy.deepcopy(base)
-    configure_kv_quant(kv, arch, ActQuantConfig(4))
+    attach_kv_quantizers(kv, ActQuantConfig(4))
     act = copy.deepcopy(base)
     for block in decoder_layers(act, arch):
         for name in arch.linear_names():
-            attach_act_quant(block.get_submodule(name), ActQuantizer(ActQuantConfig(4)))
+            attach(block.get_submodule(name), "act_quant", ActQuantizer(ActQuantConfig(4)))
     kv_cost, act_cost = _loss(kv, ids) - fp, _loss(act, ids) - fp
     assert 0 < kv_cost < act_cost, (kv_cost, act_cost)
 
@@ -246,19 +250,14 @@ def test_key_centring_rescues_keys_with_a_large_constant_part():
 
 # ---------------------------------------------------------------- SmoothQuant and recipes
 def test_smoothquant_scaling_is_function_preserving_before_quantization():
-    from bitquilt.calib.capture import capture_block_inputs
-    from bitquilt.transforms.smoothquant import smoothquant
+    from bitquilt.transforms.smoothquant import SmoothQuantOptions, smoothquant
 
     model = make_tiny("llama")
     ids = _ids()
-    arch = architecture_of(model)
     ref = _logits(model, ids[:2])
     recipe = Recipe("smoothquant+rtn", w_bits=4, group_size=32, a_bits=4)
     with torch.no_grad():
-        inputs, kwargs = capture_block_inputs(model, arch, ids)
-        block = decoder_layers(model, arch)[0]
-        report = smoothquant(block, arch, inputs, kwargs[0], recipe.spec_for,
-                             recipe.transform_options_for("smoothquant"), "model.layers.0")
+        report = smoothquant(block_context(model, recipe, ids), SmoothQuantOptions())
     assert set(report) == {"input_layernorm", "post_attention_layernorm", "mlp.up_proj"}  # v→o: GQA, not foldable
     assert torch.allclose(_logits(model, ids[:2]), ref, atol=1e-4)
 
@@ -273,7 +272,8 @@ def test_w4a4kv4_save_load_gives_identical_logits(tmp_path, model_type):
     save(model, tmp_path / "q")
     loaded, _ = load_quantized(tmp_path / "q")
     assert torch.equal(_logits(loaded, ids), ref)
-    assert loaded.bitquilt_qconfig["recipe"]["a_bits"] == 4 and loaded.bitquilt_qconfig["recipe"]["kv_bits"] == 4
+    record = quantization_record(loaded)
+    assert record["recipe"]["a_bits"] == 4 and record["recipe"]["kv_bits"] == 4
     clips = {m.act_quant.config.clip_ratio for m in loaded.modules() if isinstance(m, QuantLinear)}
     assert clips and all(c is not None for c in clips)
     saved, restored = ([m.kv_quant.key_center for m in mm.modules() if getattr(m, "kv_quant", None) is not None]

@@ -41,10 +41,9 @@ def default_seqlen(model: nn.Module, requested: int | None = None) -> int:
 def calibration_source(model: nn.Module) -> str | None:
     """The calibration text a bitquilt-quantized model was calibrated on, if any and still readable."""
     from bitquilt.data.corpora import TEXT_SETS
+    from bitquilt.io import quantization_record
 
-    report = getattr(model, "bitquilt_quantization", None)
-    calib = report.calibration if report is not None else getattr(model, "bitquilt_qconfig", {}).get("calibration")
-    source = (calib or {}).get("source")
+    source = ((quantization_record(model) or {}).get("calibration") or {}).get("source")
     if source is None or (source not in TEXT_SETS and not Path(source).expanduser().is_file()):
         return None  # a user file that is gone cannot be compared
     return source

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,37 +12,7 @@ from matplotlib.ticker import FuncFormatter
 
 from bitquilt.cache import atomic_file
 from bitquilt.eval.zeroshot import average_accuracy, primary_metric
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
-    return str(v).replace("|", "\\|").replace("\n", " ")
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s.replace(",", ""))
-    except ValueError:
-        return False
-    return True
-
-
-def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | dict[str, str]) -> str:
-    """A GitHub markdown table of ``rows``; ``columns`` are row keys, or a {key: header} mapping.
-
-    Missing values are blank, floats get 4 significant digits, numeric columns are right-aligned.
-    """
-    headers = dict(columns) if isinstance(columns, dict) else {c: c for c in columns}
-    cells = [[_cell(r.get(k)) for k in headers] for r in rows]
-    right = [all(_is_number(row[i]) for row in cells if row[i]) and any(row[i] for row in cells)
-             for i in range(len(headers))]
-    lines = ["| " + " | ".join(_cell(h) for h in headers.values()) + " |",
-             "|" + "|".join("---:" if r else "---" for r in right) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in cells]
-    return "\n".join(lines) + "\n"
+from bitquilt.tables import cell, markdown_table
 
 
 # ---------------------------------------------------------------- row normalisation
@@ -94,8 +63,8 @@ def _display_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, str]], dic
     out = []
     for r in rows:
         tasks = _tasks(r)
-        d = {"label": _label(r), "w_bits": "" if _is_reference(r) else _cell(r.get("w_bits")),
-             "group_size": "" if _is_reference(r) else _cell(r.get("group_size"))}
+        d = {"label": _label(r), "w_bits": "" if _is_reference(r) else cell(r.get("w_bits")),
+             "group_size": "" if _is_reference(r) else cell(r.get("group_size"))}
         d.update({f"ppl:{s}": f"{v:.2f}" for s, v in _ppl(r).items()})
         for t, m in tasks.items():
             d[f"task:{t}"] = f"{100 * primary_metric(m):.1f}"

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bitquilt.calib.engine import peak_rss_mb
+from bitquilt.resources import peak_rss_mb
 
 
 @dataclass
@@ -74,14 +74,11 @@ def decode(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, temp
 
 
 def kernel_layout_bytes(model: nn.Module) -> int:
-    """Bytes of the kernel-side layouts built so far (cached on each QuantLinear's format)."""
+    """Bytes of the kernel-side layouts built so far for the model's QuantLinear formats."""
+    from bitquilt import kernels
     from bitquilt.nn.quant_linear import QuantLinear
 
-    total = 0
-    for m in model.modules():
-        layout = getattr(m.fmt, "_cpu_lut", None) if isinstance(m, QuantLinear) else None
-        total += layout.nbytes() if layout is not None else 0
-    return total
+    return sum(kernels.kernel_layout_bytes(m.fmt) for m in model.modules() if isinstance(m, QuantLinear))
 
 
 def check_speed_settings(prompt_tokens: int, new_tokens: int, repeats: int) -> None:
@@ -97,7 +94,7 @@ def measure_speed(model: nn.Module, vocab_size: int, prompt_tokens: int = 128, n
 
     Decode runs exactly `new_tokens` steps (no stop token); its rate excludes the prefill.
     """
-    from bitquilt.api import model_nbytes
+    from bitquilt.io import model_nbytes
 
     check_speed_settings(prompt_tokens, new_tokens, repeats)
     gen = torch.Generator().manual_seed(seed)

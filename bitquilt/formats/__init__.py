@@ -1,10 +1,11 @@
 """Low-bit weight representations. Importing this package registers every format."""
 
-from bitquilt.formats.base import FORMATS, WeightFormat, format_class, register_format
+from bitquilt.formats.base import FORMATS, MatmulContext, WeightFormat, format_class, register_format
 from bitquilt.formats.bitplane import BitplaneFormat
+from bitquilt.formats.composite import CompositeFormat
 from bitquilt.formats.uniform import UniformFormat, UniformGrid
 
 __all__ = [
-    "FORMATS", "WeightFormat", "format_class", "register_format", "UniformFormat", "UniformGrid",
-    "BitplaneFormat",
+    "FORMATS", "MatmulContext", "WeightFormat", "format_class", "register_format", "UniformFormat", "UniformGrid",
+    "BitplaneFormat", "CompositeFormat",
 ]

@@ -11,6 +11,7 @@ Stored tensors (the layout the LUT kernels read)
 Meta: bits k, group_size, in_features. Column c belongs to group c // group_size; when the size
 does not divide the width, the last group of each row is shorter (G = ⌈in/group_size⌉).
 Cost: k + 16·(k + 1)·G/in bits per weight (k + 16·(k + 1)/group_size when it divides).
+Kernels read the planes through `plane_bytes()`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ from typing import Any
 import torch
 
 from bitquilt.formats.base import WeightFormat, register_format
-from bitquilt.formats.packing import WORD_BITS, pack, unpack
+from bitquilt.formats.packing import WORD_BITS, bit_planes, pack, unpack
 from bitquilt.formats.uniform import UniformFormat, n_groups
-
-SUPPORTED_BITS = (2, 3, 4)
 
 
 def combine(coeffs: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
@@ -43,15 +42,15 @@ def combine(coeffs: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
 @register_format
 class BitplaneFormat(WeightFormat):
     name = "bitplane"
+    supported_bits = (2, 3, 4)
+    supported_group_sizes = UniformFormat.supported_group_sizes
 
     def __init__(self, planes: torch.Tensor, coeffs: torch.Tensor, bits: int, group_size: int, in_features: int):
-        if bits not in SUPPORTED_BITS:
-            raise ValueError(f"unsupported bit-plane count {bits}; supported: {SUPPORTED_BITS}")
-        if group_size <= 0 or in_features % WORD_BITS:
-            raise ValueError(
-                f"bit-planes need a positive group size and in_features divisible by {WORD_BITS}; "
-                f"got group size {group_size}, in_features {in_features}"
-            )
+        if bits not in self.supported_bits:
+            raise ValueError(f"unsupported bit-plane count {bits}; supported: {self.supported_bits}")
+        if group_size <= 0:
+            raise ValueError(f"bit-planes need a positive group size, got {group_size}")
+        self.check_width(in_features)
         out = coeffs.shape[0]
         want_planes = (bits, out, in_features // WORD_BITS)
         want_coeffs = (out, n_groups(in_features, group_size), bits + 1)
@@ -63,6 +62,12 @@ class BitplaneFormat(WeightFormat):
         self.planes, self.coeffs = planes, coeffs
         self.bits, self.group_size = bits, group_size
         self.out_features, self.in_features = out, in_features
+
+    @staticmethod
+    def check_width(in_features: int) -> None:
+        """Raise unless `in_features` columns can be packed as bit-planes."""
+        if in_features % WORD_BITS:
+            raise ValueError(f"bit-planes need in_features divisible by {WORD_BITS}, got {in_features}")
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, coeffs: torch.Tensor, bits: int, group_size: int) -> BitplaneFormat:
@@ -87,9 +92,7 @@ class BitplaneFormat(WeightFormat):
         """
         if u.g_idx is not None:
             raise ValueError("cannot express an act-order (g_idx) uniform format as contiguous bit-plane groups")
-        scale, zero = u.scales.float(), (u.zeros.float() if u.zeros is not None else None)
-        if zero is None:
-            zero = torch.full_like(scale, 2 ** (u.bits - 1))
+        scale, zero = u.scale_zero()
         steps = scale.unsqueeze(-1) * 2.0 ** torch.arange(u.bits, dtype=torch.float32, device=scale.device)
         coeffs = torch.cat([(-scale * zero).unsqueeze(-1), steps], dim=-1)
         return cls.from_codes(u.codes(), coeffs, u.bits, u.group_size)
@@ -98,7 +101,11 @@ class BitplaneFormat(WeightFormat):
         """B as uint8 [k, out, in]."""
         return unpack(self.planes, 1, self.in_features)
 
-    def dequantize(self) -> torch.Tensor:
+    def plane_bytes(self) -> torch.Tensor:
+        """B 8 columns a byte, uint8 [k, out, in/8]: bit j of byte p of plane i is B_{i+1}[:, 8p + j]."""
+        return bit_planes(self.planes, 1, self.in_features)[0]
+
+    def dequantize(self, selector: Any = None) -> torch.Tensor:
         k, rows, g = self.bits, self.out_features, self.group_size
         planes = self.unpacked_planes()
         full = self.in_features // g * g  # columns in whole groups; a ragged last group follows

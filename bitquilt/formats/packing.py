@@ -4,6 +4,9 @@ Layout (stable, documented in the README): along the last dimension, value j occ
 bits [b*j, b*j + b) of a little-endian bit stream cut into 32-bit words. Every 32 values
 fill exactly b words, so for b in {1, 2, 4, 8} a word holds 32/b whole values and for b = 3
 a value may straddle two words. The last dimension must be a multiple of 32.
+
+`bit_planes` re-cuts a packed stream into one bit per value, 8 values a byte: the layout the
+lookup-table kernels read.
 """
 
 from __future__ import annotations
@@ -54,3 +57,19 @@ def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         out[..., j] = value & mask
     dtype = torch.uint8 if bits <= 8 else torch.int16
     return out.reshape(*lead, n).to(dtype)
+
+
+def bit_planes(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Bit planes of `pack`ed values: uint8 [bits, *lead, n/8] from int32 words [*lead, n·bits/32].
+
+    Bit j of byte p of plane i is bit i of value 8p + j.
+    """
+    *lead, nw = words.shape
+    if nw != packed_words(n, bits):
+        raise ValueError(f"{nw} words cannot hold {n} values of {bits} bits")
+    shifts = torch.arange(0, WORD_BITS, 8, dtype=torch.int32, device=words.device)
+    stream = ((words.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8)  # byte m of a word: its bits 8m..8m+7
+    bit = torch.arange(8, dtype=torch.uint8, device=words.device)
+    # 8 values fill `bits` whole bytes: bit t of byte m of such a group is bit i of value j, bits·j + i = 8m + t
+    values = ((stream.reshape(*lead, n // 8, bits, 1) >> bit) & 1).reshape(*lead, n // 8, 8, bits)
+    return (values << bit.unsqueeze(-1)).sum(-2, dtype=torch.uint8).movedim(-1, 0).contiguous()

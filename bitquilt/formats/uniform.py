@@ -5,6 +5,8 @@ Stored tensors
   scales   fp16  [out, G]         one scale per row and group of `group_size` columns
   zeros    uint8 [out, G]         asymmetric only; symmetric grids use z = 2^(b−1)
   g_idx    int32 [in]             only for GPTQ act-order with dynamic groups: group of each column
+
+Kernels read the weight through `plane_bytes()` (the codes as bit-planes) and `scale_zero()`.
 """
 
 from __future__ import annotations
@@ -15,10 +17,7 @@ from typing import Any
 import torch
 
 from bitquilt.formats.base import WeightFormat, register_format
-from bitquilt.formats.packing import pack, unpack
-
-SUPPORTED_BITS = (2, 3, 4, 8)
-SUPPORTED_GROUP_SIZES = (32, 64, 128, 256, -1)  # -1: one group per row (per-channel)
+from bitquilt.formats.packing import bit_planes, pack, unpack
 
 
 def resolve_group_size(group_size: int, in_features: int) -> int:
@@ -97,6 +96,8 @@ class UniformGrid:
 @register_format
 class UniformFormat(WeightFormat):
     name = "uniform"
+    supported_bits = (2, 3, 4, 8)
+    supported_group_sizes = (32, 64, 128, 256, -1)
 
     def __init__(
         self,
@@ -127,8 +128,8 @@ class UniformFormat(WeightFormat):
         g_idx: torch.Tensor | None = None,
     ) -> UniformFormat:
         """Pack integer codes q [out, in] with per-(row, group) scales/zeros [out, G]."""
-        if grid.bits not in SUPPORTED_BITS:
-            raise ValueError(f"unsupported bit width {grid.bits}; supported: {SUPPORTED_BITS}")
+        if grid.bits not in cls.supported_bits:
+            raise ValueError(f"unsupported bit width {grid.bits}; supported: {cls.supported_bits}")
         return cls(
             qweight=pack(q.to(torch.int64), grid.bits),
             scales=scales.to(torch.float16).contiguous(),
@@ -140,19 +141,29 @@ class UniformFormat(WeightFormat):
         )
 
     def codes(self) -> torch.Tensor:
+        """q as uint8 [out, in]."""
         return unpack(self.qweight, self.bits, self.in_features)
+
+    def plane_bytes(self) -> torch.Tensor:
+        """The codes as bit-planes, uint8 [bits, out, in/8]: bit j of byte p of plane i is bit i of q[:, 8p + j]."""
+        return bit_planes(self.qweight, self.bits, self.in_features)
+
+    def scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scale and zero per (row, group), each fp32 [out, G]; a symmetric grid's zero is 2^(b−1)."""
+        scales = self.scales.float()
+        zeros = self.zeros.float() if self.zeros is not None else torch.full_like(scales, 2 ** (self.bits - 1))
+        return scales, zeros
 
     def column_params(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero of every weight, each [out, in] fp32."""
-        scales = self.scales.float()
-        zeros = self.zeros.float() if self.zeros is not None else torch.full_like(scales, 2 ** (self.bits - 1))
+        scales, zeros = self.scale_zero()
         if self.g_idx is not None:
             idx = self.g_idx.long()
             return scales[:, idx], zeros[:, idx]
         g, n = self.group_size, self.in_features
         return expand_groups(scales, g, n), expand_groups(zeros, g, n)
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, selector: Any = None) -> torch.Tensor:
         scale, zero = self.column_params()
         return scale * (self.codes().float() - zero)
 

@@ -1,23 +1,66 @@
 """Kernel registry: fast paths for `QuantLinear`, keyed by format name.
 
-A kernel is `fn(fmt, x2d) -> y2d` computing x @ Ŵᵀ for x of shape [tokens, in_features]
-(bias is added by the caller). It may return None to decline (shape, dtype or device it
-does not handle), in which case the torch reference is used. The reference,
-dequantize-then-matmul, is always available and is the oracle the kernels are tested against.
+A kernel is `fn(fmt, x2d, ctx) -> y2d` computing x @ Ŵᵀ for x of shape [tokens, in_features]
+(bias is added by the caller), ctx the call's `MatmulContext` or None. It may return None to
+decline (shape, dtype or device it does not handle, or per-token context it does not read), in
+which case the format's torch reference (`WeightFormat.reference_matmul`) runs; that reference
+is the oracle the kernels are tested against.
+
+A kernel that re-lays a format out for itself keeps the result in a `LayoutCache` (keyed by the
+format object, dropped with it), never on the format; `kernel_layout_bytes` reports their size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
+from weakref import WeakKeyDictionary
 
 import torch
 
-from bitquilt.formats.base import WeightFormat
+from bitquilt.formats.base import MatmulContext, WeightFormat
 
-KernelFn = Callable[[WeightFormat, torch.Tensor], "torch.Tensor | None"]
+KernelFn = Callable[[WeightFormat, torch.Tensor, "MatmulContext | None"], "torch.Tensor | None"]
 _KERNELS: dict[str, list[tuple[str, KernelFn]]] = {}
 _enabled = True
 _builtin_loaded = False
+
+
+class Layout(Protocol):
+    def nbytes(self) -> int:
+        """Bytes the layout holds."""
+
+
+L = TypeVar("L", bound=Layout)
+
+
+class LayoutCache(Generic[L]):
+    """A kernel's layouts of formats: built on first use per format object, dropped with the format.
+
+    `build(fmt)` may return None (format or shape unsupported); that answer is cached too.
+    """
+
+    def __init__(self, build: Callable[[WeightFormat], L | None]):
+        self._build = build
+        self._layouts: WeakKeyDictionary[WeightFormat, L | None] = WeakKeyDictionary()
+        _CACHES.append(self)
+
+    def get(self, fmt: WeightFormat) -> L | None:
+        if fmt not in self._layouts:
+            self._layouts[fmt] = self._build(fmt)
+        return self._layouts[fmt]
+
+    def peek(self, fmt: WeightFormat) -> L | None:
+        """The layout of `fmt` if one was built, without building it."""
+        return self._layouts.get(fmt)
+
+
+_CACHES: list[LayoutCache] = []
+
+
+def kernel_layout_bytes(fmt: WeightFormat) -> int:
+    """Bytes of the layouts kernels have built for `fmt` so far (0 if none)."""
+    return sum(layout.nbytes() for cache in _CACHES if (layout := cache.peek(fmt)) is not None)
 
 
 def _load_builtin() -> None:
@@ -42,18 +85,13 @@ def kernels_for(format_name: str) -> list[str]:
     return [name for name, _ in _KERNELS.get(format_name, [])]
 
 
-def reference_matmul(fmt: WeightFormat, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-    w = fmt.dequantize() if weight is None else weight
-    return x @ w.to(x.dtype).T
-
-
-def quant_matmul(fmt: WeightFormat, x: torch.Tensor) -> torch.Tensor | None:
+def quant_matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
     """x [tokens, in] @ Ŵᵀ through the first registered kernel that accepts the call, else None."""
     if not _enabled:
         return None
     _load_builtin()
     for _, fn in _KERNELS.get(fmt.name, []):
-        y = fn(fmt, x)
+        y = fn(fmt, x, ctx)
         if y is not None:
             return y
     return None

@@ -10,8 +10,9 @@ Both formats run through one kernel: a weight matrix is k binary planes with per
 coefficients (a b-bit uniform grid is b planes with C_i = s·2^(i-1), C0 = −s·z), multiplied by
 activation lookup tables (see csrc/lut_matmul.cpp); from a bit-width-dependent batch size on,
 rows are instead dequantized to fp32 in chunks and multiplied by sgemm. The packed layout is
-built from the format's own tensors on first use and cached on the format object
-(`fmt._cpu_lut`, about the size of the packed weights again); the stored format is unchanged.
+built on first use from the format's accessors (`plane_bytes()`, `scale_zero()`, coefficients)
+and kept in this module's `LayoutCache` while the format lives (about the size of the packed
+weights again); the format itself is unchanged. Calls with per-token context are declined.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from types import ModuleType
 import torch
 
 from bitquilt import cache
-from bitquilt.formats.base import WeightFormat
-from bitquilt.formats.uniform import resolve_group_size
-from bitquilt.kernels import kernels_for, register_kernel
+from bitquilt.formats.base import MatmulContext, WeightFormat
+from bitquilt.formats.bitplane import BitplaneFormat
+from bitquilt.formats.uniform import UniformFormat, resolve_group_size
+from bitquilt.kernels import LayoutCache, kernels_for, register_kernel
 
 log = logging.getLogger(__name__)
 
@@ -147,47 +149,42 @@ class Packed:
         return self.planes, self.coeffs, self.out_features, self.bits, self.block, self.group, self.uniform
 
 
-def _pack_bitplane(fmt) -> Packed | None:
+def _pack_bitplane(fmt: BitplaneFormat) -> Packed | None:
     block = _block(fmt.group_size, fmt.in_features)
     if block is None:
         return None
-    planes = fmt.planes.contiguous().view(torch.uint8)  # little-endian: byte p of a row = columns 8p..8p+7
-    return Packed(pack_planes(planes.view(fmt.bits, fmt.out_features, -1), block),
-                  _tile_coefficients(fmt.coeffs.to(torch.float16)), fmt.out_features, fmt.bits, block,
-                  fmt.group_size, uniform=False)
+    return Packed(pack_planes(fmt.plane_bytes(), block), _tile_coefficients(fmt.coeffs.to(torch.float16)),
+                  fmt.out_features, fmt.bits, block, fmt.group_size, uniform=False)
 
 
-def _pack_uniform(fmt) -> Packed | None:
+def _pack_uniform(fmt: UniformFormat) -> Packed | None:
     group = resolve_group_size(fmt.group_size, fmt.in_features)
     block = _block(group, fmt.in_features)
     if fmt.g_idx is not None or block is None:
         return None
-    scale = fmt.scales.float()
-    zero = fmt.zeros.float() if fmt.zeros is not None else torch.full_like(scale, 2 ** (fmt.bits - 1))
-    planes = _ext.stream_to_planes(fmt.qweight.contiguous(), fmt.bits)  # [bits, N, K/8]
-    return Packed(pack_planes(planes, block),
+    scale, zero = fmt.scale_zero()
+    return Packed(pack_planes(fmt.plane_bytes(), block),
                   _tile_coefficients(torch.stack([scale, -scale * zero], dim=-1)), fmt.out_features, fmt.bits,
                   block, group, uniform=True)
 
 
 _PACKERS = {"bitplane": _pack_bitplane, "uniform": _pack_uniform}
+_LAYOUTS: LayoutCache[Packed] = LayoutCache(lambda fmt: _PACKERS[fmt.name](fmt))
 
 
 def packed(fmt: WeightFormat) -> Packed | None:
-    """The kernel layout of `fmt`, built once and cached on it (`fmt._cpu_lut`).
+    """The kernel layout of `fmt`, built on first call and cached while `fmt` lives.
 
     None if the format or shape is unsupported or the extension is unavailable.
     """
-    if extension() is None:
-        return None
-    if not hasattr(fmt, "_cpu_lut"):
-        fmt._cpu_lut = _PACKERS[fmt.name](fmt)
-    return fmt._cpu_lut
+    return None if extension() is None else _LAYOUTS.get(fmt)
 
 
-def matmul(fmt: WeightFormat, x: torch.Tensor) -> torch.Tensor | None:
+def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
     """x [T, in] @ Ŵᵀ for a `BitplaneFormat` or a `UniformFormat` without act-order; None to decline."""
     if x.device.type != "cpu" or x.dim() != 2 or (x.requires_grad and torch.is_grad_enabled()):
+        return None
+    if ctx is not None and ctx.per_token():
         return None
     p = packed(fmt)
     return None if p is None else p.matmul(x.float().contiguous()).to(x.dtype)

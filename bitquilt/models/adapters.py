@@ -1,12 +1,13 @@
 """Declarative architecture adapters: where the decoder blocks are and how their linears connect.
 
 One small description per family instead of copies of modeling files. The engine walks
-`groups` in order ("true sequential"): the linears of a group read the same input, which
-is the output of `prev` (a norm or a linear) — what scale-migrating transforms such as AWQ
-and SmoothQuant fold their inverse scales into.
+`shared_inputs` in order ("true sequential"): the linears of one `SharedInput` read the same
+input, which is the output of `prev` (a norm or a linear) — what scale-migrating transforms
+such as AWQ and SmoothQuant fold their inverse scales into. ("Group" is kept for quantization
+groups: columns sharing a scale.)
 
-Rotations of the residual stream (QuaRot) also need to know who reads and writes it: groups
-whose `prev` is a norm read it (and the LM head, after the final norm); `writers` add to it,
+Rotations of the residual stream (QuaRot) also need to know who reads and writes it: shared
+inputs whose `prev` is a norm read it (and the LM head, after the final norm); `writers` add to it,
 through `post_norms` where the family normalises a branch's output first (Gemma 3).
 """
 
@@ -18,7 +19,7 @@ from torch import nn
 
 
 @dataclass(frozen=True)
-class InputGroup:
+class SharedInput:
     linears: tuple[str, ...]  # names relative to a decoder block
     prev: str  # module whose output is the group's input
 
@@ -27,7 +28,7 @@ class InputGroup:
 class Architecture:
     name: str
     model_types: tuple[str, ...]
-    groups: tuple[InputGroup, ...]
+    shared_inputs: tuple[SharedInput, ...]
     layers: str = "model.layers"
     embed: str = "model.embed_tokens"
     final_norm: str = "model.norm"
@@ -39,23 +40,23 @@ class Architecture:
     post_norms: tuple[str, ...] = ()  # norm applied to each writer's output before the residual add, if any
 
     def linear_names(self) -> tuple[str, ...]:
-        return tuple(n for g in self.groups for n in g.linears)
+        return tuple(n for g in self.shared_inputs for n in g.linears)
 
-    def residual_groups(self) -> tuple[InputGroup, ...]:
-        """Groups that read the (normalised) residual stream: their producer is a norm, not a linear."""
+    def residual_readers(self) -> tuple[SharedInput, ...]:
+        """Shared inputs that read the (normalised) residual stream: their producer is a norm, not a linear."""
         linears = set(self.linear_names())
-        return tuple(g for g in self.groups if g.prev not in linears)
+        return tuple(g for g in self.shared_inputs if g.prev not in linears)
 
 
 def _llama_like(name: str, model_types: tuple[str, ...], mlp_norm: str = "post_attention_layernorm", **kw):
     return Architecture(
         name=name,
         model_types=model_types,
-        groups=(
-            InputGroup(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
-            InputGroup(("self_attn.o_proj",), "self_attn.v_proj"),
-            InputGroup(("mlp.gate_proj", "mlp.up_proj"), mlp_norm),
-            InputGroup(("mlp.down_proj",), "mlp.up_proj"),
+        shared_inputs=(
+            SharedInput(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
+            SharedInput(("self_attn.o_proj",), "self_attn.v_proj"),
+            SharedInput(("mlp.gate_proj", "mlp.up_proj"), mlp_norm),
+            SharedInput(("mlp.down_proj",), "mlp.up_proj"),
         ),
         **kw,
     )

@@ -101,19 +101,20 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
     return model, _load_tokenizer(path.parent, gguf_file=path.name)
 
 
-def load_model(spec: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
-    """(model in eval mode, tokenizer or None) from a packaged name, HF folder, .gguf or quantized folder."""
+def resolve_path(spec: str | Path) -> Path:
+    """The files behind a packaged model name or a path; an error naming what is accepted otherwise."""
     if isinstance(spec, str) and spec in registry.MODELS:
-        path = registry.fetched_dir(spec)
-    else:
-        path = Path(spec).expanduser()
-        if not path.exists():
-            raise UserError(f"{str(spec)!r} is neither a packaged model nor an existing path; "
-                            f"accepted: {_accepted()}")
-    if path.is_dir() and (path / "quantization_config.json").is_file():
-        from bitquilt.io import load_quantized
+        return registry.fetched_dir(spec)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise UserError(f"{str(spec)!r} is neither a packaged model nor an existing path; accepted: {_accepted()}")
+    return path
 
-        return load_quantized(path)
+
+def load_model(spec: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
+    """(model in eval mode, tokenizer or None) from a packaged name, HF folder or .gguf file (a folder
+    saved by `bitquilt.io.save` loads through `bitquilt.io.load_quantized`)."""
+    path = resolve_path(spec)
     if path.is_dir() and (path / "config.json").is_file():
         model, tokenizer = _load_hf_dir(path, dtype)
     elif path.is_file() and path.suffix == ".gguf":

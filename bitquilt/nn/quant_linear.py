@@ -6,29 +6,32 @@ import torch
 from torch import nn
 
 from bitquilt import kernels
-from bitquilt.formats.base import WeightFormat
+from bitquilt.formats.base import MatmulContext, WeightFormat, buffer_name, split_buffers
 
 
 class QuantLinear(nn.Module):
     """y = x Ŵᵀ + b, with Ŵ held packed in `fmt`.
 
-    The forward asks the kernel registry first; if no kernel takes the call it falls back to
-    the torch reference (dequantize, then matmul). The dequantized matrix is cached on first
-    use by the reference path (`cache_dequantized=False` trades speed for memory). An optional
-    `act_quant` (`bitquilt.nn.act_quant.ActQuantizer`) transforms/quantizes x before the matmul.
+    The format's tensors are buffers named by `formats.base.buffer_name`. The forward asks the
+    kernel registry first; if no kernel takes the call it falls back to the format's torch
+    reference (`fmt.reference_matmul`). The dequantized matrix is cached on first use by the
+    reference path (`cache_dequantized=False` trades speed for memory). An optional `router`
+    module maps the input to a per-token `MatmulContext` (e.g. how many slices of a composite
+    weight each token uses) that the matmul honours. Online modules at its input slots
+    (`bitquilt.nn.online`: rotation, activation quantizer) run in a pre-hook.
     """
 
     def __init__(self, fmt: WeightFormat, bias: torch.Tensor | None = None, cache_dequantized: bool = True,
-                 act_quant: nn.Module | None = None):
+                 router: nn.Module | None = None):
         super().__init__()
         self.fmt = fmt
         self.in_features, self.out_features = fmt.in_features, fmt.out_features
         for name, t in fmt.tensors().items():
-            self.register_buffer(f"packed_{name}", t)
+            self.register_buffer(buffer_name(name), t)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.cache_dequantized = cache_dequantized
         self._dequantized: torch.Tensor | None = None
-        self.act_quant = act_quant
+        self.router = router
 
     @property
     def weight(self) -> torch.Tensor:
@@ -46,19 +49,28 @@ class QuantLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         # keep the format's tensors the same objects as the buffers after .to()/.cuda()
         super()._apply(fn, recurse)
-        tensors = {name[len("packed_"):]: buf for name, buf in self.named_buffers(recurse=False)}
+        tensors = split_buffers(dict(self.named_buffers(recurse=False)))
         self.fmt = type(self.fmt).from_tensors(tensors, self.fmt.meta())
         self._dequantized = None
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_quant is not None:
-            x = self.act_quant(x)
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        y = kernels.quant_matmul(self.fmt, x2)
+    def context_for(self, x: torch.Tensor) -> MatmulContext | None:
+        """The run-time context of input x [..., in]: the router's, one entry per row of the 2-D x; None without."""
+        return None if self.router is None else self.router(x).flat()
+
+    def matmul(self, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor:
+        """x [tokens, in] @ Ŵᵀ (no bias): a kernel if one takes the call, else the format's reference.
+
+        The cached full weight serves only calls without a context.
+        """
+        y = kernels.quant_matmul(self.fmt, x, ctx)
         if y is None:
-            y = kernels.reference_matmul(self.fmt, x2, self.dequantized())
+            y = self.fmt.reference_matmul(x, ctx, self.dequantized() if ctx is None else None)
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self.matmul(x.reshape(-1, shape[-1]), self.context_for(x))
         y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 

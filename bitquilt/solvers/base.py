@@ -6,7 +6,6 @@ nothing about models: the engine collects the statistics and swaps the result in
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,7 +14,8 @@ from typing import Any
 import torch
 
 from bitquilt.formats.base import WeightFormat
-from bitquilt.formats.uniform import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from bitquilt.formats.uniform import UniformFormat
+from bitquilt.registry import Registry, make_options
 
 
 @dataclass(frozen=True)
@@ -26,14 +26,15 @@ class LayerSpec:
     group_size: int = 128
     sym: bool = False
 
-    def validate(self, supported_bits: tuple[int, ...] = SUPPORTED_BITS) -> LayerSpec:
-        if self.bits not in supported_bits:
-            raise ValueError(f"unsupported weight bits {self.bits}; supported: {', '.join(map(str, supported_bits))}")
-        if self.group_size not in SUPPORTED_GROUP_SIZES:
-            raise ValueError(
-                f"unsupported group size {self.group_size}; supported: "
-                f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))} (-1 = per channel)"
-            )
+    def validate(self, fmt: type[WeightFormat] = UniformFormat, who: str = "") -> LayerSpec:
+        """Check the grid against what format `fmt` can hold (`who`: the solver, for the message)."""
+        by = f" by {who}" if who else ""
+        if self.bits not in fmt.supported_bits:
+            raise ValueError(f"unsupported weight bits {self.bits}{by}; supported: "
+                             f"{', '.join(map(str, fmt.supported_bits))}")
+        if self.group_size not in fmt.supported_group_sizes:
+            raise ValueError(f"unsupported group size {self.group_size}{by}; supported: "
+                             f"{', '.join(map(str, fmt.supported_group_sizes))} (-1 = per channel)")
         return self
 
 
@@ -73,18 +74,19 @@ SolverFn = Callable[[torch.Tensor, "LinearStats | None", LayerSpec, Any], Weight
 
 @dataclass(frozen=True)
 class Solver:
+    """A registered solver: its function, options dataclass and the format it produces."""
+
     name: str
     fn: SolverFn
     options: type  # a dataclass of this solver's options, all with defaults
+    produces: type[WeightFormat] = UniformFormat  # declares the bits and group sizes it can reach
     needs_stats: bool = True
 
     def make_options(self, values: dict[str, Any] | None = None) -> Any:
-        values = dict(values or {})
-        fields = {f.name for f in dataclasses.fields(self.options)}
-        unknown = sorted(set(values) - fields)
-        if unknown:
-            raise ValueError(f"solver {self.name!r} has no option(s) {unknown}; it accepts: {sorted(fields)}")
-        return self.options(**values)
+        return make_options(self.options, values, f"solver {self.name!r}")
+
+    def validate(self, spec: LayerSpec) -> LayerSpec:
+        return spec.validate(self.produces, f"solver {self.name!r}")
 
     def __call__(self, weight, stats, spec: LayerSpec, options=None) -> WeightFormat:
         if self.needs_stats and stats is None:
@@ -93,22 +95,19 @@ class Solver:
         return self.fn(weight.detach().float(), stats, spec, opts)
 
 
-SOLVERS: dict[str, Solver] = {}
+SOLVERS: Registry[Solver] = Registry("solver")
 
 
-def register_solver(name: str, options: type, needs_stats: bool = True):
+def register_solver(name: str, options: type, needs_stats: bool = True, produces: type[WeightFormat] = UniformFormat):
     def wrap(fn: SolverFn) -> SolverFn:
-        SOLVERS[name] = Solver(name, fn, options, needs_stats)
+        SOLVERS.register(name, Solver(name, fn, options, produces, needs_stats))
         return fn
 
     return wrap
 
 
 def get_solver(name: str) -> Solver:
-    try:
-        return SOLVERS[name]
-    except KeyError:
-        raise ValueError(f"unknown solver {name!r}; known: {', '.join(sorted(SOLVERS))}") from None
+    return SOLVERS.get(name)
 
 
 @contextmanager
@@ -128,7 +127,12 @@ def check_finite(weight: torch.Tensor, what: str = "weight") -> None:
         raise ValueError(f"{what} contains {bad} NaN/Inf value(s); cannot quantize a non-finite matrix")
 
 
-def hessian_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
-    """tr((W − Ŵ) H (W − Ŵ)ᵀ): the layer's expected output error ‖WX − ŴX‖² per token."""
-    d = (weight.float() - approx.float())
+def hessian_error(weight: torch.Tensor, approx: torch.Tensor | None, hessian: torch.Tensor) -> float:
+    """tr(D H Dᵀ), D = W − Ŵ (D = W if `approx` is None): the layer's output error ‖WX − ŴX‖² per token."""
+    d = weight.float() if approx is None else weight.float() - approx.float()
     return float(torch.einsum("ij,jk,ik->", d, hessian.float(), d))
+
+
+def relative_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
+    """tr(D H Dᵀ) / tr(W H Wᵀ): the relative output error on calibration data."""
+    return hessian_error(weight, approx, hessian) / max(hessian_error(weight, None, hessian), 1e-30)

@@ -36,9 +36,9 @@ from functools import partial
 
 import torch
 
-from bitquilt.formats.bitplane import SUPPORTED_BITS, BitplaneFormat, combine
-from bitquilt.formats.packing import WORD_BITS
+from bitquilt.formats.bitplane import BitplaneFormat, combine
 from bitquilt.formats.uniform import UniformGrid, n_groups, resolve_group_size
+from bitquilt.registry import option
 from bitquilt.solvers.base import LayerSpec, LinearStats, check_finite, register_solver
 from bitquilt.solvers.gptq import gptq_sweep, sweep_columns
 from bitquilt.solvers.hessian import invert_permutation, prepare_hessian
@@ -48,12 +48,12 @@ from bitquilt.solvers.hessian import invert_permutation, prepare_hessian
 class BPDQOptions:
     """BPDQ's knobs; the defaults are what the measurements in the module docstring support."""
 
-    damp: float = 0.01
-    block_size: int = 128  # columns per lazy GPTQ update, rounded up to whole groups
-    n_iters: int = 5  # sweep/refit rounds per group (stops early once no bit-plane changes)
-    init_bits: int = 8  # fine RTN grid whose k most significant planes start the fit
-    ridge: float = 1e-4  # Tikhonov term on the coefficients, relative to the Gram diagonal
-    reorder: bool = True  # group-aware act-order: groups by Hessian mass, columns within a group by H_jj
+    damp: float = option(0.01, "Hessian dampening, a fraction of its mean diagonal")
+    block_size: int = option(128, "columns per lazy GPTQ update, rounded up to whole groups")
+    n_iters: int = option(5, "sweep/refit rounds per group (stops early once no bit-plane changes)")
+    init_bits: int = option(8, "fine RTN grid whose k most significant planes start the fit")
+    ridge: float = option(1e-4, "Tikhonov term on the coefficients, relative to the Gram diagonal")
+    reorder: bool = option(True, "group-aware act-order: groups by Hessian mass, columns within a group by H_jj")
 
 
 @dataclass
@@ -213,14 +213,13 @@ def group_aware_order(diag: torch.Tensor, g: int) -> torch.Tensor:
     return torch.cat([cols[order].reshape(-1), full + torch.argsort(diag[full:], descending=True)])
 
 
-@register_solver("bpdq", BPDQOptions)
+@register_solver("bpdq", BPDQOptions, produces=BitplaneFormat)
 def bpdq(weight: torch.Tensor, stats: LinearStats | None, spec: LayerSpec, opts: BPDQOptions) -> BitplaneFormat:
     """BPDQ for one linear. `spec.sym` does not apply: the offset C0 is always fitted."""
     check_finite(weight)
-    spec.validate(SUPPORTED_BITS)
+    spec.validate(BitplaneFormat, "solver 'bpdq'")
     rows, cols = weight.shape
-    if cols % WORD_BITS:
-        raise ValueError(f"BPDQ needs in_features divisible by {WORD_BITS} to pack bit-planes, got {cols}")
+    BitplaneFormat.check_width(cols)
     g = resolve_group_size(spec.group_size, cols)
     if not spec.bits <= opts.init_bits <= 8:
         raise ValueError(f"init_bits must be in {spec.bits}..8 for {spec.bits} bit-planes, got {opts.init_bits}")

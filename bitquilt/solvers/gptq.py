@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from bitquilt.formats.uniform import UniformFormat, UniformGrid, n_groups, resolve_group_size
+from bitquilt.registry import option
 from bitquilt.solvers.base import LayerSpec, LinearStats, check_finite, register_solver, single_thread
 from bitquilt.solvers.hessian import invert_permutation, prepare_hessian
 from bitquilt.solvers.rtn import quantize_groups
@@ -27,11 +28,11 @@ from bitquilt.solvers.rtn import quantize_groups
 
 @dataclass(frozen=True)
 class GPTQOptions:
-    damp: float = 0.01
-    block_size: int = 128
-    act_order: bool = True
-    static_groups: bool = True  # only read with act_order
-    mse: bool = True  # search each group's range (shrunk min-max) for the least error, not plain min-max
+    damp: float = option(0.01, "Hessian dampening, a fraction of its mean diagonal")
+    block_size: int = option(128, "columns per lazy update of the sweep")
+    act_order: bool = option(True, "sweep columns by decreasing Hessian diagonal (off: the original column order)")
+    static_groups: bool = option(True, "with act-order, fit group grids before the sweep so groups stay contiguous")
+    mse: bool = option(True, "search each group's range (shrunk min-max) for the least error, not plain min-max")
 
 
 def sweep_columns(

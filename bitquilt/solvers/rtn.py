@@ -7,12 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from bitquilt.formats.uniform import UniformFormat, UniformGrid, expand_groups, resolve_group_size
+from bitquilt.registry import option
 from bitquilt.solvers.base import LayerSpec, LinearStats, check_finite, register_solver
 
 
 @dataclass(frozen=True)
 class RTNOptions:
-    mse: bool = False  # search a shrunk range per group instead of plain min-max
+    mse: bool = option(False, "search a shrunk range per group for the least error instead of plain min-max")
 
 
 def quantize_groups(w: torch.Tensor, grid: UniformGrid, group_size: int, mse: bool = False):
@@ -33,6 +34,14 @@ def quantize_groups(w: torch.Tensor, grid: UniformGrid, group_size: int, mse: bo
 def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
     cols = q.shape[1]
     return expand_groups(scale, group_size, cols) * (q - expand_groups(zero, group_size, cols))
+
+
+def fake_quantize(w: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
+    """w quantized and dequantized by RTN on `spec`'s grid (min-max ranges): the cheap weight
+    quantizer scale searches (AWQ, SmoothQuant) evaluate their candidates with."""
+    grid = UniformGrid(spec.bits, spec.sym)
+    g = resolve_group_size(spec.group_size, w.shape[1])
+    return dequantize_groups(*quantize_groups(w, grid, g), g)
 
 
 @register_solver("rtn", RTNOptions, needs_stats=False)

@@ -1,7 +1,7 @@
 """AWQ (Lin et al., 2024): activation-aware per-channel scales searched on calibration data.
 
-For each input group, s = mean|x|^α (normalised so √(max·min) = 1) is searched over
-α ∈ {0, 1/n, ..., (n−1)/n}, minimising the group's output error after quantizing W·diag(s),
+For each shared input, s = mean|x|^α (normalised so √(max·min) = 1) is searched over
+α ∈ {0, 1/n, ..., (n−1)/n}, minimising the output error of its linears after quantizing W·diag(s),
 
     L(α) = Σ_linears ‖X Wᵀ − X (Q(W diag s) diag s⁻¹)ᵀ‖² = Σ tr(D H Dᵀ),  H = XᵀX / n,
 
@@ -15,26 +15,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from bitquilt.calib.capture import collect_stats
-from bitquilt.formats.uniform import UniformGrid, resolve_group_size
-from bitquilt.models.adapters import Architecture
-from bitquilt.solvers.base import LayerSpec
-from bitquilt.solvers.rtn import dequantize_groups, quantize_groups
-from bitquilt.transforms import register_transform
+from bitquilt.calib.stages import BlockContext, register_stage
+from bitquilt.registry import option
+from bitquilt.solvers.base import LayerSpec, hessian_error
+from bitquilt.solvers.rtn import fake_quantize
 from bitquilt.transforms.scaling import can_fold, fold_scales
 
 
 @dataclass(frozen=True)
 class AWQOptions:
-    grid: int = 20
-
-
-def fake_quantize(w: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
-    grid = UniformGrid(spec.bits, spec.sym)
-    g = resolve_group_size(spec.group_size, w.shape[1])
-    return dequantize_groups(*quantize_groups(w, grid, g), g)
+    grid: int = option(20, "number of α values searched in [0, 1)")
 
 
 def search_scales(
@@ -48,29 +40,27 @@ def search_scales(
         s = s / (s.max() * s.min()).sqrt()
         loss = 0.0
         for w, spec in zip(weights, specs):
-            d = w - fake_quantize(w * s, spec) / s
-            loss += float(torch.einsum("ij,jk,ik->", d, hessian, d))
+            loss += hessian_error(w, fake_quantize(w * s, spec) / s, hessian)
         losses.append(loss)
         if loss < best:
             best, best_s = loss, s
     return best_s, losses
 
 
-@register_transform("awq", scope="block")
+@register_stage("awq", scope="block", kind="transform", options=AWQOptions)
 @torch.no_grad()
-def awq(block: nn.Module, arch: Architecture, inputs: list[torch.Tensor], kwargs: dict[str, Any],
-        spec_for, options: dict[str, Any] | None = None, block_name: str = "") -> dict[str, Any]:
-    opts = AWQOptions(**(options or {}))
-    groups = [g for g in arch.groups if can_fold(block, g)]
-    first = {g.linears[0]: g for g in groups}
-    stats = collect_stats(block, list(first), inputs, kwargs)
+def awq(ctx: BlockContext, opts: AWQOptions) -> dict[str, Any]:
+    block = ctx.block
+    foldable = [g for g in ctx.arch.shared_inputs if can_fold(block, g)]
+    first = {g.linears[0]: g for g in foldable}
+    stats = collect_stats(block, list(first), ctx.inputs, ctx.kwargs)
     report = {}
-    for name, group in first.items():
-        specs = [spec_for(f"{block_name}.{n}") for n in group.linears]
+    for name, shared in first.items():
+        specs = [ctx.plan.weight(ctx.full(n)) for n in shared.linears]
         if any(s is None for s in specs):
             continue  # a full-precision consumer: nothing to protect
-        weights = [block.get_submodule(n).weight.float() for n in group.linears]
+        weights = [block.get_submodule(n).weight.float() for n in shared.linears]
         s, losses = search_scales(weights, specs, stats[name].hessian, stats[name].act_absmean, opts.grid)
-        fold_scales(block, arch, group, s)
-        report[group.prev] = {"alpha": losses.index(min(losses)) / opts.grid, "loss_gain": losses[0] / min(losses)}
+        fold_scales(block, ctx.arch, shared, s)
+        report[shared.prev] = {"alpha": losses.index(min(losses)) / opts.grid, "loss_gain": losses[0] / min(losses)}
     return report

@@ -17,8 +17,10 @@ Then, for activation and KV quantization (function-preserving as well):
 
   values        per head, W_v,h ← Hᵀ W_v,h and W_o[:, h] ← W_o[:, h] H  (H = M_head_dim)
   online        the writers' inputs x ↦ x M and W ← W M (a Hadamard over all of o_proj's input,
-                i.e. across heads too, and over down_proj's FFN width), in their `ActQuantizer`
-  queries/keys  q, k ↦ q H, k H per head after RoPE (QKᵀ unchanged), in the `KVQuantizer`.
+                i.e. across heads too, and over down_proj's FFN width): `HadamardRotation` in
+                their `input_rotation` slot, before the activation quantizer
+  queries/keys  q, k ↦ q H, k H per head after RoPE (QKᵀ unchanged): `QKRotation` in the
+                attention's `qk_rotation` slot, before the KV quantizer.
 """
 
 from __future__ import annotations
@@ -30,49 +32,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from bitquilt.calib.stages import ModelContext, register_stage
 from bitquilt.models.adapters import Architecture, decoder_layers
-from bitquilt.nn.act_quant import ActQuantizer, attach_act_quant
-from bitquilt.nn.kv_quant import KVQuantizer, attach_kv_quant
-from bitquilt.transforms import register_transform
-from bitquilt.transforms.hadamard import hadamard_transform, random_signs
+from bitquilt.nn.hadamard import hadamard_transform, random_signs
+from bitquilt.nn.online import attach, enable_attention_site
+from bitquilt.nn.rotation import HadamardRotation, QKRotation
+from bitquilt.registry import option
 
 
 @dataclass(frozen=True)
 class QuaRotOptions:
-    seed: int = 0  # of the residual rotation's random signs
-    online_hadamard: bool = True  # Hadamard on the writers' inputs (for activation quantization)
-    head_hadamard: bool = True  # head-wise Hadamard on values, and online on queries/keys (for KV quantization)
-
-
-class OutputRotation(nn.Module):
-    """y ↦ y Q, Q = diag(s) M_n with s from `seed`: the residual rotation applied to a norm's output."""
-
-    def __init__(self, size: int, seed: int):
-        super().__init__()
-        self.size, self.seed = size, seed
-        self.register_buffer("signs", random_signs(size, seed).float(), persistent=False)
-
-    def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return hadamard_transform(y, self.signs)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"size": self.size, "seed": self.seed}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> OutputRotation:
-        return cls(d["size"], d["seed"])
-
-
-def _rotate_output(module: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
-    return module.output_rotation(output)
-
-
-def attach_output_rotation(module: nn.Module, rotation: OutputRotation) -> None:
-    """Rotate the output of `module` (a norm) online by `rotation`."""
-    module.output_rotation = rotation
-    if not getattr(module, "_output_rotation_hooked", False):
-        module.register_forward_hook(_rotate_output)
-        module._output_rotation_hooked = True
+    seed: int = option(0, "seed of the residual rotation's random signs")
+    online_hadamard: bool = option(True, "Hadamard on the writers' inputs (for activation quantization)")
+    head_hadamard: bool = option(True, "head-wise Hadamard on values, online on queries/keys (for KV quantization)")
 
 
 def _rowwise_float64(w: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], rows: int = 8192) -> torch.Tensor:
@@ -118,7 +90,7 @@ def fuse_norms(model: nn.Module, arch: Architecture) -> None:
     """Fold the scale (o + g) of every norm that feeds linears into them; the norms keep only x/rms(x)."""
     untie_lm_head(model, arch)
     pairs = [(block.get_submodule(g.prev), [_linear(block, n) for n in g.linears])
-             for block in decoder_layers(model, arch) for g in arch.residual_groups()]
+             for block in decoder_layers(model, arch) for g in arch.residual_readers()]
     pairs.append((model.get_submodule(arch.final_norm), [_linear(model, arch.lm_head)]))
     for norm, linears in pairs:
         if getattr(norm, "bias", None) is not None:
@@ -135,13 +107,13 @@ def rotate_residual(model: nn.Module, arch: Architecture, signs: torch.Tensor, s
     embed = model.get_submodule(arch.embed)
     _set(embed.weight, _times(embed.weight, signs))
     for block in decoder_layers(model, arch):
-        for g in arch.residual_groups():
+        for g in arch.residual_readers():
             for n in g.linears:
                 lin = _linear(block, n)
                 _set(lin.weight, _times(lin.weight, signs))
         for i, n in enumerate(arch.writers):
             if arch.post_norms:
-                attach_output_rotation(block.get_submodule(arch.post_norms[i]), OutputRotation(len(signs), seed))
+                attach(block.get_submodule(arch.post_norms[i]), "output_rotation", HadamardRotation(len(signs), seed))
                 continue
             lin = _linear(block, n)
             _set(lin.weight, _times(lin.weight.T, signs).T)
@@ -154,7 +126,7 @@ def rotate_residual(model: nn.Module, arch: Architecture, signs: torch.Tensor, s
 @torch.no_grad()
 def rotate_heads(model: nn.Module, arch: Architecture) -> None:
     """Head-wise Hadamard on values (v_proj rows, o_proj columns) and online on queries/keys."""
-    for i, block in enumerate(decoder_layers(model, arch)):
+    for block in decoder_layers(model, arch):
         head_dim = block.get_submodule(arch.attention).head_dim
         v, o = _linear(block, arch.values[0]), _linear(block, arch.values[1])
         w = v.weight.reshape(-1, head_dim, v.in_features).transpose(1, 2)  # [heads, in, head_dim]
@@ -162,26 +134,24 @@ def rotate_heads(model: nn.Module, arch: Architecture) -> None:
         if v.bias is not None:
             _set(v.bias, _times(v.bias.reshape(-1, head_dim)))
         _set(o.weight, _times(o.weight.reshape(o.out_features, -1, head_dim)))
-        name = f"{arch.layers}.{i}.{arch.attention}"
-        current = getattr(model.get_submodule(name), "kv_quant", None)
-        attach_kv_quant(model, name, KVQuantizer(current.config if current is not None else None, hadamard=True))
+        attach(block.get_submodule(arch.attention), "qk_rotation", QKRotation())
+    enable_attention_site(model)
 
 
 @torch.no_grad()
 def online_hadamard(model: nn.Module, arch: Architecture) -> None:
-    """W ← W M on every writer, whose input is then x M online (in its ActQuantizer)."""
+    """W ← W M on every writer, whose input is then x M online (its `input_rotation`)."""
     for block in decoder_layers(model, arch):
         for n in arch.writers:
             lin = _linear(block, n)
             _set(lin.weight, _times(lin.weight))
-            current = getattr(lin, "act_quant", None)
-            attach_act_quant(lin, ActQuantizer(current.config if current is not None else None, hadamard=True))
+            attach(lin, "input_rotation", HadamardRotation(lin.in_features))
 
 
-@register_transform("quarot", scope="model")
+@register_stage("quarot", scope="model", kind="transform", options=QuaRotOptions, needs_calibration=False)
 @torch.no_grad()
-def quarot(model: nn.Module, arch: Architecture, options: dict[str, Any] | None = None) -> dict[str, Any]:
-    opts = QuaRotOptions(**(options or {}))
+def quarot(ctx: ModelContext, opts: QuaRotOptions) -> dict[str, Any]:
+    model, arch = ctx.model, ctx.arch
     untied = untie_lm_head(model, arch)
     fuse_norms(model, arch)
     d = model.get_submodule(arch.embed).weight.shape[1]

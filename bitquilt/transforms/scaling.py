@@ -1,6 +1,6 @@
 """Per-channel scale migration between a module and the linears that read its output.
 
-For an input group with producer `prev`, dividing prev's output channel c by s_c and
+For a shared input with producer `prev`, dividing prev's output channel c by s_c and
 multiplying column c of every consumer linear by s_c leaves the block's function unchanged.
 AWQ and SmoothQuant differ only in how they choose s.
 """
@@ -10,19 +10,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bitquilt.models.adapters import Architecture, InputGroup
+from bitquilt.models.adapters import Architecture, SharedInput
 
 
-def can_fold(block: nn.Module, group: InputGroup) -> bool:
+def can_fold(block: nn.Module, shared: SharedInput) -> bool:
     """A producer linear must emit exactly the consumers' input channels (not so for GQA v→o)."""
-    prev = block.get_submodule(group.prev)
-    width = block.get_submodule(group.linears[0]).in_features
+    prev = block.get_submodule(shared.prev)
+    width = block.get_submodule(shared.linears[0]).in_features
     return not isinstance(prev, nn.Linear) or prev.out_features == width
 
 
 @torch.no_grad()
-def fold_scales(block: nn.Module, arch: Architecture, group: InputGroup, s: torch.Tensor) -> None:
-    prev = block.get_submodule(group.prev)
+def fold_scales(block: nn.Module, arch: Architecture, shared: SharedInput, s: torch.Tensor) -> None:
+    prev = block.get_submodule(shared.prev)
     if isinstance(prev, nn.Linear):
         prev.weight.div_(s.unsqueeze(1).to(prev.weight.dtype))
         if prev.bias is not None:
@@ -32,6 +32,6 @@ def fold_scales(block: nn.Module, arch: Architecture, group: InputGroup, s: torc
         w.copy_(((arch.norm_offset + w.float()) / s - arch.norm_offset).to(w.dtype))
         if getattr(prev, "bias", None) is not None:
             prev.bias.div_(s.to(prev.bias.dtype))
-    for name in group.linears:
+    for name in shared.linears:
         lin = block.get_submodule(name)
         lin.weight.mul_(s.unsqueeze(0).to(lin.weight.dtype))

@@ -32,7 +32,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -322,35 +321,9 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& w, const at::Te
   return yt.narrow(0, 0, N).t().contiguous();
 }
 
-// Bit planes of b-bit codes packed as a little-endian bit stream (bitquilt.formats.packing):
-// qweight int32 [N, K*b/32] -> uint8 [b, N, K/8], bit j of byte p of plane i = bit i of code 8p+j.
-at::Tensor stream_to_planes(const at::Tensor& qweight, int64_t bits) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt && qweight.is_contiguous(),
-              "qweight: contiguous int32 [N, K*bits/32]");
-  TORCH_CHECK(bits >= 1 && bits <= 8 && qweight.size(1) % bits == 0, "bits must be 1..8 and divide the words");
-  const int64_t N = qweight.size(0), row_bytes = qweight.size(1) * 4, groups = row_bytes / bits;
-  auto out = at::empty({bits, N, groups}, qweight.options().dtype(at::kByte));
-  const uint8_t* src = reinterpret_cast<const uint8_t*>(qweight.data_ptr<int32_t>());
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t g = 0; g < groups; ++g) {  // 8 codes = `bits` whole bytes of the stream
-        uint64_t u = 0;
-        std::memcpy(&u, src + r * row_bytes + g * bits, bits);
-        for (int64_t i = 0; i < bits; ++i) {
-          uint32_t byte = 0;
-          for (int64_t j = 0; j < 8; ++j) byte |= ((u >> (bits * j + i)) & 1u) << j;
-          dst[(i * N + r) * groups + g] = static_cast<uint8_t>(byte);
-        }
-      }
-  });
-  return out;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut_matmul", &lut_matmul, "y = x @ W^T for bit-plane packed W (AVX2 lookup tables)");
   m.def("dequant_matmul", &dequant_matmul, "y = x @ W^T through dequantized fp32 row chunks and at::mm");
-  m.def("stream_to_planes", &stream_to_planes, "bit planes of bit-stream packed codes");
 }

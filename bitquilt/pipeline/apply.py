@@ -1,0 +1,96 @@
+"""The stages that carry the plan out: KV-cache quantizers on attention, and solving the linears."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from bitquilt.calib.capture import collect_stats
+from bitquilt.calib.stages import BlockContext, ModelContext, register_stage
+from bitquilt.models.adapters import decoder_layers
+from bitquilt.nn.act_quant import ActQuantizer
+from bitquilt.nn.kv_quant import KVQuantizer
+from bitquilt.nn.online import attach, enable_attention_site, get, slots_at
+from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.pipeline.report import LinearReport
+from bitquilt.registry import option
+from bitquilt.solvers import get_solver
+from bitquilt.solvers.base import LinearStats, relative_error
+
+log = logging.getLogger(__name__)
+
+
+@register_stage("kv_quant", scope="model", kind="policy", needs_calibration=False)
+def kv_quant(ctx: ModelContext, _options: Any) -> dict[str, Any] | None:
+    """Attach the planned KV-cache quantizer to each attention module."""
+    if not ctx.plan.kv:
+        return None
+    for i, _ in enumerate(decoder_layers(ctx.model, ctx.arch)):
+        name = f"{ctx.arch.layers}.{i}.{ctx.arch.attention}"
+        if name in ctx.plan.kv:
+            attach(ctx.model.get_submodule(name), "kv_quant", KVQuantizer(ctx.plan.kv[name]))
+    enable_attention_site(ctx.model)
+    return {"attention_modules": len(ctx.plan.kv)}
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    solver: str = option("rtn", "registered solver name")
+    options: dict[str, Any] = option({}, "the solver's options")
+
+
+def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
+
+
+def warn_if_underdetermined(stats: dict[str, LinearStats], prefix: str, warned: set[int]) -> None:
+    """Warn (once per input width) when a Hessian has fewer calibration tokens than inputs: it is then
+    rank-deficient and Hessian-based solvers fit the calibration text instead of the layer."""
+    for name, s in stats.items():
+        width = s.act_absmax.numel()
+        if s.n_tokens < width and width not in warned:
+            warned.add(width)
+            log.warning("%s.%s: %d calibration tokens for %d inputs, so its Hessian is rank-deficient and the "
+                        "solver may overfit the calibration text; use at least %d tokens (--calib-samples × "
+                        "--calib-seqlen) or a larger --damp", prefix, name, s.n_tokens, width, width)
+
+
+def solve_linear(ctx: BlockContext, name: str, solver, options, stats: LinearStats | None) -> LinearReport:
+    """Solve linear `name` of the block on its planned grid and swap in a QuantLinear that keeps the
+    linear's online input modules and takes the planned activation quantizer."""
+    t0 = time.perf_counter()
+    plan = ctx.plan[ctx.full(name)]
+    lin = ctx.block.get_submodule(name)
+    w = lin.weight.detach().float()
+    fmt = solver(w, stats, solver.validate(plan.weight), options)
+    qlin = QuantLinear(fmt, lin.bias).to(lin.weight.device)
+    for slot in slots_at("input"):
+        attach(qlin, slot, get(lin, slot))
+    if plan.act is not None and plan.act.enabled:
+        attach(qlin, "act_quant", ActQuantizer(plan.act))
+    # not qlin.dequantized(): that would cache an fp32 copy of every quantized weight (2× peak memory)
+    err = relative_error(w, fmt.dequantize(), stats.hessian) if stats is not None else None
+    replace_module(ctx.block, name, qlin)
+    return LinearReport(ctx.full(name), fmt.describe(), fmt.bits_per_weight(), fmt.nbytes(),
+                        time.perf_counter() - t0, err)
+
+
+@register_stage("solve", scope="inputs", kind="solve", options=SolveOptions, needs_calibration=False)
+@torch.no_grad()
+def solve(ctx: BlockContext, opts: SolveOptions) -> None:
+    """Collect the shared input's statistics once and solve each planned linear reading it."""
+    names = [n for n in ctx.linears if ctx.plan.weight(ctx.full(n)) is not None]
+    if not names:
+        return
+    solver = get_solver(opts.solver)
+    options = solver.make_options(opts.options)
+    stats = collect_stats(ctx.block, names, ctx.inputs, ctx.kwargs) if solver.needs_stats else {}
+    warn_if_underdetermined(stats, ctx.prefix, ctx.scratch.setdefault("underdetermined_widths", set()))
+    for n in names:
+        ctx.results.append(solve_linear(ctx, n, solver, options, stats.get(n)))

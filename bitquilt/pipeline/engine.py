@@ -1,0 +1,114 @@
+"""The sequential engine: walks a recipe's stages over the model, block by block.
+
+For block i the calibration inputs come from blocks 0..i−1 *already quantized*, so every
+stage sees the activations the quantized model will really produce. Inside a block the shared
+inputs of the architecture adapter are handled in order (q/k/v, o, gate/up, down: "true
+sequential"), each from inputs produced by the already-quantized linears before it. Only one
+block's calibration activations are held at a time. What runs is the recipe's stage list
+(`bitquilt.calib.stages`); the engine knows no method.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from bitquilt.calib.capture import capture_block_inputs, run_block
+from bitquilt.calib.plan import Plan
+from bitquilt.calib.stages import SCOPES, BlockContext, ModelContext, Stage
+from bitquilt.formats.uniform import resolve_group_size
+from bitquilt.io import set_quantization_record
+from bitquilt.models.adapters import Architecture, architecture_of, decoder_layers
+from bitquilt.pipeline.report import QuantReport
+from bitquilt.recipes import CalibConfig, Recipe
+from bitquilt.resources import peak_rss_mb, reset_peak_rss
+
+
+def check_layer_shapes(model: nn.Module, plan: Plan) -> None:
+    """Fail before any work if a planned linear cannot take its grid (e.g. group size vs width)."""
+    for name in plan.quantized():
+        try:
+            resolve_group_size(plan.weight(name).group_size, model.get_submodule(name).in_features)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+
+def _record(report: QuantReport, stage: Stage, result: dict[str, Any] | None, where: str | None) -> None:
+    if result is None:
+        return
+    if where is None:
+        report.stages[stage.name] = result
+    else:
+        report.stages.setdefault(stage.name, {}).setdefault(where, {}).update(result)
+
+
+def initial_plan(model: nn.Module, arch: Architecture, recipe: Recipe) -> Plan:
+    """The static policy: the recipe's grid, globs and overrides for every linear of every block."""
+    n = len(decoder_layers(model, arch))
+    linears = [f"{arch.layers}.{i}.{name}" for i in range(n) for name in arch.linear_names()]
+    attention = [f"{arch.layers}.{i}.{arch.attention}" for i in range(n)]
+    return Plan.static(linears, attention, recipe.spec_for, recipe.act_config_for, recipe.kv_config())
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module,
+    recipe: Recipe,
+    calib_ids: torch.Tensor | None = None,
+    calib: CalibConfig | None = None,
+    progress: bool = True,
+) -> QuantReport:
+    """Quantize `model` in place according to `recipe`; returns what was done and what it cost."""
+    start = time.perf_counter()
+    reset_peak_rss()
+    arch = architecture_of(model)
+    stages = recipe.stages()
+    needs_data = recipe.needs_calibration
+    if needs_data and calib_ids is None:
+        raise ValueError(f"recipe {recipe.label()!r} needs calibration data (solver statistics or a calibrated "
+                         f"stage: {', '.join(s.name for s, _ in stages if s.needs_calibration)}); pass calibration ids")
+    plan = initial_plan(model, arch, recipe)
+    check_layer_shapes(model, plan)
+    report = QuantReport(recipe.record(), asdict(calib) if calib and needs_data else None)
+    by_scope = {scope: [(s, o) for s, o in stages if s.scope == scope] for scope in SCOPES}
+    ctx = ModelContext(model, arch, plan, calib_ids if needs_data else None, recipe.to_dict())
+
+    for stage, opts in by_scope["prepass"] + by_scope["model"]:
+        _record(report, stage, stage.fn(ctx, opts), None)
+    layers = decoder_layers(model, arch)
+    use_cache = getattr(model.config, "use_cache", None)
+    model.config.use_cache = False
+    inputs, layer_kwargs = capture_block_inputs(model, arch, calib_ids) if needs_data else ([], [])
+
+    bar = tqdm(range(len(layers)), desc=f"quantize {recipe.label()}", unit="block", disable=not progress)
+    for i in bar:
+        t_block = time.perf_counter()
+        block_ctx = BlockContext(model, arch, plan, ctx.calib_ids, ctx.settings, ctx.scratch, index=i,
+                                 block=layers[i], inputs=inputs, kwargs=layer_kwargs[i] if needs_data else {})
+        for stage, opts in by_scope["block"]:
+            _record(report, stage, stage.fn(block_ctx, opts), block_ctx.prefix)
+        for shared in arch.shared_inputs:
+            block_ctx.linears = shared.linears
+            for stage, opts in by_scope["inputs"]:
+                _record(report, stage, stage.fn(block_ctx, opts), block_ctx.prefix)
+        block_ctx.linears = ()
+        for stage, opts in by_scope["post_block"]:
+            _record(report, stage, stage.fn(block_ctx, opts), block_ctx.prefix)
+        report.linears.extend(block_ctx.results)
+        if needs_data:
+            inputs = run_block(layers[i], inputs, block_ctx.kwargs)
+        report.block_seconds.append(time.perf_counter() - t_block)
+        bar.set_postfix(last_block=f"{report.block_seconds[-1]:.1f}s")
+
+    model.config.use_cache = use_cache
+    report.plan = plan.to_dict()
+    report.total_seconds = time.perf_counter() - start
+    report.peak_rss_mb = peak_rss_mb()
+    set_quantization_record(model, {"recipe": report.recipe, "calibration": report.calibration,
+                                    "report": report.to_dict()})
+    return report
