@@ -51,8 +51,10 @@ class Plan:
                weight_for: Callable[[str], LayerSpec | None], act_for: Callable[[str], ActQuantConfig | None],
                kv: ActQuantConfig) -> Plan:
         """The static policy: the recipe's globs and overrides, applied name by name."""
-        linears = {n: LinearPlan(weight_for(n), act_for(n) if weight_for(n) is not None else None)
-                   for n in linear_names}
+        linears = {}
+        for n in linear_names:
+            weight = weight_for(n)
+            linears[n] = LinearPlan(weight, None if weight is None else act_for(n))
         return cls(linears, {n: kv for n in attention_names} if kv.enabled else {})
 
     def __getitem__(self, name: str) -> LinearPlan:

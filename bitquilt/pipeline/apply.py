@@ -30,7 +30,7 @@ def kv_quant(ctx: ModelContext, _options: Any) -> dict[str, Any] | None:
     """Attach the planned KV-cache quantizer to each attention module."""
     if not ctx.plan.kv:
         return None
-    for i, _ in enumerate(decoder_layers(ctx.model, ctx.arch)):
+    for i in range(len(decoder_layers(ctx.model, ctx.arch))):
         name = f"{ctx.arch.layers}.{i}.{ctx.arch.attention}"
         if name in ctx.plan.kv:
             attach(ctx.model.get_submodule(name), "kv_quant", KVQuantizer(ctx.plan.kv[name]))
