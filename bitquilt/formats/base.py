@@ -101,6 +101,7 @@ class WeightFormat(ABC):
     name: ClassVar[str]
     supported_bits: ClassVar[tuple[int, ...]]
     supported_group_sizes: ClassVar[tuple[int, ...]]
+    default_group_size: ClassVar[int] = 128  # what a recipe that names no group size gets
     out_features: int
     in_features: int
 
