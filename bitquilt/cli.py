@@ -13,10 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bitquilt.calib.stages import STAGES
 from bitquilt.errors import USER_ERRORS, UserError
 from bitquilt.io import model_summary
 from bitquilt.models.registry import DEFAULT_MODEL
-from bitquilt.recipes import CalibConfig, Recipe, solver_name
+from bitquilt.recipes import METHOD_ALIASES, CalibConfig, Recipe, solver_name
 from bitquilt.solvers import SOLVERS
 from bitquilt.tables import markdown_table
 
@@ -30,6 +31,13 @@ def _int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def _clip(text: str) -> float | None:
@@ -82,20 +90,27 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     if multi:
         g.add_argument("--methods", "--recipes", dest="methods", default="fp,rtn,gptq,awq",
                        help="comma-separated methods to compare: fp, rtn, gptq, awq (=awq+rtn), awq+gptq, bpdq, "
-                       "smoothquant+rtn, quarot+rtn, quarot+gptq")
+                       "smoothquant+rtn, quarot+rtn, quarot+gptq, mxint, mxsens")
         g.add_argument("--w-bits", type=_int_list, default=[4, 3, 2], help="weight bit widths, e.g. 4,3,2")
-        g.add_argument("--group-size", type=_int_list, default=[RECIPE["group_size"]],
-                       help="group sizes (32/64/128/256, -1 = per channel); one per bit width or one for all")
+        g.add_argument("--group-size", type=_int_list, default=[None],
+                       help="group sizes (32/64/128/256, -1 = per channel); one per bit width or one for all "
+                       "(default: the format's, 128, or 32 for MXINT)")
+        g.add_argument("--target-bits", type=_float_list, default=[None],
+                       help="average bits per weight of methods with a bit budget (mxsens), e.g. 4.25,4.5,5: "
+                       "one run per value")
     else:
         g.add_argument("--method", "--recipe", dest="method", default=RECIPE["method"],
                        help="rtn | gptq | awq (=awq+rtn) | awq+gptq | bpdq | smoothquant+rtn | quarot+rtn | "
-                       f"quarot+gptq (default: {RECIPE['method']}, the most accurate uniform grid at 3-4 bits; gptq "
-                       "is faster; use bpdq at 2 bits)")
+                       f"quarot+gptq | mxint | mxsens (default: {RECIPE['method']}, the most accurate uniform grid at "
+                       "3-4 bits; gptq is faster; use bpdq at 2 bits; mxsens for MXINT 4/6/8 mixed by sensitivity)")
         g.add_argument("--w-bits", type=int, default=RECIPE["w_bits"],
-                       help=f"weight bits: 2, 3, 4 or 8 (default {RECIPE['w_bits']})")
-        g.add_argument("--group-size", type=int, default=RECIPE["group_size"],
-                       help=f"columns sharing a scale: 32, 64, 128, 256, or -1 for per-channel "
-                       f"(default {RECIPE['group_size']})")
+                       help=f"weight bits: 2, 3, 4 or 8; MXINT 4, 6 or 8 (default {RECIPE['w_bits']})")
+        g.add_argument("--group-size", type=int, default=None,
+                       help="columns sharing a scale: 32, 64, 128, 256, or -1 for per-channel "
+                       "(default: the format's, 128, or 32 for MXINT)")
+        g.add_argument("--target-bits", type=float, default=None,
+                       help="average element bits per weight of methods with a bit budget (mxsens; shared MXINT "
+                       "exponents excluded, as in the paper), e.g. 4.25")
     g.add_argument("--sym", action="store_true", help="symmetric grid (default asymmetric, with zero points)")
     g.add_argument("--skip", action="append", default=[], metavar="GLOB",
                    help="keep linears matching GLOB in full precision (repeatable), e.g. '*.down_proj'")
@@ -107,6 +122,9 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     a.add_argument("--a-bits", type=int, default=RECIPE["a_bits"], help="per-token activation bits of every linear's "
                    f"input: 4, 6, 8, ... (default {RECIPE['a_bits']} = off)")
     a.add_argument("--a-sym", action="store_true", help="symmetric activation grid (default asymmetric)")
+    a.add_argument("--a-format", choices=("int", "mxint"), default=None,
+                   help="grid of activations and KV cache: int (per-token ranges) or mxint (MXINT blocks of 32; "
+                   "default for MXINT weights)")
     a.add_argument("--a-clip", type=_clip, default=RECIPE["a_clip"],
                    help="activation clipping ratio in (0, 1], or 'search' (per linear, on calibration data)")
     a.add_argument("--kv-bits", type=int, default=RECIPE["kv_bits"],
@@ -140,9 +158,16 @@ def _add_eval_args(p: argparse.ArgumentParser, ppl_flag: bool) -> None:
     g.add_argument("--limit", type=int, default=None, help="zero-shot: score a fixed random subset of N items per task")
 
 
-def _recipe_from_args(args, method: str, bits: int, group_size: int) -> Recipe:
+def budget_stages(method: str) -> list[str]:
+    """The stages of `method` that take a bit budget (`target_bits`)."""
+    names = METHOD_ALIASES.get(method, method).split("+")[:-1]
+    return [n for n in names
+            if n in STAGES and "target_bits" in {f.name for f in dataclasses.fields(STAGES.get(n).options)}]
+
+
+def _recipe_from_args(args, method: str, bits: int, group_size: int | None, target_bits: float | None = None) -> Recipe:
     """The recipe the flags describe: derived solver flags the solver takes, then `--opt` entries
-    (KEY: a solver option; STAGE.KEY: an option of one of the method's stages)."""
+    (KEY: a solver option; STAGE.KEY: an option of one of the method's stages), then --target-bits."""
     solver = SOLVERS.get(solver_name(method))
     taken = {f.name for f in dataclasses.fields(solver.options)}
     options = {k: getattr(args, k) for k in solver_option_fields() if k in taken and getattr(args, k) is not None}
@@ -153,10 +178,15 @@ def _recipe_from_args(args, method: str, bits: int, group_size: int) -> Recipe:
             stage_options.setdefault(stage, {})[name] = value
         else:
             options[name] = value
+    if target_bits is not None:
+        if not budget_stages(method):
+            raise UserError(f"--target-bits applies to methods with a bit budget (mxsens); {method!r} has none")
+        for stage in budget_stages(method):
+            stage_options.setdefault(stage, {})["target_bits"] = target_bits
     return Recipe(method=method, w_bits=bits, group_size=group_size, sym=args.sym, options=options,
                   stage_options=stage_options, skip=tuple(args.skip), a_bits=args.a_bits, a_sym=args.a_sym,
-                  a_clip=args.a_clip, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                  kv_center=args.kv_center)
+                  a_clip=args.a_clip, a_format=args.a_format, kv_bits=args.kv_bits,
+                  kv_group_size=args.kv_group_size, kv_center=args.kv_center)
 
 
 def _calib_config(args) -> CalibConfig:
@@ -219,7 +249,7 @@ def cmd_fetch(args) -> int:
 def cmd_quantize(args) -> int:
     from bitquilt.api import load, quantize, save
 
-    recipe = _recipe_from_args(args, args.method, args.w_bits, args.group_size)
+    recipe = _recipe_from_args(args, args.method, args.w_bits, args.group_size, args.target_bits)
     out = Path(args.output)
     if out.exists() and not args.overwrite:
         raise UserError(f"output directory {out} already exists; choose another path or pass --overwrite")
@@ -274,9 +304,10 @@ def cmd_compare(args) -> int:
     sizes = args.group_size * len(args.w_bits) if len(args.group_size) == 1 else args.group_size
     if len(sizes) != len(args.w_bits):
         raise UserError("--group-size takes one value, or one per --w-bits value")
-    configs = [(m, None, None) for m in methods if m == "fp"]
-    configs += [(m, b, g) for m in methods if m != "fp" for b, g in zip(args.w_bits, sizes)]
-    recipes = {(m, b, g): _recipe_from_args(args, m, b, g) for m, b, g in configs if m != "fp"}  # validate first
+    configs = [(m, None, None, None) for m in methods if m == "fp"]
+    configs += [(m, b, g, t) for m in methods if m != "fp" for b, g in zip(args.w_bits, sizes)
+                for t in (args.target_bits if budget_stages(m) else [None])]
+    recipes = {c: _recipe_from_args(args, *c) for c in configs if c[0] != "fp"}  # validate first
     calib = _calib_config(args)
     _check_task_names(args)
     needs_calibration = any(r.needs_calibration for r in recipes.values())
@@ -288,22 +319,25 @@ def cmd_compare(args) -> int:
     base, tokenizer = load(args.model)
     ids = calibration_ids(tokenizer, calib) if needs_calibration else None
     rows = []
-    for m, b, g in configs:
+    for config in configs:
+        m, b, g, t = config
         model = base if m == "fp" else load(args.model)[0]
-        row: dict[str, Any] = {"method": m, "w_bits": b or 32, "group_size": g,
-                               "a_bits": 16 if m == "fp" else args.a_bits, "kv_bits": 16 if m == "fp" else args.kv_bits}
-        if m != "fp":
-            report = quantize(model, recipes[(m, b, g)], ids, progress=not args.json, calib_config=calib)
+        recipe = recipes.get(config)
+        row: dict[str, Any] = {"method": m, "w_bits": b or 32, "group_size": recipe and recipe.group_size,
+                               "a_bits": recipe.a_bits if recipe else 16, "kv_bits": recipe.kv_bits if recipe else 16}
+        if t is not None:
+            row["target_bits"] = t
+        if recipe is not None:
+            report = quantize(model, recipe, ids, progress=not args.json, calib_config=calib)
             row.update(quant_time_s=report.total_seconds, peak_rss_mb=report.peak_rss_mb)
         row.update(model_summary(model))
-        act = f"|a{args.a_bits}:{args.a_sym}:{args.a_clip}|kv{args.kv_bits}:{args.kv_group_size}" if (
-            m != "fp" and (args.a_bits < 16 or args.kv_bits < 16)) else ""
-        row.update(_evaluate(model, tokenizer, args,
-                             cache_key=f"{source_fingerprint(args.model)}|{m}|{b}|{g}{act}|{calib}"))
+        key = "fp" if recipe is None else json.dumps(recipe.record(), sort_keys=True, default=str)
+        row.update(_evaluate(model, tokenizer, args, cache_key=f"{source_fingerprint(args.model)}|{key}|{calib}"))
         rows.append(row)
         if not args.json:
-            print(f"[{m} w{b} g{g}] " + ", ".join(f"{k}={v:.4g}" for k, v in row.items()
-                                                   if isinstance(v, float)), file=sys.stderr)
+            label = "fp" if recipe is None else recipe.label() + ("" if t is None else f" target {t:g}")
+            print(f"[{label}] " + ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)),
+                  file=sys.stderr)
     settings = {"model": args.model, "calibration": vars(calib), "ppl_data": args.ppl_data,
                 "seqlen": args.seqlen, "ppl_windows": args.ppl_windows, "tasks": args.tasks, "limit": args.limit}
     if args.report:

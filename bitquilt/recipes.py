@@ -22,7 +22,7 @@ from bitquilt.nn.act_quant import ActQuantConfig
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec, Solver
 
-METHOD_ALIASES = {"awq": "awq+rtn"}
+METHOD_ALIASES = {"awq": "awq+rtn", "mxsens": "mx_sens+mxint"}
 
 WEIGHT_FIELDS = {"bits", "group_size", "sym"}
 ACT_FIELDS = {"a_bits": "bits", "a_sym": "sym", "a_clip": "clip_ratio"}  # override field -> ActQuantConfig field
@@ -48,7 +48,7 @@ class Recipe:
     # the best uniform grid measured at 3-4 bits (docs/benchmarks.md); 2 bits wants "bpdq"
     method: str = "awq+gptq"
     w_bits: int = 4
-    group_size: int = 128
+    group_size: int | None = None  # None: the solver's format's default (128 for integer grids, 32 for MXINT)
     sym: bool = False
     options: dict[str, Any] = field(default_factory=dict)  # solver options, e.g. {"act_order": True}
     stage_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per transform/policy name
@@ -57,6 +57,7 @@ class Recipe:
     a_bits: int = 16  # per-token dynamic activation quantization of every linear's input (16: off)
     a_sym: bool = False
     a_clip: float | None = 1.0  # clipping ratio of the activation range; None: searched per linear
+    a_format: str | None = None  # "int" or "mxint" grids for activations and KV cache; None: mxint for MXINT weights
     kv_bits: int = 16  # keys (after RoPE) and values, per head (16: off)
     kv_group_size: int = -1  # values per KV group along head_dim (-1: the whole head)
     kv_center: bool = True  # quantize keys around their calibrated mean (see bitquilt.nn.kv_quant)
@@ -64,6 +65,10 @@ class Recipe:
     def __post_init__(self) -> None:
         self.method = METHOD_ALIASES.get(self.method, self.method)
         self.skip = tuple(self.skip)
+        if self.group_size is None:
+            self.group_size = self.solver_spec.produces.default_group_size
+        if self.a_format is None:
+            self.a_format = "mxint" if self.solver_spec.produces.name == "mxint" else "int"
         for name in self.components:
             stage = STAGES.get(name)
             if stage.kind not in ("transform", "policy"):
@@ -128,7 +133,7 @@ class Recipe:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.solver_spec.needs_stats or any(s.needs_calibration for s, _ in self.stages())
+        return self.solver_spec.wants_stats(self.options) or any(s.needs_calibration for s, _ in self.stages())
 
     @property
     def default_spec(self) -> LayerSpec:
@@ -136,7 +141,7 @@ class Recipe:
 
     @property
     def default_act(self) -> ActQuantConfig:
-        return ActQuantConfig(self.a_bits, self.a_sym, -1, self.a_clip)
+        return ActQuantConfig(self.a_bits, self.a_sym, -1, self.a_clip, self.a_format)
 
     def _fields_for(self, name: str, default: dict[str, Any], keys: dict[str, str]) -> dict[str, Any] | None:
         """`default` updated by the overrides matching `name` (override key -> field), None if skipped."""
@@ -159,7 +164,7 @@ class Recipe:
         return config if config is not None and config.enabled else None
 
     def kv_config(self) -> ActQuantConfig:
-        return ActQuantConfig(self.kv_bits, False, self.kv_group_size)
+        return ActQuantConfig(self.kv_bits, False, self.kv_group_size, format=self.a_format)
 
     def label(self) -> str:
         g = "pc" if self.group_size == -1 else f"g{self.group_size}"

@@ -21,7 +21,8 @@ from bitquilt.solvers.base import LayerSpec
 @dataclass
 class LinearPlan:
     """One linear: its weight grid (None: stays full precision), its input quantizer (None: the
-    input stays full precision) and extra parameters a format or solver reads (e.g. column classes)."""
+    input stays full precision) and `params`, solver options policies chose for this linear alone
+    (e.g. MXINT column classes); they update the recipe's solver options when it is solved."""
 
     weight: LayerSpec | None
     act: ActQuantConfig | None

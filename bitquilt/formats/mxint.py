@@ -21,6 +21,8 @@ Bits per value: m + 8/32 (the shared exponent byte per block).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from bitquilt.formats.base import WeightFormat, register_format
@@ -36,7 +38,7 @@ def qmax(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def _step(exponents: torch.Tensor, bits: int) -> torch.Tensor:
+def step_size(exponents: torch.Tensor, bits: int) -> torch.Tensor:
     """2^(e − (m − 2)) as fp32 (exact: a power of two; subnormal for the smallest e)."""
     return torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents.to(torch.int32) - (bits - 2))
 
@@ -46,6 +48,15 @@ def check_bits(bits: int) -> None:
         raise ValueError(f"unsupported MXINT mantissa width {bits}; supported: {', '.join(map(str, MANTISSA_BITS))}")
 
 
+def check_classes(widths: list[int], columns: list[int], in_features: int) -> None:
+    """Column classes must be non-empty whole blocks of a supported width covering the row."""
+    if len(widths) != len(columns) or sum(columns) != in_features or any(n <= 0 or n % BLOCK for n in columns):
+        raise ValueError(f"MXINT classes {list(zip(widths, columns))} must be non-empty whole {BLOCK}-column "
+                         f"blocks adding up to in_features {in_features}")
+    for m in widths:
+        check_bits(m)
+
+
 def shared_exponents(blocks: torch.Tensor, bits: int) -> torch.Tensor:
     """e per block of `blocks` [..., 32] (int32): the smallest with no element clamped."""
     check_bits(bits)
@@ -53,10 +64,10 @@ def shared_exponents(blocks: torch.Tensor, bits: int) -> torch.Tensor:
     # first guess from the logarithm, then corrected by one either way (log2 rounding at powers of two)
     guess = torch.ceil(torch.log2(amax.clamp(min=2.0**-149) * 2.0 ** (bits - 2) / (qmax(bits) + 0.5)))
     e = guess.clamp(EXP_MIN, EXP_MAX).to(torch.int32)
-    fits = torch.round(amax / _step(e, bits)) <= qmax(bits)
+    fits = torch.round(amax / step_size(e, bits)) <= qmax(bits)
     e = torch.where(fits, e, (e + 1).clamp(max=EXP_MAX))
     lower = (e - 1).clamp(min=EXP_MIN)
-    e = torch.where(torch.round(amax / _step(lower, bits)) <= qmax(bits), lower, e)
+    e = torch.where(torch.round(amax / step_size(lower, bits)) <= qmax(bits), lower, e)
     return torch.where(amax == 0, torch.full_like(e, EXP_MIN), e)
 
 
@@ -69,7 +80,7 @@ def quantize_blocks(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Ten
         raise ValueError(f"MXINT input contains {int((~torch.isfinite(x)).sum())} NaN/Inf value(s)")
     blocks = x.float().reshape(*x.shape[:-1], n // BLOCK, BLOCK)
     e = shared_exponents(blocks, bits)
-    q = torch.clamp(torch.round(blocks / _step(e, bits).unsqueeze(-1)), -qmax(bits), qmax(bits))
+    q = torch.clamp(torch.round(blocks / step_size(e, bits).unsqueeze(-1)), -qmax(bits), qmax(bits))
     return q.reshape(x.shape).to(torch.int8), e
 
 
@@ -77,7 +88,7 @@ def dequantize_blocks(q: torch.Tensor, e: torch.Tensor, bits: int) -> torch.Tens
     """Inverse of `quantize_blocks`: fp32 [..., n]."""
     n = q.shape[-1]
     blocks = q.float().reshape(*q.shape[:-1], n // BLOCK, BLOCK)
-    return (blocks * _step(e, bits).unsqueeze(-1)).reshape(q.shape)
+    return (blocks * step_size(e, bits).unsqueeze(-1)).reshape(q.shape)
 
 
 def fake_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -117,29 +128,36 @@ class MXIntFormat(WeightFormat):
     default_group_size = BLOCK
 
     def __init__(self, tensors: dict[str, torch.Tensor], widths: list[int], columns: list[int], in_features: int):
-        if len(widths) != len(columns) or sum(columns) != in_features or any(n % BLOCK for n in columns):
-            raise ValueError(f"MXINT classes {list(zip(widths, columns))} must be whole {BLOCK}-column blocks "
-                             f"adding up to in_features {in_features}")
-        for m in widths:
-            check_bits(m)
+        check_classes(widths, columns, in_features)
         self.widths, self.columns, self.in_features = list(widths), list(columns), in_features
         self.stored = tensors
         self.perm = tensors.get("perm")
         self.out_features = tensors["e0"].shape[0]
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, widths: list[int], columns: list[int],
-                 perm: torch.Tensor | None = None) -> MXIntFormat:
-        """Quantize `weight` [out, in] (columns taken in `perm` order) into the given classes."""
-        w = weight if perm is None else weight[:, perm.long()]
+    def from_codes(cls, q: torch.Tensor, e: torch.Tensor, widths: list[int], columns: list[int],
+                   perm: torch.Tensor | None = None) -> MXIntFormat:
+        """Pack elements q int [out, in] and exponents e int [out, in/32], both in stored (permuted)
+        column order, into the given classes."""
         tensors, start = {}, 0
         for c, (m, n) in enumerate(zip(widths, columns)):
-            q, e = quantize_blocks(w[:, start:start + n], m)
-            tensors[f"q{c}"], tensors[f"e{c}"] = pack_signed(q, m), (e + EXP_BIAS).to(torch.uint8)
+            tensors[f"q{c}"] = pack_signed(q[:, start:start + n], m)
+            tensors[f"e{c}"] = (e[:, start // BLOCK:(start + n) // BLOCK] + EXP_BIAS).to(torch.uint8).contiguous()
             start += n
         if perm is not None:
             tensors["perm"] = perm.to(torch.int32).contiguous()
-        return cls(tensors, widths, columns, weight.shape[1])
+        return cls(tensors, widths, columns, q.shape[1])
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, widths: list[int], columns: list[int],
+                 perm: torch.Tensor | None = None) -> MXIntFormat:
+        """Quantize `weight` [out, in] (columns taken in `perm` order) into the given classes."""
+        check_classes(widths, columns, weight.shape[1])
+        w = weight if perm is None else weight[:, perm.long()]
+        bounds = [0] + list(itertools.accumulate(columns))
+        parts = [quantize_blocks(w[:, a:b], m) for m, a, b in zip(widths, bounds, bounds[1:])]
+        return cls.from_codes(torch.cat([q for q, _ in parts], 1), torch.cat([e for _, e in parts], 1),
+                              widths, columns, perm)
 
     def classes(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """(mantissa bits, q int8 [out, n_c], e int32 [out, n_c/32]) per class, in stored column order."""

@@ -7,6 +7,11 @@ b-bit grid at run time, from its range shrunk by the clipping ratio c:
                x̂ = s·(clamp(round(x/s) + z, 0, 2^b − 1) − z)
   symmetric    s = c·max|x| / (2^(b−1) − 1),  x̂ = s·clamp(round(x/s), −2^(b−1), 2^(b−1) − 1)
 
+With `format="mxint"` the grid is MXINT-b instead (`bitquilt.formats.mxint`: blocks of 32 values
+sharing a power-of-two scale, symmetric b-bit elements, no clipping), the format the MXSens recipe
+uses for activations and the KV cache; `MXActQuantizer` gives each block of a linear's input the
+mantissa width of the weight columns it meets.
+
 The quantize-dequantize above is the only code path: calibration and evaluation run the same
 modules. An `ActQuantizer` sits in the `act_quant` slot of a linear (`bitquilt.nn.online`),
 after any online rotation of the input; the clipping ratio is decided at calibration
@@ -21,9 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from bitquilt.formats import mxint
+from bitquilt.formats.base import WeightFormat
 from bitquilt.nn.online import register_online
 
 ACT_BITS = (2, 3, 4, 5, 6, 7, 8, 16)  # 16: no quantization
+ACT_FORMATS = ("int", "mxint")
 
 
 @dataclass(frozen=True)
@@ -32,8 +40,19 @@ class ActQuantConfig:
     sym: bool = False
     group_size: int = -1  # -1: one group per token (per head for keys/values)
     clip_ratio: float | None = 1.0  # None: to be searched on calibration data
+    format: str = "int"  # "int": the grids above; "mxint": MXINT-b blocks of 32 (sym, clip and group size unused)
 
     def validate(self) -> ActQuantConfig:
+        if self.format not in ACT_FORMATS:
+            raise ValueError(f"unknown activation format {self.format!r}; supported: {', '.join(ACT_FORMATS)}")
+        if self.format == "mxint" and self.enabled:
+            if self.bits not in mxint.MANTISSA_BITS:
+                raise ValueError(f"unsupported MXINT activation bits {self.bits}; supported: "
+                                 f"{', '.join(map(str, mxint.MANTISSA_BITS))} (16 = off)")
+            if self.clip_ratio != 1.0:
+                raise ValueError("MXINT activations take no clipping ratio (their scales are powers of two fitted "
+                                 "to each block's maximum); leave --a-clip at 1")
+            return self
         if self.bits not in ACT_BITS:
             raise ValueError(f"unsupported activation bits {self.bits}; supported: {', '.join(map(str, ACT_BITS))}")
         if self.clip_ratio is not None and not 0 < self.clip_ratio <= 1:
@@ -52,6 +71,8 @@ def fake_quantize(x: torch.Tensor, config: ActQuantConfig) -> torch.Tensor:
     clipping ratio counts as 1)."""
     if not config.enabled:
         return x
+    if config.format == "mxint":
+        return mxint.fake_quantize(x, config.bits)
     n = x.shape[-1]
     g = n if config.group_size == -1 or config.group_size >= n else config.group_size
     if n % g:
@@ -94,7 +115,11 @@ class DynamicQuantizer(nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         g = "" if c.group_size == -1 else f" g{c.group_size}"
-        return f"{c.bits} bits{' sym' if c.sym else ''}{g} clip={c.clip_ratio:g}" if c.enabled else "off"
+        if not c.enabled:
+            return "off"
+        if c.format == "mxint":
+            return f"mxint{c.bits}"
+        return f"{c.bits} bits{' sym' if c.sym else ''}{g} clip={c.clip_ratio:g}"
 
 
 @register_online
@@ -103,3 +128,45 @@ class ActQuantizer(DynamicQuantizer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fake_quantize(x, self.config)
+
+
+@register_online
+class MXActQuantizer(ActQuantizer):
+    """MXINT input quantizer mirroring an MXINT weight's column classes: x is taken in the weight's
+    stored column order (`perm`), each class of `columns[c]` values is quantized to MXINT with
+    max(config.bits, widths[c]) bits (the weight columns' width, or more), and put back in place."""
+
+    def __init__(self, config: ActQuantConfig, widths: list[int], columns: list[int],
+                 perm: torch.Tensor | None = None, perm_size: int | None = None):
+        super().__init__(config)
+        if config.format != "mxint":
+            raise ValueError(f"MXActQuantizer needs an mxint activation config, got format {config.format!r}")
+        self.widths, self.columns = list(widths), list(columns)
+        if perm is None and perm_size is not None:  # restored: the permutation loads as a saved tensor
+            perm = torch.zeros(perm_size, dtype=torch.int64)
+        self.register_buffer("perm", None if perm is None else perm.long())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xp = x if self.perm is None else x[..., self.perm]
+        parts = torch.split(xp, self.columns, dim=-1)
+        out = torch.cat([mxint.fake_quantize(p, max(self.config.bits, m)) for p, m in zip(parts, self.widths)], -1)
+        if self.perm is None:
+            return out
+        y = torch.empty_like(out)
+        y[..., self.perm] = out
+        return y
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "widths": self.widths, "columns": self.columns,
+                "perm_size": None if self.perm is None else self.perm.numel()}
+
+    def extra_repr(self) -> str:
+        return f"mxint{self.config.bits} over " + "/".join(f"{m}:{n}" for m, n in zip(self.widths, self.columns))
+
+
+def input_quantizer(config: ActQuantConfig, weight: WeightFormat) -> ActQuantizer:
+    """The quantizer of a linear's input: an MXActQuantizer following the classes of an MXINT `weight`
+    when the config is mxint, else an ActQuantizer."""
+    if config.format == "mxint" and isinstance(weight, mxint.MXIntFormat):
+        return MXActQuantizer(config, weight.widths, weight.columns, weight.perm)
+    return ActQuantizer(config)

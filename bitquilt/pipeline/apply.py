@@ -13,7 +13,7 @@ from torch import nn
 from bitquilt.calib.capture import collect_stats
 from bitquilt.calib.stages import BlockContext, ModelContext, register_stage
 from bitquilt.models.adapters import decoder_layers
-from bitquilt.nn.act_quant import ActQuantizer
+from bitquilt.nn.act_quant import input_quantizer
 from bitquilt.nn.kv_quant import KVQuantizer
 from bitquilt.nn.online import attach, enable_attention_site, get, slots_at
 from bitquilt.nn.quant_linear import QuantLinear
@@ -73,7 +73,7 @@ def solve_linear(ctx: BlockContext, name: str, solver, options, stats: LinearSta
     for slot in slots_at("input"):
         attach(qlin, slot, get(lin, slot))
     if plan.act is not None and plan.act.enabled:
-        attach(qlin, "act_quant", ActQuantizer(plan.act))
+        attach(qlin, "act_quant", input_quantizer(plan.act, fmt))
     # not qlin.dequantized(): that would cache an fp32 copy of every quantized weight (2× peak memory)
     err = relative_error(w, fmt.dequantize(), stats.hessian) if stats is not None else None
     replace_module(ctx.block, name, qlin)
@@ -84,13 +84,15 @@ def solve_linear(ctx: BlockContext, name: str, solver, options, stats: LinearSta
 @register_stage("solve", scope="inputs", kind="solve", options=SolveOptions, needs_calibration=False)
 @torch.no_grad()
 def solve(ctx: BlockContext, opts: SolveOptions) -> None:
-    """Collect the shared input's statistics once and solve each planned linear reading it."""
+    """Collect the shared input's statistics once (if any linear's solver options need them) and solve
+    each planned linear reading it, with the recipe's solver options updated by the linear's plan params."""
     names = [n for n in ctx.linears if ctx.plan.weight(ctx.full(n)) is not None]
     if not names:
         return
     solver = get_solver(opts.solver)
-    options = solver.make_options(opts.options)
-    stats = collect_stats(ctx.block, names, ctx.inputs, ctx.kwargs) if solver.needs_stats else {}
+    options = {n: solver.make_options({**opts.options, **ctx.plan[ctx.full(n)].params}) for n in names}
+    wanted = any(solver.wants_stats(o) for o in options.values())
+    stats = collect_stats(ctx.block, names, ctx.inputs, ctx.kwargs) if wanted else {}
     warn_if_underdetermined(stats, ctx.prefix, ctx.scratch.setdefault("underdetermined_widths", set()))
     for n in names:
-        ctx.results.append(solve_linear(ctx, n, solver, options, stats.get(n)))
+        ctx.results.append(solve_linear(ctx, n, solver, options[n], stats.get(n)))

@@ -80,7 +80,7 @@ class Solver:
     fn: SolverFn
     options: type  # a dataclass of this solver's options, all with defaults
     produces: type[WeightFormat] = UniformFormat  # declares the bits and group sizes it can reach
-    needs_stats: bool = True
+    needs_stats: bool | Callable[[Any], bool] = True  # or a function of the options (e.g. only some need a Hessian)
 
     def make_options(self, values: dict[str, Any] | None = None) -> Any:
         return make_options(self.options, values, f"solver {self.name!r}")
@@ -88,17 +88,25 @@ class Solver:
     def validate(self, spec: LayerSpec) -> LayerSpec:
         return spec.validate(self.produces, f"solver {self.name!r}")
 
+    def wants_stats(self, options: Any = None) -> bool:
+        """Whether solving with `options` (an options object or dict) needs calibration statistics."""
+        if not callable(self.needs_stats):
+            return self.needs_stats
+        return self.needs_stats(options if options is not None and not isinstance(options, dict)
+                                else self.make_options(options))
+
     def __call__(self, weight, stats, spec: LayerSpec, options=None) -> WeightFormat:
-        if self.needs_stats and stats is None:
-            raise ValueError(f"solver {self.name!r} needs calibration statistics")
         opts = options if options is not None and not isinstance(options, dict) else self.make_options(options)
+        if stats is None and self.wants_stats(opts):
+            raise ValueError(f"solver {self.name!r} needs calibration statistics")
         return self.fn(weight.detach().float(), stats, spec, opts)
 
 
 SOLVERS: Registry[Solver] = Registry("solver")
 
 
-def register_solver(name: str, options: type, needs_stats: bool = True, produces: type[WeightFormat] = UniformFormat):
+def register_solver(name: str, options: type, needs_stats: bool | Callable[[Any], bool] = True,
+                    produces: type[WeightFormat] = UniformFormat):
     def wrap(fn: SolverFn) -> SolverFn:
         SOLVERS.register(name, Solver(name, fn, options, produces, needs_stats))
         return fn

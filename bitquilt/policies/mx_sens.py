@@ -1,0 +1,174 @@
+"""MXSens allocation: which columns of each linear get 8-, 6- or 4-bit MXINT elements.
+
+A whole-model pre-pass policy (Harma et al., 2026, "MXSens"):
+
+1. Layer sensitivity. For each quantized linear l alone, its weight is replaced by its MXINT-b
+   version (b = the linear's base width, 4) and the model's final output (the normed last
+   hidden state) is compared with the full-precision one on calibration windows:
+       s_l = ‖Y_l − Y‖² / ‖Y‖²,   normalised to mean 1 over the linears (ŝ_l = s_l / mean s).
+   Only the blocks from l's on are re-run, from the full-precision hidden states cached at
+   each block's input. The result depends only on the model and the calibration windows, so it
+   is kept on disk (`$BITQUILT_CACHE/mx_sens/`), keyed by a hash of the full-precision output
+   itself: a sweep over targets or ablations measures it once.
+2. Triplet allocation. In every linear the `top_columns` (32) most sensitive columns by the
+   Hessian diagonal get `top_bits` (8); then
+       n_l = min(K_l − 32, R · ŝ_l · (K_l − 32))   columns get `middle_bits` (6), rounded to
+   whole 32-column blocks, and the rest the base width. One global R is found by bisection so
+   that the element bits averaged over all quantized weights,
+       B = Σ_l out_l·(m_top·32 + m_mid·n_l + m_base·(K_l − 32 − n_l)) / Σ_l out_l·K_l,
+   hit `target_bits` (R is solved on the continuous n_l, then each n_l is rounded to the
+   nearest block: B is within one block per linear of the target). Like the paper, B counts
+   element bits; the shared 8-bit exponent adds 8/32 = 0.25 bits to every weight alike.
+3. The classes and the column order ("hessian": decreasing diag(H), decided by the solver from
+   the statistics it collects) go into each linear's plan params, which the `mxint` solver reads.
+
+Ablations: `layers="uniform"` gives every linear the same ŝ = 1, `columns="random"` a random
+column order, `middle_bits=8` the 4/8-only split at the same average.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from bitquilt import cache
+from bitquilt.calib.capture import capture_block_inputs, run_block
+from bitquilt.calib.stages import ModelContext, register_stage
+from bitquilt.formats import mxint
+from bitquilt.models.adapters import decoder_layers
+from bitquilt.registry import option
+
+BLOCK = mxint.BLOCK
+
+
+@dataclass(frozen=True)
+class MXSensOptions:
+    target_bits: float = option(4.25, "average element bits per weight over the quantized linears (shared exponents "
+                                "excluded, as in the paper)")
+    top_bits: int = option(8, "width of each linear's most sensitive columns")
+    top_columns: int = option(32, "columns at top_bits in every linear (whole 32-column blocks)")
+    middle_bits: int = option(6, "width of the columns shared out by layer sensitivity (8: the 4/8-only split)")
+    layers: str = option("sensitivity", "how the middle columns are shared among linears: sensitivity (measured) "
+                         "or uniform (the same fraction everywhere)")
+    columns: str = option("hessian", "which columns take the wider classes: hessian (decreasing diag(H)) or random")
+    samples: int = option(4, "calibration windows the layer sensitivity is measured on")
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    out_features: int
+    in_features: int
+    base_bits: int
+
+
+def _middle(shape: LinearShape, top: int, weight: float, r: float) -> float:
+    room = shape.in_features - top
+    return min(float(room), r * weight * room)
+
+
+def element_bits(shapes: dict[str, LinearShape], classes: dict[str, tuple]) -> float:
+    """Σ out·Σ_c m_c·n_c / Σ out·in over the linears: the average element bits of an allocation."""
+    total = sum(s.out_features * s.in_features for s in shapes.values())
+    return sum(shapes[n].out_features * sum(m * c for m, c in cls) for n, cls in classes.items()) / total
+
+
+def allocate(shapes: dict[str, LinearShape], weights: dict[str, float], target_bits: float, top_bits: int = 8,
+             middle_bits: int = 6, top_columns: int = BLOCK) -> tuple[dict[str, tuple], float]:
+    """Classes ((top_bits, 32), (middle_bits, n_l), (base, rest)) per linear and the global R hitting
+    `target_bits` (see the module docstring); raises if the target is out of reach."""
+    top = {n: min(top_columns, s.in_features) for n, s in shapes.items()}
+    total = sum(s.out_features * s.in_features for s in shapes.values())
+
+    def bits(r: float) -> float:
+        return sum(s.out_features * (s.base_bits * s.in_features + (top_bits - s.base_bits) * top[n]
+                                     + (middle_bits - s.base_bits) * _middle(s, top[n], weights[n], r))
+                   for n, s in shapes.items()) / total
+
+    r_max = 1.0 / max(min(weights.values()), 1e-12)  # every linear's middle class full
+    low, high = bits(0.0), bits(r_max)
+    if not low - 1e-9 <= target_bits <= high + 1e-9:
+        raise ValueError(f"target of {target_bits:g} element bits per weight is out of reach for this model: "
+                         f"{low:.3f} (only the top {top_columns} columns of each linear at {top_bits} bits) to "
+                         f"{high:.3f} (every other column at {middle_bits} bits)")
+    lo, hi = 0.0, r_max
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if bits(mid) <= target_bits else (lo, mid)
+    r = (lo + hi) / 2
+    classes = {}
+    for n, s in shapes.items():
+        n_mid = BLOCK * round(_middle(s, top[n], weights[n], r) / BLOCK)
+        n_base = s.in_features - top[n] - n_mid
+        classes[n] = ((top_bits, top[n]), (middle_bits, n_mid), (s.base_bits, n_base))
+    return classes, r
+
+
+@torch.no_grad()
+def layer_sensitivities(model: nn.Module, ctx: ModelContext, names: list[str], samples: int) -> dict[str, float]:
+    """s_l = ‖Y_l − Y‖² / ‖Y‖² of the final normed hidden state, linear l alone at MXINT-(its base bits)."""
+    arch, layers = ctx.arch, decoder_layers(model, ctx.arch)
+    final_norm = model.get_submodule(arch.final_norm)
+    inputs, kwargs = capture_block_inputs(model, arch, ctx.calib_ids[:samples])
+    block_inputs = [inputs]
+    for i, layer in enumerate(layers):
+        block_inputs.append(run_block(layer, block_inputs[-1], kwargs[i]))
+    reference = [final_norm(h).float() for h in block_inputs[-1]]
+    scale = sum(float(y.pow(2).sum()) for y in reference)
+    key = hashlib.sha256()
+    for y in reference:
+        key.update(y.cpu().numpy().tobytes())
+    key.update(json.dumps([[n, ctx.plan.weight(n).bits] for n in names]).encode())
+    memo = cache.cache_dir() / "mx_sens" / f"{key.hexdigest()[:32]}.json"
+    if memo.exists():
+        return json.loads(memo.read_text())
+    out = {}
+    for name in names:
+        index = int(name[len(arch.layers) + 1:].split(".")[0])
+        linear = model.get_submodule(name)
+        original = linear.weight.data
+        linear.weight.data = mxint.fake_quantize(original.float(), ctx.plan.weight(name).bits).to(original.dtype)
+        try:
+            h = block_inputs[index]
+            for j in range(index, len(layers)):
+                h = run_block(layers[j], h, kwargs[j])
+        finally:
+            linear.weight.data = original
+        out[name] = sum(float((final_norm(y).float() - ref).pow(2).sum()) for y, ref in zip(h, reference)) / scale
+    with cache.atomic_file(memo) as tmp:
+        tmp.write_text(json.dumps(out))
+    return out
+
+
+@register_stage("mx_sens", scope="prepass", kind="policy", options=MXSensOptions)
+def mx_sens(ctx: ModelContext, opts: MXSensOptions) -> dict[str, Any]:
+    """Measure layer sensitivities, allocate the MXINT classes and set them in every linear's plan."""
+    if opts.layers not in ("sensitivity", "uniform") or opts.columns not in ("hessian", "random"):
+        raise ValueError(f"mx_sens: layers must be sensitivity|uniform and columns hessian|random, got "
+                         f"{opts.layers!r} and {opts.columns!r}")
+    mxint.check_bits(opts.top_bits)
+    mxint.check_bits(opts.middle_bits)
+    if opts.top_columns < 0 or opts.top_columns % BLOCK:
+        raise ValueError(f"mx_sens: top_columns must be a multiple of {BLOCK}, got {opts.top_columns}")
+    names = ctx.plan.quantized()
+    shapes = {}
+    for n in names:
+        w = ctx.model.get_submodule(n).weight
+        shapes[n] = LinearShape(w.shape[0], w.shape[1], ctx.plan.weight(n).bits)
+    if opts.layers == "sensitivity":
+        raw = layer_sensitivities(ctx.model, ctx, names, opts.samples)
+        mean = sum(raw.values()) / len(raw)
+        weights = {n: v / mean if mean > 0 else 1.0 for n, v in raw.items()}
+    else:
+        raw, weights = {}, dict.fromkeys(names, 1.0)
+    classes, r = allocate(shapes, weights, opts.target_bits, opts.top_bits, opts.middle_bits, opts.top_columns)
+    for n in names:
+        ctx.plan[n].params.update(classes=classes[n], order=opts.columns)
+    decision = {"target_bits": opts.target_bits, "element_bits": element_bits(shapes, classes), "R": r,
+                "sensitivity": raw, "middle_columns": {n: c[1][1] for n, c in classes.items()}}
+    ctx.plan.decisions["mx_sens"] = decision
+    return {k: v for k, v in decision.items() if k not in ("sensitivity", "middle_columns")}
