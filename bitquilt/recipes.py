@@ -22,7 +22,7 @@ from bitquilt.nn.act_quant import ActQuantConfig
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec, Solver
 
-METHOD_ALIASES = {"awq": "awq+rtn", "mxsens": "mx_sens+mxint"}
+METHOD_ALIASES = {"awq": "awq+rtn", "mxsens": "mx_sens+fold_perm+mxint"}
 
 WEIGHT_FIELDS = {"bits", "group_size", "sym"}
 ACT_FIELDS = {"a_bits": "bits", "a_sym": "sym", "a_clip": "clip_ratio"}  # override field -> ActQuantConfig field

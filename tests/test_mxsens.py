@@ -136,7 +136,7 @@ def test_uniform_mxint_solver_and_error_feedback(real_linears):
     solver = get_solver("mxint")
     for name, w, stats in real_linears[:4]:
         rtn = solver(w, stats, LayerSpec(4, 32, True))
-        assert rtn.describe() == "mxint 4:%d" % w.shape[1] and rtn.perm is None
+        assert rtn.describe() == f"mxint 4:{w.shape[1]}" and rtn.perm is None
         fed = solver(w, stats, LayerSpec(4, 32, True), {"error_feedback": True, "order": "hessian"})
         e_rtn = relative_error(w, rtn.dequantize(), stats.hessian)
         e_fed = relative_error(w, fed.dequantize(), stats.hessian)
@@ -285,3 +285,22 @@ def test_cli_bad_mxsens_input(tmp_path, capsys, args, message):
     last = err.strip().splitlines()[-1]  # (the model loads before its shapes can rule out a target)
     assert code == 2 and message in last and last.startswith("bitquilt quantize: error:"), err
     assert not (tmp_path / "q").exists()
+
+
+def test_down_proj_permutation_folds_into_gate_and_up_rows_exactly(tmp_path, monkeypatch):
+    from bitquilt.api import quantize
+
+    monkeypatch.setenv("BITQUILT_CACHE", str(tmp_path))
+    ids = torch.randint(0, 320, (6, 32), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for method in ("mx_sens+mxint", "mxsens"):  # mxsens = mx_sens+fold_perm+mxint
+        model = make_tiny("llama")
+        report = quantize(model, Recipe(method, a_bits=4, kv_bits=4, stage_options={"mx_sens": {"target_bits": 5.2}}),
+                          ids, progress=False)
+        with torch.no_grad():
+            logits[method] = model(ids[:2]).logits
+        mlp = model.model.layers[0].mlp
+        assert (mlp.down_proj.fmt.perm is None) == (method == "mxsens")
+        assert mlp.gate_proj.fmt.perm is not None  # the residual-stream readers keep their gather
+    assert torch.equal(logits["mxsens"], logits["mx_sens+mxint"])
+    assert "fold_perm" in report.stages

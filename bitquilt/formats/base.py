@@ -146,6 +146,11 @@ class WeightFormat(ABC):
             y[rows] = x[rows] @ self.dequantize(k).to(x.dtype).T
         return y
 
+    def permute_rows(self, order: torch.Tensor) -> WeightFormat | None:
+        """The same weight with output rows in `order` (row i of the result is row order[i]); None if
+        this format cannot (rows packed together)."""
+        return None
+
     def nbytes(self) -> int:
         """Bytes of stored tensors: what the weight costs in memory and on disk."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())

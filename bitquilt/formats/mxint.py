@@ -182,6 +182,15 @@ class MXIntFormat(WeightFormat):
     def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict) -> MXIntFormat:
         return cls(dict(tensors), list(meta["widths"]), list(meta["columns"]), int(meta["in_features"]))
 
+    def permute_rows(self, order: torch.Tensor) -> MXIntFormat:
+        rows = {k: v if k == "perm" else v[order.long()].contiguous() for k, v in self.stored.items()}
+        return MXIntFormat(rows, self.widths, self.columns, self.in_features)
+
+    def in_stored_order(self) -> MXIntFormat:
+        """This weight without its permutation: for an input that already arrives as x[:, perm]."""
+        return MXIntFormat({k: v for k, v in self.stored.items() if k != "perm"}, self.widths, self.columns,
+                           self.in_features)
+
     def element_bits(self) -> float:
         """Mean element (mantissa) bits per weight, (Σ_c m_c·n_c)/in: the paper's accounting, without the
         shared exponent byte every MXINT block pays alike (`bits_per_weight` counts everything stored)."""

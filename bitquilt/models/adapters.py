@@ -38,6 +38,9 @@ class Architecture:
     values: tuple[str, str] = ("self_attn.v_proj", "self_attn.o_proj")  # value producer, its consumer (per head)
     writers: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")  # linears whose output joins the residual
     post_norms: tuple[str, ...] = ()  # norm applied to each writer's output before the residual add, if any
+    # (consumer, producers): the consumer's input is an elementwise function of the producers' outputs (the
+    # gated MLP), so a permutation of its input columns folds into the producers' output rows
+    elementwise_inputs: tuple[tuple[str, tuple[str, ...]], ...] = (("mlp.down_proj", ("mlp.gate_proj", "mlp.up_proj")),)
 
     def linear_names(self) -> tuple[str, ...]:
         return tuple(n for g in self.shared_inputs for n in g.linears)

@@ -77,6 +77,23 @@ def element_bits(shapes: dict[str, LinearShape], classes: dict[str, tuple]) -> f
     return sum(shapes[n].out_features * sum(m * c for m, c in cls) for n, cls in classes.items()) / total
 
 
+def bits_range(shapes: dict[str, LinearShape], top_bits: int = 8, middle_bits: int = 6,
+               top_columns: int = BLOCK) -> tuple[float, float]:
+    """The reachable average element bits: only the top columns wide, and every other column at middle_bits."""
+    top = {n: min(top_columns, s.in_features) for n, s in shapes.items()}
+
+    def with_rest(bits_of) -> float:
+        return element_bits(shapes, {n: ((top_bits, top[n]), (bits_of(s), s.in_features - top[n]))
+                                     for n, s in shapes.items()})
+
+    return with_rest(lambda s: s.base_bits), with_rest(lambda s: middle_bits)
+
+
+def model_shapes(model: nn.Module, names: list[str], base_bits: int) -> dict[str, LinearShape]:
+    """The LinearShape of each named linear of `model`."""
+    return {n: LinearShape(*model.get_submodule(n).weight.shape, base_bits) for n in names}
+
+
 def allocate(shapes: dict[str, LinearShape], weights: dict[str, float], target_bits: float, top_bits: int = 8,
              middle_bits: int = 6, top_columns: int = BLOCK) -> tuple[dict[str, tuple], float]:
     """Classes ((top_bits, 32), (middle_bits, n_l), (base, rest)) per linear and the global R hitting
@@ -90,7 +107,7 @@ def allocate(shapes: dict[str, LinearShape], weights: dict[str, float], target_b
                    for n, s in shapes.items()) / total
 
     r_max = 1.0 / max(min(weights.values()), 1e-12)  # every linear's middle class full
-    low, high = bits(0.0), bits(r_max)
+    low, high = bits_range(shapes, top_bits, middle_bits, top_columns)
     if not low - 1e-9 <= target_bits <= high + 1e-9:
         raise ValueError(f"target of {target_bits:g} element bits per weight is out of reach for this model: "
                          f"{low:.3f} (only the top {top_columns} columns of each linear at {top_bits} bits) to "
@@ -155,10 +172,7 @@ def mx_sens(ctx: ModelContext, opts: MXSensOptions) -> dict[str, Any]:
     if opts.top_columns < 0 or opts.top_columns % BLOCK:
         raise ValueError(f"mx_sens: top_columns must be a multiple of {BLOCK}, got {opts.top_columns}")
     names = ctx.plan.quantized()
-    shapes = {}
-    for n in names:
-        w = ctx.model.get_submodule(n).weight
-        shapes[n] = LinearShape(w.shape[0], w.shape[1], ctx.plan.weight(n).bits)
+    shapes = {n: model_shapes(ctx.model, [n], ctx.plan.weight(n).bits)[n] for n in names}
     if opts.layers == "sensitivity":
         raw = layer_sensitivities(ctx.model, ctx, names, opts.samples)
         mean = sum(raw.values()) / len(raw)

@@ -5,4 +5,4 @@ inputs (AWQ, SmoothQuant); "model" transforms rewrite the whole model once befor
 (QuaRot). Importing this package registers them all (see `bitquilt.calib.stages`).
 """
 
-from bitquilt.transforms import awq, rotation, smoothquant  # noqa: F401  (registration)
+from bitquilt.transforms import awq, fold_perm, rotation, smoothquant  # noqa: F401  (registration)
