@@ -14,13 +14,11 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
 from common import (
     GPTQ_ACT_ORDER_STATIC,
     GPTQ_PLAIN,
     RESULTS,
     add_protocol_args,
-    append_record,
     by_setting,
     command_line,
     fmt_ppl,
@@ -29,10 +27,10 @@ from common import (
     measured,
     pivot,
     protocol_settings,
-    recheck,
     record_key,
     run,
     setting_header,
+    store,
     write_atomic,
 )
 
@@ -170,7 +168,6 @@ def main() -> None:
     p.add_argument("--labels", default=None, help="only these config labels, e.g. rtn,gptq")
     p.add_argument("--grid", default=None, help="only these bits:group pairs, in this order, e.g. 3:128,2:64")
     add_protocol_args(p, calib_samples=64, ppl_windows=40)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--save-dir", type=Path, default=None,
                    help="also save each quantized model under SAVE_DIR (see saved_name) for other benches")
     p.add_argument("--render-only", action="store_true", help="only rewrite accuracy.md from accuracy.json")
@@ -178,8 +175,6 @@ def main() -> None:
     if args.render_only:
         write_atomic(RESULTS / "accuracy.md", render(load_records("accuracy")))
         return
-    if args.threads:
-        torch.set_num_threads(args.threads)
     calib, settings = protocol_settings(args)
     command = command_line()
 
@@ -207,10 +202,7 @@ def main() -> None:
               f"{record['bits_per_weight']:.3f} bpw  {quant_time or 0:.0f} s", flush=True)
         if args.save_dir and method != "fp":
             save(model, args.save_dir / saved_name(args.model, label, bits, group), tokenizer, overwrite=True)
-        if args.recheck:
-            recheck("accuracy", record, KEY)
-        else:
-            write_atomic(RESULTS / "accuracy.md", render(append_record("accuracy", record, KEY)))
+        store("accuracy", record, KEY, render, args.recheck)
         del model
 
 

@@ -172,6 +172,16 @@ def recheck(name: str, record: dict, fields: tuple[str, ...]) -> None:
     write_atomic(RESULTS / "recheck.md", "\n".join(lines) + "\n")
 
 
+def store(name: str, record: dict, fields: tuple[str, ...], render: Callable[[list[dict]], str],
+          again: bool) -> None:
+    """Keep a measured record: appended to results/NAME.json with NAME.md re-rendered, or (`again`,
+    the --recheck mode) compared with the stored one in results/recheck.md."""
+    if again:
+        recheck(name, record, fields)
+    else:
+        write_atomic(RESULTS / f"{name}.md", render(append_record(name, record, fields)))
+
+
 def add_protocol_args(p: argparse.ArgumentParser, calib_samples: int, ppl_windows: int) -> None:
     """Calibration and perplexity-evaluation options shared by the perplexity benchmarks."""
     p.add_argument("--calib-data", default="sciq")
@@ -180,12 +190,16 @@ def add_protocol_args(p: argparse.ArgumentParser, calib_samples: int, ppl_window
     p.add_argument("--ppl-data", default="wiki")
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--ppl-windows", type=int, default=ppl_windows)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--recheck", action="store_true",
                    help="measure stored configurations again and log old vs new in results/recheck.md")
 
 
 def protocol_settings(args: argparse.Namespace) -> tuple[CalibConfig, dict]:
-    """The calibration config (seed 0) and the settings dict every record stores and is keyed by."""
+    """The calibration config (seed 0) and the settings dict every record stores and is keyed by; sets
+    the torch thread count if --threads was given."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     calib = CalibConfig(args.calib_data, args.calib_samples, args.calib_seqlen, 0)
     return calib, {"calibration": vars(calib), "ppl_data": args.ppl_data, "seqlen": args.seqlen,
                    "ppl_windows": args.ppl_windows}

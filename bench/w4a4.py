@@ -11,12 +11,9 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
 from common import (
     GPTQ_PLAIN,
-    RESULTS,
     add_protocol_args,
-    append_record,
     by_setting,
     command_line,
     fmt_ppl,
@@ -24,11 +21,10 @@ from common import (
     measured,
     pivot,
     protocol_settings,
-    recheck,
     record_key,
     run,
     setting_header,
-    write_atomic,
+    store,
 )
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
@@ -82,10 +78,7 @@ def main() -> None:
     p.add_argument("--no-kv-center", dest="kv_center", action="store_false",
                    help="quantize keys without centring them (the rows marked 'keys not centred')")
     add_protocol_args(p, calib_samples=32, ppl_windows=20)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     calib, settings = protocol_settings(args)
     command = command_line()
     configs = [("FP", "fp")] + [(prec, m) for prec in args.precisions.split(",") for m in args.methods.split(",")]
@@ -116,10 +109,7 @@ def main() -> None:
                   "settings": settings, "machine": machine(), "command": command}
         print(f"{prec:8s} {method:16s} ppl {ppl.ppl:10.2f}  quant {quant_time or 0:5.0f} s  eval {ppl.seconds:.0f} s",
               flush=True)
-        if args.recheck:
-            recheck("w4a4", record, KEY)
-        else:
-            write_atomic(RESULTS / "w4a4.md", render(append_record("w4a4", record, KEY)))
+        store("w4a4", record, KEY, render, args.recheck)
         del model
 
 
