@@ -26,6 +26,7 @@ from common import (
     fmt_ppl,
     machine,
     measured,
+    pivot,
     protocol_settings,
     record_key,
     run,
@@ -100,8 +101,31 @@ def render(records: list[dict]) -> str:
                 lines.append(f"| {r['config']} | {target} | {bits} | {r['bits_per_weight']:.3f} | "
                              f"{r['size_mb']:.1f} | {fmt_ppl(r['ppl'])} | {r['quant_time_s']:.0f} |")
             lines.append("")
+        lines += sensitivity_table(rows)
         lines += [f"![perplexity against bits]({plot(model, rows).name})", ""]
     return "\n".join(lines)
+
+
+def sensitivity_table(rows: list[dict]) -> list[str]:
+    """Measured layer sensitivity ŝ (normalised to mean 1) by linear and by depth (thirds of the blocks)."""
+    sens = next((r["sensitivity"] for r in rows if r.get("sensitivity")), None)
+    if not sens:
+        return []
+    mean = sum(sens.values()) / len(sens)
+    depth = {n: int(n.split(".")[2]) for n in sens}
+    n_blocks = max(depth.values()) + 1
+    kinds = list(dict.fromkeys(n.split(".", 3)[3] for n in sens))
+    thirds = ("first third", "middle third", "last third")
+    cell = {}
+    for kind in kinds:
+        for t, label in enumerate(thirds):
+            vals = [v / mean for n, v in sens.items() if n.endswith(kind) and depth[n] * 3 // n_blocks == t]
+            cell[kind, label] = f"{sum(vals) / len(vals):.2f}" if vals else ""
+    top = sorted(sens, key=sens.get, reverse=True)[:5]
+    return (["### Layer sensitivity", "", "ŝ = ‖Y_l − Y‖² / ‖Y‖² with linear l alone at MXINT4 (final normed hidden "
+             "state, 4 calibration windows), normalised to mean 1; mean by linear and depth:", ""]
+            + pivot("linear", kinds, list(thirds), cell)
+            + ["", "Most sensitive: " + ", ".join(f"`{n}` ({sens[n] / mean:.1f})" for n in top) + ".", ""])
 
 
 def plot(model: str, rows: list[dict]):
@@ -169,16 +193,19 @@ def main() -> None:
         if recipe is not None and recipe.needs_calibration and ids is None:
             ids = calibration_ids(tokenizer, calib)
         t0 = time.perf_counter()
+        decisions = {}
         if recipe is not None:
             try:
-                quantize(model, recipe, ids if recipe.needs_calibration else None, progress=False)
+                report = quantize(model, recipe, ids if recipe.needs_calibration else None, progress=False)
             except ValueError as e:  # a target out of this model's reach: say so and go on
                 print(f"{section} {config} {target}: skipped ({e})", flush=True)
                 continue
+            decisions = report.plan["decisions"].get("mx_sens", {})
         quant_time = time.perf_counter() - t0
         ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False)
         record = {**wanted, "recipe": recipe.to_dict() if recipe else None, "ppl": ppl.ppl,
                   "element_bits": element_bits(model), **model_summary(model), "quant_time_s": quant_time,
+                  "sensitivity": decisions.get("sensitivity") or None,
                   "machine": machine(), "command": command}
         print(f"{section:8s} {config:24s} {target or '':>6} bits {record['element_bits']} ppl {ppl.ppl:9.2f} "
               f"quant {quant_time:5.0f} s", flush=True)
