@@ -7,6 +7,8 @@ the median of the repeats is reported. Writes bench/results/kernels.{json,md}.
     python bench/kernels.py           # 4 shapes x batch 1/16/128 x 1/2 threads, bitplane and uniform
     python bench/kernels.py --quick   # 4096², batch 1, 1 thread, 2/3/4 bits (< 1 minute)
     python bench/kernels.py --crossover  # batch size where dequantize+sgemm overtakes the tables
+    python bench/kernels.py --mxint      # MXINT kernel (AVX2 and AVX-512) vs fp32 and uniform int4,
+                                         # gather cost, crossover: bench/results/mxint_kernels.{json,md}
 """
 
 from __future__ import annotations
@@ -15,14 +17,18 @@ import argparse
 import dataclasses
 import json
 import os
+import platform
 import statistics
+import subprocess
 import time
 
 import torch
 from common import RESULTS, cpu_name, loadavg, run, write_atomic
 
 from bitquilt.formats import BitplaneFormat, UniformFormat
+from bitquilt.formats.mxint import BLOCK, MXIntFormat
 from bitquilt.kernels import cpu
+from bitquilt.kernels import mxint as mxk
 
 COLD_BYTES = 96 << 20
 GROUP = 128
@@ -41,10 +47,10 @@ def random_bitplane(n: int, k: int, bits: int, gen: torch.Generator) -> Bitplane
     return BitplaneFormat(random_words((bits, n, k // 32), gen), coeffs, bits, GROUP, k)
 
 
-def random_uniform(n: int, k: int, bits: int, gen: torch.Generator) -> UniformFormat:
-    scales = (torch.rand(n, k // GROUP, generator=gen) * 0.01 + 1e-3).half()
-    zeros = torch.randint(0, 2**bits, (n, k // GROUP), generator=gen, dtype=torch.uint8)
-    return UniformFormat(random_words((n, k * bits // 32), gen), scales, zeros, bits, GROUP, k)
+def random_uniform(n: int, k: int, bits: int, gen: torch.Generator, group: int = GROUP) -> UniformFormat:
+    scales = (torch.rand(n, k // group, generator=gen) * 0.01 + 1e-3).half()
+    zeros = torch.randint(0, 2**bits, (n, k // group), generator=gen, dtype=torch.uint8)
+    return UniformFormat(random_words((n, k * bits // 32), gen), scales, zeros, bits, group, k)
 
 
 def cold_copies(nbytes: int) -> int:
@@ -136,14 +142,207 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- MXINT mode -------------------------------------------------------------------------------
+
+MX_SHAPES = [(896, 896), (4864, 896), (896, 4864), (576, 576), (1536, 576), (576, 1536)]  # (N out, K in)
+MX_REPEATS = {1: 41, 128: 7}
+MX_CROSSOVER = [4, 8, 12, 16, 24, 32, 48, 64]
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
+             "amx_tile")
+
+
+def random_mxint(n: int, k: int, widths: list[int], columns: list[int], permute: bool,
+                 gen: torch.Generator) -> MXIntFormat:
+    """Random codes and exponents (steps near LLM weight scales) in the given classes."""
+    q = torch.cat([torch.randint(-(2 ** (m - 1) - 1), 2 ** (m - 1), (n, c), generator=gen)
+                   for m, c in zip(widths, columns)], 1)
+    e = torch.randint(-9, -3, (n, k // BLOCK), generator=gen)
+    return MXIntFormat.from_codes(q, e, widths, columns, torch.randperm(k, generator=gen) if permute else None)
+
+
+def mxsens_columns(k: int) -> tuple[list[int], list[int]]:
+    """MXSens-like split: one 8-bit block, about 12% of the blocks 6-bit, the rest 4-bit."""
+    six = round(0.12 * k / BLOCK) * BLOCK
+    return [8, 6, 4], [BLOCK, six, k - BLOCK - six]
+
+
+def mx_variants(n: int, k: int, gen: torch.Generator) -> list[tuple[str, str | None, list]]:
+    """(name, isa, cold copies of a callable x -> y) for fp32, uniform int4 and both MXINT formats per path."""
+    w = torch.randn(n, k, generator=gen)
+    weights = [w.clone() for _ in range(cold_copies(n * k * 4))]
+    fp32 = [(lambda x, c=c: torch.nn.functional.linear(x, c)) for c in weights]
+    p = cpu.packed(random_uniform(n, k, 4, gen, group=BLOCK))  # the MXINT block size (576 has no g128)
+    int4 = [dataclasses.replace(p, planes=p.planes.clone(), coeffs=p.coeffs.clone())
+            for _ in range(cold_copies(p.nbytes()))]
+    out = [("fp32", None, fp32), ("uniform int4 g32", None, [c.matmul for c in int4])]
+    for name, fmt in [("mxint4", random_mxint(n, k, [4], [k], False, gen)),
+                      ("mxsens 8/6/4", random_mxint(n, k, *mxsens_columns(k), True, gen))]:
+        lay = mxk.layout(fmt)
+        copies = [dataclasses.replace(lay, weights=lay.weights.clone(), exponents=lay.exponents.clone())
+                  for _ in range(cold_copies(lay.nbytes()))]
+        for isa in mxk.supported_isas():
+            out.append((name, isa, [lambda x, c=c, isa=isa: c.matmul(x, isa) for c in copies]))
+        if fmt.perm is not None:
+            out.append(("gather", None, [lay.prepare]))
+    return out
+
+
+def mx_bench_shape(n: int, k: int, threads_list, log) -> list[dict]:
+    """All variants on one shape, calls interleaved (every variant sees the same machine load)."""
+    gen = torch.Generator().manual_seed(0)
+    variants = mx_variants(n, k, gen)
+    rows = []
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        for batch, repeats in MX_REPEATS.items():
+            x = torch.randn(batch, k, generator=gen)
+            times: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(variants))}
+            for r in range(repeats):
+                for i, (_, _, fns) in enumerate(variants):
+                    times[i].append(timed(fns[r % len(fns)], x))
+            stats = []
+            for (name, isa, _), t in zip(variants, times.values()):
+                wall, cpu_ms = zip(*t[1:])  # the first call of each warms up
+                stats.append(dict(variant=name, isa=isa, N=n, K=k, batch=batch, threads=threads,
+                                  ms=statistics.median(wall), ms_min=min(wall),
+                                  cpu_ms=statistics.median(cpu_ms) if threads == 1 else None))
+            fp32, int4 = stats[0], stats[1]
+            for row in stats:
+                row.update(vs_fp32=fp32["ms"] / row["ms"], vs_int4=int4["ms"] / row["ms"],
+                           cpu_vs_fp32=None if row["cpu_ms"] is None else fp32["cpu_ms"] / row["cpu_ms"])
+                log(row)
+            rows += stats
+    return rows
+
+
+def mx_crossover(log) -> list[dict]:
+    """Registers vs dequantize+sgemm by batch size (1 thread, CPU time, MXSens-like): tunes mxint.SGEMM_BATCH."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for n, k in [(4864, 896), (896, 896)]:
+        lay = mxk.layout(random_mxint(n, k, *mxsens_columns(k), True, gen))
+        for batch in MX_CROSSOVER:
+            xs = lay.prepare(torch.randn(batch, k, generator=gen))
+            row = dict(N=n, K=k, batch=batch)
+            for isa in mxk.supported_isas():
+                for path in ("gemv", "sgemm"):
+                    fn = getattr(lay, path)
+                    row[f"{isa}_{path}_ms"] = statistics.median(timed(fn, xs, isa)[1] for _ in range(7))
+            log(row)
+            rows.append(row)
+    return rows
+
+
+def machine_info() -> dict:
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    try:
+        gcc = subprocess.run(["gcc", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    except (OSError, IndexError):
+        gcc = "unknown"
+    return dict(cpu=cpu_name(), cores=os.cpu_count(), isa_flags=[f for f in ISA_FLAGS if f in flags],
+                kernel_paths=list(mxk.supported_isas()), default_path=mxk.active_isa(), torch=torch.__version__,
+                mkl=torch.backends.mkl.is_available(), python=platform.python_version(), compiler=gcc,
+                loadavg_start=loadavg())
+
+
+def mx_cell(r: dict) -> str:
+    return f"{r['ms']:.3f} ({r['vs_fp32']:.2f}× / {r['vs_int4']:.2f}×)"
+
+
+def mx_markdown(rows: list[dict], cross: list[dict], meta: dict) -> str:
+    kernels_ = [r for r in rows if r["variant"] not in ("fp32", "gather")]
+    columns = list(dict.fromkeys((r["variant"], r["isa"]) for r in kernels_))
+    lines = [
+        "# MXINT CPU kernel vs fp32 and uniform int4",
+        "",
+        f"{meta['cpu']}, {meta['cores']} cores; flags {' '.join(meta['isa_flags'])}; torch {meta['torch']} "
+        f"(MKL {meta['mkl']}), Python {meta['python']}, {meta['compiler']}; load average {meta['loadavg_start']} "
+        f"at start, {meta['loadavg_end']} at end. Written by `{meta['command']}`.",
+        "",
+        "Median wall time (ms) of calls interleaved round-robin over all variants, each call on a different copy",
+        "of the weights (copies rotate through 96 MiB). In parentheses: speedup vs torch fp32 (F.linear) and vs",
+        "the uniform int4 g32 lookup-table kernel (`bitquilt.kernels.cpu`). MXINT calls include the x gather",
+        "and the batch-size dispatch (registers below, dequantize+sgemm from "
+        f"{meta['sgemm_batch']} tokens on). mxint4: one 4-bit class; mxsens: one 8-bit block, ~12% 6-bit, the",
+        "rest 4-bit, permuted columns. Random codes, exponents near LLM weight scales.",
+        "",
+        "With a load average above the core count (other jobs on this shared machine), 2-thread calls wait for a",
+        "descheduled OpenMP worker (up to a scheduler quantum, ~8 ms, for fp32 as much as for the kernels): their",
+        "wall times then say little, and the 1-thread CPU-time table is the better comparison.",
+        "",
+    ]
+    for threads in sorted({r["threads"] for r in rows}):
+        lines += [f"## {threads} thread{'s' if threads > 1 else ''}", "",
+                  "| N×K | batch | fp32 ms | " + " | ".join(f"{v} {isa or ''}".strip() for v, isa in columns) + " |",
+                  "|---|---|---|" + "---|" * len(columns)]
+        for (n, k), batch in [((n, k), b) for n, k in MX_SHAPES for b in MX_REPEATS]:
+            sel = {(r["variant"], r["isa"]): r for r in rows
+                   if (r["N"], r["K"], r["batch"], r["threads"]) == (n, k, batch, threads)}
+            if sel:
+                lines.append(f"| {n}×{k} | {batch} | {sel['fp32', None]['ms']:.3f} | "
+                             + " | ".join(mx_cell(sel[c]) for c in columns) + " |")
+        lines.append("")
+    single = [r for r in rows if r["threads"] == 1]
+    lines += ["## CPU time, 1 thread (ms; speedup vs fp32)", "",
+              "| N×K | batch | fp32 | " + " | ".join(f"{v} {isa or ''}".strip() for v, isa in columns) + " |",
+              "|---|---|---|" + "---|" * len(columns)]
+    for (n, k), batch in [((n, k), b) for n, k in MX_SHAPES for b in MX_REPEATS]:
+        sel = {(r["variant"], r["isa"]): r for r in single if (r["N"], r["K"], r["batch"]) == (n, k, batch)}
+        if sel:
+            lines.append(f"| {n}×{k} | {batch} | {sel['fp32', None]['cpu_ms']:.3f} | " + " | ".join(
+                f"{sel[c]['cpu_ms']:.3f} ({sel[c]['cpu_vs_fp32']:.2f}×)" for c in columns) + " |")
+    lines += ["", "## Gather cost (x[:, perm] into the padded stored order, mxsens)", "",
+              "| N×K | batch | threads | gather ms | mxsens matmul ms (default path) | share |",
+              "|---|---|---|---|---|---|"]
+    for g in (r for r in rows if r["variant"] == "gather"):
+        m = next(r for r in rows if r["variant"] == "mxsens 8/6/4" and r["isa"] == meta["default_path"]
+                 and all(r[f] == g[f] for f in ("N", "K", "batch", "threads")))
+        lines.append(f"| {g['N']}×{g['K']} | {g['batch']} | {g['threads']} | {g['ms']:.4f} | {m['ms']:.3f} | "
+                     f"{100 * g['ms'] / m['ms']:.1f}% |")
+    isas = mxk.supported_isas()
+    lines += ["", "## Crossover: registers vs dequantize+sgemm (mxsens, 1 thread, CPU ms)", "",
+              "| N×K | batch | " + " | ".join(f"{i} registers | {i} sgemm" for i in isas) + " |",
+              "|---|---|" + "---|---|" * len(isas)]
+    for c in cross:
+        lines.append(f"| {c['N']}×{c['K']} | {c['batch']} | " + " | ".join(
+            f"{c[f'{i}_gemv_ms']:.3f} | {c[f'{i}_sgemm_ms']:.3f}" for i in isas) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def mxint_main() -> None:
+    """The MXINT comparison (about 2 minutes on 2 cores)."""
+    from common import command_line
+
+    meta = machine_info()
+    meta.update(command=command_line(), sgemm_batch=mxk.SGEMM_BATCH)
+
+    def log(r: dict) -> None:
+        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+
+    rows = []
+    for n, k in MX_SHAPES:
+        rows += mx_bench_shape(n, k, [1, 2], log)
+    cross = mx_crossover(log)
+    meta["loadavg_end"] = loadavg()
+    write_atomic(RESULTS / "mxint_kernels.json",
+                 json.dumps({"meta": meta, "results": rows, "crossover": cross}, indent=1) + "\n")
+    write_atomic(RESULTS / "mxint_kernels.md", mx_markdown(rows, cross, meta))
+    print(f"wrote {RESULTS / 'mxint_kernels.json'} and {RESULTS / 'mxint_kernels.md'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4096² batch 1, 1 thread, bits 2/3/4 only")
     ap.add_argument("--crossover", action="store_true", help="tables vs sgemm by batch size (prints only)")
+    ap.add_argument("--mxint", action="store_true", help="MXINT kernel paths vs fp32 and uniform int4")
     args = ap.parse_args()
     if cpu.extension() is None:
         raise SystemExit("the CPU extension is unavailable; nothing to benchmark")
     torch.set_grad_enabled(False)
+    if args.mxint:
+        mxint_main()
+        return
     if args.crossover:
         crossover()
         return

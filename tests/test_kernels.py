@@ -253,24 +253,36 @@ def test_quant_linear_buffers_rebuild_the_format():
 
 
 @needs_ext
-def test_threads_give_identical_results():
-    fmt = make_bitplane(300, 512, 3, 128)
-    x = torch.randn(4, 512)
+@pytest.mark.parametrize("fmt_name", ["bitplane", "mxint"])
+def test_threads_give_identical_results(fmt_name):
+    from bitquilt.formats.mxint import MXIntFormat
+
+    fmt = make_bitplane(300, 512, 3, 128) if fmt_name == "bitplane" else MXIntFormat.quantize(
+        torch.randn(300, 512), [8, 6, 4], [32, 32, 448], torch.randperm(512))
+    x = torch.randn(5, 512)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        y1 = cpu.matmul(fmt, x)
+        y1 = kernels.quant_matmul(fmt, x)
         torch.set_num_threads(2)
-        y2 = cpu.matmul(fmt, x)
+        y2 = kernels.quant_matmul(fmt, x)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(y1, y2)
 
 
+def _mixed_mxint():
+    from bitquilt.formats.mxint import MXIntFormat
+
+    return MXIntFormat.quantize(torch.randn(96, 256), [8, 6, 4], [32, 32, 192], torch.randperm(256))
+
+
 @needs_ext
-def test_quant_linear_dispatches_to_the_kernel():
-    assert "cpu_lut" in kernels.kernels_for("bitplane") and "cpu_lut" in kernels.kernels_for("uniform")
-    fmt = make_bitplane(96, 256, 4, 64)
+@pytest.mark.parametrize("make, kernel", [(lambda: make_bitplane(96, 256, 4, 64), "cpu_lut"),
+                                          (_mixed_mxint, "cpu_mxint")], ids=["bitplane", "mxint"])
+def test_quant_linear_dispatches_to_the_kernel(make, kernel):
+    fmt = make()
+    assert kernel in kernels.kernels_for(fmt.name)
     layer = QuantLinear(fmt, bias=torch.randn(96))
     x = torch.randn(2, 3, 256)
     with torch.no_grad():

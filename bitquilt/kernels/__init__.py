@@ -69,6 +69,7 @@ def _load_builtin() -> None:
     if not _builtin_loaded:
         _builtin_loaded = True
         import bitquilt.kernels.cpu  # noqa: F401  (registers on import; warns once if unavailable)
+        import bitquilt.kernels.mxint  # noqa: F401  (same extension; registers on import)
 
 
 def register_kernel(format_name: str, kernel_name: str, fn: KernelFn) -> None:

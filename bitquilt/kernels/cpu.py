@@ -13,6 +13,9 @@ rows are instead dequantized to fp32 in chunks and multiplied by sgemm. The pack
 built on first use from the format's accessors (`plane_bytes()`, `scale_zero()`, coefficients)
 and kept in this module's `LayoutCache` while the format lives (about the size of the packed
 weights again); the format itself is unchanged. Calls with per-token context are declined.
+
+The same extension also holds the MXINT kernel (csrc/mxint_matmul.cpp), registered by
+`bitquilt.kernels.mxint`.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from bitquilt.kernels import LayoutCache, kernels_for, register_kernel
 log = logging.getLogger(__name__)
 
 TILE = 32  # output rows per kernel tile
-_SOURCES = [Path(__file__).parent / "csrc" / "lut_matmul.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("lut_matmul.cpp", "mxint_matmul.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _ext: ModuleType | None = None
 _failed = False

@@ -323,7 +323,10 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& w, const at::Te
 
 }  // namespace
 
+void register_mxint(pybind11::module& m);  // mxint_matmul.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut_matmul", &lut_matmul, "y = x @ W^T for bit-plane packed W (AVX2 lookup tables)");
   m.def("dequant_matmul", &dequant_matmul, "y = x @ W^T through dequantized fp32 row chunks and at::mm");
+  register_mxint(m);
 }
