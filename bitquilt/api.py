@@ -74,6 +74,28 @@ def quantize(
     return quantize_model(model, recipe, ids, config, progress=progress)
 
 
+def residual_phases(model: nn.Module, calib: torch.Tensor, a_bits: int = 4, rotation: str | None = None,
+                    a_format: str = "int") -> list:
+    """DynamicPTQ's residual-stream analysis of `model` on calibration ids: Jump Ratio and Historical-Feature
+    SNR (at `a_bits` and 8) per decoder layer (`bitquilt.calib.residual`). `rotation="quarot"` rotates the
+    model first (in place), so the SNR is that of the quantizers a QuaRot backbone would use."""
+    from bitquilt.calib.plan import Plan
+    from bitquilt.calib.residual import residual_phases as measure
+    from bitquilt.calib.stages import STAGES, ModelContext
+    from bitquilt.models.adapters import architecture_of
+    from bitquilt.nn.act_quant import ActQuantConfig
+
+    arch = architecture_of(model)
+    if rotation is not None:
+        if rotation != "quarot":
+            raise UserError(f"unknown rotation {rotation!r}; supported: quarot")
+        stage = STAGES.get("quarot")
+        stage.fn(ModelContext(model, arch, Plan({}, {}), None), stage.make_options())
+    configs = {b: ActQuantConfig(b, format=a_format).validate() for b in dict.fromkeys([a_bits, 8])}
+    with torch.no_grad():
+        return measure(model, arch, calib, configs)
+
+
 def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, overwrite: bool = False) -> Path:
     from bitquilt.io import save as save_model
 

@@ -127,6 +127,12 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    "default for MXINT weights)")
     a.add_argument("--a-clip", type=_clip, default=RECIPE["a_clip"],
                    help="activation clipping ratio in (0, 1], or 'search' (per linear, on calibration data)")
+    a.add_argument("--a8-layers", type=int, default=RECIPE["a8_layers"], metavar="K",
+                   help="DynamicPTQ: the K decoder layers where the residual stream jumps most get 8-bit activations "
+                   "(`bitquilt analyze --residual-stream` shows the measurements; --opt dynamic_a8.select=snr|random|"
+                   "ends picks them otherwise)")
+    a.add_argument("--a8-snr-db", type=float, default=None, metavar="DB",
+                   help="DynamicPTQ: instead of K, every layer whose historical SNR at --a-bits is below DB")
     a.add_argument("--kv-bits", type=int, default=RECIPE["kv_bits"],
                    help=f"key/value cache bits, 4 or 8 (default {RECIPE['kv_bits']} = off)")
     a.add_argument("--kv-group-size", type=int, default=RECIPE["kv_group_size"],
@@ -186,7 +192,8 @@ def _recipe_from_args(args, method: str, bits: int, group_size: int | None, targ
     return Recipe(method=method, w_bits=bits, group_size=group_size, sym=args.sym, options=options,
                   stage_options=stage_options, skip=tuple(args.skip), a_bits=args.a_bits, a_sym=args.a_sym,
                   a_clip=args.a_clip, a_format=args.a_format, kv_bits=args.kv_bits,
-                  kv_group_size=args.kv_group_size, kv_center=args.kv_center)
+                  kv_group_size=args.kv_group_size, kv_center=args.kv_center, a8_layers=args.a8_layers,
+                  a8_snr_db=args.a8_snr_db)
 
 
 def _calib_config(args) -> CalibConfig:
@@ -353,6 +360,32 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_analyze(args) -> int:
+    from bitquilt.api import calibration_ids, load, residual_phases
+
+    if not args.residual_stream:
+        raise UserError("choose an analysis: --residual-stream (Jump Ratio and historical SNR per layer)")
+    calib = _calib_config(args)
+    model, tokenizer = load(args.model)
+    rotation = None if args.rotation == "none" else args.rotation
+    phases = residual_phases(model, calibration_ids(tokenizer, calib), args.a_bits, rotation)
+    rows = [{"layer": p.layer, "jump_ratio": p.jump_ratio, "jr_attn": p.jump_ratio_attn, "jr_mlp": p.jump_ratio_mlp,
+             "jr_maxabs": p.jump_ratio_maxabs, "jr_p99": p.jump_ratio_p99,
+             **{f"snr{b}_db": v for b, v in p.snr_db.items()}} for p in phases]
+    if args.plot:
+        from bitquilt.eval.phases import plot_phases
+
+        plot_phases(phases, args.plot, f"{args.model}: residual stream ({args.rotation} rotation)")
+    if args.json:
+        print(json.dumps({"model": args.model, "rotation": args.rotation, "calibration": vars(calib),
+                          "layers": rows}, indent=2))
+    else:
+        _print_table(rows, list(rows[0]))
+        if args.plot:
+            print(f"plot: {args.plot}")
+    return 0
+
+
 def cmd_inspect(args) -> int:
     from bitquilt.io import is_quantized_dir, read_qconfig
 
@@ -483,6 +516,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(s, multi=True)
     _add_eval_args(s, ppl_flag=False)
     s.set_defaults(fn=cmd_compare)
+
+    s = sub.add_parser("analyze", help="the papers' analyses of a model: residual-stream phases (DynamicPTQ)")
+    s.add_argument("model", help=model_help)
+    s.add_argument("--residual-stream", action="store_true",
+                   help="Jump Ratio ‖Δx‖/‖x‖ and historical SNR per decoder layer, on calibration windows")
+    s.add_argument("--rotation", choices=("none", "quarot"), default="none",
+                   help="rotate the model first (QuaRot), as the W4A4 backbone would (default none)")
+    s.add_argument("--a-bits", type=int, default=4, help="activation bits the SNR is measured at (and 8; default 4)")
+    s.add_argument("--calib-data", default=CALIB["source"], help=f"calibration text (default {CALIB['source']})")
+    s.add_argument("--calib-samples", type=int, default=8, help="calibration windows (default 8)")
+    s.add_argument("--calib-seqlen", type=int, default=CALIB["seqlen"],
+                   help=f"tokens per window (default {CALIB['seqlen']})")
+    s.add_argument("--seed", type=int, default=CALIB["seed"], help="sampling seed of the windows")
+    s.add_argument("--plot", default=None, help="write the phase plot (png/pdf/svg) here")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_analyze)
 
     s = sub.add_parser("inspect", help="per-layer format, bits/weight and bytes of a saved quantized model")
     s.add_argument("path")

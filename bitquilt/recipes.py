@@ -61,6 +61,8 @@ class Recipe:
     kv_bits: int = 16  # keys (after RoPE) and values, per head (16: off)
     kv_group_size: int = -1  # values per KV group along head_dim (-1: the whole head)
     kv_center: bool = True  # quantize keys around their calibrated mean (see bitquilt.nn.kv_quant)
+    a8_layers: int = 0  # DynamicPTQ: this many decoder layers (chosen by residual-stream SNR) get 8-bit activations
+    a8_snr_db: float | None = None  # DynamicPTQ: instead, every layer whose 4-bit SNR is below this (dB)
 
     def __post_init__(self) -> None:
         self.method = METHOD_ALIASES.get(self.method, self.method)
@@ -95,6 +97,11 @@ class Recipe:
         if unknown:
             raise ValueError(f"stage options for {unknown}, which recipe {self.method!r} does not run; "
                              f"its stages: {', '.join(sorted(names))}")
+        if (self.a8_layers or self.a8_snr_db is not None) and self.a_bits >= 8:
+            raise ValueError(f"--a8-layers/--a8-snr-db widen 4-bit activations to 8 bits in chosen layers; the "
+                             f"recipe's activations are {self.a_bits}-bit (use --a-bits 4)")
+        if self.a8_layers < 0:
+            raise ValueError(f"a8_layers must be ≥ 0, got {self.a8_layers}")
         if "quarot" in self.components and "awq" in self.components:
             raise ValueError("awq cannot follow quarot: its scales would cross the online Hadamard transforms")
 
@@ -123,11 +130,15 @@ class Recipe:
         """Every stage this recipe runs, with its options: the method's, then the ones its settings imply
         (KV quantizers and key centres, activation clipping), then solving."""
         names = list(self.components)
+        if self.a8_layers or self.a8_snr_db is not None:
+            names.append("dynamic_a8")
         if self.kv_bits < 16:
             names += ["kv_quant"] + (["kv_center"] if self.kv_center else [])
         if self._searches_clip():
             names.append("act_clip")
-        stages = [(STAGES.get(n), STAGES.get(n).make_options(self.stage_options.get(n))) for n in names]
+        implied = {"dynamic_a8": {"layers": self.a8_layers, "snr_db": self.a8_snr_db}}
+        stages = [(STAGES.get(n), STAGES.get(n).make_options({**implied.get(n, {}), **self.stage_options.get(n, {})}))
+                  for n in names]
         solve = STAGES.get("solve")
         return stages + [(solve, solve.make_options({"solver": self.solver, "options": self.options}))]
 
@@ -169,6 +180,10 @@ class Recipe:
     def label(self) -> str:
         g = "pc" if self.group_size == -1 else f"g{self.group_size}"
         act = f" a{self.a_bits}" if self.a_bits < 16 else ""
+        if self.a8_layers:
+            act += f" a8×{self.a8_layers}"
+        elif self.a8_snr_db is not None:
+            act += f" a8<{self.a8_snr_db:g}dB"
         kv = f" kv{self.kv_bits}" if self.kv_bits < 16 else ""
         return f"{self.method} w{self.w_bits}{g}{'s' if self.sym else ''}{act}{kv}"
 
