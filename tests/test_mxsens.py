@@ -176,6 +176,12 @@ def test_allocation_hits_the_target_within_one_block_per_layer(target):
     assert mids["c"] / 1504 >= mids["b"] / 544 >= mids["a"] / 544  # more sensitive, larger middle share
 
 
+def test_allocation_needs_widths_in_order():
+    shapes = {"a": LinearShape(64, 576, 6)}
+    with pytest.raises(ValueError, match="base bits < middle_bits"):
+        allocate(shapes, {"a": 1.0}, 6.5)
+
+
 def test_allocation_out_of_reach_is_an_error():
     with pytest.raises(ValueError, match="out of reach"):
         allocate(_shapes(), dict.fromkeys("abcd", 1.0), 4.0)

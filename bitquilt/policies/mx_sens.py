@@ -98,6 +98,10 @@ def allocate(shapes: dict[str, LinearShape], weights: dict[str, float], target_b
              middle_bits: int = 6, top_columns: int = BLOCK) -> tuple[dict[str, tuple], float]:
     """Classes ((top_bits, 32), (middle_bits, n_l), (base, rest)) per linear and the global R hitting
     `target_bits` (see the module docstring); raises if the target is out of reach."""
+    narrow = sorted({s.base_bits for s in shapes.values() if not s.base_bits < middle_bits <= top_bits})
+    if narrow:
+        raise ValueError(f"mx_sens needs base bits < middle_bits ({middle_bits}) ≤ top_bits ({top_bits}); linears "
+                         f"with base bits {narrow} do not fit (set --w-bits 4, the base width)")
     top = {n: min(top_columns, s.in_features) for n, s in shapes.items()}
     total = sum(s.out_features * s.in_features for s in shapes.values())
 
