@@ -103,3 +103,17 @@ def attach_kv_quantizers(model, config):
     for block in decoder_layers(model, arch):
         attach(block.get_submodule(arch.attention), "kv_quant", KVQuantizer(config))
     enable_attention_site(model)
+
+
+def reload_bit_exact(model, ids, path):
+    """Save `model` to `path`, load it back, check the logits on `ids` are bit-identical; the loaded model."""
+    from bitquilt.api import save
+    from bitquilt.io import load_quantized
+
+    with torch.no_grad():
+        ref = model(ids).logits
+    save(model, path)
+    loaded, _ = load_quantized(path)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ref)
+    return loaded

@@ -9,7 +9,7 @@ from bitquilt.errors import UserError
 from bitquilt.io import CONFIG_NAME, WEIGHTS_NAME, load_quantized
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import Recipe
-from tests.conftest import make_tiny
+from tests.conftest import make_tiny, reload_bit_exact
 
 GPTQ_DEFAULTS = {"damp": 0.01, "block_size": 128, "act_order": True, "static_groups": True, "mse": True}
 
@@ -24,14 +24,7 @@ def _ids(n=4, seqlen=32):
 def test_save_load_is_bit_exact(tmp_path, method, options):
     model = make_tiny("qwen2")  # qkv bias: exercises QuantLinear bias round trip
     quantize(model, Recipe(method, w_bits=3, group_size=32, options=options), _ids(), progress=False)
-    ids = _ids(2)
-    with torch.no_grad():
-        ref = model(ids).logits
-    save(model, tmp_path / "q")
-    loaded, _ = load_quantized(tmp_path / "q")
-    with torch.no_grad():
-        out = loaded(ids).logits
-    assert torch.equal(out, ref)
+    reload_bit_exact(model, _ids(2), tmp_path / "q")
     qconfig = json.loads((tmp_path / "q" / CONFIG_NAME).read_text())
     assert qconfig["recipe"]["method"] == ("awq+rtn" if method == "awq" else method)
     if method == "gptq":  # the resolved options, defaults included (act-order + static groups)

@@ -14,7 +14,7 @@ from bitquilt.policies.mx_sens import LinearShape, allocate, element_bits
 from bitquilt.recipes import Recipe
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec, relative_error
-from tests.conftest import make_tiny
+from tests.conftest import make_tiny, reload_bit_exact
 
 
 # ---------------------------------------------------------------- the MXINT-m definition
@@ -228,8 +228,7 @@ def test_sensitivity_allocation_beats_random_and_the_4_8_split(short_smollm, cal
 
 # ---------------------------------------------------------------- save/load and the command line
 def test_mxsens_w4a4kv4_save_load_is_bit_exact(tmp_path, monkeypatch):
-    from bitquilt.api import quantize, save
-    from bitquilt.io import load_quantized
+    from bitquilt.api import quantize
     from bitquilt.nn.quant_linear import QuantLinear
 
     monkeypatch.setenv("BITQUILT_CACHE", str(tmp_path / "cache"))
@@ -238,12 +237,7 @@ def test_mxsens_w4a4kv4_save_load_is_bit_exact(tmp_path, monkeypatch):
     report = quantize(model, Recipe("mxsens", a_bits=4, kv_bits=4, stage_options={"mx_sens": {"target_bits": 5.2}}),
                       ids, progress=False)
     assert abs(report.plan["decisions"]["mx_sens"]["element_bits"] - 5.2) < 0.25
-    with torch.no_grad():
-        ref = model(ids[:2]).logits
-    save(model, tmp_path / "q")
-    loaded, _ = load_quantized(tmp_path / "q")
-    with torch.no_grad():
-        assert torch.equal(loaded(ids[:2]).logits, ref)
+    loaded = reload_bit_exact(model, ids[:2], tmp_path / "q")
     for (name, a), (_, b) in zip(model.named_modules(), loaded.named_modules()):
         if isinstance(a, QuantLinear):
             assert a.fmt.describe() == b.fmt.describe(), name

@@ -128,6 +128,16 @@ def enable_attention_site(model: nn.Module) -> None:
     model.set_attn_implementation(name)
 
 
+def swap_host(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Replace submodule `name` of `root` by `new`, which takes over the old module's input-site
+    online modules (rotations, activation quantizer)."""
+    old = root.get_submodule(name)
+    for slot in slots_at("input"):
+        attach(new, slot, get(old, slot))
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
 def attach(host: nn.Module, slot: str, module: nn.Module | None) -> None:
     """Put `module` at `slot` of `host` (None: empty the slot). The attention site also needs
     `enable_attention_site(model)` once per model."""

@@ -8,14 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from bitquilt.calib.capture import collect_stats
 from bitquilt.calib.stages import BlockContext, ModelContext, register_stage
 from bitquilt.models.adapters import decoder_layers
 from bitquilt.nn.act_quant import input_quantizer
 from bitquilt.nn.kv_quant import KVQuantizer
-from bitquilt.nn.online import attach, enable_attention_site, get, slots_at
+from bitquilt.nn.online import attach, enable_attention_site, swap_host
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.pipeline.report import LinearReport
 from bitquilt.registry import option
@@ -44,11 +43,6 @@ class SolveOptions:
     options: dict[str, Any] = option({}, "the solver's options")
 
 
-def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
-
-
 def warn_if_underdetermined(stats: dict[str, LinearStats], prefix: str, warned: set[int]) -> None:
     """Warn (once per input width) when a Hessian has fewer calibration tokens than inputs: it is then
     rank-deficient and Hessian-based solvers fit the calibration text instead of the layer."""
@@ -70,13 +64,11 @@ def solve_linear(ctx: BlockContext, name: str, solver, options, stats: LinearSta
     w = lin.weight.detach().float()
     fmt = solver(w, stats, solver.validate(plan.weight), options)
     qlin = QuantLinear(fmt, lin.bias).to(lin.weight.device)
-    for slot in slots_at("input"):
-        attach(qlin, slot, get(lin, slot))
+    swap_host(ctx.block, name, qlin)
     if plan.act is not None and plan.act.enabled:
         attach(qlin, "act_quant", input_quantizer(plan.act, fmt))
     # not qlin.dequantized(): that would cache an fp32 copy of every quantized weight (2× peak memory)
     err = relative_error(w, fmt.dequantize(), stats.hessian) if stats is not None else None
-    replace_module(ctx.block, name, qlin)
     return LinearReport(ctx.full(name), fmt.describe(), fmt.bits_per_weight(), fmt.nbytes(),
                         time.perf_counter() - t0, err)
 

@@ -19,17 +19,8 @@ from torch import nn
 
 from bitquilt.calib.stages import BlockContext, register_stage
 from bitquilt.nn.act_quant import MXActQuantizer
-from bitquilt.nn.online import attach, get, has_input_transform, slots_at
+from bitquilt.nn.online import attach, get, has_input_transform, swap_host
 from bitquilt.nn.quant_linear import QuantLinear
-
-
-def _swap(block: nn.Module, name: str, new: QuantLinear) -> None:
-    """Replace QuantLinear `name` of `block` by `new`, keeping its online input modules."""
-    old = block.get_submodule(name)
-    for slot in slots_at("input"):
-        attach(new, slot, get(old, slot))
-    parent, _, child = name.rpartition(".")
-    setattr(block.get_submodule(parent) if parent else block, child, new)
 
 
 def _permuted_rows(linear: nn.Module, order: torch.Tensor) -> QuantLinear | None:
@@ -54,10 +45,10 @@ def fold_perm(ctx: BlockContext, _options: Any) -> dict[str, Any] | None:
         if any(v is None for v in permuted.values()):
             continue
         for p, new in permuted.items():
-            _swap(ctx.block, p, new)
+            swap_host(ctx.block, p, new)
         act = get(linear, "act_quant")
         new = QuantLinear(linear.fmt.in_stored_order(), linear.bias)
-        _swap(ctx.block, consumer, new)
+        swap_host(ctx.block, consumer, new)
         if isinstance(act, MXActQuantizer):
             attach(new, "act_quant", MXActQuantizer(act.config, act.widths, act.columns))
         folded.append(consumer)
