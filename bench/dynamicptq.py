@@ -86,18 +86,24 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--backbones", default=",".join(BACKBONES))
     p.add_argument("--ks", default="2,4,6", help="layer counts chosen by the Jump Ratio")
-    p.add_argument("--compare-k", type=int, default=4, help="K at which snr, random and ends are compared too")
+    p.add_argument("--compare-k", type=int, default=4, help="K at which the other --selects are compared too")
+    p.add_argument("--selects", default="snr,random,ends",
+                   help="selections compared with the Jump Ratio at --compare-k")
     p.add_argument("--tasks", default="", help="zero-shot tasks, e.g. piqa,arc_easy,hellaswag (default: none)")
     p.add_argument("--limit", type=int, default=200, help="zero-shot items per task")
     add_protocol_args(p, calib_samples=32, ppl_windows=20)
     args = p.parse_args()
     calib, settings = protocol_settings(args)
     command = command_line()
-    configs = []
-    for backbone in args.backbones.split(","):
-        configs.append((backbone, 0, "jr"))
-        configs += [(backbone, int(k), "jr") for k in args.ks.split(",") if k]
-        configs += [(backbone, args.compare_k, s) for s in ("snr", "random", "ends")]
+    backbones = args.backbones.split(",")
+    ks = [int(k) for k in args.ks.split(",") if k]
+    # most telling first (the run resumes where it stopped): each backbone alone and at --compare-k, the
+    # selections on the first backbone, then the other K, then the selections on the other backbones
+    configs = [(b, k, "jr") for b in backbones for k in (0, args.compare_k)]
+    selects = [s for s in args.selects.split(",") if s]
+    configs += [(backbones[0], args.compare_k, s) for s in selects]
+    configs += [(b, k, "jr") for b in backbones for k in ks if k != args.compare_k]
+    configs += [(b, args.compare_k, s) for b in backbones[1:] for s in selects]
     ids = None
     for backbone, k, select in configs:
         wanted = {"model": args.model, "backbone": backbone, "layers": k, "select": select, "tasks": args.tasks,

@@ -57,7 +57,7 @@ def element_bits(model: torch.nn.Module) -> float | None:
     return sum(f.element_bits() * f.out_features * f.in_features for f in fmts) / total if total else None
 
 
-def recipe_for(section: str, config: str, target: float | None) -> Recipe | None:
+def recipe_for(section: str, config: str, target: float | None, sens_samples: int | None = None) -> Recipe | None:
     act = {"a_bits": 4, "kv_bits": 4} if section == "w4a4kv4" else {}
     if config == "fp":
         return None
@@ -68,6 +68,8 @@ def recipe_for(section: str, config: str, target: float | None) -> Recipe | None
     variant = VARIANTS.get(config, {})
     stage = {k: v for k, v in variant.items() if not k.startswith("|")}
     solver = {k[1:]: v for k, v in variant.items() if k.startswith("|")}
+    if sens_samples:
+        stage["samples"] = sens_samples
     return Recipe("mxsens", options=solver, stage_options={"mx_sens": {"target_bits": target, **stage}}, **act)
 
 
@@ -166,9 +168,14 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS), help="allocation variants swept over --targets")
     p.add_argument("--sections", default="weights,w4a4kv4")
     p.add_argument("--w4a4-configs", default=",".join(W4A4_CONFIGS))
+    p.add_argument("--sens-samples", type=int, default=None,
+                   help="calibration windows of the layer-sensitivity pass (default: the policy's; fewer for "
+                   "big models)")
     add_protocol_args(p, calib_samples=64, ppl_windows=40)
     args = p.parse_args()
     calib, settings = protocol_settings(args)
+    if args.sens_samples:
+        settings["sensitivity_samples"] = args.sens_samples
     command = command_line()
     targets = [float(t) for t in args.targets.split(",") if t]
     sections = args.sections.split(",")
@@ -189,7 +196,8 @@ def main() -> None:
         if (record_key(wanted, KEY) in measured("mxsens", KEY)) != args.recheck:
             continue
         model, tokenizer = load(args.model)
-        recipe = recipe_for(section, config.split(" ")[0] if section == "w4a4kv4" else config, target)
+        recipe = recipe_for(section, config.split(" ")[0] if section == "w4a4kv4" else config, target,
+                            args.sens_samples)
         if recipe is not None and recipe.needs_calibration and ids is None:
             ids = calibration_ids(tokenizer, calib)
         t0 = time.perf_counter()

@@ -115,6 +115,10 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     g.add_argument("--sym", action="store_true", help="symmetric grid (default asymmetric, with zero points)")
     g.add_argument("--skip", action="append", default=[], metavar="GLOB",
                    help="keep linears matching GLOB in full precision (repeatable), e.g. '*.down_proj'")
+    g.add_argument("--recon-steps", type=int, default=RECIPE["recon_steps"], metavar="N",
+                   help="after the solver, learn each block's rounding and clipping on its output error (SignRound): "
+                   "N steps per block, e.g. 50 (default 0 = off; packed format unchanged; --opt recon.batch=8, "
+                   "recon.optimizer=adam, recon.clip=false, fp_reference.stream=quantized)")
     _add_solver_flags(p.add_argument_group("solver options (each applies to the solvers named in its help)"))
     g.add_argument("--opt", action="append", type=_opt, default=[], metavar="KEY=VALUE",
                    help="any solver option (e.g. damp=0.1) or stage option as STAGE.KEY (e.g. awq.grid=10, "
@@ -194,7 +198,7 @@ def _recipe_from_args(args, method: str, bits: int, group_size: int | None, targ
                   stage_options=stage_options, skip=tuple(args.skip), a_bits=args.a_bits, a_sym=args.a_sym,
                   a_clip=args.a_clip, a_format=args.a_format, kv_bits=args.kv_bits,
                   kv_group_size=args.kv_group_size, kv_center=args.kv_center, a8_layers=args.a8_layers,
-                  a8_snr_db=args.a8_snr_db)
+                  a8_snr_db=args.a8_snr_db, recon_steps=args.recon_steps)
 
 
 def _calib_config(args) -> CalibConfig:

@@ -63,10 +63,13 @@ class Recipe:
     kv_center: bool = True  # quantize keys around their calibrated mean (see bitquilt.nn.kv_quant)
     a8_layers: int = 0  # DynamicPTQ: this many decoder layers (chosen by residual-stream SNR) get 8-bit activations
     a8_snr_db: float | None = None  # DynamicPTQ: instead, every layer whose 4-bit SNR is below this (dB)
+    recon_steps: int = 0  # block-wise learned rounding and clipping after the solver: steps per block (0: off)
 
     def __post_init__(self) -> None:
         self.method = METHOD_ALIASES.get(self.method, self.method)
         self.skip = tuple(self.skip)
+        if self.recon_steps < 0:
+            raise ValueError(f"recon_steps must be ≥ 0 (0: no reconstruction), got {self.recon_steps}")
         if self.group_size is None:
             self.group_size = self.solver_spec.produces.default_group_size
         if self.a_format is None:
@@ -92,7 +95,7 @@ class Recipe:
                                   **{ACT_FIELDS[k]: v for k, v in fields.items() if k in ACT_FIELDS}}).validate()
             except (TypeError, ValueError) as e:
                 raise ValueError(f"override {pattern!r}: {e}") from None
-        names = {s.name for s, _ in self.stages()}
+        names = {s.name for s, _ in self.stages()} - {"solve"}
         unknown = sorted(set(self.stage_options) - names)
         if unknown:
             raise ValueError(f"stage options for {unknown}, which recipe {self.method!r} does not run; "
@@ -136,11 +139,14 @@ class Recipe:
             names += ["kv_quant"] + (["kv_center"] if self.kv_center else [])
         if self._searches_clip():
             names.append("act_clip")
-        implied = {"dynamic_a8": {"layers": self.a8_layers, "snr_db": self.a8_snr_db}}
-        stages = [(STAGES.get(n), STAGES.get(n).make_options({**implied.get(n, {}), **self.stage_options.get(n, {})}))
-                  for n in names]
-        solve = STAGES.get("solve")
-        return stages + [(solve, solve.make_options({"solver": self.solver, "options": self.options}))]
+        if self.recon_steps:
+            names.append("fp_reference")
+        implied = {"dynamic_a8": {"layers": self.a8_layers, "snr_db": self.a8_snr_db},
+                   "recon": {"steps": self.recon_steps}}
+        names += ["solve"] + (["recon"] if self.recon_steps else [])
+        implied["solve"] = {"solver": self.solver, "options": self.options}
+        return [(STAGES.get(n), STAGES.get(n).make_options({**implied.get(n, {}), **self.stage_options.get(n, {})}))
+                for n in names]
 
     @property
     def needs_calibration(self) -> bool:
@@ -185,7 +191,8 @@ class Recipe:
         elif self.a8_snr_db is not None:
             act += f" a8<{self.a8_snr_db:g}dB"
         kv = f" kv{self.kv_bits}" if self.kv_bits < 16 else ""
-        return f"{self.method} w{self.w_bits}{g}{'s' if self.sym else ''}{act}{kv}"
+        recon = f" recon{self.recon_steps}" if self.recon_steps else ""
+        return f"{self.method} w{self.w_bits}{g}{'s' if self.sym else ''}{act}{kv}{recon}"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -195,7 +202,7 @@ class Recipe:
     def record(self) -> dict[str, Any]:
         """`to_dict` with every solver and stage option spelled out, defaults included, so that changing
         a default never changes what a saved recipe means."""
-        stage_options = {s.name: asdict(o) for s, o in self.stages()[:-1] if asdict(o)}
+        stage_options = {s.name: asdict(o) for s, o in self.stages() if s.name != "solve" and asdict(o)}
         return {**self.to_dict(), "options": asdict(self.solver_spec.make_options(self.options)),
                 "stage_options": stage_options}
 

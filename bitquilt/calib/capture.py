@@ -16,7 +16,9 @@ class _Stop(Exception):
     """Raised from a hook to end a forward pass once everything needed has been seen."""
 
 
-def _layer_output(out: Any) -> torch.Tensor:
+def block_output(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The hidden states `block` returns for input x (decoder layers return a tensor or a tuple)."""
+    out = block(x, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -142,4 +144,4 @@ def sample_inputs(block: nn.Module, linear_names: list[str], inputs: list[torch.
 
 @torch.no_grad()
 def run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    return [_layer_output(block(x, **kwargs)) for x in inputs]
+    return [block_output(block, x, kwargs) for x in inputs]

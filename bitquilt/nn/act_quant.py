@@ -68,9 +68,15 @@ class ActQuantConfig:
 
 def fake_quantize(x: torch.Tensor, config: ActQuantConfig) -> torch.Tensor:
     """Quantize-dequantize x per group of its last dimension (see the module docstring; an unsearched
-    clipping ratio counts as 1)."""
+    clipping ratio counts as 1). Straight-through when x needs a gradient (block reconstruction trains
+    the weights behind quantized activations)."""
     if not config.enabled:
         return x
+    out = _fake_quantize(x, config)
+    return x + (out - x).detach() if x.requires_grad else out
+
+
+def _fake_quantize(x: torch.Tensor, config: ActQuantConfig) -> torch.Tensor:
     if config.format == "mxint":
         return mxint.fake_quantize(x, config.bits)
     n = x.shape[-1]
