@@ -43,7 +43,7 @@ import dataclasses
 import os
 import re
 import time
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import version
 from typing import Any
 
 import psutil
@@ -137,13 +137,6 @@ def autoround_settings(spec: str) -> dict[str, Any]:
         raise UserError(f"--autoround {spec!r}: unknown setting(s) {', '.join(unknown)}; settings: "
                         f"{', '.join(sorted(AUTOROUND_KNOBS))}")
     return {**AUTOROUND_PRESETS[preset], **pairs}
-
-
-def autoround_version() -> str | None:
-    try:
-        return version("auto-round")
-    except PackageNotFoundError:
-        return None
 
 
 def require_autoround() -> None:
@@ -260,11 +253,11 @@ def render(records: list[dict]) -> str:
                          f"lr {c['lr']:g}, batch {c['batch_size']}, torch.compile {c['enable_torch_compile']}; in "
                          f"bitquilt's format {r['bitquilt_bits_per_weight']:.3f} bits/weight, at most "
                          f"{r['max_levels_per_group']} levels per group")
+        versions = ", ".join(sorted({r["auto_round"] for r in quantized if r["engine"] == "autoround"}))
         loads = [float(r["loadavg"].split()[0]) for r in quantized]
         if loads:
-            lines += ["", f"Load average (1 min) when each quantization started: {min(loads):.1f}–{max(loads):.1f}; "
-                      f"auto-round {', '.join(sorted({str(r['machine'].get('auto_round')) for r in quantized}))}.",
-                      ""]
+            lines += ["", f"Load average (1 min) when each quantization started: {min(loads):.1f}–{max(loads):.1f}."
+                      + (f" auto-round {versions}." if versions else ""), ""]
     return "\n".join(lines)
 
 
@@ -292,7 +285,7 @@ def main() -> None:
         require_autoround()
     calib, settings = protocol_settings(args)
     command = command_line()
-    host = {**machine(), "auto_round": autoround_version()}
+    host = machine()
 
     ids = None
     for engine, label, config, bits, group in configs:
@@ -311,7 +304,7 @@ def main() -> None:
             config = autoround_quantize(model, tokenizer, ids, bits, group, config)
         wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
         if engine == "autoround":
-            extra = repack_autoround(model, bits, group)
+            extra = {**repack_autoround(model, bits, group), "auto_round": version("auto-round")}
         summary = model_summary(model)
         ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False)
         record = {**wanted, "config": config, "ppl": ppl.ppl, "ppl_seconds": ppl.seconds,
