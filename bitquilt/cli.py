@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -23,6 +24,11 @@ from bitquilt.tables import markdown_table
 
 RECIPE = {f.name: f.default for f in dataclasses.fields(Recipe) if f.default is not dataclasses.MISSING}
 CALIB = {f.name: f.default for f in dataclasses.fields(CalibConfig)}
+# The lowest value of numeric flags (by dest) that would otherwise be checked only after loading a model, or not at
+# all; checked before any work. (Recipe flags are checked when the recipe is built, bench's by its speed check.)
+MINIMUMS = {"seqlen": 1, "ppl_windows": 1, "limit": 1, "calib_samples": 1, "calib_seqlen": 16, "temperature": 0,
+            "threads": 1}
+EXIT_NON_FINITE = 3  # the results were computed, but some are NaN/Inf (null in JSON)
 
 
 # ---------------------------------------------------------------- argument groups
@@ -125,7 +131,7 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    "quarot.seed=1); repeatable")
     a = p.add_argument_group("activation and KV-cache quantization")
     a.add_argument("--a-bits", type=int, default=RECIPE["a_bits"], help="per-token activation bits of every linear's "
-                   f"input: 4, 6, 8, ... (default {RECIPE['a_bits']} = off)")
+                   f"input: 2 to 8, or 4, 6, 8 with --a-format mxint (default {RECIPE['a_bits']} = off)")
     a.add_argument("--a-sym", action="store_true", help="symmetric activation grid (default asymmetric)")
     a.add_argument("--a-format", choices=("int", "mxint"), default=None,
                    help="grid of activations and KV cache: int (per-token ranges) or mxint (MXINT blocks of 32; "
@@ -139,7 +145,8 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     a.add_argument("--a8-snr-db", type=float, default=None, metavar="DB",
                    help="DynamicPTQ: instead of K, every layer whose historical SNR at --a-bits is below DB")
     a.add_argument("--kv-bits", type=int, default=RECIPE["kv_bits"],
-                   help=f"key/value cache bits, 4 or 8 (default {RECIPE['kv_bits']} = off)")
+                   help=f"key/value cache bits: 2 to 8, or 4, 6, 8 with --a-format mxint (default {RECIPE['kv_bits']} "
+                   "= off)")
     a.add_argument("--kv-group-size", type=int, default=RECIPE["kv_group_size"],
                    help="KV values per group along head_dim (default: head)")
     a.add_argument("--kv-center", action=argparse.BooleanOptionalAction, default=RECIPE["kv_center"],
@@ -162,7 +169,8 @@ def _add_eval_args(p: argparse.ArgumentParser, ppl_flag: bool) -> None:
         g.add_argument("--ppl", action="store_true", help="measure perplexity (default if no --tasks)")
     g.add_argument("--ppl-data", default="wiki",
                    help="comma-separated text sets: wiki (BoolQ Wikipedia passages), lambada, or .txt/.jsonl paths")
-    g.add_argument("--seqlen", type=int, default=None, help="perplexity window length (default 2048 or model max)")
+    g.add_argument("--seqlen", type=int, default=None, help="perplexity window length (default 2048 or model max; a "
+                   "longer one is cut to the model's maximum, with a warning)")
     g.add_argument("--ppl-windows", type=int, default=None, help="score only the first N windows (default: all)")
     g.add_argument("--tasks", default="", help="zero-shot tasks, comma-separated: piqa, arc_easy, arc_challenge, "
                    "hellaswag, winogrande, boolq, lambada, or a task .jsonl file")
@@ -202,14 +210,57 @@ def _recipe_from_args(args, method: str, bits: int, group_size: int | None, targ
 
 
 def _calib_config(args) -> CalibConfig:
-    if args.calib_samples < 1 or args.calib_seqlen < 16:
-        raise UserError("--calib-samples must be ≥ 1 and --calib-seqlen ≥ 16")
     return CalibConfig(args.calib_data, args.calib_samples, args.calib_seqlen, args.seed)
+
+
+def _check_minimums(args) -> None:
+    """Refuse a numeric flag below its MINIMUMS value before anything is loaded."""
+    for dest, low in MINIMUMS.items():
+        value = getattr(args, dest, None)
+        if value is not None and value < low:
+            raise UserError(f"--{dest.replace('_', '-')} must be ≥ {low}, got {value}")
 
 
 # ---------------------------------------------------------------- helpers
 def _print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     print(markdown_table(rows, columns), end="")
+
+
+def _finite_or_null(obj: Any) -> Any:
+    """`obj` with every NaN/Inf float, however nested, replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_null(v) for v in obj]
+    return obj
+
+
+def _print_json(obj: Any) -> None:
+    """Valid JSON (which has no NaN/Inf: they print as null)."""
+    print(json.dumps(_finite_or_null(obj), indent=2, default=str, allow_nan=False))
+
+
+def _flag_non_finite(rows: list[dict[str, Any]], labels: list[str]) -> list[str]:
+    """Record each row's NaN/Inf results under `non_finite` ({key: "nan" or "inf"}); 'label: key=value' of each."""
+    found = []
+    for row, label in zip(rows, labels):
+        bad = {k: str(v) for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
+        if bad:
+            row["non_finite"] = bad
+            found += [f"{label}: {k}={v}" for k, v in bad.items()]
+    return found
+
+
+def _results_exit(command: str, non_finite: list[str]) -> int:
+    """The exit code of a command that measured results: 0, or EXIT_NON_FINITE with one line on stderr."""
+    if not non_finite:
+        return 0
+    print(f"bitquilt {command}: error: non-finite result(s) {', '.join(non_finite)}: the model's loss is NaN or "
+          "overflowed (a diverged quantization or corrupted weights); JSON reports them as null, listed under "
+          "non_finite", file=sys.stderr)
+    return EXIT_NON_FINITE
 
 
 def _evaluate(model, tokenizer, args, cache_key: str) -> dict[str, Any]:
@@ -240,7 +291,7 @@ def cmd_models(args) -> int:
 
     rows = list_models()
     if args.json:
-        print(json.dumps(rows, indent=2))
+        _print_json(rows)
     else:
         _print_table(rows, [k for k in rows[0] if k != "description"] if rows else [])
     return 0
@@ -248,23 +299,25 @@ def cmd_models(args) -> int:
 
 def cmd_fetch(args) -> int:
     from bitquilt.api import fetch
+    from bitquilt.cache import file_lock
     from bitquilt.models.registry import MODELS
 
     names = list(MODELS) + ["eval-data"] if args.name == "all" else [args.name]
     for name in names:
         t0 = time.perf_counter()
-        path = fetch(name, force=args.force)
+        with file_lock(f"fetch-{name}"):  # a concurrent fetch of `name` finishes first; this one then finds it
+            path = fetch(name, force=args.force)
         print(f"{name}: {path} ({time.perf_counter() - t0:.0f} s)")
     return 0
 
 
 def cmd_quantize(args) -> int:
     from bitquilt.api import load, quantize, save
+    from bitquilt.io import check_output
 
     recipe = _recipe_from_args(args, args.method, args.w_bits, args.group_size, args.target_bits)
     out = Path(args.output)
-    if out.exists() and not args.overwrite:
-        raise UserError(f"output directory {out} already exists; choose another path or pass --overwrite")
+    check_output(out, args.overwrite)  # before hours of work, not after
     calib = _calib_config(args)
     model, tokenizer = load(args.model)
     report = quantize(model, recipe, calib, tokenizer=tokenizer, progress=not args.json)
@@ -274,7 +327,7 @@ def cmd_quantize(args) -> int:
                **model_summary(model),
                "quant_time_s": report.total_seconds, "peak_rss_mb": report.peak_rss_mb}
     if args.json:
-        print(json.dumps(summary, indent=2))
+        _print_json(summary)
     else:
         _print_table([summary], list(summary))
     return 0
@@ -299,13 +352,14 @@ def cmd_eval(args) -> int:
         raise UserError(f"{args.model} has no tokenizer files; cannot evaluate")
     row = {"model": resolve_model_name(args.model), **model_summary(model),
            **_evaluate(model, tokenizer, args, cache_key=source_fingerprint(args.model))}
+    non_finite = _flag_non_finite([row], [row["model"]])
     if args.json:
-        print(json.dumps(row, indent=2, default=str))
+        _print_json(row)
     else:
-        _print_table([row], [k for k in row if k != "ppl_settings"])
+        _print_table([row], [k for k in row if k not in ("ppl_settings", "non_finite")])
         for source, s in row.get("ppl_settings", {}).items():
             print(f"ppl[{source}]: {s['n_windows']} windows × {s['seqlen']} tokens, {s['seconds']:.0f} s")
-    return 0
+    return _results_exit(args.command, non_finite)
 
 
 def cmd_compare(args) -> int:
@@ -322,6 +376,10 @@ def cmd_compare(args) -> int:
     recipes = {c: _recipe_from_args(args, *c) for c in configs if c[0] != "fp"}  # validate first
     calib = _calib_config(args)
     _check_task_names(args)
+    if args.report:
+        from bitquilt.io import check_output
+
+        check_output(args.report, overwrite=True)  # its files are replaced
     needs_calibration = any(r.needs_calibration for r in recipes.values())
     if needs_calibration:  # fail before hours of quantization, not after
         from bitquilt.data.corpora import check_disjoint
@@ -352,17 +410,19 @@ def cmd_compare(args) -> int:
                   file=sys.stderr)
     settings = {"model": args.model, "calibration": vars(calib), "ppl_data": args.ppl_data,
                 "seqlen": args.seqlen, "ppl_windows": args.ppl_windows, "tasks": args.tasks, "limit": args.limit}
+    non_finite = _flag_non_finite(rows, [f"{r['method']} w{r['w_bits']}" for r in rows])
     if args.report:
         from bitquilt.eval.report import write_report
 
-        write_report(rows, Path(args.report), title=f"bitquilt compare: {args.model}", settings=settings)
+        write_report(_finite_or_null(rows), Path(args.report), title=f"bitquilt compare: {args.model}",
+                     settings=settings)
     if args.json:
-        print(json.dumps({"settings": settings, "rows": rows}, indent=2, default=str))
+        _print_json({"settings": settings, "rows": rows})
     else:
-        cols = [k for k in rows[0] if k not in ("ppl_settings", "peak_rss_mb")]
-        cols += [k for r in rows for k in r if k not in cols and k not in ("ppl_settings", "peak_rss_mb")]
+        hidden = ("ppl_settings", "peak_rss_mb", "non_finite")
+        cols = [k for k in rows[0] if k not in hidden] + [k for r in rows for k in r if k not in hidden]
         _print_table(rows, list(dict.fromkeys(cols)))
-    return 0
+    return _results_exit(args.command, non_finite)
 
 
 def cmd_analyze(args) -> int:
@@ -371,6 +431,10 @@ def cmd_analyze(args) -> int:
     if not args.residual_stream:
         raise UserError("choose an analysis: --residual-stream (Jump Ratio and historical SNR per layer)")
     calib = _calib_config(args)
+    if args.plot:
+        from bitquilt.io import check_writable
+
+        check_writable(args.plot)
     model, tokenizer = load(args.model)
     rotation = None if args.rotation == "none" else args.rotation
     phases = residual_phases(model, calibration_ids(tokenizer, calib), args.a_bits, rotation)
@@ -382,8 +446,7 @@ def cmd_analyze(args) -> int:
 
         plot_phases(phases, args.plot, f"{args.model}: residual stream ({args.rotation} rotation)")
     if args.json:
-        print(json.dumps({"model": args.model, "rotation": args.rotation, "calibration": vars(calib),
-                          "layers": rows}, indent=2))
+        _print_json({"model": args.model, "rotation": args.rotation, "calibration": vars(calib), "layers": rows})
     else:
         _print_table(rows, list(rows[0]))
         if args.plot:
@@ -411,7 +474,7 @@ def cmd_inspect(args) -> int:
                "disk_mb": disk / 2**20, "quant_time_s": report.get("total_seconds"),
                "peak_rss_mb": report.get("peak_rss_mb"), "versions": qconfig.get("versions")}
     if args.json:
-        print(json.dumps({"summary": summary, "layers": rows}, indent=2))
+        _print_json({"summary": summary, "layers": rows})
     else:
         _print_table(rows, list(rows[0]) if rows else ["layer"])
         for k, v in summary.items():
@@ -421,8 +484,6 @@ def cmd_inspect(args) -> int:
 
 def _set_threads(threads: int | None) -> None:
     if threads is not None:
-        if threads < 1:
-            raise UserError(f"--threads must be at least 1, got {threads}")
         import torch
 
         torch.set_num_threads(threads)
@@ -448,7 +509,7 @@ def cmd_generate(args) -> int:
              "prefill_tokens_per_s": ids.shape[1] / run.prefill_seconds,
              "decode_tokens_per_s": (len(run.new_ids) - 1) / run.decode_seconds if len(run.new_ids) > 1 else None}
     if args.json:
-        print(json.dumps({"prompt": args.prompt, "completion": text, **stats}, indent=2))
+        _print_json({"prompt": args.prompt, "completion": text, **stats})
     else:
         print(args.prompt + text)
         print(", ".join(f"{k}={v:.4g}" for k, v in stats.items() if v is not None), file=sys.stderr)
@@ -474,7 +535,7 @@ def cmd_bench(args) -> int:
         rows.append(row)
         del model
     if args.json:
-        print(json.dumps(rows, indent=2))
+        _print_json(rows)
     else:
         _print_table(rows, ["model", "bits_per_weight", "weights_mb", "kernel_layout_mb", "peak_rss_mb",
                             "prefill_tokens_per_s", "decode_tokens_per_s", "prefill_speedup", "decode_speedup"])
@@ -571,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        _check_minimums(args)
         return args.fn(args)
     except USER_ERRORS as e:
         if args.debug:

@@ -8,14 +8,15 @@ Layout of a saved directory
                           the quantization report, library versions, and the online modules
                           ({host: {slot: {class, config}}}, see `bitquilt.nn.online`)
 Writes go to a temporary sibling directory renamed into place, so an interrupted save never
-leaves a directory that loads.
+leaves a directory that loads (and the next save removes what a killed one left). Loading checks
+every packed layer against the shape its module must have, so an edited or damaged directory is
+refused with one line instead of failing at the first forward pass.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import weakref
 from pathlib import Path
@@ -26,9 +27,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from bitquilt.cache import atomic_dir
 from bitquilt.errors import UserError
 from bitquilt.formats import format_class
-from bitquilt.formats.base import split_buffers
+from bitquilt.formats.base import WeightFormat, split_buffers
 from bitquilt.nn import online
 from bitquilt.nn.quant_linear import QuantLinear
 
@@ -83,13 +85,38 @@ def model_summary(model: nn.Module) -> dict[str, float]:
     return {"size_mb": model_nbytes(model) / 2**20, "bits_per_weight": bits / n_weights if n_weights else 32.0}
 
 
+def check_output(path: str | Path, overwrite: bool = False) -> None:
+    """Raise UserError unless the output directory `path` can be written (replaced if `overwrite`): call it before
+    the work that fills it."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise UserError(f"output directory {path} already exists; choose another path or pass --overwrite "
+                        "(overwrite=True)")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"output {path} is a file, not a directory")
+    check_writable(path)
+
+
+def check_writable(path: str | Path) -> None:
+    """Raise UserError unless `path` (a file or directory) can be created: its nearest existing ancestor must be
+    a directory this process can write into (tried, not guessed from permission bits)."""
+    path = Path(path).absolute()
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"cannot write {path}: {parent} is a file, not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".bitquilt-write-check-", dir=parent))
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {parent} is not writable ({e.strerror})") from None
+
+
 def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, extra: dict[str, Any] | None = None,
          overwrite: bool = False) -> Path:
-    """Write a quantized (or full-precision) model to `directory` atomically."""
+    """Write a quantized (or full-precision) model to `directory` atomically (`bitquilt.cache.atomic_dir`)."""
     directory = Path(directory)
-    if directory.exists() and not overwrite:
-        raise UserError(f"output directory {directory} already exists; choose another path or pass overwrite")
-    directory.parent.mkdir(parents=True, exist_ok=True)
+    check_output(directory, overwrite)
     layers = {
         name: {"format": m.fmt.name, "meta": m.fmt.meta(), "bias": m.bias is not None}
         for name, m in model.named_modules()
@@ -106,8 +133,7 @@ def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, extra: 
         "versions": versions(),
         **(extra or {}),
     }
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-    try:
+    with atomic_dir(directory) as tmp:
         model.config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
@@ -115,16 +141,6 @@ def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, extra: 
             tokenizer.save_pretrained(tmp)
         save_file(stored_tensors(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "bitquilt": "1"})
         (tmp / CONFIG_NAME).write_text(json.dumps(qconfig, indent=2, default=str))
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return directory
 
 
@@ -144,6 +160,46 @@ def read_qconfig(directory: str | Path) -> dict[str, Any]:
     return qconfig
 
 
+def _checked_format(directory: Path, model: nn.Module, name: str, info: Any, tensors: dict[str, torch.Tensor],
+                    bias: torch.Tensor | None, checked: set[tuple]) -> WeightFormat:
+    """The saved format of linear `name`, rebuilt and checked against the linear `model` has there; a UserError
+    naming the layer, what it should be and what was found if they disagree (`checked`: layouts already tried)."""
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        module = None
+    if not isinstance(module, nn.Linear):
+        raise UserError(f"{directory} is corrupt or was edited: its config names a quantized layer {name!r}, which "
+                        "is not a linear of this model")
+    shape = (module.out_features, module.in_features)
+    try:
+        return _rebuild_format(info, tensors, bias, shape, checked)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        found = f"missing {e}" if isinstance(e, KeyError) else str(e)
+        stored = {k: tuple(v.shape) for k, v in tensors.items()}
+        raise UserError(f"{directory} is corrupt or was edited: layer {name} should be a {shape[0]}×{shape[1]} "
+                        f"weight, but {found} (stored {info}, tensors {stored}); quantize the model again") from None
+
+
+def _rebuild_format(info: Any, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, shape: tuple[int, int],
+                    checked: set[tuple]) -> WeightFormat:
+    """`from_tensors` of one layer, then its [out, in] shape and bias checked; raises what the format raises, or
+    ValueError. Each distinct layout is dequantized once, so a meta that does not fit its tensors (bits, group
+    size) fails here rather than at the first forward pass."""
+    fmt = format_class(info["format"]).from_tensors(tensors, info["meta"])
+    if (fmt.out_features, fmt.in_features) != shape:
+        raise ValueError(f"its format describes a {fmt.out_features}×{fmt.in_features} weight")
+    if bool(info["bias"]) != (bias is not None) or (bias is not None and tuple(bias.shape) != shape[:1]):
+        raise ValueError("its bias is missing" if bias is None else f"its bias has shape {tuple(bias.shape)}")
+    layout = (json.dumps(info, sort_keys=True), tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in tensors.items())))
+    if layout not in checked:
+        got = tuple(fmt.dequantize().shape)
+        if got != shape:
+            raise ValueError(f"its tensors dequantize to a {got[0]}×{got[1]} matrix")
+        checked.add(layout)
+    return fmt
+
+
 def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
     """Rebuild a model saved by `save` (no recalibration); returns (model, tokenizer or None)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -156,14 +212,17 @@ def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
         raise UserError(f"cannot read {directory / WEIGHTS_NAME} (missing or corrupted): {e}") from None
     config = AutoConfig.from_pretrained(directory)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    checked: set[tuple] = set()
     for name, info in qconfig["layers"].items():
-        fmt_tensors = split_buffers(tensors, name)
-        fmt = format_class(info["format"]).from_tensors(fmt_tensors, info["meta"])
-        bias = tensors.pop(f"{name}.bias", None)
+        fmt_tensors, bias = split_buffers(tensors, name), tensors.pop(f"{name}.bias", None)
+        fmt = _checked_format(directory, model, name, info, fmt_tensors, bias, checked)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, QuantLinear(fmt, bias))
     online.restore(model, qconfig.get("online", {}))  # before the tensors: some own buffers (key centres)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:  # a tensor of the wrong shape
+        raise UserError(f"{directory} is corrupt or was edited: {str(e).splitlines()[-1].strip()}") from None
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     quantized = tuple(f"{name}." for name in qconfig["layers"])
     missing = [k for k in missing if k not in tied and not k.startswith(quantized)]

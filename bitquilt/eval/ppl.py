@@ -4,11 +4,14 @@ Documents are joined with blank lines, tokenized without BOS, cut into windows o
 `seqlen` tokens (the tail that does not fill a window is dropped). Each window is scored on
 its own: loss = mean over positions t ≥ 1 of −log p(x_t | x_<t), exactly transformers'
 `labels=input_ids` loss, and ppl = exp(mean of the window losses) (windows are equal-length,
-so this is the token mean).
+so this is the token mean). A diverged model's perplexity is inf or NaN, reported as it is
+(the CLI prints null and exits non-zero).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -18,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,8 +39,21 @@ class PerplexityResult:
 
 
 def default_seqlen(model: nn.Module, requested: int | None = None) -> int:
+    """`requested` (None: 2048) capped at the model's maximum positions, with one warning when it is cut.
+    Non-positive values pass through, for `eval_windows` to reject."""
     limit = getattr(model.config, "max_position_embeddings", None) or 2048
-    return min(requested or 2048, limit)
+    if requested is None:
+        return min(2048, limit)
+    if requested > limit:
+        _warn_capped(requested, limit)
+    return min(requested, limit)
+
+
+@functools.cache
+def _warn_capped(requested: int, limit: int) -> None:
+    """Once per process and setting: `compare` evaluates many models of one size."""
+    log.warning("seqlen %d exceeds the model's %d positions (max_position_embeddings); windows of %d tokens are "
+                "used instead", requested, limit, limit)
 
 
 def calibration_source(model: nn.Module) -> str | None:
@@ -47,6 +65,14 @@ def calibration_source(model: nn.Module) -> str | None:
     if source is None or (source not in TEXT_SETS and not Path(source).expanduser().is_file()):
         return None  # a user file that is gone cannot be compared
     return source
+
+
+def _exp(loss: float) -> float:
+    """exp(loss), inf past the float range (a diverged model), NaN for NaN: the caller reports non-finite results."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 @torch.no_grad()
@@ -84,7 +110,7 @@ def perplexity(
     t0 = time.perf_counter()
     losses = window_losses(model, windows, progress)
     return PerplexityResult(
-        ppl=math.exp(sum(losses) / len(losses)),
+        ppl=_exp(sum(losses) / len(losses)),
         source=str(source),
         seqlen=seqlen,
         n_windows=len(losses),

@@ -30,7 +30,7 @@ from bitquilt.formats import mxint
 from bitquilt.formats.base import WeightFormat
 from bitquilt.nn.online import register_online
 
-ACT_BITS = (2, 3, 4, 5, 6, 7, 8, 16)  # 16: no quantization
+ACT_BITS = (2, 3, 4, 5, 6, 7, 8, 16)  # int grid, activations and KV cache alike; 16: no quantization
 ACT_FORMATS = ("int", "mxint")
 
 
@@ -47,14 +47,15 @@ class ActQuantConfig:
             raise ValueError(f"unknown activation format {self.format!r}; supported: {', '.join(ACT_FORMATS)}")
         if self.format == "mxint" and self.enabled:
             if self.bits not in mxint.MANTISSA_BITS:
-                raise ValueError(f"unsupported MXINT activation bits {self.bits}; supported: "
-                                 f"{', '.join(map(str, mxint.MANTISSA_BITS))} (16 = off)")
+                raise ValueError(f"unsupported MXINT activation bits {self.bits} (--a-bits, or --kv-bits for the KV "
+                                 f"cache); supported: {_choices(mxint.MANTISSA_BITS + (16,))}")
             if self.clip_ratio != 1.0:
                 raise ValueError("MXINT activations take no clipping ratio (their scales are powers of two fitted "
                                  "to each block's maximum); leave --a-clip at 1")
             return self
         if self.bits not in ACT_BITS:
-            raise ValueError(f"unsupported activation bits {self.bits}; supported: {', '.join(map(str, ACT_BITS))}")
+            raise ValueError(f"unsupported activation bits {self.bits} (--a-bits, or --kv-bits for the KV cache); "
+                             f"supported: {_choices(ACT_BITS)}")
         if self.clip_ratio is not None and not 0 < self.clip_ratio <= 1:
             raise ValueError(f"clipping ratio must be in (0, 1], got {self.clip_ratio}")
         if self.group_size != -1 and self.group_size <= 0:
@@ -64,6 +65,12 @@ class ActQuantConfig:
     @property
     def enabled(self) -> bool:
         return self.bits < 16
+
+
+def _choices(bits: tuple[int, ...]) -> str:
+    """'2, 3, 4 or 16 (off)'."""
+    on = ", ".join(str(b) for b in bits if b < 16)
+    return f"{on} or 16 (off)"
 
 
 def fake_quantize(x: torch.Tensor, config: ActQuantConfig) -> torch.Tensor:

@@ -15,6 +15,7 @@ kernels are unchanged. `act_order=False` gives the original paper's sweep.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,16 @@ class GPTQOptions:
     act_order: bool = option(True, "sweep columns by decreasing Hessian diagonal (off: the original column order)")
     static_groups: bool = option(True, "with act-order, fit group grids before the sweep so groups stay contiguous")
     mse: bool = option(True, "search each group's range (shrunk min-max) for the least error, not plain min-max")
+
+    def __post_init__(self) -> None:
+        check_damp(self.damp, "gptq")
+
+
+def check_damp(damp: float, solver: str) -> None:
+    """Raise ValueError unless `damp` is a finite λ ≥ 0: the fraction of the Hessian's mean diagonal added to it."""
+    if not (math.isfinite(damp) and damp >= 0):
+        raise ValueError(f"solver {solver!r}: damp must be ≥ 0 (a fraction of the Hessian's mean diagonal; typical "
+                         f"0.01-0.1, 0 = none), got {damp}")
 
 
 def sweep_columns(

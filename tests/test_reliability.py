@@ -1,0 +1,267 @@
+"""Bad input and faults: each is refused up front with one line, or handled without leaving a mess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bitquilt import cache
+from bitquilt.api import quantize, save
+from bitquilt.cli import EXIT_NON_FINITE, main
+from bitquilt.errors import UserError
+from bitquilt.eval.ppl import default_seqlen, perplexity
+from bitquilt.io import CONFIG_NAME, load_quantized
+from bitquilt.nn.act_quant import ActQuantConfig, fake_quantize
+from bitquilt.recipes import Recipe
+from tests.conftest import make_tiny
+
+LAYER = "model.layers.0.self_attn.q_proj"  # 128×128 in the tiny models
+TEXT = " ".join(f"Sentence {i} says that the river flows past the old mill towards the sea." for i in range(60))
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Fail the test if a command loads a model: the checks must come first."""
+    import bitquilt.api
+
+    monkeypatch.setattr(bitquilt.api, "load", lambda spec: pytest.fail("model loaded before the input was checked"))
+
+
+def _one_line_error(code: int, err: str, message: str) -> None:
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---------------------------------------------------------------- 1-3: numeric options, checked before loading
+@pytest.mark.parametrize("args, message", [
+    (["quantize", "--damp", "-1"], "damp must be ≥ 0 (a fraction of the Hessian's mean diagonal; typical 0.01-0.1"),
+    (["quantize", "--method", "gptq", "--opt", "damp=-0.5"], "solver 'gptq': damp must be ≥ 0"),
+    (["quantize", "--kv-bits", "1"], "supported: 2, 3, 4, 5, 6, 7, 8 or 16 (off)"),
+    (["quantize", "--a-bits", "12"], "unsupported activation bits 12 (--a-bits"),
+    (["quantize", "--method", "mxint", "--kv-bits", "3"], "MXINT activation bits 3 (--a-bits, or --kv-bits for the "
+                                                          "KV cache); supported: 4, 6, 8 or 16 (off)"),
+    (["quantize", "--calib-seqlen", "8"], "--calib-seqlen must be ≥ 16, got 8"),
+    (["eval", "--seqlen", "0"], "--seqlen must be ≥ 1, got 0"),
+    (["eval", "--seqlen", "-5"], "--seqlen must be ≥ 1, got -5"),
+    (["eval", "--ppl-windows", "0"], "--ppl-windows must be ≥ 1"),
+    (["eval", "--tasks", "piqa", "--limit", "0"], "--limit must be ≥ 1"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature must be ≥ 0"),
+])
+def test_bad_numbers_are_refused_before_loading(tmp_path, capsys, no_load, args, message):
+    command, *rest = args
+    output = ["-o", tmp_path / "q"] if command == "quantize" else []
+    code, _, err = run(capsys, command, "smollm2-135m", *output, *rest)
+    _one_line_error(code, err, message)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_damp_is_validated_in_the_api_too():
+    with pytest.raises(ValueError, match="damp must be ≥ 0"):
+        Recipe("gptq", options={"damp": -0.01})
+    assert Recipe("gptq", options={"damp": 0.0}).options == {"damp": 0.0}  # 0 = no dampening (H = I in tests)
+
+
+def test_kv_and_activation_bits_accepted_are_those_the_quantizer_supports(capsys):
+    """The int grid quantizes at any of 2..8 bits (error shrinking with each bit), so all are accepted, and the help
+    says so; MXINT has 4, 6 and 8 only."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    errors = [(fake_quantize(x, ActQuantConfig(b).validate()) - x).pow(2).mean().item() for b in range(2, 9)]
+    assert all(e > 3 * e_next for e, e_next in zip(errors, errors[1:]))  # ~4× less error per bit
+    assert Recipe("rtn", kv_bits=3, a_bits=5).kv_config().bits == 3
+    with pytest.raises(SystemExit):
+        main(["quantize", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "cache bits: 2 to 8, or 4, 6, 8 with --a-format mxint" in help_text
+    with pytest.raises(ValueError, match="supported: 4, 6, 8 or 16"):
+        Recipe("mxint", kv_bits=2)
+
+
+def test_seqlen_above_the_model_maximum_is_cut_with_one_warning(caplog):
+    model = make_tiny("llama")  # max_position_embeddings 512
+    with caplog.at_level("WARNING"):
+        assert default_seqlen(model, 100_003) == 512 and default_seqlen(model, 100_003) == 512
+        assert default_seqlen(model, 512) == 512 and default_seqlen(model, None) == 512
+    assert [r.getMessage() for r in caplog.records] == [
+        "seqlen 100003 exceeds the model's 512 positions (max_position_embeddings); windows of 512 tokens are used "
+        "instead"]
+    assert default_seqlen(model, 0) == 0  # no longer turned into 2048: eval_windows refuses it
+
+
+# ---------------------------------------------------------------- 4: a tampered saved model
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    """A tiny model saved with uniform (RTN W4 g64) and with MXINT4 weights."""
+    root = tmp_path_factory.mktemp("saved")
+    for method, group in (("rtn", 64), ("mxint", None)):
+        model = make_tiny("llama")
+        quantize(model, Recipe(method, w_bits=4, group_size=group), None, progress=False)
+        save(model, root / method)
+    return root
+
+
+@pytest.mark.parametrize("method, field, value, found", [
+    ("rtn", "bits", 3, "16 words cannot hold 128 values of 3 bits"),
+    ("rtn", "group_size", 32, "must match the size"),  # 2 scales per row stretched over 64 columns
+    ("rtn", "in_features", 96, "its format describes a 128×96 weight"),
+    ("mxint", "widths", [8], "is invalid for input of size 2048"),  # packed 4-bit words read as int8 elements
+])
+def test_tampered_layer_is_refused_on_load(saved_models, tmp_path, capsys, method, field, value, found):
+    path = shutil.copytree(saved_models / method, tmp_path / "q")
+    qconfig = json.loads((path / CONFIG_NAME).read_text())
+    qconfig["layers"][LAYER]["meta"][field] = value
+    (path / CONFIG_NAME).write_text(json.dumps(qconfig))
+    with pytest.raises(UserError) as e:
+        load_quantized(path)
+    message = str(e.value)
+    assert f"{path} is corrupt or was edited: layer {LAYER} should be a 128×128 weight, but " in message
+    assert found in message and f'"{field}": {json.dumps(value)}'.replace('"', "'") in message
+    code, _, err = run(capsys, "eval", path, "--seqlen", "64")
+    _one_line_error(code, err, "is corrupt or was edited")
+
+
+def test_untampered_models_load(saved_models):
+    for method in ("rtn", "mxint"):
+        load_quantized(saved_models / method)
+
+
+# ---------------------------------------------------------------- 5: unwritable outputs, checked before loading
+@pytest.mark.parametrize("args, message", [
+    (["quantize", "smollm2-135m", "-o", "{file}/out"], "{file} is a file, not a directory"),
+    (["quantize", "smollm2-135m", "-o", "/sys/bitquilt-out"], "/sys is not writable"),
+    (["quantize", "smollm2-135m", "-o", "{file}", "--overwrite"], "output {file} is a file, not a directory"),
+    (["compare", "smollm2-135m", "--report", "{file}/report"], "{file} is a file, not a directory"),
+    (["compare", "smollm2-135m", "--report", "{file}"], "output {file} is a file, not a directory"),
+    (["analyze", "smollm2-135m", "--residual-stream", "--plot", "{file}/p.png"], "{file} is a file, not a directory"),
+])
+def test_unwritable_output_is_refused_before_loading(tmp_path, capsys, no_load, args, message):
+    file = tmp_path / "somefile"
+    file.write_text("not a directory")
+    code, _, err = run(capsys, *(a.format(file=file) for a in args))
+    _one_line_error(code, err, message.format(file=file))
+    assert sorted(tmp_path.iterdir()) == [file] and file.read_text() == "not a directory"
+
+
+# ---------------------------------------------------------------- 6: temporaries of a save killed with SIGKILL
+KILLED_SAVE = """
+import os, signal, sys
+from pathlib import Path
+from bitquilt.cache import atomic_dir
+with atomic_dir(Path(sys.argv[1])) as tmp:
+    (tmp / "model.safetensors").write_bytes(bytes(1 << 20))
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_save_removes_what_a_killed_save_left(tmp_path):
+    out = tmp_path / "q"
+    proc = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(out)], cwd=Path(__file__).parents[1])
+    assert proc.returncode == -9
+    left = [p.name for p in tmp_path.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".q.tmp-")  # what `kill -9` mid-save leaves
+    live = tmp_path / f".q.tmp-{os.getpid()}-0123abcd"  # a save in progress in a live process stays
+    live.mkdir()
+    model = make_tiny("llama")
+    save(model, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "q"]
+
+
+# ---------------------------------------------------------------- 7: NaN perplexity
+@pytest.fixture
+def nan_model(tmp_path):
+    """A tiny llama with the default model's tokenizer whose logits are all NaN, and a small text file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from bitquilt.models.registry import DEFAULT_MODEL, fetched_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(fetched_dir(DEFAULT_MODEL))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    model.save_pretrained(tmp_path / "nan_model")
+    tokenizer.save_pretrained(tmp_path / "nan_model")
+    (tmp_path / "text.txt").write_text(TEXT)
+    return tmp_path / "nan_model", tokenizer, tmp_path / "text.txt"
+
+
+def _strict_json(text: str):
+    def refuse(constant):
+        raise AssertionError(f"invalid JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_nan_perplexity_gives_null_in_valid_json_and_a_nonzero_exit(nan_model, capsys):
+    path, _, text = nan_model
+    code, stdout, err = run(capsys, "eval", path, "--ppl-data", text, "--seqlen", "64", "--json")
+    row = _strict_json(stdout)
+    assert code == EXIT_NON_FINITE and row["ppl_text"] is None and row["non_finite"] == {"ppl_text": "nan"}
+    errors = [line for line in err.splitlines() if "error" in line]  # (transformers' loading bar aside)
+    assert len(errors) == 1 and "bitquilt eval: error: non-finite result(s) nan_model: ppl_text=nan" in errors[0]
+    code, stdout, _ = run(capsys, "eval", path, "--ppl-data", text, "--seqlen", "64")
+    assert code == EXIT_NON_FINITE and "nan" in stdout  # the table shows it as it is
+
+
+def test_perplexity_overflow_and_bad_seqlen(nan_model):
+    from bitquilt.eval.ppl import _exp
+
+    assert _exp(1e4) == float("inf")
+    _, tokenizer, text = nan_model
+    with pytest.raises(UserError, match="seqlen must be a positive integer, got 0"):
+        perplexity(make_tiny("llama"), tokenizer, str(text), seqlen=0)
+
+
+# ---------------------------------------------------------------- 8: concurrent fetches, download progress
+def test_concurrent_fetches_of_one_model_run_once(tmp_path, monkeypatch, capsys, caplog):
+    import bitquilt.api
+
+    monkeypatch.setenv("BITQUILT_CACHE", str(tmp_path / "cache"))
+    done, runs = tmp_path / "fetched", []
+
+    def fetch(name: str, force: bool = False) -> Path:  # like the real one: returns at once when cached
+        if not done.exists():
+            runs.append(name)
+            time.sleep(0.5)
+            done.write_text(name)
+        return done
+
+    monkeypatch.setattr(bitquilt.api, "fetch", fetch)
+    codes = []
+    threads = [threading.Thread(target=lambda: codes.append(main(["fetch", "smollm2-135m"]))) for _ in range(2)]
+    with caplog.at_level("WARNING"):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert codes == [0, 0] and runs == ["smollm2-135m"]
+    assert capsys.readouterr().out.count(f"smollm2-135m: {done}") == 2
+    assert any("another bitquilt process holds" in r.getMessage() for r in caplog.records)
+
+
+def test_pip_download_shows_pips_progress_on_stderr(tmp_path, monkeypatch):
+    seen = {}
+
+    def pip(cmd, **kw):
+        seen.update(cmd=cmd, **kw)
+        (tmp_path / "x-1-py3-none-any.whl").write_bytes(b"wheel")
+        return subprocess.CompletedProcess(cmd, 0, None, "")
+
+    monkeypatch.setattr(subprocess, "run", pip)
+    assert cache.pip_download("x==1", tmp_path).name == "x-1-py3-none-any.whl"
+    assert seen["stdout"] == 2 and seen["stderr"] == subprocess.PIPE  # "Downloading … (size)" + bar; errors kept
+    assert seen["cmd"][seen["cmd"].index("--progress-bar") + 1] == "on"
