@@ -41,12 +41,21 @@ def round_ste(x: torch.Tensor) -> torch.Tensor:
     return x + (round_half_up(x) - x).detach()
 
 
-def group_index(fmt: UniformFormat | BitplaneFormat) -> torch.Tensor:
-    """The group of each input column, long [in]."""
-    g_idx = getattr(fmt, "g_idx", None)
-    if g_idx is not None:
-        return g_idx.long()
-    return torch.arange(fmt.in_features) // fmt.group_size
+class PerColumn:
+    """Expands per-(row, group) values t [out, G, ...] to per-column values [out, in, ...]: a broadcast
+    for contiguous groups (cheap forward and backward), a gather for act-order groups (g_idx)."""
+
+    def __init__(self, fmt: UniformFormat | BitplaneFormat):
+        g_idx = getattr(fmt, "g_idx", None)
+        self.index = None if g_idx is None else g_idx.long()
+        self.group_size, self.in_features = fmt.group_size, fmt.in_features
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self.index is not None:
+            return t[:, self.index.to(t.device)]
+        rows, groups, rest = t.shape[0], t.shape[1], t.shape[2:]
+        wide = t.unsqueeze(2).expand(rows, groups, self.group_size, *rest)
+        return wide.reshape(rows, groups * self.group_size, *rest)[:, :self.in_features]
 
 
 class LearnableWeight(nn.Module):
@@ -72,13 +81,13 @@ class LearnableUniform(LearnableWeight):
         self.grid = UniformGrid(fmt.bits, fmt.sym)
         self.group_size, self.g_idx = fmt.group_size, fmt.g_idx
         self.register_buffer("w", weight.detach().float().clone())
-        self.register_buffer("index", group_index(fmt))
+        self.per_column = PerColumn(fmt)
         s0, z0 = fmt.scale_zero()
         self.register_buffer("x_min", -z0 * s0)
         self.register_buffer("x_max", (self.grid.maxq - z0) * s0)
         self.register_buffer("s0", s0)
         q0 = fmt.codes().float()
-        v0 = (q0 - z0[:, self.index]) - round_half_up(self.w / s0[:, self.index])
+        v0 = (q0 - self.per_column(z0)) - round_half_up(self.w / self.per_column(s0))
         self.register_buffer("v0", v0)
         self.v = nn.Parameter(v0.clone())
         shape = s0.shape
@@ -99,12 +108,12 @@ class LearnableUniform(LearnableWeight):
         return scale, torch.clamp(round_ste(-lo / scale), 0, maxq)
 
     def _codes(self, scale: torch.Tensor, zero: torch.Tensor, round_fn: Callable) -> torch.Tensor:
-        s, z = scale[:, self.index], zero[:, self.index]
+        s, z = self.per_column(scale), self.per_column(zero)
         return torch.clamp(round_fn(self.w / s + self.v) + z, 0, self.grid.maxq)
 
     def forward(self) -> torch.Tensor:
         scale, zero = self.scale_zero()
-        s, z = scale[:, self.index], zero[:, self.index]
+        s, z = self.per_column(scale), self.per_column(zero)
         return s * (self._codes(scale, zero, round_ste) - z)
 
     @torch.no_grad()
@@ -126,12 +135,12 @@ class LearnableBitplane(LearnableWeight):
     def __init__(self, weight: torch.Tensor, fmt: BitplaneFormat):
         super().__init__()
         self.fmt = fmt
-        self.register_buffer("index", group_index(fmt))
+        self.per_column = PerColumn(fmt)
         self.register_buffer("planes", fmt.unpacked_planes().float())
         self.coeffs = nn.Parameter(fmt.coeffs.float().clone())
 
     def forward(self) -> torch.Tensor:
-        return combine(self.coeffs[:, self.index], self.planes)
+        return combine(self.per_column(self.coeffs), self.planes)
 
     @torch.no_grad()
     def to_format(self) -> BitplaneFormat:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,21 @@ class _SignSGD(torch.optim.Optimizer):
                     p.add_(p.grad.sign(), alpha=-group["lr"])
 
 
+@contextmanager
+def only_training(block: nn.Module, params: list[nn.Parameter]):
+    """Gradients for `params` alone: the block's other parameters (norms, biases) are frozen for the duration,
+    so backward skips what nothing needs (e.g. the input gradient of the block's first linears)."""
+    trained = {id(p) for p in params}
+    frozen = [p for p in block.parameters() if p.requires_grad and id(p) not in trained]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+
+
 def fit_block(block: nn.Module, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
               kwargs: dict[str, Any], params: list[nn.Parameter], config: FitConfig,
               project: Callable[[], None] | None = None,
@@ -110,7 +126,7 @@ def fit_block(block: nn.Module, inputs: Sequence[torch.Tensor], targets: Sequenc
     gen = torch.Generator().manual_seed(config.seed)
     batch = min(config.batch, len(inputs))
     best, best_state = float("inf"), None
-    with torch.enable_grad():
+    with torch.enable_grad(), only_training(block, params):
         for _ in range(config.steps):
             pick = torch.randperm(len(inputs), generator=gen)[:batch].tolist()
             x = torch.cat([inputs[i] for i in pick])
