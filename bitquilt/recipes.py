@@ -172,7 +172,7 @@ class Recipe:
     def spec_for(self, name: str) -> LayerSpec | None:
         """The grid for linear `name`, or None if it stays in full precision."""
         spec = self._fields_for(name, asdict(self.default_spec), {k: k for k in WEIGHT_FIELDS})
-        return None if spec is None else LayerSpec(**spec).validate(self.solver_spec.produces)
+        return None if spec is None else self.solver_spec.validate(LayerSpec(**spec))
 
     def act_config_for(self, name: str) -> ActQuantConfig | None:
         """The input quantizer of linear `name`, or None if its input stays in full precision."""

@@ -16,7 +16,7 @@ FLOORS = [
     {"kernels"},
     {"nn"},
     {"models", "data"},
-    {"io"},
+    {"io", "export"},
     {"calib", "solvers"},
     {"transforms", "policies"},
     {"recipes", "pipeline"},

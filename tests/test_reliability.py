@@ -50,6 +50,11 @@ def _one_line_error(code: int, err: str, message: str) -> None:
 @pytest.mark.parametrize("args, message", [
     (["quantize", "--damp", "-1"], "damp must be ≥ 0 (a fraction of the Hessian's mean diagonal; typical 0.01-0.1"),
     (["quantize", "--method", "gptq", "--opt", "damp=-0.5"], "solver 'gptq': damp must be ≥ 0"),
+    (["quantize", "--method", "bpdq", "--damp", "-1"], "solver 'bpdq': damp must be ≥ 0"),
+    (["quantize", "--method", "mxsens", "--damp", "-1"], "solver 'mxint': damp must be ≥ 0"),
+    (["quantize", "--method", "gptq", "--block-size", "0"], "solver 'gptq': block_size must be ≥ 1 (columns per lazy "
+                                                            "update of the sweep; typical 128), got 0"),
+    (["quantize", "--method", "bpdq", "--block-size", "-128"], "solver 'bpdq': block_size must be ≥ 1"),
     (["quantize", "--kv-bits", "1"], "supported: 2, 3, 4, 5, 6, 7, 8 or 16 (off)"),
     (["quantize", "--a-bits", "12"], "unsupported activation bits 12 (--a-bits"),
     (["quantize", "--method", "mxint", "--kv-bits", "3"], "MXINT activation bits 3 (--a-bits, or --kv-bits for the "
@@ -114,10 +119,12 @@ def saved_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method, field, value, found", [
-    ("rtn", "bits", 3, "16 words cannot hold 128 values of 3 bits"),
-    ("rtn", "group_size", 32, "must match the size"),  # 2 scales per row stretched over 64 columns
-    ("rtn", "in_features", 96, "its format describes a 128×96 weight"),
-    ("mxint", "widths", [8], "is invalid for input of size 2048"),  # packed 4-bit words read as int8 elements
+    ("rtn", "bits", 3, "qweight has shape (128, 16), expected (128, 12) for 3 bits"),
+    ("rtn", "group_size", 32, "scales has shape (128, 2), expected (128, 4)"),
+    ("rtn", "group_size", 128, "scales has shape (128, 2), expected (128, 1)"),  # loaded, cutting scales, before
+    ("rtn", "in_features", 96, "qweight has shape (128, 16), expected (128, 12) for 4 bits, group size 64, "
+                               "in_features 96"),
+    ("mxint", "widths", [8], "q0 has shape (128, 16), expected (128, 128) for MXINT classes [(8, 128)]"),
 ])
 def test_tampered_layer_is_refused_on_load(saved_models, tmp_path, capsys, method, field, value, found):
     path = shutil.copytree(saved_models / method, tmp_path / "q")
@@ -180,23 +187,30 @@ def test_save_removes_what_a_killed_save_left(tmp_path):
 
 
 # ---------------------------------------------------------------- 7: NaN perplexity
-@pytest.fixture
-def nan_model(tmp_path):
-    """A tiny llama with the default model's tokenizer whose logits are all NaN, and a small text file."""
+def tiny_model_dir(path: Path, nan: bool = False):
+    """A 1-layer llama (128 positions) with the default model's tokenizer saved at `path`, its logits all NaN if
+    `nan`, and a small text file beside it: (path, tokenizer, text file)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from bitquilt.models.registry import DEFAULT_MODEL, fetched_dir
 
     tokenizer = AutoTokenizer.from_pretrained(fetched_dir(DEFAULT_MODEL))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                         max_position_embeddings=128)
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        model.model.norm.weight.fill_(float("nan"))
-    model.save_pretrained(tmp_path / "nan_model")
-    tokenizer.save_pretrained(tmp_path / "nan_model")
-    (tmp_path / "text.txt").write_text(TEXT)
-    return tmp_path / "nan_model", tokenizer, tmp_path / "text.txt"
+    if nan:
+        with torch.no_grad():
+            model.model.norm.weight.fill_(float("nan"))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (path.parent / "text.txt").write_text(TEXT)
+    return path, tokenizer, path.parent / "text.txt"
+
+
+@pytest.fixture
+def nan_model(tmp_path):
+    return tiny_model_dir(tmp_path / "nan_model", nan=True)
 
 
 def _strict_json(text: str):
@@ -226,30 +240,63 @@ def test_perplexity_overflow_and_bad_seqlen(nan_model):
         perplexity(make_tiny("llama"), tokenizer, str(text), seqlen=0)
 
 
-# ---------------------------------------------------------------- 8: concurrent fetches, download progress
+# ---------------------------------------------------------------- 8: limits only the loaded model knows
+def test_settings_beyond_the_model_are_refused_before_quantizing(tmp_path, capsys):
+    path, _, text = tiny_model_dir(tmp_path / "tiny")
+    out, calib = tmp_path / "q", ["--calib-data", text, "--calib-samples", "2", "--calib-seqlen", "32"]
+    for args, message in [
+        (["--method", "gptq", *calib, "--calib-seqlen", "256"],
+         "--calib-seqlen 256 exceeds the model's 128 positions (max_position_embeddings); use at most 128"),
+        (["--method", "rtn", "--a-bits", "4", "--a8-layers", "2", *calib],
+         "a8_layers (--a8-layers) is 2, more than the model's 1 decoder layers; use at most 1"),
+    ]:
+        code, stdout, err = run(capsys, "quantize", path, "-o", out, *args)
+        errors = [line for line in err.splitlines() if "error" in line]  # (transformers' loading bar aside)
+        assert code == 2 and errors == [f"bitquilt quantize: error: {message}"] and "Traceback" not in err, err
+        assert stdout == "" and not out.exists()
+
+
+def test_a_kv_group_as_wide_as_the_head_or_wider_is_one_group_per_head(capsys):
+    from bitquilt.nn.kv_quant import KVQuantizer
+
+    q, k, v = torch.randn(3, 1, 2, 8, 32, generator=torch.Generator().manual_seed(0))  # head_dim 32
+    per_head = KVQuantizer(ActQuantConfig(4))(q, k, v)
+    for size in (32, 128):
+        assert all(torch.equal(a, b) for a, b in zip(KVQuantizer(ActQuantConfig(4, group_size=size))(q, k, v),
+                                                     per_head))
+    assert not torch.equal(KVQuantizer(ActQuantConfig(4, group_size=16))(q, k, v)[1], per_head[1])
+    with pytest.raises(SystemExit):
+        main(["quantize", "--help"])
+    assert "(default -1: the whole head; a size ≥ head_dim also means the whole head)" in " ".join(
+        capsys.readouterr().out.split())
+
+
+# ---------------------------------------------------------------- 9: concurrent fetches, download progress
 def test_concurrent_fetches_of_one_model_run_once(tmp_path, monkeypatch, capsys, caplog):
+    """The lock is in `bitquilt.api.fetch`: a CLI fetch and an API fetch of one model, at once, download it once."""
     import bitquilt.api
+    from bitquilt.models import registry
 
     monkeypatch.setenv("BITQUILT_CACHE", str(tmp_path / "cache"))
-    done, runs = tmp_path / "fetched", []
+    done, runs, paths = tmp_path / "fetched", [], []
 
-    def fetch(name: str, force: bool = False) -> Path:  # like the real one: returns at once when cached
+    def fetch_model(name: str, force: bool = False) -> Path:  # like the real one: returns at once when cached
         if not done.exists():
             runs.append(name)
             time.sleep(0.5)
             done.write_text(name)
         return done
 
-    monkeypatch.setattr(bitquilt.api, "fetch", fetch)
-    codes = []
-    threads = [threading.Thread(target=lambda: codes.append(main(["fetch", "smollm2-135m"]))) for _ in range(2)]
+    monkeypatch.setattr(registry, "fetch_model", fetch_model)
+    threads = [threading.Thread(target=lambda: paths.append(main(["fetch", "smollm2-135m"]))),
+               threading.Thread(target=lambda: paths.append(bitquilt.api.fetch("smollm2-135m")))]
     with caplog.at_level("WARNING"):
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-    assert codes == [0, 0] and runs == ["smollm2-135m"]
-    assert capsys.readouterr().out.count(f"smollm2-135m: {done}") == 2
+    assert sorted(map(str, paths)) == sorted(["0", str(done)]) and runs == ["smollm2-135m"]
+    assert capsys.readouterr().out.count(f"smollm2-135m: {done}") == 1
     assert any("another bitquilt process holds" in r.getMessage() for r in caplog.records)
 
 

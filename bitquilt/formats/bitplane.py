@@ -42,12 +42,13 @@ def combine(coeffs: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
 @register_format
 class BitplaneFormat(WeightFormat):
     name = "bitplane"
-    supported_bits = (2, 3, 4)
+    supported_bits = (2, 3, 4)  # what a recipe may ask of a bit-plane grid
+    plane_counts = (1, 2, 3, 4)  # what the format holds: 1-plane weights are slices of multi-part weights
     supported_group_sizes = UniformFormat.supported_group_sizes
 
     def __init__(self, planes: torch.Tensor, coeffs: torch.Tensor, bits: int, group_size: int, in_features: int):
-        if bits not in self.supported_bits:
-            raise ValueError(f"unsupported bit-plane count {bits}; supported: {self.supported_bits}")
+        if bits not in self.plane_counts:
+            raise ValueError(f"unsupported bit-plane count {bits}; supported: {self.plane_counts}")
         if group_size <= 0:
             raise ValueError(f"bit-planes need a positive group size, got {group_size}")
         self.check_width(in_features)

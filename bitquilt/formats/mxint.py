@@ -26,7 +26,8 @@ import itertools
 import torch
 
 from bitquilt.formats.base import WeightFormat, register_format
-from bitquilt.formats.packing import pack, unpack
+from bitquilt.formats.packing import pack, packed_words, unpack
+from bitquilt.formats.uniform import check_shapes
 
 BLOCK = 32
 MANTISSA_BITS = (4, 6, 8)
@@ -118,7 +119,8 @@ class MXIntFormat(WeightFormat):
     `columns[0]` columns form class 0 with `widths[0]` mantissa bits, and so on.
     Stored tensors, per class c: `q<c>` (m = 8: int8 [out, n_c]; else int32 bit-stream words of m-bit
     two's-complement elements, see `formats.packing`) and `e<c>` uint8 [out, n_c/32] (E8M0: e + 127);
-    `perm` when the order is not the identity. Meta: widths, columns, in_features.
+    `perm` when the order is not the identity. Meta: widths, columns, in_features (the constructor checks the
+    tensors' shapes against it).
     Cost: (Σ_c m_c·n_c)/in + 8/32 bits per weight (+ 32/out for the permutation).
     """
 
@@ -129,10 +131,16 @@ class MXIntFormat(WeightFormat):
 
     def __init__(self, tensors: dict[str, torch.Tensor], widths: list[int], columns: list[int], in_features: int):
         check_classes(widths, columns, in_features)
+        out = tensors["e0"].shape[0]
+        want = {"perm": (in_features,)}
+        for c, (m, n) in enumerate(zip(widths, columns)):
+            want |= {f"q{c}": (out, n if m == 8 else packed_words(n, m)), f"e{c}": (out, n // BLOCK)}
+        check_shapes({k: tensors.get(k) if k == "perm" else tensors[k] for k in want}, want,
+                     f"MXINT classes {list(zip(widths, columns))}")
         self.widths, self.columns, self.in_features = list(widths), list(columns), in_features
         self.stored = tensors
         self.perm = tensors.get("perm")
-        self.out_features = tensors["e0"].shape[0]
+        self.out_features = out
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, e: torch.Tensor, widths: list[int], columns: list[int],

@@ -6,6 +6,7 @@ Stored tensors
   zeros    uint8 [out, G]         asymmetric only; symmetric grids use z = 2^(b−1)
   g_idx    int32 [in]             only for GPTQ act-order with dynamic groups: group of each column
 
+The constructor checks these shapes against the meta (bits, group_size, in_features).
 Kernels read the weight through `plane_bytes()` (the codes as bit-planes) and `scale_zero()`.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from bitquilt.formats.base import WeightFormat, register_format
-from bitquilt.formats.packing import bit_planes, pack, unpack
+from bitquilt.formats.packing import bit_planes, pack, packed_words, unpack
 
 
 def resolve_group_size(group_size: int, in_features: int) -> int:
@@ -38,6 +39,15 @@ def n_groups(in_features: int, group_size: int) -> int:
 def expand_groups(t: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
     """[rows, G] per-group values -> [rows, in_features] per-column values."""
     return t.repeat_interleave(group_size, dim=1)[:, :in_features]
+
+
+def check_shapes(tensors: dict[str, torch.Tensor | None], want: dict[str, tuple[int, ...]], given: str) -> None:
+    """Raise ValueError naming each present tensor whose shape is not `want[name]` for the meta `given`: a saved
+    layer whose meta was edited (or whose tensors were swapped) is refused instead of dequantizing wrongly."""
+    bad = [f"{k} has shape {tuple(t.shape)}, expected {want[k]}" for k, t in tensors.items()
+           if t is not None and tuple(t.shape) != want[k]]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} for {given}")
 
 
 @dataclass(frozen=True)
@@ -109,9 +119,18 @@ class UniformFormat(WeightFormat):
         in_features: int,
         g_idx: torch.Tensor | None = None,
     ):
+        if bits not in self.supported_bits:
+            raise ValueError(f"unsupported bit width {bits}; supported: {self.supported_bits}")
+        if group_size <= 0:
+            raise ValueError(f"uniform group size must be positive, got {group_size}")
+        out, groups = qweight.shape[0], n_groups(in_features, group_size)
+        check_shapes({"qweight": qweight, "scales": scales, "zeros": zeros, "g_idx": g_idx},
+                     {"qweight": (out, packed_words(in_features, bits)), "scales": (out, groups),
+                      "zeros": (out, groups), "g_idx": (in_features,)},
+                     f"{bits} bits, group size {group_size}, in_features {in_features}")
         self.qweight, self.scales, self.zeros, self.g_idx = qweight, scales, zeros, g_idx
         self.bits, self.group_size = bits, group_size
-        self.out_features, self.in_features = qweight.shape[0], in_features
+        self.out_features, self.in_features = out, in_features
 
     @property
     def sym(self) -> bool:
@@ -128,8 +147,6 @@ class UniformFormat(WeightFormat):
         g_idx: torch.Tensor | None = None,
     ) -> UniformFormat:
         """Pack integer codes q [out, in] with per-(row, group) scales/zeros [out, G]."""
-        if grid.bits not in cls.supported_bits:
-            raise ValueError(f"unsupported bit width {grid.bits}; supported: {cls.supported_bits}")
         return cls(
             qweight=pack(q.to(torch.int64), grid.bits),
             scales=scales.to(torch.float16).contiguous(),

@@ -30,7 +30,8 @@ from bitquilt.nn.online import register_online
 @register_online
 class KVQuantizer(DynamicQuantizer):
     """(q, k, v) ↦ (q, Q(k − c) + c, Q(v)) per head (c: `key_center` [kv_heads, 1, head_dim] once
-    fitted, else 0); `config` sets bits and group size."""
+    fitted, else 0); `config` sets bits and group size: values per group along head_dim, a divisor of it,
+    with -1 or any size ≥ head_dim meaning one group per head (`--kv-group-size`)."""
 
     def __init__(self, config: ActQuantConfig | None = None, key_center: torch.Tensor | None = None,
                  key_center_shape: list[int] | None = None):

@@ -32,16 +32,22 @@ class QuantLinear(nn.Module):
         self.cache_dequantized = cache_dequantized
         self._dequantized: torch.Tensor | None = None
         self.router = router
+        self.slices: int | None = None  # static precision: leading parts of a multi-part weight every token uses
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight (fp32), for code that inspects `.weight`."""
         return self.dequantized()
 
+    def set_slices(self, k: int | None) -> None:
+        """Give every token the first k parts of a multi-part weight (None: all of them)."""
+        self.fmt.dequantize(k)  # checks k against the format
+        self.slices, self._dequantized = k, None
+
     def dequantized(self) -> torch.Tensor:
         if self._dequantized is not None:
             return self._dequantized
-        w = self.fmt.dequantize()
+        w = self.fmt.dequantize(self.slices)
         if self.cache_dequantized:
             self._dequantized = w
         return w
@@ -61,9 +67,9 @@ class QuantLinear(nn.Module):
     def matmul(self, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor:
         """x [tokens, in] @ Ŵᵀ (no bias): a kernel if one takes the call, else the format's reference.
 
-        The cached full weight serves only calls without a context.
+        The cached weight (the first `slices` parts, if set) serves only calls without a context.
         """
-        y = kernels.quant_matmul(self.fmt, x, ctx)
+        y = kernels.quant_matmul(self.fmt, x, ctx) if self.slices is None else None
         if y is None:
             y = self.fmt.reference_matmul(x, ctx, self.dequantized() if ctx is None else None)
         return y
@@ -77,3 +83,24 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         bpw = self.fmt.bits_per_weight()
         return f"in={self.in_features}, out={self.out_features}, {self.fmt.describe()}, {bpw:.3f} bpw"
+
+
+def multi_part_linears(model: nn.Module) -> dict[str, QuantLinear]:
+    """The QuantLinears of `model` whose weight has several parts (slices)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear) and hasattr(m.fmt, "parts")}
+
+
+def set_slices(model: nn.Module, k: int | None) -> float:
+    """Static precision: every token uses the first k slices of every multi-part weight (None: all).
+    Returns the element bits per weight then in use (Σ of the used slices' widths, averaged over weights)."""
+    linears = multi_part_linears(model)
+    if not linears:
+        raise ValueError("the model has no multi-part (sliced) weights; quantize it with --method mobislice")
+    used = total = 0
+    for linear in linears.values():
+        linear.set_slices(k)
+        parts = list(linear.fmt.parts.values())[:k]
+        numel = linear.in_features * linear.out_features
+        used += numel * sum(p.bits for p in parts)
+        total += numel
+    return used / total

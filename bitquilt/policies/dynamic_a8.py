@@ -22,6 +22,7 @@ from typing import Any
 
 from bitquilt.calib.residual import LayerPhase, residual_phases
 from bitquilt.calib.stages import ModelContext, register_stage
+from bitquilt.models.adapters import decoder_layers
 from bitquilt.nn.act_quant import ActQuantConfig
 from bitquilt.registry import option
 
@@ -39,6 +40,13 @@ class DynamicA8Options:
     seed: int = option(0, "seed of select=random")
 
 
+def check_layer_count(layers: int, n_layers: int) -> None:
+    """Raise ValueError unless `layers` (--a8-layers) is at most the model's `n_layers` decoder layers."""
+    if layers > n_layers:
+        raise ValueError(f"a8_layers (--a8-layers) is {layers}, more than the model's {n_layers} decoder layers; "
+                         f"use at most {n_layers}")
+
+
 def choose_layers(phases: list[LayerPhase], bits: int, opts: DynamicA8Options) -> list[int]:
     """The decoder layers `opts` selects from the measured `phases` (SNR taken at `bits`)."""
     n = len(phases)
@@ -46,7 +54,8 @@ def choose_layers(phases: list[LayerPhase], bits: int, opts: DynamicA8Options) -
         raise ValueError(f"dynamic_a8: unknown selection {opts.select!r}; use one of {', '.join(SELECTIONS)}")
     if opts.snr_db is not None:
         return sorted(p.layer for p in phases if p.snr_db[bits] < opts.snr_db)
-    k = min(opts.layers, n)
+    check_layer_count(opts.layers, n)
+    k = opts.layers
     if opts.select == "snr":
         order = sorted(range(n), key=lambda i: phases[i].snr_db[bits])
     elif opts.select == "jr":
@@ -61,6 +70,7 @@ def choose_layers(phases: list[LayerPhase], bits: int, opts: DynamicA8Options) -
 @register_stage("dynamic_a8", scope="model", kind="policy", options=DynamicA8Options)
 def dynamic_a8(ctx: ModelContext, opts: DynamicA8Options) -> dict[str, Any]:
     """Measure the residual stream and widen the activations of the chosen layers in the plan."""
+    check_layer_count(opts.layers, len(decoder_layers(ctx.model, ctx.arch)))  # before the measurements
     s = ctx.settings
     a_bits = s.get("a_bits", 16)
     if a_bits >= opts.bits:

@@ -26,12 +26,14 @@ class LayerSpec:
     group_size: int = 128
     sym: bool = False
 
-    def validate(self, fmt: type[WeightFormat] = UniformFormat, who: str = "") -> LayerSpec:
-        """Check the grid against what format `fmt` can hold (`who`: the solver, for the message)."""
+    def validate(self, fmt: type[WeightFormat] = UniformFormat, who: str = "",
+                 bits: tuple[int, ...] | None = None) -> LayerSpec:
+        """Check the grid against what format `fmt` can hold (`who`: the solver, for the message; `bits`:
+        the widths it accepts when they are not the format's, e.g. a total over several parts)."""
         by = f" by {who}" if who else ""
-        if self.bits not in fmt.supported_bits:
-            raise ValueError(f"unsupported weight bits {self.bits}{by}; supported: "
-                             f"{', '.join(map(str, fmt.supported_bits))}")
+        allowed = fmt.supported_bits if bits is None else bits
+        if self.bits not in allowed:
+            raise ValueError(f"unsupported weight bits {self.bits}{by}; supported: {', '.join(map(str, allowed))}")
         if self.group_size not in fmt.supported_group_sizes:
             raise ValueError(f"unsupported group size {self.group_size}{by}; supported: "
                              f"{', '.join(map(str, fmt.supported_group_sizes))} (-1 = per channel)")
@@ -81,12 +83,13 @@ class Solver:
     options: type  # a dataclass of this solver's options, all with defaults
     produces: type[WeightFormat] = UniformFormat  # declares the bits and group sizes it can reach
     needs_stats: bool | Callable[[Any], bool] = True  # or a function of the options (e.g. only some need a Hessian)
+    bits: tuple[int, ...] | None = None  # the weight widths it takes, if not `produces.supported_bits`
 
     def make_options(self, values: dict[str, Any] | None = None) -> Any:
         return make_options(self.options, values, f"solver {self.name!r}")
 
     def validate(self, spec: LayerSpec) -> LayerSpec:
-        return spec.validate(self.produces, f"solver {self.name!r}")
+        return spec.validate(self.produces, f"solver {self.name!r}", self.bits)
 
     def wants_stats(self, options: Any = None) -> bool:
         """Whether solving with `options` (an options object or dict) needs calibration statistics."""
@@ -106,9 +109,9 @@ SOLVERS: Registry[Solver] = Registry("solver")
 
 
 def register_solver(name: str, options: type, needs_stats: bool | Callable[[Any], bool] = True,
-                    produces: type[WeightFormat] = UniformFormat):
+                    produces: type[WeightFormat] = UniformFormat, bits: tuple[int, ...] | None = None):
     def wrap(fn: SolverFn) -> SolverFn:
-        SOLVERS.register(name, Solver(name, fn, options, produces, needs_stats))
+        SOLVERS.register(name, Solver(name, fn, options, produces, needs_stats, bits))
         return fn
 
     return wrap

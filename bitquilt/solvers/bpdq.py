@@ -40,7 +40,7 @@ from bitquilt.formats.bitplane import BitplaneFormat, combine
 from bitquilt.formats.uniform import UniformGrid, n_groups, resolve_group_size
 from bitquilt.registry import option
 from bitquilt.solvers.base import LayerSpec, LinearStats, check_finite, register_solver
-from bitquilt.solvers.gptq import gptq_sweep, sweep_columns
+from bitquilt.solvers.gptq import check_block_size, check_damp, gptq_sweep, sweep_columns
 from bitquilt.solvers.hessian import invert_permutation, prepare_hessian
 
 
@@ -54,6 +54,10 @@ class BPDQOptions:
     init_bits: int = option(8, "fine RTN grid whose k most significant planes start the fit")
     ridge: float = option(1e-4, "Tikhonov term on the coefficients, relative to the Gram diagonal")
     reorder: bool = option(True, "group-aware act-order: groups by Hessian mass, columns within a group by H_jj")
+
+    def __post_init__(self) -> None:
+        check_damp(self.damp, "bpdq")
+        check_block_size(self.block_size, "bpdq")
 
 
 @dataclass
@@ -90,15 +94,18 @@ def init_planes(target: torch.Tensor, k: int, init_bits: int) -> torch.Tensor:
     return code_planes(q >> (init_bits - k), k)
 
 
-def fit_coeffs(target: torch.Tensor, planes: torch.Tensor, u_s: torch.Tensor, ridge: float) -> torch.Tensor:
+def fit_coeffs(target: torch.Tensor, planes: torch.Tensor, u_s: torch.Tensor | None, ridge: float) -> torch.Tensor:
     """argmin_C ‖(target − C0 − Σ C_i·B_i)·U_S⁻¹‖² + λ‖C‖² per row, rounded to fp16 (returned in fp32).
 
-    target [rows, g], planes [k, rows, g], u_s [g, g] upper. λ = ridge · mean diag of the row's
-    whitened Gram matrix; rows whose system is still singular fall back to least squares.
+    target [rows, g], planes [k, rows, g], u_s [g, g] upper (None: the identity, plain least squares).
+    λ = ridge · mean diag of the row's whitened Gram matrix; rows whose system is still singular fall
+    back to least squares.
     """
     k, rows, g = planes.shape
     basis = torch.cat([torch.ones(1, rows, g, device=planes.device), planes]).transpose(0, 1)  # [rows, k+1, g]
-    white = torch.linalg.solve_triangular(u_s, torch.cat([basis.reshape(-1, g), target]), upper=True, left=False)
+    white = torch.cat([basis.reshape(-1, g), target])
+    if u_s is not None:
+        white = torch.linalg.solve_triangular(u_s, white, upper=True, left=False)
     x, y = white[: rows * (k + 1)].view(rows, k + 1, g), white[rows * (k + 1):]
     gram = x @ x.transpose(1, 2)
     rhs = (x @ y.unsqueeze(-1)).squeeze(-1)

@@ -37,6 +37,7 @@ class GPTQOptions:
 
     def __post_init__(self) -> None:
         check_damp(self.damp, "gptq")
+        check_block_size(self.block_size, "gptq")
 
 
 def check_damp(damp: float, solver: str) -> None:
@@ -44,6 +45,13 @@ def check_damp(damp: float, solver: str) -> None:
     if not (math.isfinite(damp) and damp >= 0):
         raise ValueError(f"solver {solver!r}: damp must be ≥ 0 (a fraction of the Hessian's mean diagonal; typical "
                          f"0.01-0.1, 0 = none), got {damp}")
+
+
+def check_block_size(block_size: int, solver: str) -> None:
+    """Raise ValueError unless `block_size`, the columns per lazy update of the sweep, is positive."""
+    if block_size < 1:
+        raise ValueError(f"solver {solver!r}: block_size must be ≥ 1 (columns per lazy update of the sweep; typical "
+                         f"128), got {block_size}")
 
 
 def sweep_columns(

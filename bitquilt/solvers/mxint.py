@@ -20,7 +20,7 @@ import torch
 from bitquilt.formats.mxint import BLOCK, MXIntFormat, qmax, shared_exponents, step_size
 from bitquilt.registry import option
 from bitquilt.solvers.base import LayerSpec, LinearStats, check_finite, register_solver
-from bitquilt.solvers.gptq import gptq_sweep
+from bitquilt.solvers.gptq import check_damp, gptq_sweep
 from bitquilt.solvers.hessian import prepare_hessian
 
 ORDERS = ("identity", "hessian", "random")
@@ -35,6 +35,9 @@ class MXIntOptions:
     order_seed: int = option(0, "seed of the random column order")
     error_feedback: bool = option(False, "GPTQ-style inverse-Hessian error feedback onto the MXINT grid")
     damp: float = option(0.01, "Hessian dampening, a fraction of its mean diagonal")
+
+    def __post_init__(self) -> None:
+        check_damp(self.damp, "mxint")
 
 
 def needs_hessian(opts: MXIntOptions) -> bool:

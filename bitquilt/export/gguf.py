@@ -1,0 +1,411 @@
+"""GGUF export: a model saved by `bitquilt quantize` as one file that llama.cpp and ollama run.
+
+Weights: each linear's packed codes and scales are copied into GGUF blocks of 32 columns; nothing is re-quantized.
+  uniform 4-bit symmetric   → Q4_0  exact: d = s and the 4-bit codes as they are; llama.cpp's x = d·(q − 8) is
+                                    bitquilt's s·(q − z) with the symmetric zero z = 8
+  uniform 8-bit symmetric   → Q8_0  exact: d = s, int8 q − 128 ∈ [−128, 127] (x = d·q₈; −128 is a valid int8 that
+                                    llama.cpp's own quantizer never emits)
+  uniform 4-bit asymmetric  → Q4_1  d = s and the codes exact; the block minimum m = −s·z is fp16 like d, so it is
+                                    rounded to the nearest fp16 when s·z needs more than 11 significant bits (most
+                                    blocks): the block's 32 weights then all move by |Δm| ≤ 2⁻¹¹·|s·z| < 0.8 % of
+                                    the step s. `GGUFExport` counts these blocks and their largest shift.
+  Each block takes the scale (and zero) of its group, so groups of any multiple of 32 columns (per-channel grids
+  included) map unchanged; rows must be a multiple of 32 wide.
+  Refused, never refitted, with one line naming the layer, its format and what is exportable: 2/3-bit and 8-bit
+  asymmetric grids, act-order (g_idx) columns, groups not a multiple of 32, bit-plane, MXINT and composite formats;
+  and models with online modules (rotations, activation or KV quantizers), which llama.cpp cannot run.
+Full-precision tensors (embeddings, norms, biases, linears kept in full precision, an untied LM head) are F32:
+  bitquilt's fp32 values unchanged, which llama.cpp multiplies in F32 (F16 would round the weights, and llama.cpp
+  would then round the activations to F16 as well).
+Layout and metadata are those of llama.cpp's `convert_hf_to_gguf.py` for the families in `FAMILIES`: tensor names
+  from gguf's TensorNameMap; the q/k rows of LLaMA attention permuted from Hugging Face's rotate-half order to
+  llama.cpp's interleaved RoPE pairs (whole rows move, so a per-row grouped format stays exact); hyperparameters
+  from the saved config. The tokenizer and the descriptive `general.*` keys are copied from a GGUF of the same
+  model (the one a fetched packaged model was converted from, or `tokenizer_from`) once its vocabulary is checked
+  to be the saved tokenizer's; otherwise they are built from the saved byte-level BPE tokenizer.
+The file is written to a temporary sibling and renamed into place: a failure never leaves a partial output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
+from torch import nn
+
+from bitquilt.cache import atomic_file
+from bitquilt.errors import UserError
+from bitquilt.formats.base import WeightFormat
+from bitquilt.formats.uniform import UniformFormat
+from bitquilt.io import check_writable, is_quantized_dir, load_quantized
+from bitquilt.models import registry
+from bitquilt.models.loading import TOKENIZER_FILES
+from bitquilt.nn import online
+from bitquilt.nn.quant_linear import QuantLinear
+
+log = logging.getLogger(__name__)
+
+QK = 32  # columns per Q4_0 / Q4_1 / Q8_0 block
+EXACT = {(4, True): Q.Q4_0, (8, True): Q.Q8_0, (4, False): Q.Q4_1}  # (bits, symmetric) -> block type
+FILE_TYPES = {Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, Q.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
+              Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
+EXPORTABLE = ("uniform 4-bit asymmetric (→ Q4_1), 4-bit symmetric (→ Q4_0) and 8-bit symmetric (→ Q8_0) grids with "
+              "groups of a multiple of 32 columns and no act-order, and linears kept in full precision (→ F32)")
+# keys of a reference GGUF that describe its own file, not the model: never copied
+OWN_KEYS = {gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE, gguf.Keys.General.QUANTIZATION_VERSION,
+            gguf.Keys.General.ALIGNMENT}
+# config keys that identify a packaged model (its GGUF then supplies the tokenizer)
+MATCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+# Hugging Face pre-tokenizer steps -> llama.cpp's pre-tokenizer that splits text the same way
+PRE_TOKENIZERS = {
+    ("ByteLevel regex",): "gpt-2",
+    ("Digits individual", "ByteLevel regex"): "smollm",
+    (f"Split {QWEN2_SPLIT}", "ByteLevel"): "qwen2",
+}
+
+Field = tuple[Any, V, V | None]  # value, GGUF type, element type of an array
+Planned = tuple[str, torch.Tensor | UniformFormat, torch.Tensor | None]  # GGUF name, fp tensor or format, row order
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: gguf.MODEL_ARCH
+    rotary_rows: bool  # q/k rows permuted to llama.cpp's interleaved RoPE pairs (LLaMA; Qwen2 is NeoX-style)
+
+
+FAMILIES = {"llama": Family(gguf.MODEL_ARCH.LLAMA, True), "qwen2": Family(gguf.MODEL_ARCH.QWEN2, False)}
+
+
+@dataclass
+class GGUFExport:
+    """What `export_gguf` wrote."""
+
+    output: str
+    arch: str
+    tensors: dict[str, int]  # GGUF tensor type -> number of tensors
+    size_mb: float
+    tokenizer: str  # where the vocabulary came from
+    q4_1_blocks: int = 0
+    q4_1_rounded_minima: int = 0  # Q4_1 blocks whose minimum −s·z was rounded to fp16
+    q4_1_max_shift_steps: float = 0.0  # the largest of those roundings, in quantization steps s
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- weights
+def refusal(fmt: WeightFormat) -> str | None:
+    """Why `fmt` has no exact GGUF block type, or None."""
+    if type(fmt) is not UniformFormat:
+        return f"GGUF has no {fmt.name} format"
+    if fmt.g_idx is not None:
+        return "act-order (g_idx) columns do not form contiguous blocks"
+    if fmt.group_size % QK or fmt.in_features % QK:
+        return f"groups of {fmt.group_size} columns in rows of {fmt.in_features} do not split into blocks of {QK}"
+    if (fmt.bits, fmt.sym) not in EXACT:
+        return f"GGUF has no block type for {fmt.bits}-bit {'symmetric' if fmt.sym else 'asymmetric'} grids"
+    return None
+
+
+def block_type(fmt: UniformFormat) -> Q:
+    return EXACT[fmt.bits, fmt.sym]
+
+
+def rotary_order(rows: int, heads: int) -> torch.Tensor:
+    """Rows of a q/k projection in llama.cpp's order: `convert_hf_to_gguf.py`'s permute, which moves row
+    h·D + i·D/2 + j (Hugging Face's rotate-half halves i of head h) to h·D + 2j + i (interleaved pairs)."""
+    return torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
+
+
+def gguf_blocks(fmt: UniformFormat, order: torch.Tensor | None = None) -> tuple[np.ndarray, torch.Tensor]:
+    """`fmt` as GGUF blocks of its `block_type`, uint8 [out, in/32 · block bytes], rows in `order`; and per block the
+    fp16 rounding of its minimum in steps (|Δm|/s; zero except for Q4_1)."""
+    out, nb = fmt.out_features, fmt.in_features // QK
+    group = torch.arange(nb) * QK // fmt.group_size  # the group of each block
+    d, q = fmt.scales[:, group], fmt.codes()  # fp16 [out, nb], uint8 [out, in]
+    z = fmt.zeros[:, group] if fmt.zeros is not None else None
+    if order is not None:
+        d, q, z = d[order], q[order], None if z is None else z[order]
+    q = q.view(out, nb, QK)
+    parts = [d.unsqueeze(-1).view(torch.uint8)]
+    shift = torch.zeros(out, nb)
+    if block_type(fmt) == Q.Q8_0:
+        parts.append((q.to(torch.int16) - 128).to(torch.int8).view(torch.uint8))
+    else:  # byte j holds element j (low nibble) and element j + 16 (high nibble)
+        if z is not None:  # Q4_1
+            exact = -(d.float() * z.float())  # exact in fp32: 11 + 4 significant bits
+            m = exact.to(torch.float16)
+            shift = (m.float() - exact).abs() / d.float().clamp(min=2**-24)
+            parts.append(m.unsqueeze(-1).view(torch.uint8))
+        parts.append(q[..., : QK // 2] | (q[..., QK // 2 :] << 4))
+    return torch.cat(parts, dim=-1).reshape(out, -1).numpy(), shift
+
+
+# ---------------------------------------------------------------- model
+def _rope_theta(config: Any) -> float:
+    rope = getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", 10000.0)}
+    if rope.get("rope_type", "default") != "default":
+        raise UserError(f"cannot export to GGUF: RoPE scaling {rope['rope_type']!r} is not supported (plain RoPE only)")
+    return float(rope["rope_theta"])
+
+
+def check_exportable(model: nn.Module) -> Family:
+    """The model's GGUF family; a one-line UserError naming the first layer that cannot be exported exactly."""
+    config = model.config
+    family = FAMILIES.get(config.model_type)
+    if family is None:
+        raise UserError(f"cannot export a {config.model_type!r} model to GGUF: supported families: "
+                        f"{', '.join(FAMILIES)}")
+    if getattr(config, "use_sliding_window", False):
+        raise UserError("cannot export to GGUF: sliding-window attention is not supported")
+    _rope_theta(config)
+    hosts = online.online_state(model)
+    if hosts:
+        host, slots = next(iter(hosts.items()))
+        modules = ", ".join(f"{slot} ({entry['class']})" for slot, entry in slots.items())
+        raise UserError(f"cannot export {host} to GGUF: it runs the online module(s) {modules}, which llama.cpp "
+                        f"cannot run; exportable: weight-only models with {EXPORTABLE}")
+    refused = [(name, m.fmt, why) for name, m in model.named_modules()
+               if isinstance(m, QuantLinear) and (why := refusal(m.fmt)) is not None]
+    if refused:
+        name, fmt, why = refused[0]
+        more = f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""
+        raise UserError(f"cannot export {name} ({fmt.describe()}) to GGUF: {why}{more}; exportable: {EXPORTABLE}")
+    return family
+
+
+def tensor_plan(model: nn.Module, family: Family) -> list[Planned]:
+    """(GGUF name, fp tensor or packed format, row order or None) of every tensor llama.cpp loads, in model order.
+    A tied LM head is the embedding, stored once (llama.cpp then reuses `token_embd`)."""
+    config = model.config
+    names = gguf.get_tensor_name_map(family.arch, config.num_hidden_layers)
+    heads = {"self_attn.q_proj": config.num_attention_heads,
+             "self_attn.k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
+    plan, seen = [], set()
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        own: list[tuple[str, Any]] = [(f"{prefix}weight", module.fmt)] if isinstance(module, QuantLinear) else []
+        own += [(prefix + n, p) for n, p in module.named_parameters(recurse=False)]
+        n_head = next((h for suffix, h in heads.items() if module_name.endswith(suffix)), None)
+        for hf_name, value in own:
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if name is None:
+                raise UserError(f"cannot export {hf_name} to GGUF: llama.cpp's {gguf.MODEL_ARCH_NAMES[family.arch]} "
+                                "architecture has no such tensor")
+            rows = value.out_features if isinstance(value, UniformFormat) else value.shape[0]
+            order = rotary_order(rows, n_head) if family.rotary_rows and n_head else None
+            plan.append((name, value, order))
+    return plan
+
+
+def model_fields(config: Any, family: Family) -> dict[str, Field]:
+    """The architecture keys llama.cpp reads, from the saved config."""
+    arch = gguf.MODEL_ARCH_NAMES[family.arch]
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    keys = gguf.Keys
+    fields = [(keys.LLM.VOCAB_SIZE, config.vocab_size, V.UINT32),
+              (keys.LLM.CONTEXT_LENGTH, config.max_position_embeddings, V.UINT32),
+              (keys.LLM.EMBEDDING_LENGTH, config.hidden_size, V.UINT32),
+              (keys.LLM.BLOCK_COUNT, config.num_hidden_layers, V.UINT32),
+              (keys.LLM.FEED_FORWARD_LENGTH, config.intermediate_size, V.UINT32),
+              (keys.Attention.HEAD_COUNT, heads, V.UINT32),
+              (keys.Attention.HEAD_COUNT_KV, getattr(config, "num_key_value_heads", None) or heads, V.UINT32),
+              (keys.Attention.LAYERNORM_RMS_EPS, config.rms_norm_eps, V.FLOAT32),
+              (keys.Rope.FREQ_BASE, _rope_theta(config), V.FLOAT32),
+              (keys.Rope.DIMENSION_COUNT, head_dim, V.UINT32)]
+    if head_dim != config.hidden_size // heads:
+        fields += [(keys.Attention.KEY_LENGTH, head_dim, V.UINT32), (keys.Attention.VALUE_LENGTH, head_dim, V.UINT32)]
+    return {key.format(arch=arch): (value, vtype, None) for key, value, vtype in fields}
+
+
+# ---------------------------------------------------------------- tokenizer
+def hf_tokens(tokenizer: Any, vocab_size: int) -> list[str]:
+    """The tokenizer's tokens by id over the model's `vocab_size` rows; ids it lacks are `[PAD<id>]`, as
+    `convert_hf_to_gguf.py` names them."""
+    by_id = {i: token for token, i in tokenizer.get_vocab().items()}
+    if max(by_id) >= vocab_size:
+        raise UserError(f"the saved tokenizer has token id {max(by_id)}, beyond the model's {vocab_size} embeddings")
+    return [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+
+
+def _step(step: dict[str, Any]) -> str:
+    kind = step["type"]
+    if kind == "Split":
+        return f"Split {step['pattern'].get('Regex')}"
+    if kind == "ByteLevel" and not step.get("add_prefix_space", False):
+        return "ByteLevel regex" if step.get("use_regex", True) else "ByteLevel"
+    if kind == "Digits" and step.get("individual_digits"):
+        return "Digits individual"
+    return json.dumps(step, sort_keys=True)
+
+
+def pre_tokenizer_name(pre: dict[str, Any] | None) -> str | None:
+    """llama.cpp's name for a Hugging Face pre-tokenizer (tokenizer.json's `pre_tokenizer`), if it has one."""
+    steps = [] if pre is None else pre["pretokenizers"] if pre["type"] == "Sequence" else [pre]
+    return PRE_TOKENIZERS.get(tuple(_step(s) for s in steps))
+
+
+def tokenizer_fields(tokenizer: Any, vocab_size: int) -> dict[str, Field]:
+    """llama.cpp's tokenizer keys for a byte-level BPE Hugging Face tokenizer, as `convert_hf_to_gguf.py` writes
+    them (tokens, types, merges, special ids, whether BOS is added, chat template)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    spec = json.loads(backend.to_str()) if backend is not None else {}
+    pre = pre_tokenizer_name(spec.get("pre_tokenizer"))
+    if spec.get("model", {}).get("type") != "BPE" or pre is None:
+        raise UserError("cannot describe the saved tokenizer to llama.cpp (only byte-level BPE tokenizers with a "
+                        "GPT-2, SmolLM or Qwen2 pre-tokenizer are known); pass a GGUF file of the same model with "
+                        "--tokenizer-from (tokenizer_from=)")
+    tokens = hf_tokens(tokenizer, vocab_size)
+    added = tokenizer.added_tokens_decoder
+    types = [gguf.TokenType.CONTROL if i in added and added[i].special else gguf.TokenType.USER_DEFINED if i in added
+             else gguf.TokenType.UNUSED if token == f"[PAD{i}]" else gguf.TokenType.NORMAL
+             for i, token in enumerate(tokens)]
+    keys = gguf.Keys.Tokenizer
+    fields: dict[str, Field] = {
+        keys.MODEL: ("gpt2", V.STRING, None), keys.PRE: (pre, V.STRING, None),
+        keys.LIST: (tokens, V.ARRAY, V.STRING), keys.TOKEN_TYPE: ([int(t) for t in types], V.ARRAY, V.INT32),
+        keys.MERGES: ([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]], V.ARRAY, V.STRING),
+    }
+    for key, token_id in ((keys.BOS_ID, tokenizer.bos_token_id), (keys.EOS_ID, tokenizer.eos_token_id),
+                          (keys.UNK_ID, tokenizer.unk_token_id), (keys.PAD_ID, tokenizer.pad_token_id)):
+        if token_id is not None:
+            fields[key] = (token_id, V.UINT32, None)
+    ids, plain = tokenizer("a")["input_ids"], tokenizer("a", add_special_tokens=False)["input_ids"]
+    fields[keys.ADD_BOS] = (len(ids) > len(plain) and ids[0] == tokenizer.bos_token_id, V.BOOL, None)
+    if isinstance(getattr(tokenizer, "chat_template", None), str):
+        fields[keys.CHAT_TEMPLATE] = (tokenizer.chat_template, V.STRING, None)
+    return fields
+
+
+def reference_fields(path: Path) -> dict[str, Field]:
+    """The tokenizer and descriptive `general.*` keys of the GGUF file `path`."""
+    if not path.is_file():
+        raise UserError(f"tokenizer source {path} is not a file")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise UserError(f"{path} is not a readable GGUF file: {e}") from None
+    return {name: (f.contents(), f.types[0], f.types[-1] if f.types[0] == V.ARRAY else None)
+            for name, f in reader.fields.items()
+            if name.startswith(("tokenizer.", "general.")) and name not in OWN_KEYS}
+
+
+def packaged_gguf(config: Any) -> Path | None:
+    """The GGUF file a fetched packaged model was converted from, if `config` describes that model."""
+    ours = config.to_dict()
+    for name, spec in registry.MODELS.items():
+        folder = registry.model_dir(name)
+        if registry.is_fetched(name) and (folder / spec.file).is_file():
+            packaged = json.loads((folder / "config.json").read_text())
+            if all(packaged.get(k) == ours.get(k) for k in MATCH_KEYS):
+                return folder / spec.file
+    return None
+
+
+def tokenizer_metadata(config: Any, tokenizer: Any, tokenizer_from: str | Path | None) -> tuple[dict[str, Field], str]:
+    """The tokenizer (and, from a reference GGUF, descriptive general.*) keys, and where they came from."""
+    reference = Path(tokenizer_from) if tokenizer_from is not None else packaged_gguf(config)
+    if reference is not None:
+        fields = reference_fields(reference)
+        tokens = fields.get(gguf.Keys.Tokenizer.LIST, (None,))[0]
+        if tokens is not None and len(tokens) == config.vocab_size and (
+                tokenizer is None or tokens == hf_tokens(tokenizer, config.vocab_size)):
+            return fields, str(reference)
+        if tokenizer_from is not None:
+            raise UserError(f"{reference} does not have the saved model's vocabulary; pass a GGUF file of the same "
+                            "model")
+    if tokenizer is None:
+        log.warning("the saved model has no tokenizer: the GGUF file gets no vocabulary (llama.cpp can run it on "
+                    "token ids only); pass --tokenizer-from a GGUF file of the same model")
+        return {gguf.Keys.Tokenizer.MODEL: ("none", V.STRING, None)}, "none"
+    return tokenizer_fields(tokenizer, config.vocab_size), "saved Hugging Face tokenizer"
+
+
+# ---------------------------------------------------------------- writing
+def check_output_file(path: Path, overwrite: bool) -> None:
+    """Raise UserError unless the file `path` can be written (replaced if `overwrite`): call it before the work."""
+    if path.is_dir():
+        raise UserError(f"output {path} is a directory; give a file path such as {path / 'model.gguf'}")
+    if path.exists() and not overwrite:
+        raise UserError(f"output file {path} already exists; choose another path or pass --overwrite (overwrite=True)")
+    check_writable(path)
+
+
+def write_gguf(model: nn.Module, tokenizer: Any, output: str | Path, name: str,
+               tokenizer_from: str | Path | None = None, progress: bool = False) -> GGUFExport:
+    """Write the (quantized) `model` as the GGUF file `output`, atomically; see the module docstring."""
+    t0 = time.perf_counter()
+    output = Path(output)
+    family = check_exportable(model)
+    arch = gguf.MODEL_ARCH_NAMES[family.arch]
+    plan = tensor_plan(model, family)
+    fields, source = tokenizer_metadata(model.config, tokenizer, tokenizer_from)
+    fields.setdefault(gguf.Keys.General.NAME, (name, V.STRING, None))
+    fields[gguf.Keys.General.QUANTIZED_BY] = ("bitquilt", V.STRING, None)
+    fields |= model_fields(model.config, family)
+    weights = Counter({block_type(v): v.out_features * v.in_features for _, v, _ in plan
+                       if isinstance(v, UniformFormat)})
+    file_type = FILE_TYPES[weights.most_common(1)[0][0]] if weights else gguf.LlamaFileType.ALL_F32
+    types: Counter[str] = Counter()
+    shifts = [torch.zeros(0)]
+    with atomic_file(output) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch)
+        try:
+            for key, (value, vtype, sub_type) in fields.items():
+                if vtype != V.ARRAY or len(value):  # GGUF has no empty arrays (gguf's add_array skips them too)
+                    writer.add_key_value(key, value, vtype, sub_type)
+            writer.add_file_type(file_type)
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            for tensor_name, value, order in plan:
+                if isinstance(value, UniformFormat):
+                    blocks, shift = gguf_blocks(value, order)
+                    writer.add_tensor(tensor_name, blocks, raw_dtype=block_type(value))
+                    types[block_type(value).name] += 1
+                    if block_type(value) == Q.Q4_1:
+                        shifts.append(shift.flatten())
+                else:
+                    t = value.detach().float()
+                    writer.add_tensor(tensor_name, (t if order is None else t[order]).contiguous().numpy())
+                    types["F32"] += 1
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file(progress=progress)
+        finally:
+            writer.close()
+    shift = torch.cat(shifts)
+    return GGUFExport(output=str(output), arch=arch, tensors=dict(types), size_mb=output.stat().st_size / 2**20,
+                      tokenizer=source, q4_1_blocks=shift.numel(), q4_1_rounded_minima=int((shift > 0).sum()),
+                      q4_1_max_shift_steps=float(shift.max()) if shift.numel() else 0.0,
+                      seconds=time.perf_counter() - t0)
+
+
+def export_gguf(directory: str | Path, output: str | Path, overwrite: bool = False,
+                tokenizer_from: str | Path | None = None, progress: bool = False) -> GGUFExport:
+    """Export the model saved by `bitquilt.io.save` in `directory` to the GGUF file `output`."""
+    directory, output = Path(directory), Path(output)
+    check_output_file(output, overwrite)
+    if not is_quantized_dir(directory):
+        raise UserError(f"{directory} is not a model saved by bitquilt (no quantization_config.json); export takes "
+                        "the output directory of `bitquilt quantize`")
+    model, tokenizer = load_quantized(directory)
+    if not any((directory / f).is_file() for f in TOKENIZER_FILES):
+        tokenizer = None  # transformers makes up an empty one for a folder without tokenizer files
+    return write_gguf(model, tokenizer, output, directory.resolve().name, tokenizer_from, progress)
