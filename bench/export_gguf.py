@@ -172,7 +172,7 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         rows = []
         for label in args.configs.split(","):
-            recipe, slug = configs[label], label.replace(" ", "-")
+            recipe, slug = configs[label], f"{args.model}-{label.replace(' ', '-')}"
             saved, gguf_file = work / slug, work / f"{slug}.gguf"
             model, tokenizer = load(args.model)
             if recipe is not None:

@@ -1,4 +1,4 @@
-"""The `bitquilt` command line: models, fetch, quantize, eval, compare, inspect, generate, bench."""
+"""The `bitquilt` command line: models, fetch, quantize, eval, compare, inspect, analyze, export, generate, bench."""
 
 from __future__ import annotations
 

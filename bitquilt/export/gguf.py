@@ -22,7 +22,8 @@ Layout and metadata are those of llama.cpp's `convert_hf_to_gguf.py` for the fam
   llama.cpp's interleaved RoPE pairs (whole rows move, so a per-row grouped format stays exact); hyperparameters
   from the saved config. The tokenizer and the descriptive `general.*` keys are copied from a GGUF of the same
   model (the one a fetched packaged model was converted from, or `tokenizer_from`) once its vocabulary is checked
-  to be the saved tokenizer's; otherwise they are built from the saved byte-level BPE tokenizer.
+  to be the saved tokenizer's; otherwise the tokenizer keys are built from the saved byte-level BPE tokenizer
+  (what `convert_hf_to_gguf.py` writes) and `general.name` is the saved directory's name.
 The file is written to a temporary sibling and renamed into place: a failure never leaves a partial output.
 """
 
