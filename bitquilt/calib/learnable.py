@@ -28,7 +28,7 @@ from torch import nn
 
 from bitquilt.formats.base import WeightFormat
 from bitquilt.formats.bitplane import BitplaneFormat, combine
-from bitquilt.formats.uniform import UniformFormat, UniformGrid
+from bitquilt.formats.uniform import UniformFormat, UniformGrid, expand_groups
 
 
 def round_half_up(x: torch.Tensor) -> torch.Tensor:
@@ -53,9 +53,7 @@ class PerColumn:
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if self.index is not None:
             return t[:, self.index.to(t.device)]
-        rows, groups, rest = t.shape[0], t.shape[1], t.shape[2:]
-        wide = t.unsqueeze(2).expand(rows, groups, self.group_size, *rest)
-        return wide.reshape(rows, groups * self.group_size, *rest)[:, :self.in_features]
+        return expand_groups(t, self.group_size, self.in_features)
 
 
 class LearnableWeight(nn.Module):

@@ -37,8 +37,18 @@ def n_groups(in_features: int, group_size: int) -> int:
 
 
 def expand_groups(t: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
-    """[rows, G] per-group values -> [rows, in_features] per-column values."""
-    return t.repeat_interleave(group_size, dim=1)[:, :in_features]
+    """[rows, G, ...] per-group values -> [rows, in_features, ...] per-column values (a broadcast: cheap
+    forward and backward)."""
+    rows, groups, rest = t.shape[0], t.shape[1], t.shape[2:]
+    wide = t.unsqueeze(2).expand(rows, groups, group_size, *rest)
+    return wide.reshape(rows, groups * group_size, *rest)[:, :in_features]
+
+
+def row_groups(w: torch.Tensor, group_size: int) -> list[torch.Tensor]:
+    """w [rows, in] as one matrix of whole groups [rows·G, group_size], then the shorter last group of
+    each row [rows, in mod group_size] when the size does not divide the width."""
+    full = w.shape[1] // group_size * group_size
+    return [w[:, :full].reshape(-1, group_size)] + ([w[:, full:]] if full < w.shape[1] else [])
 
 
 def check_shapes(tensors: dict[str, torch.Tensor | None], want: dict[str, tuple[int, ...]], given: str) -> None:

@@ -41,8 +41,8 @@ class QuantLinear(nn.Module):
 
     def set_slices(self, k: int | None) -> None:
         """Give every token the first k parts of a multi-part weight (None: all of them)."""
-        self.fmt.dequantize(k)  # checks k against the format
-        self.slices, self._dequantized = k, None
+        w = self.fmt.dequantize(k)  # checks k against the format
+        self.slices, self._dequantized = k, w if self.cache_dequantized else None
 
     def dequantized(self) -> torch.Tensor:
         if self._dequantized is not None:

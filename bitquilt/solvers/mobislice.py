@@ -25,7 +25,7 @@ import torch
 
 from bitquilt.formats.bitplane import BitplaneFormat
 from bitquilt.formats.composite import CompositeFormat
-from bitquilt.formats.uniform import resolve_group_size
+from bitquilt.formats.uniform import resolve_group_size, row_groups
 from bitquilt.registry import option
 from bitquilt.solvers.base import LayerSpec, LinearStats, check_finite, register_solver
 from bitquilt.solvers.bpdq import bit_patterns, code_planes, fit_coeffs
@@ -76,10 +76,8 @@ def _fit_groups(flat: torch.Tensor, bits: int, iters: int) -> tuple[torch.Tensor
 def quantize_slice(residual: torch.Tensor, bits: int, group_size: int, iters: int = 3) -> BitplaneFormat:
     """Q_b of the module docstring on residual [out, in], groups of `group_size` contiguous columns (the
     last group of a row shorter when the size does not divide the width)."""
-    rows, cols = residual.shape
-    full = cols // group_size * group_size
-    parts = [residual[:, :full].reshape(-1, group_size)] + ([residual[:, full:]] if full < cols else [])
-    fitted = [_fit_groups(part, bits, iters) for part in parts]
+    rows = residual.shape[0]
+    fitted = [_fit_groups(part, bits, iters) for part in row_groups(residual, group_size)]
     codes = torch.cat([c.reshape(rows, -1) for c, _ in fitted], dim=1)
     coeffs = torch.cat([k.reshape(rows, -1, bits + 1) for _, k in fitted], dim=1)
     return BitplaneFormat.from_codes(codes, coeffs, bits, group_size)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bitquilt.formats.uniform import UniformFormat, UniformGrid, expand_groups, resolve_group_size
+from bitquilt.formats.uniform import UniformFormat, UniformGrid, expand_groups, resolve_group_size, row_groups
 from bitquilt.registry import option
 from bitquilt.solvers.base import LayerSpec, LinearStats, check_finite, register_solver
 
@@ -19,11 +19,9 @@ class RTNOptions:
 def quantize_groups(w: torch.Tensor, grid: UniformGrid, group_size: int, mse: bool = False):
     """Codes [out, in], scales and zeros [out, G] for contiguous groups of `group_size` columns
     (the last group of a row is shorter when the size does not divide the width)."""
-    rows, cols = w.shape
-    full = cols // group_size * group_size
-    parts = [w[:, :full].reshape(-1, group_size)] + ([w[:, full:]] if full < cols else [])
+    rows = w.shape[0]
     codes, scales, zeros = [], [], []
-    for part in parts:
+    for part in row_groups(w, group_size):
         scale, zero = grid.fit_mse(part) if mse else grid.fit(part)
         codes.append(grid.quantize(part, scale, zero).reshape(rows, -1))
         scales.append(scale.reshape(rows, -1))
