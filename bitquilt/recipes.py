@@ -22,7 +22,7 @@ from bitquilt.nn.act_quant import ActQuantConfig
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec, Solver
 
-METHOD_ALIASES = {"awq": "awq+rtn", "mxsens": "mx_sens+fold_perm+mxint"}
+METHOD_ALIASES = {"awq": "awq+rtn", "mxsens": "mx_sens+fold_perm+mxint", "mobiquant": "mobiroute+mobislice"}
 
 WEIGHT_FIELDS = {"bits", "group_size", "sym"}
 ACT_FIELDS = {"a_bits": "bits", "a_sym": "sym", "a_clip": "clip_ratio"}  # override field -> ActQuantConfig field
@@ -139,8 +139,9 @@ class Recipe:
             names += ["kv_quant"] + (["kv_center"] if self.kv_center else [])
         if self._searches_clip():
             names.append("act_clip")
-        if self.recon_steps:
-            names.append("fp_reference")
+        required = {r for n in names for r in STAGES.get(n).requires}
+        required |= {"fp_reference"} if self.recon_steps else set()
+        names += sorted(required - set(names))
         implied = {"dynamic_a8": {"layers": self.a8_layers, "snr_db": self.a8_snr_db},
                    "recon": {"steps": self.recon_steps}}
         names += ["solve"] + (["recon"] if self.recon_steps else [])

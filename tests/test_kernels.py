@@ -12,6 +12,7 @@ from bitquilt import kernels
 from bitquilt.formats import BitplaneFormat, CompositeFormat, MatmulContext, UniformFormat, UniformGrid
 from bitquilt.formats.packing import pack
 from bitquilt.kernels import cpu
+from bitquilt.nn.online import attach
 from bitquilt.nn.quant_linear import QuantLinear
 
 needs_ext = pytest.mark.skipif(cpu.extension() is None, reason="CPU extension unavailable (no AVX2 or build failed)")
@@ -230,7 +231,8 @@ def test_quant_linear_routes_tokens_to_slices():
     w, _ = llm_like(48, 128)
     first = make_uniform(w, 2, 32, sym=False)
     fmt = CompositeFormat({"slice1": first, "slice2": make_uniform(w - first.dequantize(), 4, 32, sym=False)})
-    layer = QuantLinear(fmt, bias=torch.randn(48), router=SliceRouter(2))
+    layer = QuantLinear(fmt, bias=torch.randn(48))
+    attach(layer, "router", SliceRouter(2))
     assert {"packed_slice1__qweight", "packed_slice2__scales"} <= set(layer.state_dict())
     x = torch.randn(2, 3, 128)
     with torch.no_grad():
@@ -239,7 +241,7 @@ def test_quant_linear_routes_tokens_to_slices():
     flat = x.reshape(-1, 128)
     expected = torch.stack([t @ fmt.dequantize(2 if t[0] > 0 else 1).T for t in flat]) + layer.bias
     torch.testing.assert_close(y.reshape(-1, 48), expected)
-    layer.router = None
+    attach(layer, "router", None)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), x @ fmt.dequantize().T + layer.bias)
 

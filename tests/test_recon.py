@@ -71,8 +71,8 @@ def test_bitplane_stand_in_learns_coefficients_over_fixed_planes(real_linears):
     stand_in = learnable(weight, fmt)
     assert isinstance(stand_in, LearnableBitplane)
     assert torch.allclose(stand_in().detach(), fmt.dequantize())
-    with torch.no_grad():
-        stand_in.coeffs.mul_(1.5)
+    with torch.no_grad():  # C = C⁰ + |C⁰₁|·D: offsets of C⁰/2 in step units scale every coefficient by 1.5
+        stand_in.offsets.copy_(0.5 * stand_in.c0 / stand_in.unit)
     packed = stand_in.to_format()
     assert torch.equal(packed.planes, fmt.planes) and packed.bits_per_weight() == fmt.bits_per_weight()
     expected = 1.5 * fmt.dequantize()  # up to the fp16 rounding of the scaled coefficients

@@ -16,7 +16,8 @@ may round the other way from where it starts, keeping W's fractional position. �
 straight-through (gradient 1).
 
 BPDQ grid: Ŵ = C₀ + Σᵢ Cᵢ·Bᵢ per (row, group) with the bit-planes B fixed and the coefficients C
-learned (the planes were chosen for those coefficients; moving C re-fits the levels to the block).
+learned (the planes were chosen for those coefficients; moving C re-fits the levels to the block),
+in units of the group's finest step |C₁|.
 """
 
 from __future__ import annotations
@@ -128,22 +129,29 @@ class LearnableUniform(LearnableWeight):
 
 
 class LearnableBitplane(LearnableWeight):
-    """BPDQ's coefficients C learned over fixed bit-planes (module docstring)."""
+    """BPDQ's coefficients learned over fixed bit-planes (module docstring), moved in units of each group's
+    finest step: C = C⁰ + |C⁰₁|·D, D starting at 0, so one step size suits every layer's scale."""
 
-    def __init__(self, weight: torch.Tensor, fmt: BitplaneFormat):
+    def __init__(self, fmt: BitplaneFormat):
         super().__init__()
         self.fmt = fmt
         self.per_column = PerColumn(fmt)
         self.register_buffer("planes", fmt.unpacked_planes().float())
-        self.coeffs = nn.Parameter(fmt.coeffs.float().clone())
+        c0 = fmt.coeffs.float()
+        self.register_buffer("c0", c0)
+        self.register_buffer("unit", c0[..., 1:2].abs().clamp(min=2**-24))
+        self.offsets = nn.Parameter(torch.zeros_like(c0))
+
+    def coeffs(self) -> torch.Tensor:
+        return self.c0 + self.unit * self.offsets
 
     def forward(self) -> torch.Tensor:
-        return combine(self.per_column(self.coeffs), self.planes)
+        return combine(self.per_column(self.coeffs()), self.planes)
 
     @torch.no_grad()
     def to_format(self) -> BitplaneFormat:
         f = self.fmt
-        return BitplaneFormat(f.planes, self.coeffs.to(torch.float16).contiguous(), f.bits, f.group_size,
+        return BitplaneFormat(f.planes, self.coeffs().to(torch.float16).contiguous(), f.bits, f.group_size,
                               f.in_features)
 
 
@@ -153,7 +161,7 @@ def learnable(weight: torch.Tensor, fmt: WeightFormat, clip: bool = True) -> Lea
     if isinstance(fmt, UniformFormat):
         return LearnableUniform(weight, fmt, clip)
     if isinstance(fmt, BitplaneFormat):
-        return LearnableBitplane(weight, fmt)
+        return LearnableBitplane(fmt)
     return None
 
 

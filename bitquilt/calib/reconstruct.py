@@ -2,7 +2,7 @@
 quantizer parameters against a decoder block's full-precision outputs (learned rounding and
 clipping after any solver; MoBiQuant's slices and routers).
 
-    min_θ  E_batch ‖Block_θ(x) − y‖² / numel  (+ penalty(θ))
+    min_θ  L = E_batch ‖Block_θ(x) − y‖² / numel  (+ penalty(L, θ))
 
 over calibration inputs x (what the already-quantized blocks before produce) and targets y (the
 full-precision block's outputs), one random mini-batch of whole windows per step. Two optimisers:
@@ -107,11 +107,14 @@ def only_training(block: nn.Module, params: list[nn.Parameter]):
 def fit_block(block: nn.Module, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
               kwargs: dict[str, Any], params: list[nn.Parameter], config: FitConfig,
               project: Callable[[], None] | None = None,
-              penalty: Callable[[], torch.Tensor] | None = None) -> FitResult:
+              penalty: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              anneal: Callable[[float], None] | None = None) -> FitResult:
     """Train `params` (all inside `block`) so the block's outputs on `inputs` match `targets`.
 
-    `project()` runs after every step (e.g. clamping offsets into their range); `penalty()` is added
-    to the loss (e.g. a bit budget). Deterministic for a given `config.seed`.
+    `project()` runs after every step (e.g. clamping offsets into their range); `penalty(L)` is added
+    to the mini-batch reconstruction loss L (e.g. a bit budget, which may scale itself by L);
+    `anneal(t)` runs before step t/steps ∈ [0, 1) (e.g. a router's temperature). Deterministic for a
+    given `config.seed`.
     """
     config.validate()
     t0 = time.perf_counter()
@@ -127,13 +130,15 @@ def fit_block(block: nn.Module, inputs: Sequence[torch.Tensor], targets: Sequenc
     batch = min(config.batch, len(inputs))
     best, best_state = float("inf"), None
     with torch.enable_grad(), only_training(block, params):
-        for _ in range(config.steps):
+        for step in range(config.steps):
+            if anneal is not None:
+                anneal(step / config.steps)
             pick = torch.randperm(len(inputs), generator=gen)[:batch].tolist()
             x = torch.cat([inputs[i] for i in pick])
             y = torch.cat([targets[i] for i in pick])
             loss = (block_output(block, x, kwargs).float() - y.float()).pow(2).mean()
             if penalty is not None:
-                loss = loss + penalty()
+                loss = loss + penalty(loss)
             if config.keep_best and float(loss.detach()) < best:
                 best, best_state = float(loss.detach()), [p.detach().clone() for p in params]
             opt.zero_grad(set_to_none=True)

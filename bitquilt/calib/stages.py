@@ -78,6 +78,7 @@ class Stage:
     fn: Callable[[Any, Any], dict[str, Any] | None]
     options: type = NoOptions
     needs_calibration: bool = True
+    requires: tuple[str, ...] = ()  # stages a recipe naming this one runs too (e.g. fp_reference)
 
     def make_options(self, values: dict[str, Any] | None = None) -> Any:
         return make_options(self.options, values, f"{self.kind} {self.name!r}")
@@ -86,7 +87,8 @@ class Stage:
 STAGES: Registry[Stage] = Registry("stage")
 
 
-def register_stage(name: str, scope: str, kind: str, options: type = NoOptions, needs_calibration: bool = True):
+def register_stage(name: str, scope: str, kind: str, options: type = NoOptions, needs_calibration: bool = True,
+                   requires: tuple[str, ...] = ()):
     """Decorator registering `fn(ctx, options)` as a stage."""
     if scope not in SCOPES:
         raise ValueError(f"stage scope must be one of {', '.join(SCOPES)}, not {scope!r}")
@@ -94,7 +96,7 @@ def register_stage(name: str, scope: str, kind: str, options: type = NoOptions, 
         raise ValueError(f"stage kind must be one of {', '.join(KINDS)}, not {kind!r}")
 
     def wrap(fn):
-        STAGES.register(name, Stage(name, scope, kind, fn, options, needs_calibration))
+        STAGES.register(name, Stage(name, scope, kind, fn, options, needs_calibration, requires))
         return fn
 
     return wrap

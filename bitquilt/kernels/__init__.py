@@ -68,6 +68,7 @@ def _load_builtin() -> None:
     global _builtin_loaded
     if not _builtin_loaded:
         _builtin_loaded = True
+        import bitquilt.kernels.composite  # noqa: F401  (multi-part weights through their parts' kernels)
         import bitquilt.kernels.cpu  # noqa: F401  (registers on import; warns once if unavailable)
         import bitquilt.kernels.mxint  # noqa: F401  (same extension; registers on import)
 

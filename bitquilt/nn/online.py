@@ -5,14 +5,15 @@ A *slot* is a named place in the forward pass of a host:
   site "input"      a linear's input, before its matmul        slots input_rotation → act_quant
   site "output"     a module's output (e.g. a norm's)           slot  output_rotation
   site "attention"  (q, k, v) after RoPE, before attention     slots qk_rotation → kv_quant
+  site "context"    read by the host itself, no hook            slot  router (per-token slice counts)
 
 Every slot of a site runs in the order above. A module attached to a slot becomes a submodule
 of its host under the slot's name (so its buffers are saved with the model), and one hook per
 host and site runs them (for inputs, a pre-hook that runs before any other, so calibration
 hooks see what the matmul sees). Online module classes register
 here by name (`register_online`), so `bitquilt.io` can save and restore any of them from
-`to_dict()` / `from_dict()` without knowing what they are. Other slots (e.g. a per-token router)
-are added with `register_slot`.
+`to_dict()` / `from_dict()` without knowing what they are. Other slots are added with
+`register_slot`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-SITES = ("input", "output", "attention")
+SITES = ("input", "output", "attention", "context")
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def register_slot(name: str, site: str) -> Slot:
 
 
 for _name, _site in (("input_rotation", "input"), ("act_quant", "input"), ("output_rotation", "output"),
-                     ("qk_rotation", "attention"), ("kv_quant", "attention")):
+                     ("qk_rotation", "attention"), ("kv_quant", "attention"), ("router", "context")):
     register_slot(_name, _site)
 
 
@@ -145,7 +146,7 @@ def attach(host: nn.Module, slot: str, module: nn.Module | None) -> None:
         raise ValueError(f"unknown online slot {slot!r}; slots: {', '.join(SLOTS)}")
     site = SLOTS[slot].site
     setattr(host, slot, module)
-    if module is None or site == "attention" or host in _hooked[site]:
+    if module is None or site in ("attention", "context") or host in _hooked[site]:
         return
     if site == "input":  # before any other pre-hook: calibration hooks see what the matmul sees
         host.register_forward_pre_hook(_input_hook, prepend=True)

@@ -7,6 +7,7 @@ from torch import nn
 
 from bitquilt import kernels
 from bitquilt.formats.base import MatmulContext, WeightFormat, buffer_name, split_buffers
+from bitquilt.nn.online import get
 
 
 class QuantLinear(nn.Module):
@@ -15,14 +16,14 @@ class QuantLinear(nn.Module):
     The format's tensors are buffers named by `formats.base.buffer_name`. The forward asks the
     kernel registry first; if no kernel takes the call it falls back to the format's torch
     reference (`fmt.reference_matmul`). The dequantized matrix is cached on first use by the
-    reference path (`cache_dequantized=False` trades speed for memory). An optional `router`
-    module maps the input to a per-token `MatmulContext` (e.g. how many slices of a composite
-    weight each token uses) that the matmul honours. Online modules at its input slots
-    (`bitquilt.nn.online`: rotation, activation quantizer) run in a pre-hook.
+    reference path (`cache_dequantized=False` trades speed for memory). A module at the online
+    slot "router" (`bitquilt.nn.slice_router`) maps the input to a per-token `MatmulContext` (how
+    many slices of a multi-part weight each token uses) that the matmul honours; a static slice
+    count (`set_slices`) overrides it. Online modules at its input slots (`bitquilt.nn.online`:
+    rotation, activation quantizer) run in a pre-hook.
     """
 
-    def __init__(self, fmt: WeightFormat, bias: torch.Tensor | None = None, cache_dequantized: bool = True,
-                 router: nn.Module | None = None):
+    def __init__(self, fmt: WeightFormat, bias: torch.Tensor | None = None, cache_dequantized: bool = True):
         super().__init__()
         self.fmt = fmt
         self.in_features, self.out_features = fmt.in_features, fmt.out_features
@@ -31,7 +32,6 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.cache_dequantized = cache_dequantized
         self._dequantized: torch.Tensor | None = None
-        self.router = router
         self.slices: int | None = None  # static precision: leading parts of a multi-part weight every token uses
 
     @property
@@ -61,15 +61,22 @@ class QuantLinear(nn.Module):
         return self
 
     def context_for(self, x: torch.Tensor) -> MatmulContext | None:
-        """The run-time context of input x [..., in]: the router's, one entry per row of the 2-D x; None without."""
-        return None if self.router is None else self.router(x).flat()
+        """The run-time context of input x [..., in]: the router's, one entry per row of the 2-D x; None
+        without a router or with a static slice count."""
+        router = get(self, "router")
+        return None if router is None or self.slices is not None else router(x).flat()
 
     def matmul(self, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor:
         """x [tokens, in] @ Ŵᵀ (no bias): a kernel if one takes the call, else the format's reference.
 
-        The cached weight (the first `slices` parts, if set) serves only calls without a context.
+        A static slice count reaches kernels as the same count for every token; the format's
+        reference then uses the cached weight (the first `slices` parts), which serves only calls
+        without a context.
         """
-        y = kernels.quant_matmul(self.fmt, x, ctx) if self.slices is None else None
+        kernel_ctx = ctx
+        if ctx is None and self.slices is not None:
+            kernel_ctx = MatmulContext(slices=torch.full((x.shape[0],), self.slices, dtype=torch.int64))
+        y = kernels.quant_matmul(self.fmt, x, kernel_ctx)
         if y is None:
             y = self.fmt.reference_matmul(x, ctx, self.dequantized() if ctx is None else None)
         return y

@@ -4,4 +4,4 @@ Importing it registers every built-in solver, transform and policy.
 """
 
 from bitquilt import policies, solvers, transforms  # noqa: F401  (registration)
-from bitquilt.pipeline import apply, recon  # noqa: F401  (register the kv_quant, solve and reconstruction stages)
+from bitquilt.pipeline import apply, recon, route  # noqa: F401  (register kv_quant, solve, reconstruction, routing)

@@ -1,0 +1,106 @@
+"""MoBiQuant's joint calibration pieces: a sliced linear that trains its slices and router together,
+the bit budget, and the bits-per-threshold curve each router keeps.
+
+Training forward of one linear with slices Ŵ_1..Ŵ_E (learnable coefficients over fixed planes,
+`LearnableBitplane`) and router logits l_{t,j} (`bitquilt.nn.slice_router`):
+
+    y_t = x_t Ŵ_1ᵀ + Σ_{j=1}^{E−1} m_{t,j} · x_t Ŵ_{j+1}ᵀ + b,   m_{t,j} = σ(l_{t,j} / T)
+
+with the temperature T annealed geometrically from `t_start` to `t_end` (near binary), so the
+gates end where inference puts them: m = [l > 0] (δ = ½). Without gradients (loss measurement) the
+gates are already binary. Expected bits of a token: b₁ + Σ_j b_{j+1}·m_{t,j}.
+
+Budget over one block's routed linears (weights n_i, expected bits per token b̄_i averaged over the batch):
+
+    penalty = λ · sg(L) · (Σ_i n_i b̄_i / Σ_i n_i − B)²
+
+L the mini-batch's output error (sg: no gradient through it), so λ weighs one bit of overshoot
+against the error itself whatever the block's scale.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from bitquilt.calib.learnable import LearnableBitplane
+from bitquilt.formats.bitplane import BitplaneFormat
+from bitquilt.formats.composite import CompositeFormat
+from bitquilt.nn.slice_router import TAU_GRID, SliceRouter
+
+
+def routable(fmt: object) -> bool:
+    """A weight the router can train on: ≥ 2 bit-plane slices, no column permutation."""
+    return (isinstance(fmt, CompositeFormat) and fmt.perm is None and len(fmt.parts) >= 2
+            and all(isinstance(p, BitplaneFormat) for p in fmt.parts.values()))
+
+
+class RoutedSlices(nn.Module):
+    """A sliced linear with learnable slices and router (module docstring)."""
+
+    def __init__(self, fmt: CompositeFormat, bias: torch.Tensor | None, router: SliceRouter):
+        super().__init__()
+        self.names = list(fmt.parts)
+        self.slices = nn.ModuleList(LearnableBitplane(p) for p in fmt.parts.values())
+        self.router = router
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.register_buffer("bits", torch.tensor(router.slice_bits, dtype=torch.float32))
+        self.out_features = fmt.out_features
+        self.temperature = 1.0
+        self.expected_bits: torch.Tensor | None = None  # of the last forward, for the budget
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = torch.cat([s() for s in self.slices]).to(x.dtype)  # [E·out, in]
+        per_slice = F.linear(x, weight).unflatten(-1, (len(self.slices), self.out_features))
+        logits = self.router.logits(x)
+        gates = torch.sigmoid(logits / self.temperature) if torch.is_grad_enabled() else (logits > 0).float()
+        gates = torch.cat([torch.ones_like(gates[..., :1]), gates], dim=-1)
+        self.expected_bits = (gates * self.bits).sum(-1).mean()
+        y = (per_slice * gates.unsqueeze(-1).to(per_slice.dtype)).sum(-2)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def to_format(self) -> CompositeFormat:
+        return CompositeFormat({n: s.to_format() for n, s in zip(self.names, self.slices)})
+
+
+def temperature_schedule(routed: list[RoutedSlices], t_start: float, t_end: float) -> Callable[[float], None]:
+    """anneal(t): T = t_start·(t_end/t_start)^t in every routed linear, t ∈ [0, 1)."""
+    def anneal(t: float) -> None:
+        for r in routed:
+            r.temperature = t_start * math.exp(t * math.log(t_end / t_start))
+    return anneal
+
+
+def budget_penalty(routed: list[RoutedSlices], target_bits: float,
+                   weight: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """penalty(L) of the module docstring for these linears (weight = λ)."""
+    numel = torch.tensor([float(r.out_features * r.slices[0].fmt.in_features) for r in routed])
+
+    def penalty(loss: torch.Tensor) -> torch.Tensor:
+        mean_bits = sum(n * r.expected_bits for n, r in zip(numel, routed)) / numel.sum()
+        return weight * loss.detach() * (mean_bits - target_bits) ** 2
+    return penalty
+
+
+class CurveMeter:
+    """Accumulates a router's mean bits per token at every τ of TAU_GRID over the inputs it sees."""
+
+    def __init__(self, router: SliceRouter):
+        self.router = router
+        self.cumulative = torch.tensor((0,) + router.slice_bits, dtype=torch.float64).cumsum(0)
+        self.total = torch.zeros(len(TAU_GRID), dtype=torch.float64)
+        self.tokens = 0
+
+    @torch.no_grad()
+    def add(self, x: torch.Tensor) -> None:
+        logits = self.router.logits(x.reshape(-1, x.shape[-1]))
+        counts = 1 + (logits.unsqueeze(1) > TAU_GRID.to(logits.device)[None, :, None]).sum(-1)  # [T, G]
+        self.total += self.cumulative[counts.cpu()].sum(0)
+        self.tokens += logits.shape[0]
+
+    def curve(self) -> torch.Tensor:
+        return (self.total / max(self.tokens, 1)).float()

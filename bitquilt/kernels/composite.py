@@ -1,0 +1,56 @@
+"""Multi-part weights through their parts' kernels, tokens grouped by how many parts they use.
+
+For a `CompositeFormat` with parts P_1..P_E (and optional column permutation perm),
+
+    y_t = Σ_{e ≤ k_t} x_t[perm] P_eᵀ
+
+with k_t = `ctx.slices[t]` (every part without a per-token context). Tokens are sorted by k_t
+descending once, so the tokens that use part e are a leading run of the sorted batch: part e is
+one call of its own kernel (e.g. the bit-plane LUT kernel for MoBiQuant slices) on the first
+n_e = #{t : k_t ≥ e} rows, and a token costs only the bits of the slices it uses. A part no
+kernel takes runs its format's torch reference. Tested against `CompositeFormat.reference_matmul`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bitquilt import kernels
+from bitquilt.formats.base import MatmulContext, WeightFormat
+from bitquilt.formats.composite import CompositeFormat
+
+
+def part_matmul(part: WeightFormat, x: torch.Tensor) -> torch.Tensor:
+    """x @ P_eᵀ by the part's kernel, else its reference."""
+    y = kernels.quant_matmul(part, x)
+    return part.reference_matmul(x) if y is None else y
+
+
+def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
+    """x [T, in] @ Ŵᵀ of a composite format, per-token slice counts honoured (module docstring)."""
+    if not isinstance(fmt, CompositeFormat) or x.dim() != 2:
+        return None
+    if fmt.perm is not None:
+        x = x[:, fmt.perm.long()]
+    parts = list(fmt.parts.values())
+    slices = None if ctx is None else ctx.slices
+    if slices is None:
+        return sum(part_matmul(p, x) for p in parts)
+    if slices.shape != x.shape[:1]:
+        raise ValueError(f"per-token slices of shape {tuple(slices.shape)} for {x.shape[0]} tokens")
+    if int(slices.min()) < 0 or int(slices.max()) > len(parts):
+        raise ValueError(f"per-token slice counts must lie in [0, {len(parts)}]")
+    counts, order = torch.sort(slices, descending=True, stable=True)
+    sorted_x = x[order].contiguous()
+    y = x.new_zeros(x.shape[0], fmt.out_features)
+    for e, part in enumerate(parts, start=1):
+        n = int((counts >= e).sum())
+        if n == 0:
+            break
+        y[:n] += part_matmul(part, sorted_x[:n])
+    out = torch.empty_like(y)
+    out[order] = y
+    return out
+
+
+kernels.register_kernel("composite", "by_parts", matmul)
