@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from bitquilt.errors import UserError
+from bitquilt.export import FORMATS as EXPORT_FORMATS
 from bitquilt.io import is_quantized_dir, load_quantized, model_nbytes, model_summary  # noqa: F401  (API)
 from bitquilt.models.loading import load_model, resolve_path
 from bitquilt.pipeline.engine import quantize_model
@@ -22,6 +23,8 @@ from bitquilt.pipeline.report import QuantReport
 from bitquilt.recipes import CalibConfig, Recipe
 
 if TYPE_CHECKING:
+    from bitquilt.eval.migration import MigrationResult
+    from bitquilt.export.compressed_tensors import CompressedTensorsExport
     from bitquilt.export.gguf import GGUFExport
 
 
@@ -102,13 +105,36 @@ def residual_phases(model: nn.Module, calib: torch.Tensor, a_bits: int = 4, rota
         return measure(model, arch, calib, configs)
 
 
+def outlier_migration(model: nn.Module, fp_model: nn.Module, windows: torch.Tensor, bits: list[float] | None = None,
+                      top_fraction: float = 0.01, progress: bool = False) -> MigrationResult:
+    """MoBiQuant's outlier-migration analysis of a sliced `model` against the `fp_model` it was quantized from, on
+    token ids [n, seqlen]: the per-token KL(p_fp ‖ p_q) at each precision in `bits` (static slice prefixes, and
+    routed if the model has routers; None: every static one) and how consistently the precisions rank the tokens
+    (`bitquilt.eval.migration`). Leaves `model` at its last precision."""
+    from bitquilt.eval.migration import check_same_model, migration, precision_settings, token_errors
+
+    check_same_model(fp_model, model)
+    settings = precision_settings(model, bits)
+    return migration(token_errors(fp_model, model, windows, settings, progress), top_fraction)
+
+
 def export(saved: str | Path, output: str | Path, to: str = "gguf", overwrite: bool = False,
-           tokenizer_from: str | Path | None = None, progress: bool = False) -> GGUFExport:
+           tokenizer_from: str | Path | None = None, progress: bool = False
+           ) -> GGUFExport | CompressedTensorsExport:
     """Write the model saved in `saved` (by `save` / `bitquilt quantize`) for another runtime, atomically.
     `to="gguf"`: one GGUF file for llama.cpp / ollama (`bitquilt.export.gguf` says what maps exactly and what is
-    refused); `tokenizer_from` is a GGUF file of the same model to copy the tokenizer from."""
-    if to != "gguf":
-        raise UserError(f"unknown export format {to!r}; supported: gguf")
+    refused); `tokenizer_from` is a GGUF file of the same model to copy the tokenizer from.
+    `to="compressed-tensors"`: a Hugging Face directory in compressed-tensors' pack-quantized format for vLLM and
+    transformers (`bitquilt.export.compressed_tensors`)."""
+    if to not in EXPORT_FORMATS:
+        raise UserError(f"unknown export format {to!r}; supported: {', '.join(EXPORT_FORMATS)}")
+    if to == "compressed-tensors":
+        if tokenizer_from is not None:
+            raise UserError("--tokenizer-from (tokenizer_from) applies to GGUF exports; a compressed-tensors export "
+                            "copies the saved tokenizer files")
+        from bitquilt.export.compressed_tensors import export_compressed_tensors
+
+        return export_compressed_tensors(saved, output, overwrite=overwrite)
     from bitquilt.export.gguf import export_gguf
 
     return export_gguf(saved, output, overwrite=overwrite, tokenizer_from=tokenizer_from, progress=progress)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -16,6 +17,7 @@ from typing import Any
 
 from bitquilt.calib.stages import STAGES
 from bitquilt.errors import USER_ERRORS, UserError
+from bitquilt.export import FORMATS as EXPORT_FORMATS
 from bitquilt.io import model_summary
 from bitquilt.models.registry import DEFAULT_MODEL
 from bitquilt.recipes import METHOD_ALIASES, CalibConfig, Recipe, solver_name
@@ -198,9 +200,12 @@ def _recipe_from_args(args, method: str, bits: int, group_size: int | None, targ
             stage_options.setdefault(stage, {})[name] = value
         else:
             options[name] = value
+    if isinstance(options.get("slices"), tuple):  # MoBiQuant: the slices define the full precision
+        bits = sum(options["slices"])
     if target_bits is not None:
         if not budget_stages(method):
-            raise UserError(f"--target-bits applies to methods with a bit budget (mxsens); {method!r} has none")
+            raise UserError(f"--target-bits applies to methods with a bit budget (mxsens, mobiquant); {method!r} "
+                            "has none")
         for stage in budget_stages(method):
             stage_options.setdefault(stage, {})["target_bits"] = target_bits
     return Recipe(method=method, w_bits=bits, group_size=group_size, sym=args.sym, options=options,
@@ -228,6 +233,15 @@ def _check_calib_seqlen(model: Any, calib: CalibConfig) -> None:
     if limit is not None and calib.seqlen > limit:
         raise UserError(f"--calib-seqlen {calib.seqlen} exceeds the model's {limit} positions "
                         f"(max_position_embeddings); use at most {limit}")
+
+
+def _check_plan(model: Any, recipe: Recipe) -> None:
+    """Refuse grids the loaded model's shapes cannot take (weight groups vs widths, KV groups vs head_dim) before
+    the calibration windows are even built."""
+    from bitquilt.models.adapters import architecture_of
+    from bitquilt.pipeline.engine import check_layer_shapes, initial_plan
+
+    check_layer_shapes(model, initial_plan(model, architecture_of(model), recipe))
 
 
 # ---------------------------------------------------------------- helpers
@@ -329,6 +343,7 @@ def cmd_quantize(args) -> int:
     model, tokenizer = load(args.model)
     if recipe.needs_calibration:
         _check_calib_seqlen(model, calib)
+    _check_plan(model, recipe)
     report = quantize(model, recipe, calib, tokenizer=tokenizer, progress=not args.json)
     save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
     summary = {"output": str(out), "method": recipe.method, "w_bits": recipe.w_bits,
@@ -351,22 +366,61 @@ def _check_task_names(args) -> None:
             raise UserError(f"unknown task {task!r}; known tasks: {', '.join(TASK_NAMES)} (or a .jsonl file)")
 
 
+def _precision_settings(model, args) -> list[tuple[str, Any]]:
+    """(label, apply) for each --static-bits / --avg-bits value of a sliced model; [("", None)] without them."""
+    from bitquilt.nn.quant_linear import multi_part_linears, set_slices
+    from bitquilt.nn.slice_router import has_routers, precision_range, set_precision
+
+    if not (args.static_bits or args.avg_bits):
+        return [("", None)]
+    linears = multi_part_linears(model)
+    if not linears:
+        raise UserError("--static-bits/--avg-bits need a sliced model (quantize with --method mobislice or mobiquant)")
+    settings: list[tuple[str, Any]] = []
+    widths = [p.bits for p in next(iter(linears.values())).fmt.parts.values()]
+    reachable = [sum(widths[:k]) for k in range(1, len(widths) + 1)]
+    for bits in args.static_bits:
+        if bits not in reachable:
+            raise UserError(f"--static-bits {bits:g}: the slices {widths} reach {reachable} bits")
+        settings.append((f"static {bits:g}", functools.partial(set_slices, k=reachable.index(bits) + 1)))
+    if args.avg_bits:
+        if not has_routers(model):
+            raise UserError("--avg-bits needs per-token routers (quantize with --method mobiquant); this model has "
+                            "slices only: use --static-bits")
+        low, high = precision_range(model)
+        bad = [b for b in args.avg_bits if not low - 1e-6 <= b <= high + 1e-6]
+        if bad:
+            raise UserError(f"--avg-bits {bad}: this checkpoint routes between {low:.2f} and {high:.2f} average bits")
+        settings += [(f"routed {b:g}", functools.partial(set_precision, avg_bits=b)) for b in args.avg_bits]
+    return settings
+
+
 def cmd_eval(args) -> int:
     from bitquilt.api import load
     from bitquilt.models.loading import resolve_model_name, source_fingerprint
+    from bitquilt.nn.slice_router import realised_bits
 
     _check_task_names(args)
     model, tokenizer = load(args.model)
     if tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files; cannot evaluate")
-    row = {"model": resolve_model_name(args.model), **model_summary(model),
-           **_evaluate(model, tokenizer, args, cache_key=source_fingerprint(args.model))}
-    non_finite = _flag_non_finite([row], [row["model"]])
+    rows = []
+    for label, apply in _precision_settings(model, args):
+        row = {"model": resolve_model_name(args.model), **model_summary(model)}
+        if apply is None:
+            row.update(_evaluate(model, tokenizer, args, cache_key=source_fingerprint(args.model)))
+        else:
+            apply(model)
+            with realised_bits(model) as used:
+                row.update(_evaluate(model, tokenizer, args, cache_key=source_fingerprint(args.model)))
+            row = {"precision": label, "realised_bits": used["avg_bits"], **row}
+        rows.append(row)
+    non_finite = _flag_non_finite(rows, [r.get("precision") or r["model"] for r in rows])
     if args.json:
-        _print_json(row)
+        _print_json(rows[0] if len(rows) == 1 and "precision" not in rows[0] else rows)
     else:
-        _print_table([row], [k for k in row if k not in ("ppl_settings", "non_finite")])
-        for source, s in row.get("ppl_settings", {}).items():
+        _print_table(rows, [k for k in rows[0] if k not in ("ppl_settings", "non_finite")])
+        for source, s in rows[0].get("ppl_settings", {}).items():
             print(f"ppl[{source}]: {s['n_windows']} windows × {s['seqlen']} tokens, {s['seconds']:.0f} s")
     return _results_exit(args.command, non_finite)
 
@@ -436,16 +490,26 @@ def cmd_compare(args) -> int:
     return _results_exit(args.command, non_finite)
 
 
-def cmd_analyze(args) -> int:
-    from bitquilt.api import calibration_ids, load, residual_phases
+ANALYSES = {"residual_stream": "--residual-stream (Jump Ratio and historical SNR per layer)",
+            "outlier_migration": "--outlier-migration (per-token KL at several precisions of a sliced checkpoint)"}
 
-    if not args.residual_stream:
-        raise UserError("choose an analysis: --residual-stream (Jump Ratio and historical SNR per layer)")
-    calib = _calib_config(args)
+
+def cmd_analyze(args) -> int:
+    chosen = [flag for dest, flag in ANALYSES.items() if getattr(args, dest)]
+    if len(chosen) != 1:
+        raise UserError(f"choose exactly one analysis: {' or '.join(ANALYSES.values())}"
+                        + (f"; got {len(chosen)}" if chosen else ""))
     if args.plot:
         from bitquilt.io import check_writable
 
         check_writable(args.plot)
+    return _analyze_residual_stream(args) if args.residual_stream else _analyze_outlier_migration(args)
+
+
+def _analyze_residual_stream(args) -> int:
+    from bitquilt.api import calibration_ids, load, residual_phases
+
+    calib = _calib_config(args)
     model, tokenizer = load(args.model)
     _check_calib_seqlen(model, calib)
     rotation = None if args.rotation == "none" else args.rotation
@@ -464,6 +528,57 @@ def cmd_analyze(args) -> int:
         if args.plot:
             print(f"plot: {args.plot}")
     return 0
+
+
+def _analyze_outlier_migration(args) -> int:
+    """Checks in order of cost: a saved sliced checkpoint, the precisions it reaches, then the fp model and text."""
+    from bitquilt.api import load, outlier_migration
+    from bitquilt.data.corpora import check_disjoint
+    from bitquilt.data.windows import eval_windows
+    from bitquilt.eval.migration import NOT_SLICED, precision_settings
+    from bitquilt.eval.ppl import calibration_source, default_seqlen
+    from bitquilt.io import is_quantized_dir
+    from bitquilt.models.loading import resolve_path
+
+    if not is_quantized_dir(resolve_path(args.model)):
+        raise UserError(f"{args.model} is not a saved bitquilt model; {NOT_SLICED}")
+    if args.fp_model is None:
+        raise UserError("--outlier-migration compares against the full-precision model the checkpoint was quantized "
+                        "from, which its saved config does not record: give it with --fp-model (e.g. --fp-model "
+                        f"{DEFAULT_MODEL})")
+    model, tokenizer = load(args.model)
+    precision_settings(model, args.bits)  # refuses unsliced models and unreachable bits before more loading
+    fp_model, fp_tokenizer = load(args.fp_model)
+    tokenizer = tokenizer or fp_tokenizer
+    if tokenizer is None:
+        raise UserError(f"neither {args.model} nor {args.fp_model} has tokenizer files; cannot tokenize the text")
+    if (calib := calibration_source(model)) is not None:
+        check_disjoint(calib, args.ppl_data)
+    seqlen = default_seqlen(model, args.seqlen)
+    windows = eval_windows(tokenizer, args.ppl_data, seqlen, args.ppl_windows)
+    result = outlier_migration(model, fp_model, windows, args.bits, progress=not args.json)
+    title = f"{args.model}: outlier migration on {args.ppl_data}"
+    if args.plot:
+        from bitquilt.eval.migration import plot_migration
+
+        plot_migration(result, args.plot, title)
+    non_finite = _flag_non_finite([{"mean_kl": e} for e in result.mean_error], result.labels)
+    if args.json:
+        _print_json({"model": args.model, "fp_model": args.fp_model, "ppl_data": args.ppl_data, "seqlen": seqlen,
+                     "windows": len(windows), **result.to_dict()})
+        return _results_exit(args.command, non_finite)
+    rho = [{"setting": label, "mean_kl": e, **{f"ρ {other}": float(v) for other, v in zip(result.labels, row)}}
+           for label, e, row in zip(result.labels, result.mean_error, result.spearman)]
+    shared = [{"setting": label, **{other: float(v) for other, v in zip(result.labels, row)}}
+              for label, row in zip(result.labels, result.top_shared)]
+    _print_table(rho, list(rho[0]))
+    print(f"\nfraction of the top {100 * result.top_fraction:g}% tokens by KL ({result.top_k} of {result.n_tokens}) "
+          f"shared; independent rankings share {result.chance_shared:.2g}")
+    _print_table(shared, list(shared[0]))
+    print(f"{len(windows)} windows × {seqlen} tokens of {args.ppl_data}; mean_kl: KL(p_fp ‖ p_q) per token, nats")
+    if args.plot:
+        print(f"plot: {args.plot}")
+    return _results_exit(args.command, non_finite)
 
 
 def cmd_inspect(args) -> int:
@@ -595,6 +710,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_quantize)
 
     s = sub.add_parser("eval", help="perplexity and zero-shot accuracy of a model")
+    s.add_argument("--avg-bits", type=_float_list, default=[], metavar="B,...",
+                   help="MoBiQuant: evaluate one checkpoint at each average bits per weight, tokens routed to "
+                   "slices (e.g. 2.5,3,3.5,4); reports the bits really used")
+    s.add_argument("--static-bits", type=_float_list, default=[], metavar="B,...",
+                   help="sliced models: evaluate with every token using the slices that sum to B bits (e.g. 2,3,4)")
     s.add_argument("model", help=model_help)
     s.add_argument("--json", action="store_true")
     _add_eval_args(s, ppl_flag=True)
@@ -608,20 +728,39 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_args(s, ppl_flag=False)
     s.set_defaults(fn=cmd_compare)
 
-    s = sub.add_parser("analyze", help="the papers' analyses of a model: residual-stream phases (DynamicPTQ)")
-    s.add_argument("model", help=model_help)
+    s = sub.add_parser("analyze", help="the papers' analyses of a model: residual-stream phases (DynamicPTQ), "
+                       "outlier migration across bit-widths (MoBiQuant)")
+    s.add_argument("model", help=model_help + " (--outlier-migration: a sliced checkpoint, --method mobislice or "
+                   "mobiquant)")
     s.add_argument("--residual-stream", action="store_true",
                    help="Jump Ratio ‖Δx‖/‖x‖ and historical SNR per decoder layer, on calibration windows")
-    s.add_argument("--rotation", choices=("none", "quarot"), default="none",
-                   help="rotate the model first (QuaRot), as the W4A4 backbone would (default none)")
-    s.add_argument("--a-bits", type=int, default=4, help="activation bits the SNR is measured at (and 8; default 4)")
-    s.add_argument("--calib-data", default=CALIB["source"], help=f"calibration text (default {CALIB['source']})")
-    s.add_argument("--calib-samples", type=int, default=8, help="calibration windows (default 8)")
-    s.add_argument("--calib-seqlen", type=int, default=CALIB["seqlen"],
-                   help=f"tokens per window (default {CALIB['seqlen']})")
-    s.add_argument("--seed", type=int, default=CALIB["seed"], help="sampling seed of the windows")
-    s.add_argument("--plot", default=None, help="write the phase plot (png/pdf/svg) here")
+    s.add_argument("--outlier-migration", action="store_true",
+                   help="per-token KL(p_fp ‖ p_q) at several precisions of a sliced checkpoint, on evaluation "
+                   "windows, and how consistently the precisions rank the tokens (Spearman ρ, top-1%% overlap)")
+    s.add_argument("--plot", default=None, help="write the plot (png/pdf/svg) here")
     s.add_argument("--json", action="store_true")
+    r = s.add_argument_group("--residual-stream")
+    r.add_argument("--rotation", choices=("none", "quarot"), default="none",
+                   help="rotate the model first (QuaRot), as the W4A4 backbone would (default none)")
+    r.add_argument("--a-bits", type=int, default=4, help="activation bits the SNR is measured at (and 8; default 4)")
+    r.add_argument("--calib-data", default=CALIB["source"], help=f"calibration text (default {CALIB['source']})")
+    r.add_argument("--calib-samples", type=int, default=8, help="calibration windows (default 8)")
+    r.add_argument("--calib-seqlen", type=int, default=CALIB["seqlen"],
+                   help=f"tokens per window (default {CALIB['seqlen']})")
+    r.add_argument("--seed", type=int, default=CALIB["seed"], help="sampling seed of the windows")
+    m = s.add_argument_group("--outlier-migration")
+    m.add_argument("--fp-model", default=None, metavar="MODEL",
+                   help="the full-precision model the checkpoint was quantized from (required; e.g. "
+                   f"{DEFAULT_MODEL})")
+    m.add_argument("--bits", type=_float_list, default=None,
+                   help="precisions to compare, e.g. 2,3,4: static slice prefixes, and routed if the checkpoint has "
+                   "routers (default: every static precision)")
+    m.add_argument("--ppl-data", default="wiki", help="evaluation text: wiki, lambada, or a .txt/.jsonl path "
+                   "(default wiki)")
+    m.add_argument("--windows", "--ppl-windows", dest="ppl_windows", type=int, default=4,
+                   help="evaluation windows (default 4)")
+    m.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512, capped at the model's "
+                   "maximum)")
     s.set_defaults(fn=cmd_analyze)
 
     s = sub.add_parser("inspect", help="per-layer format, bits/weight and bytes of a saved quantized model")
@@ -629,11 +768,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_inspect)
 
-    s = sub.add_parser("export", help="write a saved quantized model as a GGUF file for llama.cpp / ollama")
+    s = sub.add_parser("export", help="write a saved quantized model for another runtime: a GGUF file (llama.cpp, "
+                       "ollama) or a compressed-tensors directory (vLLM, transformers)")
     s.add_argument("path", help="directory saved by `bitquilt quantize`")
-    s.add_argument("--to", choices=("gguf",), default="gguf", help="output format (default gguf)")
-    s.add_argument("-o", "--output", required=True, help="file to write, e.g. model.gguf")
-    s.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    s.add_argument("--to", choices=EXPORT_FORMATS, default="gguf",
+                   help="output format: gguf (one file) or compressed-tensors (a Hugging Face directory in the "
+                   "pack-quantized format; uniform 2/4/8-bit weights) (default gguf)")
+    s.add_argument("-o", "--output", required=True,
+                   help="file to write, e.g. model.gguf; a directory for compressed-tensors")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing output")
     s.add_argument("--tokenizer-from", default=None, metavar="GGUF",
                    help="copy the tokenizer from this GGUF file of the same model (default: the GGUF a packaged "
                    "model was converted from, if fetched, else the saved tokenizer)")

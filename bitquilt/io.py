@@ -1,7 +1,10 @@
 """Save and load quantized models: safetensors + a readable `quantization_config.json`.
 
 Layout of a saved directory
-  config.json, generation_config.json, tokenizer files   the base model's, unchanged
+  config.json             the base model's, with model_type "bitquilt" (its own under "bitquilt"): plain
+                          transformers then refuses the directory instead of loading random weights in place of
+                          the packed linears (an unknown quantization_config would only be warned about)
+  generation_config.json, tokenizer files   the base model's, unchanged
   model.safetensors       every tensor: full-precision parameters under their usual names,
                           packed formats as `<linear>.packed_<tensor>` (+ `<linear>.bias`)
   quantization_config.json  format version, recipe, calibration, per-linear format + meta,
@@ -37,6 +40,7 @@ from bitquilt.nn.quant_linear import QuantLinear
 CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 2  # 2: online modules by host and slot (version 1 kept rotations inside quantizers)
+GUARD_TYPE = "bitquilt"  # config.json's model_type in a saved directory; the base model's is kept under this key
 
 _records: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 
@@ -135,6 +139,7 @@ def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, extra: 
     }
     with atomic_dir(directory) as tmp:
         model.config.save_pretrained(tmp)
+        guard_config(tmp / "config.json")
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
@@ -142,6 +147,37 @@ def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, extra: 
         save_file(stored_tensors(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "bitquilt": "1"})
         (tmp / CONFIG_NAME).write_text(json.dumps(qconfig, indent=2, default=str))
     return directory
+
+
+def guard_config(path: Path) -> None:
+    """Give the config.json at `path` the model_type "bitquilt", keeping the base model's under "bitquilt":
+    transformers' AutoConfig (and so AutoModel, vLLM) refuses an unknown model type with an error naming it."""
+    config = json.loads(path.read_text())
+    config[GUARD_TYPE] = {"model_type": config["model_type"],
+                          "load_with": "bitquilt (bitquilt.load, `bitquilt eval`); for other runtimes: "
+                                       "`bitquilt export --to gguf|compressed-tensors`"}
+    config["model_type"] = GUARD_TYPE
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def base_config(directory: Path) -> Any:
+    """The transformers config of a saved directory: its config.json with the base model_type restored (a directory
+    saved before the guard has it unchanged)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not a readable model config: {e}") from None
+    if config.get("model_type") != GUARD_TYPE:
+        return AutoConfig.from_pretrained(directory)
+    model_type = (config.pop(GUARD_TYPE, None) or {}).get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise UserError(f"{path} is corrupt or was edited: its base model type {model_type!r} is not one transformers "
+                        "knows; quantize the model again")
+    return CONFIG_MAPPING[model_type].from_dict({**config, "model_type": model_type})
 
 
 def is_quantized_dir(path: str | Path) -> bool:
@@ -202,7 +238,7 @@ def _rebuild_format(info: Any, tensors: dict[str, torch.Tensor], bias: torch.Ten
 
 def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
     """Rebuild a model saved by `save` (no recalibration); returns (model, tokenizer or None)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory = Path(directory)
     qconfig = read_qconfig(directory)
@@ -210,7 +246,7 @@ def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
         tensors = load_file(str(directory / WEIGHTS_NAME))
     except (SafetensorError, OSError) as e:
         raise UserError(f"cannot read {directory / WEIGHTS_NAME} (missing or corrupted): {e}") from None
-    config = AutoConfig.from_pretrained(directory)
+    config = base_config(directory)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     checked: set[tuple] = set()
     for name, info in qconfig["layers"].items():
@@ -232,7 +268,7 @@ def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
         model.tie_weights()
     model.eval()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory, config=config)
     except (OSError, ValueError):
         tokenizer = None
     set_quantization_record(model, qconfig)

@@ -2,6 +2,7 @@
 metadata (checked against the packaged model's original GGUF), refusals, the CLI and atomic writes."""
 
 import json
+import math
 
 import gguf
 import numpy as np
@@ -308,3 +309,183 @@ def test_a_failed_write_leaves_the_previous_file(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         write_gguf(model, None, out, "tiny")
     assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+
+
+# ---------------------------------------------------------------- compressed-tensors
+def ct_linears(model) -> dict[str, UniformFormat]:
+    return {n: m.fmt for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def random_uniform(out: int, n: int, bits: int, group: int, sym: bool) -> UniformFormat:
+    """Random codes, scales and zeros: every bit of the layout matters."""
+    gen = torch.Generator().manual_seed(bits * 1000 + group)
+    groups = -(-n // group)
+    q = torch.randint(0, 2**bits, (out, n), generator=gen)
+    scales = torch.rand(out, groups, generator=gen) + 0.01
+    zeros = torch.randint(0, 2**bits, (out, groups), generator=gen)
+    return UniformFormat.from_codes(q, scales, zeros, UniformGrid(bits, sym), group)
+
+
+@pytest.mark.parametrize("bits, group, sym", [(4, 32, False), (2, 64, False), (8, 128, True), (4, 64, True),
+                                              (4, 128, False), (8, 192, False)])
+def test_compressed_tensors_own_decompressor_reads_bitquilts_weights_exactly(bits, group, sym):
+    """Widths 192 (at g128: a last group of 64, exported at g64) and 96 rows (zero points padded to whole words)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from bitquilt.export.compressed_tensors import packed_tensors, plan_schemes, weight_args
+
+    fmt = random_uniform(96, 192, bits, group, sym)
+    scheme = plan_schemes({"l": fmt})["l"]
+    assert scheme == (bits, sym, None if group >= 192 else math.gcd(group, 192))
+    args = QuantizationArgs(**weight_args(scheme, act_order=False))
+    state = packed_tensors(fmt, scheme[2], torch.float32)
+    weight = PackedQuantizationCompressor.decompress(state, QuantizationScheme(targets=["Linear"], weights=args))
+    assert torch.equal(weight["weight"], fmt.dequantize())  # fp32: s·(q − z) has ≤ 19 significant bits
+    # and compressed-tensors' own compressor, given the same weights, scales and zeros, writes the same tensors
+    zero = {} if sym else {"weight_zero_point": weight["weight_zero_point"]}  # unpacked: signed z − 2^(b−1)
+    again = PackedQuantizationCompressor.compress(
+        {"weight": fmt.dequantize(), "weight_scale": state["weight_scale"], **zero},
+        QuantizationScheme(targets=["Linear"], weights=args))
+    assert again.keys() == state.keys() and all(torch.equal(again[k], state[k]) for k in state)
+
+
+@pytest.fixture(scope="module")
+def ct_export(tmp_path_factory):
+    """The tiny llama quantized with RTN W4 g128 (asymmetric), saved with the default model's tokenizer, and its
+    compressed-tensors export: (model, saved dir, export dir, summary)."""
+    from transformers import AutoTokenizer
+
+    from bitquilt.export.compressed_tensors import export_compressed_tensors
+
+    tmp = tmp_path_factory.mktemp("ct")
+    model = quantized_tiny("llama", w_bits=4, group_size=128)
+    save(model, tmp / "q", tokenizer=AutoTokenizer.from_pretrained(registry.fetched_dir(registry.DEFAULT_MODEL)))
+    return model, tmp / "q", tmp / "ct", export_compressed_tensors(tmp / "q", tmp / "ct")
+
+
+def test_compressed_tensors_export_loads_in_transformers_exactly(ct_export):
+    """transformers (with compressed-tensors installed) dequantizes the export to bitquilt's weights bit for bit
+    in fp32, so the logits agree to float summation order (bitquilt's kernels vs dense matmuls)."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
+
+    model, saved, out, summary = ct_export
+    assert summary.schemes == {"group_0": "w4 g128 asym (14 linears)"} and summary.regrouped == 0
+    assert summary.dtype == "float32" and summary.rounded == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and "bitquilt" not in config
+    q = config["quantization_config"]
+    assert q["quant_method"] == "compressed-tensors" and q["format"] == "pack-quantized"
+    assert q["ignore"] == ["lm_head"] and q["config_groups"]["group_0"]["targets"] == ["Linear"]
+    assert q["config_groups"]["group_0"]["weights"] == {"num_bits": 4, "type": "int", "symmetric": False,
+                                                         "dynamic": False, "strategy": "group", "group_size": 128}
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (saved / name).read_bytes()
+    # asymmetric grids load through the dequantizing path: transformers 5.24's default path sizes packed zero points
+    # as unpacked ones and refuses any asymmetric pack-quantized checkpoint, compressed-tensors' own included
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                  quantization_config=CompressedTensorsConfig(dequantize=True))
+    for name, fmt in ct_linears(model).items():
+        assert torch.equal(loaded.get_submodule(name).weight, fmt.dequantize()), name
+    for name, p in model.named_parameters():
+        assert torch.equal(loaded.get_parameter(name), p), name
+    ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-4)
+    assert AutoTokenizer.from_pretrained(out)("The sea")["input_ids"]
+
+
+def test_symmetric_and_regrouped_exports_load_through_transformers_default_path(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    from bitquilt.export.compressed_tensors import export_compressed_tensors
+
+    model = quantized_tiny("qwen2", w_bits=8, group_size=-1, sym=True, skip=("*.k_proj",))  # per channel, biases
+    save(model, tmp_path / "q")
+    summary = export_compressed_tensors(tmp_path / "q", tmp_path / "ct")
+    assert summary.schemes == {"group_0": "w8 per-channel sym (12 linears)"}
+    q = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert q["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
+    assert q["ignore"] == ["model.layers.0.self_attn.k_proj", "model.layers.1.self_attn.k_proj", "lm_head"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32)
+    ids = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-4)
+    for name, fmt in ct_linears(model).items():
+        assert torch.equal(loaded.get_submodule(name).weight, fmt.dequantize()), name
+
+
+def test_groups_that_do_not_divide_every_width_share_the_largest_common_size():
+    from bitquilt.export.compressed_tensors import plan_schemes
+
+    formats = {"a": random_uniform(32, 576, 4, 128, False), "b": random_uniform(32, 1536, 4, 128, False),
+               "c": random_uniform(32, 256, 8, 256, True), "d": random_uniform(32, 512, 8, 512, True)}
+    assert plan_schemes(formats) == {"a": (4, False, 64), "b": (4, False, 64), "c": (8, True, None),
+                                     "d": (8, True, None)}
+    formats["e"] = random_uniform(32, 512, 8, 128, True)
+    assert plan_schemes(formats)["c"] == (8, True, 128)  # a per-row layer repeats its scale over the groups
+
+
+def ct_refused() -> list[tuple[str, object, str]]:
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    u = uniform(w, 4, 32, False)
+    return [
+        ("3-bit", uniform(w, 3, 32, False), "3-bit codes are packed differently"),
+        ("act-order", uniform(w, 4, 32, True, act_order=True), "act-order (g_idx) columns"),
+        ("bitplane", BitplaneFormat.from_uniform(u), "compressed-tensors has no bitplane format"),
+        ("mxint", MXIntFormat.quantize(w, [4], [96]), "compressed-tensors has no mxint format"),
+        ("composite", CompositeFormat({"base": u}), "compressed-tensors has no composite format"),
+    ]
+
+
+@pytest.mark.parametrize("label, fmt, why", ct_refused(), ids=[r[0] for r in ct_refused()])
+def test_formats_compressed_tensors_cannot_hold_are_refused(tmp_path, label, fmt, why):
+    from bitquilt.export.compressed_tensors import write_compressed_tensors
+
+    model = quantized_tiny("llama", w_bits=4, group_size=32)
+    model.model.layers[1].mlp.up_proj = QuantLinear(fmt)  # refused before any shape matters
+    with pytest.raises(UserError) as e:
+        write_compressed_tensors(model, tmp_path, tmp_path / "ct")
+    message = str(e.value)
+    assert "\n" not in message and why in message and fmt.describe() in message and "exportable: uniform" in message
+    assert "model.layers.1.mlp.up_proj" in message and list(tmp_path.iterdir()) == []
+
+
+def test_online_modules_are_refused_for_compressed_tensors(tmp_path):
+    from bitquilt.export.compressed_tensors import write_compressed_tensors
+
+    model = quantized_tiny("llama", w_bits=4, group_size=32)
+    attach_kv_quantizers(model, ActQuantConfig(bits=4))
+    with pytest.raises(UserError, match=r"cannot export model\.layers\.0\.self_attn to compressed-tensors: .*kv_quant"):
+        write_compressed_tensors(model, tmp_path, tmp_path / "ct")
+
+
+def test_cli_compressed_tensors_export_and_a_refused_bpdq_model(tmp_path, capsys):
+    good, bpdq = tmp_path / "q4", tmp_path / "bpdq"
+    save(quantized_tiny("llama", w_bits=4, group_size=64, sym=True), good)
+    model = make_tiny("llama")
+    quantize(model, Recipe("bpdq", w_bits=2, group_size=64), torch.randint(0, 320, (2, 32)), progress=False)
+    save(model, bpdq)
+    out = tmp_path / "out" / "ct"
+    code, stdout, _ = run(capsys, "export", good, "--to", "compressed-tensors", "-o", out, "--json")
+    assert code == 0 and json.loads(stdout)["schemes"] == {"group_0": "w4 g64 sym (14 linears)"}
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    before = (out / "model.safetensors").read_bytes()
+    code, _, err = run(capsys, "export", good, "--to", "compressed-tensors", "-o", out)
+    assert code == 2 and "already exists" in err
+    code, _, _ = run(capsys, "export", good, "--to", "compressed-tensors", "-o", out, "--overwrite")
+    assert code == 0 and (out / "model.safetensors").read_bytes() == before  # deterministic
+    refused = tmp_path / "out" / "bpdq-ct"
+    code, stdout, err = run(capsys, "export", bpdq, "--to", "compressed-tensors", "-o", refused)
+    assert code == 2 and stdout == "" and err.count("\n") == 1
+    assert err.startswith("bitquilt export: error: cannot export model.layers.0.self_attn.q_proj (bitplane") and \
+        "compressed-tensors has no bitplane format (and 13 more layers); exportable: uniform 2, 4, 8-bit" in err
+    assert sorted(p.name for p in out.parent.iterdir()) == ["ct"]  # no partial output, no temporaries
+    code, _, err = run(capsys, "export", good, "--to", "compressed-tensors", "-o", good, "--overwrite")
+    assert code == 2 and "is the saved model itself" in err and (good / "quantization_config.json").is_file()
+    code, _, err = run(capsys, "export", good, "--to", "compressed-tensors", "-o", tmp_path / "x",
+                       "--tokenizer-from", tmp_path / "m.gguf")
+    assert code == 2 and "--tokenizer-from (tokenizer_from) applies to GGUF exports" in err

@@ -145,6 +145,29 @@ def test_untampered_models_load(saved_models):
         load_quantized(saved_models / method)
 
 
+def test_plain_transformers_refuses_a_saved_model_that_bitquilt_loads(saved_models, tmp_path):
+    """config.json's model_type "bitquilt" makes transformers fail loudly instead of filling the packed linears with
+    random weights; bitquilt restores the base config (saved before this, unchanged, still loads)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = saved_models / "rtn"
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "bitquilt" and config["bitquilt"]["model_type"] == "llama"
+    with pytest.raises(ValueError, match="has model type `bitquilt` but Transformers does not recognize"):
+        AutoModelForCausalLM.from_pretrained(path)
+    model, _ = load_quantized(path)
+    assert model.config.to_dict() == make_tiny("llama").config.to_dict()
+    old = shutil.copytree(path, tmp_path / "old")  # as saved before the guard: the base config.json unchanged
+    (old / "config.json").write_text(json.dumps({**config.pop("bitquilt"), **config, "model_type": "llama"}))
+    assert AutoConfig.from_pretrained(old).model_type == "llama"
+    ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(load_quantized(old)[0](ids).logits, model(ids).logits)
+    (old / "config.json").write_text(json.dumps({**config, "model_type": "bitquilt", "bitquilt": {"model_type": "x"}}))
+    with pytest.raises(UserError, match="corrupt or was edited: its base model type 'x' is not one transformers knows"):
+        load_quantized(old)
+
+
 # ---------------------------------------------------------------- 5: unwritable outputs, checked before loading
 @pytest.mark.parametrize("args, message", [
     (["quantize", "smollm2-135m", "-o", "{file}/out"], "{file} is a file, not a directory"),
@@ -254,6 +277,25 @@ def test_settings_beyond_the_model_are_refused_before_quantizing(tmp_path, capsy
         errors = [line for line in err.splitlines() if "error" in line]  # (transformers' loading bar aside)
         assert code == 2 and errors == [f"bitquilt quantize: error: {message}"] and "Traceback" not in err, err
         assert stdout == "" and not out.exists()
+
+
+def test_a_kv_group_that_does_not_divide_head_dim_is_refused_before_calibration(tmp_path, capsys, monkeypatch):
+    import bitquilt.api
+
+    path, _, text = tiny_model_dir(tmp_path / "tiny")  # head_dim 16
+    monkeypatch.setattr(bitquilt.api, "calibration_ids",
+                        lambda *a: pytest.fail("calibration windows built before the KV groups were checked"))
+    out = tmp_path / "q"
+    code, stdout, err = run(capsys, "quantize", path, "-o", out, "--method", "rtn", "--kv-bits", "4",
+                            "--kv-group-size", "6", "--calib-data", text, "--calib-seqlen", "32")
+    errors = [line for line in err.splitlines() if "error" in line]  # (transformers' loading bar aside)
+    assert code == 2 and stdout == "" and not out.exists() and errors == [
+        "bitquilt quantize: error: --kv-group-size 6 (kv_group_size) does not divide the model's head_dim 16; use a "
+        "divisor of it (1, 2, 4, 8, 16), or -1 or any size ≥ 16 for one group per head"]
+    model = make_tiny("llama")  # the API checks too (head_dim 32), before any stage runs
+    with pytest.raises(ValueError, match="--kv-group-size 12 .* head_dim 32"):
+        quantize(model, Recipe("rtn", kv_bits=4, kv_group_size=12), torch.zeros(1, 16, dtype=torch.long),
+                 progress=False)
 
 
 def test_a_kv_group_as_wide_as_the_head_or_wider_is_one_group_per_head(capsys):

@@ -1,1 +1,4 @@
-"""Export of saved quantized models to other runtimes' file formats (GGUF for llama.cpp / ollama)."""
+"""Export of saved quantized models to other runtimes' formats: GGUF (llama.cpp / ollama) and compressed-tensors
+(vLLM / transformers)."""
+
+FORMATS = ("gguf", "compressed-tensors")  # `bitquilt export --to`

@@ -38,8 +38,11 @@ def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None)
         return sum(part_matmul(p, x) for p in parts)
     if slices.shape != x.shape[:1]:
         raise ValueError(f"per-token slices of shape {tuple(slices.shape)} for {x.shape[0]} tokens")
-    if int(slices.min()) < 0 or int(slices.max()) > len(parts):
+    low, high = int(slices.min()), int(slices.max())
+    if low < 0 or high > len(parts):
         raise ValueError(f"per-token slice counts must lie in [0, {len(parts)}]")
+    if low == high:  # every token the same count (static precision, batch-1 decode): no regrouping
+        return sum((part_matmul(p, x) for p in parts[:high]), x.new_zeros(x.shape[0], fmt.out_features))
     counts, order = torch.sort(slices, descending=True, stable=True)
     sorted_x = x[order].contiguous()
     y = x.new_zeros(x.shape[0], fmt.out_features)

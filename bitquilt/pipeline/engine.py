@@ -30,12 +30,31 @@ from bitquilt.resources import peak_rss_mb, reset_peak_rss
 
 
 def check_layer_shapes(model: nn.Module, plan: Plan) -> None:
-    """Fail before any work if a planned linear cannot take its grid (e.g. group size vs width)."""
+    """Fail before any work if a planned linear cannot take its grid (e.g. group size vs width), or a planned KV
+    quantizer its groups (KV group size vs head_dim)."""
     for name in plan.quantized():
         try:
             resolve_group_size(plan.weight(name).group_size, model.get_submodule(name).in_features)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
+    for name, config in plan.kv.items():
+        check_kv_group_size(config.group_size, head_dim(model, name), config.format)
+
+
+def head_dim(model: nn.Module, attention: str) -> int:
+    """Values per head of the attention module `attention` (its own `head_dim`, else the config's)."""
+    dim = getattr(model.get_submodule(attention), "head_dim", None) or getattr(model.config, "head_dim", None)
+    return int(dim or model.config.hidden_size // model.config.num_attention_heads)
+
+
+def check_kv_group_size(group_size: int, dim: int, grid: str = "int") -> None:
+    """Raise ValueError unless integer KV groups of `group_size` values tile a head of `dim` values (-1 or a size ≥
+    `dim`: one group per head). MXINT KV blocks ignore the group size."""
+    if grid != "int" or group_size == -1 or group_size >= dim or dim % group_size == 0:
+        return
+    divisors = ", ".join(str(d) for d in range(1, dim + 1) if dim % d == 0)
+    raise ValueError(f"--kv-group-size {group_size} (kv_group_size) does not divide the model's head_dim {dim}; "
+                     f"use a divisor of it ({divisors}), or -1 or any size ≥ {dim} for one group per head")
 
 
 def _record(report: QuantReport, stage: Stage, result: dict[str, Any] | None, where: str | None) -> None:

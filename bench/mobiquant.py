@@ -1,0 +1,280 @@
+"""MoBiQuant benchmark: one checkpoint evaluated at many precisions, next to static PTQ at each width.
+
+    python bench/mobiquant.py --model smollm2-135m --threads 1
+
+Rows, most telling first (records resume where a run stopped):
+- mobiquant (`--method mobiquant`, slices --slices, routers trained once at --target-bits): perplexity
+  routed at each --avg-bits (one global threshold δ, the bits really used reported) and static
+  (every token the same slices) at each width the slices reach, all from the one saved checkpoint;
+- GPTQ and AWQ calibrated separately at each --widths (groups of --group-size, as the slices);
+- "gptq 3→4": the 3-bit GPTQ checkpoint's weights requantized on the 4-bit grid (RTN), the static
+  checkpoint asked for a precision it was not calibrated at (the paper's generalisation failure);
+- batch-1 decode tokens/s of the mobiquant checkpoint at each static width and routed --avg-bits;
+- outlier migration: per-token KL(p_fp ‖ p_q) rank correlation across --migration-bits for the
+  separately calibrated GPTQ models and for the mobiquant checkpoint (static and routed).
+Results: bench/results/mobiquant.{json,md} and mobiquant_<model>.png (perplexity vs average bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from common import (
+    GPTQ_PLAIN,
+    RESULTS,
+    add_protocol_args,
+    by_setting,
+    command_line,
+    fmt_ppl,
+    loadavg,
+    machine,
+    measured,
+    protocol_settings,
+    record_key,
+    run,
+    setting_header,
+    store,
+    write_atomic,
+)
+
+from bitquilt.api import calibration_ids, load, model_summary, quantize, save
+from bitquilt.eval import perplexity
+from bitquilt.io import is_quantized_dir
+from bitquilt.nn.quant_linear import QuantLinear, set_slices
+from bitquilt.nn.slice_router import realised_bits, set_precision
+
+KEY = ("model", "kind", "label", "precision")
+
+
+def _float_list(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v]
+
+
+def render(records: list[dict]) -> str:
+    lines = ["# MoBiQuant benchmark", "", __doc__.split("\n\n", 2)[2].strip(), ""]
+    for model, settings, rows in by_setting(records):
+        lines += setting_header(model, settings, rows)
+        ppl_rows = sorted((r for r in rows if r["kind"] == "ppl"), key=lambda r: (r["label"], r["bits"]))
+        if ppl_rows:
+            lines += ["| model | precision | average bits/weight used | stored bits/weight | perplexity | "
+                      "quantization s (CPU s) |", "|---|---|---:|---:|---:|---|"]
+            for r in ppl_rows:
+                q = f"{r['quant_time_s']:.0f} ({r['quant_cpu_s']:.0f})" if r.get("quant_time_s") else ""
+                lines.append(f"| {r['label']} | {r['precision']} | {r['bits']:.2f} | {r['bits_per_weight']:.2f} | "
+                             f"{fmt_ppl(r['ppl'])} | {q} |")
+            lines += ["", f"![perplexity vs bits](mobiquant_{model}.png)", ""]
+        speed = [r for r in rows if r["kind"] == "speed"]
+        if speed:
+            lines += ["Batch-1 decode of the mobiquant checkpoint (prompt 128, 32 new tokens, median of 3; routed "
+                      "rows include the routers):", "", "| precision | bits used | decode tok/s | prefill tok/s |",
+                      "|---|---:|---:|---:|"]
+            lines += [f"| {r['precision']} | {r['bits']:.2f} | {r['decode_tps']:.1f} | {r['prefill_tps']:.0f} |"
+                      for r in sorted(speed, key=lambda r: (r["precision"][0], r["bits"]))]
+            lines += [""]
+        for r in (r for r in rows if r["kind"] == "migration"):
+            labels = r["result"]["labels"]
+            lines += [f"Outlier migration, {r['label']}: Spearman ρ of per-token KL(p_fp ‖ p_q) over "
+                      f"{r['result']['n_tokens']} tokens (and the fraction of the top-1% tokens shared; chance "
+                      f"{r['result']['chance_shared']:.3f}):", "",
+                      "| | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+            for i, a in enumerate(labels):
+                cells = [f"{r['result']['spearman'][i][j]:.2f} ({r['result']['top_shared'][i][j]:.2f})"
+                         for j in range(len(labels))]
+                lines.append(f"| {a} | " + " | ".join(cells) + " |")
+            lines += [""]
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], model: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if r["model"] == model and r["kind"] == "ppl"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {"mobiquant routed": ("o-", "C0"), "mobiquant static": ("s--", "C1"), "gptq": ("^:", "C2"),
+              "awq": ("v:", "C3"), "gptq 3→4": ("X", "C4")}
+    for name, (style, color) in styles.items():
+        pts = sorted((r["bits"], r["ppl"]) for r in rows if f"{r['label']} {r['precision'].split()[0]}" == name
+                     or r["label"] == name)
+        if pts:
+            ax.plot(*zip(*pts), style, color=color, label=name, markersize=7)
+    ax.set_yscale("log")
+    ax.set_xlabel("average bits per weight used (element bits)")
+    ax.set_ylabel("perplexity (wiki)")
+    ax.set_title(f"{model}: one MoBiQuant checkpoint vs static PTQ per width")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    RESULTS.mkdir(exist_ok=True)
+    tmp = RESULTS / f"mobiquant_{model}.tmp.png"
+    fig.savefig(tmp, dpi=120)
+    tmp.replace(RESULTS / f"mobiquant_{model}.png")
+    plt.close(fig)
+
+
+def requantize(model: torch.nn.Module, bits: int, group_size: int) -> None:
+    """Put every QuantLinear's dequantized weight back as a plain linear, then RTN it at `bits`."""
+    from bitquilt.nn.online import swap_host
+
+    for name, m in list(model.named_modules()):
+        if isinstance(m, QuantLinear):
+            linear = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+            with torch.no_grad():
+                linear.weight.copy_(m.dequantized())
+                if m.bias is not None:
+                    linear.bias.copy_(m.bias)
+            swap_host(model, name, linear)
+    quantize(model, "rtn", None, progress=False, w_bits=bits, group_size=group_size)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--slices", default="2,1,1,1,1,1,1")
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--target-bits", type=float, default=3.0)
+    p.add_argument("--route-steps", type=int, default=30)
+    p.add_argument("--avg-bits", default="2.5,3,3.5,4,4.5,5,6")
+    p.add_argument("--static-bits", default="2,3,4,5,6")
+    p.add_argument("--widths", default="2,3,4", help="widths of the separately calibrated GPTQ/AWQ rows")
+    p.add_argument("--baselines", default="gptq,awq")
+    p.add_argument("--parts", default="ppl,generalise,speed,migration,baselines")
+    p.add_argument("--migration-bits", default="2,3,4")
+    p.add_argument("--migration-windows", type=int, default=4)
+    p.add_argument("--save-dir", default=str(Path.home() / ".cache/bitquilt/bench-models"))
+    add_protocol_args(p, calib_samples=64, ppl_windows=40)
+    args = p.parse_args()
+    calib, settings = protocol_settings(args)
+    command = command_line()
+    slices = tuple(int(b) for b in args.slices.split(","))
+    parts = args.parts.split(",")
+    settings = {**settings, "slices": list(slices), "group_size": args.group_size, "target_bits": args.target_bits,
+                "route_steps": args.route_steps}
+    done = measured("mobiquant", KEY)
+    base = {"model": args.model, "settings": settings}
+    tokenizer, ids = None, None
+
+    def keep(record: dict) -> None:
+        store("mobiquant", {**base, **record, "machine": machine(), "command": command, "load": loadavg()}, KEY,
+              render, args.recheck)
+        plot(__import__("common").load_records("mobiquant"), args.model)
+
+    def wanted(kind: str, label: str, precision: str) -> bool:
+        return (record_key({**base, "kind": kind, "label": label, "precision": precision}, KEY) in done) == args.recheck
+
+    def ppl(model, tok) -> float:
+        return perplexity(model, tok, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl
+
+    # the mobiquant checkpoint, quantized once and kept
+    saved = Path(args.save_dir) / (f"{args.model}-mobiquant-{'-'.join(map(str, slices))}-g{args.group_size}-"
+                                   f"t{args.target_bits:g}-s{args.route_steps}-c{calib.n_samples}x{calib.seqlen}")
+    quant = {}
+    if not is_quantized_dir(saved):
+        model, tokenizer = load(args.model)
+        ids = calibration_ids(tokenizer, calib)
+        c0, t0 = time.process_time(), time.perf_counter()
+        report = quantize(model, "mobiquant", ids, progress=False, w_bits=sum(slices), group_size=args.group_size,
+                          options={"slices": slices},
+                          stage_options={"mobiroute": {"target_bits": args.target_bits, "steps": args.route_steps}})
+        blocks = report.stages["mobiroute"].values()
+        quant = {"quant_time_s": time.perf_counter() - t0, "quant_cpu_s": time.process_time() - c0,
+                 "route_seconds": sum(b["seconds"] for b in blocks),
+                 "route_error_ratio": sum(b["loss_after"] / b["loss_before"] for b in blocks) / len(blocks),
+                 "avg_bits_at_half": sum(b["avg_bits_at_half"] for b in blocks) / len(blocks)}
+        print(f"mobiquant quantized: {quant}", flush=True)
+        save(model, saved, tokenizer)
+        write_atomic(saved / "bench_quant.json", json.dumps(quant))
+    else:
+        quant = json.loads((saved / "bench_quant.json").read_text())
+    mobi, tokenizer = load(saved)
+    summary = model_summary(mobi)
+    precisions = [("static", b) for b in _float_list(args.static_bits)] + \
+                 [("routed", b) for b in _float_list(args.avg_bits)]
+    cumulative = [sum(slices[:k]) for k in range(1, len(slices) + 1)]
+
+    def apply(kind: str, bits: float) -> None:
+        if kind == "static":
+            set_slices(mobi, cumulative.index(int(bits)) + 1)
+        else:
+            set_precision(mobi, bits)
+
+    if "ppl" in parts:
+        for kind, bits in precisions:
+            if wanted("ppl", "mobiquant", f"{kind} {bits:g}"):
+                apply(kind, bits)
+                with realised_bits(mobi) as used:
+                    value = ppl(mobi, tokenizer)
+                print(f"mobiquant {kind} {bits:g}: {used['avg_bits']:.2f} bits, ppl {value:.2f}", flush=True)
+                keep({"kind": "ppl", "label": "mobiquant", "precision": f"{kind} {bits:g}", "bits": used["avg_bits"],
+                      "ppl": value, **summary, **quant})
+    baselines = [b for b in args.baselines.split(",") if b]
+    for label, width in [("gptq", 3)] * ("generalise" in parts) + \
+                        [(b, w) for b in baselines for w in map(int, args.widths.split(","))] * ("baselines" in parts):
+        todo = wanted("ppl", label, f"static {width}")
+        todo_gen = label == "gptq" and width == 3 and "generalise" in parts and wanted("ppl", "gptq 3→4", "static 4")
+        if not (todo or todo_gen):
+            continue
+        model, tok = load(args.model)
+        ids = calibration_ids(tok, calib) if ids is None else ids
+        c0, t0 = time.process_time(), time.perf_counter()
+        quantize(model, label, ids, progress=False, w_bits=width, group_size=args.group_size,
+                 options=GPTQ_PLAIN if label == "gptq" else {})
+        times = {"quant_time_s": time.perf_counter() - t0, "quant_cpu_s": time.process_time() - c0}
+        if todo:
+            value = ppl(model, tok)
+            print(f"{label} w{width}: ppl {value:.2f}", flush=True)
+            keep({"kind": "ppl", "label": label, "precision": f"static {width}", "bits": float(width), "ppl": value,
+                  **model_summary(model), **times})
+        if todo_gen:
+            requantize(model, 4, args.group_size)
+            value = ppl(model, tok)
+            print(f"gptq 3→4: ppl {value:.2f}", flush=True)
+            keep({"kind": "ppl", "label": "gptq 3→4", "precision": "static 4", "bits": 4.0, "ppl": value,
+                  **model_summary(model), **times})
+        del model
+    if "speed" in parts:
+        from bitquilt.eval.speed import measure_speed
+
+        for kind, bits in precisions:
+            if wanted("speed", "mobiquant", f"{kind} {bits:g}"):
+                apply(kind, bits)
+                with realised_bits(mobi) as used:
+                    s = measure_speed(mobi, mobi.config.vocab_size)
+                keep({"kind": "speed", "label": "mobiquant", "precision": f"{kind} {bits:g}", "bits": used["avg_bits"],
+                      "decode_tps": s.decode_tokens_per_s, "prefill_tps": s.prefill_tokens_per_s})
+                print(f"speed {kind} {bits:g}: decode {s.decode_tokens_per_s:.1f} tok/s", flush=True)
+    if "migration" in parts:
+        migration_part(args, mobi, calib, keep, wanted)
+
+
+def migration_part(args, mobi, calib, keep, wanted) -> None:
+    """Per-token error rank correlation across widths: separately calibrated GPTQ models, then the checkpoint."""
+    from bitquilt.api import outlier_migration
+    from bitquilt.data.windows import eval_windows
+    from bitquilt.eval.migration import migration, token_errors
+
+    bits = _float_list(args.migration_bits)
+    fp, tok = load(args.model)
+    windows = eval_windows(tok, args.ppl_data, args.seqlen, args.migration_windows)
+    if wanted("migration", "gptq (one model per width)", "-"):
+        errors = {}
+        ids = calibration_ids(tok, calib)
+        for b in bits:
+            model, _ = load(args.model)
+            quantize(model, "gptq", ids, progress=False, w_bits=int(b), group_size=args.group_size, options=GPTQ_PLAIN)
+            errors.update(token_errors(fp, model, windows, {f"gptq {b:g}": lambda m: None}))
+        keep({"kind": "migration", "label": "gptq (one model per width)", "precision": "-",
+              "result": migration(errors).to_dict()})
+    if wanted("migration", "mobiquant (one checkpoint)", "-"):
+        result = outlier_migration(mobi, fp, windows, bits)
+        keep({"kind": "migration", "label": "mobiquant (one checkpoint)", "precision": "-", "result": result.to_dict()})
+
+
+if __name__ == "__main__":
+    run(main)
