@@ -20,6 +20,7 @@ against the error itself whatever the block's scale.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -30,7 +31,10 @@ from torch.nn import functional as F
 from bitquilt.calib.learnable import LearnableBitplane
 from bitquilt.formats.bitplane import BitplaneFormat
 from bitquilt.formats.composite import CompositeFormat
+from bitquilt.kernels.composite import grouped_matmul
 from bitquilt.nn.slice_router import TAU_GRID, SliceRouter
+
+GATE_FLOOR = 1e-4  # training skips the tail of slices whose gate is below this for every token
 
 
 def routable(fmt: object) -> bool:
@@ -54,14 +58,30 @@ class RoutedSlices(nn.Module):
         self.expected_bits: torch.Tensor | None = None  # of the last forward, for the budget
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = torch.cat([s() for s in self.slices]).to(x.dtype)  # [E·out, in]
-        per_slice = F.linear(x, weight).unflatten(-1, (len(self.slices), self.out_features))
         logits = self.router.logits(x)
-        gates = torch.sigmoid(logits / self.temperature) if torch.is_grad_enabled() else (logits > 0).float()
-        gates = torch.cat([torch.ones_like(gates[..., :1]), gates], dim=-1)
-        self.expected_bits = (gates * self.bits).sum(-1).mean()
-        y = (per_slice * gates.unsqueeze(-1).to(per_slice.dtype)).sum(-2)
+        y = self._train_forward(x, logits) if torch.is_grad_enabled() else self._hard_forward(x, logits)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _train_forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Soft gates. Gates fall along the slices, so the slices whose gate is below GATE_FLOOR for every
+        token of the batch form a tail: it is left out (its outputs and gradients are below the floor)."""
+        gates = torch.sigmoid(logits / self.temperature)
+        used = 1 + int((gates.detach().reshape(-1, gates.shape[-1]).amax(0) > GATE_FLOOR).sum())
+        gates = torch.cat([torch.ones_like(gates[..., :1]), gates[..., : used - 1]], dim=-1)
+        self.expected_bits = (gates * self.bits[:used]).sum(-1).mean()
+        weight = torch.cat([s() for s in self.slices[:used]]).to(x.dtype)  # [used·out, in]
+        per_slice = F.linear(x, weight).unflatten(-1, (used, self.out_features))
+        return (per_slice * gates.unsqueeze(-1).to(per_slice.dtype)).sum(-2)
+
+    def _hard_forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Binary gates (δ = ½): each token through the slices it uses only, as at run time."""
+        counts = 1 + (logits > 0).sum(-1)
+        self.expected_bits = torch.cat([torch.zeros(1, device=self.bits.device), self.bits]).cumsum(0)[counts].mean()
+        weights = [s().to(x.dtype) for s in self.slices]
+        flat = x.reshape(-1, x.shape[-1])
+        y = grouped_matmul(flat, counts.reshape(-1), [functools.partial(F.linear, weight=w) for w in weights],
+                           self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def to_format(self) -> CompositeFormat:
         return CompositeFormat({n: s.to_format() for n, s in zip(self.names, self.slices)})

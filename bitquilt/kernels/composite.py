@@ -13,6 +13,9 @@ kernel takes runs its format's torch reference. Tested against `CompositeFormat.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
+
 import torch
 
 from bitquilt import kernels
@@ -26,34 +29,36 @@ def part_matmul(part: WeightFormat, x: torch.Tensor) -> torch.Tensor:
     return part.reference_matmul(x) if y is None else y
 
 
+def grouped_matmul(x: torch.Tensor, counts: torch.Tensor, parts: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+                   out_features: int) -> torch.Tensor:
+    """y_t = Σ_{e ≤ counts[t]} parts[e − 1](x_t) for x [T, in]: each part called once, on the tokens that use it."""
+    if counts.shape != x.shape[:1]:
+        raise ValueError(f"per-token slices of shape {tuple(counts.shape)} for {x.shape[0]} tokens")
+    low, high = int(counts.min()), int(counts.max())
+    if low < 0 or high > len(parts):
+        raise ValueError(f"per-token slice counts must lie in [0, {len(parts)}]")
+    if low == high:  # every token the same count (static precision, batch-1 decode): no regrouping
+        return sum((part(x) for part in parts[:high]), x.new_zeros(x.shape[0], out_features))
+    ordered, order = torch.sort(counts, descending=True, stable=True)
+    sorted_x = x[order].contiguous()
+    y = x.new_zeros(x.shape[0], out_features)
+    for e, part in enumerate(parts[:high], start=1):
+        n = int((ordered >= e).sum())
+        y[:n] += part(sorted_x[:n])
+    out = torch.empty_like(y)
+    out[order] = y
+    return out
+
+
 def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
     """x [T, in] @ Ŵᵀ of a composite format, per-token slice counts honoured (module docstring)."""
     if not isinstance(fmt, CompositeFormat) or x.dim() != 2:
         return None
     if fmt.perm is not None:
         x = x[:, fmt.perm.long()]
-    parts = list(fmt.parts.values())
-    slices = None if ctx is None else ctx.slices
-    if slices is None:
-        return sum(part_matmul(p, x) for p in parts)
-    if slices.shape != x.shape[:1]:
-        raise ValueError(f"per-token slices of shape {tuple(slices.shape)} for {x.shape[0]} tokens")
-    low, high = int(slices.min()), int(slices.max())
-    if low < 0 or high > len(parts):
-        raise ValueError(f"per-token slice counts must lie in [0, {len(parts)}]")
-    if low == high:  # every token the same count (static precision, batch-1 decode): no regrouping
-        return sum((part_matmul(p, x) for p in parts[:high]), x.new_zeros(x.shape[0], fmt.out_features))
-    counts, order = torch.sort(slices, descending=True, stable=True)
-    sorted_x = x[order].contiguous()
-    y = x.new_zeros(x.shape[0], fmt.out_features)
-    for e, part in enumerate(parts, start=1):
-        n = int((counts >= e).sum())
-        if n == 0:
-            break
-        y[:n] += part_matmul(part, sorted_x[:n])
-    out = torch.empty_like(y)
-    out[order] = y
-    return out
+    parts = [functools.partial(part_matmul, p) for p in fmt.parts.values()]
+    counts = torch.full((x.shape[0],), len(parts)) if ctx is None or ctx.slices is None else ctx.slices
+    return grouped_matmul(x, counts, parts, fmt.out_features)
 
 
 kernels.register_kernel("composite", "by_parts", matmul)

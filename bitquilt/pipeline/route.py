@@ -5,7 +5,7 @@ slices) gives every sliced linear a `SliceRouter`, trains slices and routers of 
 together on its output error against the full-precision block plus the bit budget
 (`bitquilt.calib.routing`, through the shared block loop `bitquilt.calib.reconstruct.fit_block`),
 packs the slices back and leaves each router at its linear's "router" slot with δ = ½. Then one
-pass over the block's calibration inputs records each router's bits-per-threshold curve, which
+pass over the first `curve_windows` calibration inputs records each router's bits-per-threshold curve, which
 `set_precision` uses to turn an average bit-width into a threshold.
 """
 
@@ -38,11 +38,14 @@ class RouteOptions:
     t_start: float = option(1.0, "gate temperature at the first step")
     t_end: float = option(0.05, "gate temperature at the last step (near binary)")
     seed: int = option(0, "router initialisation and mini-batch order")
+    curve_windows: int = option(16, "calibration windows each router's bits-per-threshold curve is measured on")
 
     def __post_init__(self) -> None:
         if not self.target_bits > 0 or self.hidden < 1 or self.budget_weight < 0:
             raise ValueError(f"mobiroute: needs target_bits > 0, hidden ≥ 1, budget_weight ≥ 0; got "
                              f"{self.target_bits}, {self.hidden}, {self.budget_weight}")
+        if self.curve_windows < 1:
+            raise ValueError(f"mobiroute: curve_windows must be ≥ 1, got {self.curve_windows}")
         if not 0 < self.t_end <= self.t_start:
             raise ValueError(f"mobiroute: needs 0 < t_end ≤ t_start, got {self.t_end}, {self.t_start}")
         FitConfig(self.steps, self.lr, self.batch, "adam", self.seed, keep_best=False).validate()
@@ -82,7 +85,7 @@ def mobiroute(ctx: BlockContext, opts: RouteOptions) -> dict[str, Any] | None:
     hooks = [ctx.block.get_submodule(n).register_forward_pre_hook(lambda _m, args, meter=m: meter.add(args[0]))
              for n, m in meters.items()]
     try:
-        run_block(ctx.block, ctx.inputs, ctx.kwargs)
+        run_block(ctx.block, ctx.inputs[: opts.curve_windows], ctx.kwargs)
     finally:
         for h in hooks:
             h.remove()
