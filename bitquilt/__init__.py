@@ -8,6 +8,7 @@ _LAZY = {
     "load": "bitquilt.api",
     "fetch": "bitquilt.api",
     "quantize": "bitquilt.api",
+    "quantize_streaming": "bitquilt.api",
     "save": "bitquilt.api",
     "Recipe": "bitquilt.recipes",
     "CalibConfig": "bitquilt.recipes",

@@ -16,11 +16,20 @@ from torch import nn
 
 from bitquilt.errors import UserError
 from bitquilt.export import FORMATS as EXPORT_FORMATS
-from bitquilt.io import is_quantized_dir, load_quantized, model_nbytes, model_summary  # noqa: F401  (API)
+from bitquilt.io import (  # noqa: F401  (API)
+    is_quantized_dir,
+    load_quantized,
+    model_nbytes,
+    model_summary,
+    quantization_record,
+    set_quantization_record,
+)
 from bitquilt.models.loading import load_model, resolve_path
+from bitquilt.models.streaming import StreamingCheckpoint
 from bitquilt.pipeline.engine import quantize_model
 from bitquilt.pipeline.report import QuantReport
 from bitquilt.recipes import CalibConfig, Recipe
+from bitquilt.resources import peak_rss_mb
 
 if TYPE_CHECKING:
     from bitquilt.eval.migration import MigrationResult
@@ -60,6 +69,18 @@ def calibration_ids(tokenizer: Any, calib: CalibConfig) -> torch.Tensor:
     return calibration_windows(tokenizer, calib.source, calib.n_samples, calib.seqlen, calib.seed)
 
 
+def _calibration(recipe: Recipe, calib: CalibConfig | torch.Tensor | None, tokenizer: Any,
+                 calib_config: CalibConfig | None) -> tuple[torch.Tensor | None, CalibConfig | None]:
+    """(token ids or None if the recipe needs none, the CalibConfig they were made from)."""
+    config = calib if isinstance(calib, CalibConfig) else (CalibConfig() if calib is None else calib_config)
+    ids = calib if isinstance(calib, torch.Tensor) else None
+    if ids is None and recipe.needs_calibration:
+        if tokenizer is None:
+            raise UserError("quantize needs calibration token ids or a tokenizer to build them")
+        ids = calibration_ids(tokenizer, config)
+    return ids, config
+
+
 def quantize(
     model: nn.Module,
     recipe: Recipe | str = Recipe.method,
@@ -74,13 +95,62 @@ def quantize(
     if isinstance(recipe, str):
         recipe = Recipe(method=recipe, **recipe_fields)
     check_finite_weights(model)
-    config = calib if isinstance(calib, CalibConfig) else (CalibConfig() if calib is None else calib_config)
-    ids = calib if isinstance(calib, torch.Tensor) else None
-    if ids is None and recipe.needs_calibration:
-        if tokenizer is None:
-            raise UserError("quantize needs calibration token ids or a tokenizer to build them")
-        ids = calibration_ids(tokenizer, config)
+    ids, config = _calibration(recipe, calib, tokenizer, calib_config)
     return quantize_model(model, recipe, ids, config, progress=progress)
+
+
+# Stages scoped to the whole model that never read its weights, so they run on a model whose blocks are on disk.
+STREAMABLE_MODEL_STAGES = frozenset({"kv_quant"})
+
+
+def check_streamable(recipe: Recipe) -> None:
+    """Raise UserError if `recipe` has a stage that needs the whole model in memory (a prepass or model-scope
+    stage that reads weights or runs the model: QuaRot's rotation, MXSens' sensitivity prepass, DynamicPTQ)."""
+    refused = [f"{s.name} ({s.scope})" for s, _ in recipe.stages()
+               if s.scope in ("prepass", "model") and s.name not in STREAMABLE_MODEL_STAGES]
+    if refused:
+        raise UserError(f"--stream (streaming quantization) cannot run {recipe.label()!r}: stage(s) "
+                        f"{', '.join(refused)} read the whole model at once, and streaming only ever holds one "
+                        "block; quantize without --stream")
+
+
+def open_streaming(spec: str | Path) -> StreamingCheckpoint:
+    """A packaged model name or Hugging Face folder opened for `quantize_streaming`: the model's skeleton (config,
+    shapes, embeddings; the decoder blocks, final norm and LM head stay on disk) and its tokenizer."""
+    path = resolve_path(spec)
+    if is_quantized_dir(path):
+        raise UserError(f"{path} is already quantized (a directory saved by `bitquilt quantize`); --stream "
+                        "quantizes a full-precision Hugging Face folder")
+    return StreamingCheckpoint(path)
+
+
+def quantize_streaming(
+    source: str | Path | StreamingCheckpoint,
+    recipe: Recipe | str = Recipe.method,
+    calib: CalibConfig | torch.Tensor | None = None,
+    tokenizer: Any = None,
+    progress: bool = True,
+    calib_config: CalibConfig | None = None,
+    **recipe_fields: Any,
+) -> tuple[nn.Module, Any, QuantReport]:
+    """Quantize a model block by block from its safetensors checkpoint, never holding it whole in full precision:
+    (quantized model, tokenizer, report), bit-identical to `load` + `quantize`. `source` is a packaged name, a
+    Hugging Face folder or an `open_streaming` result; `calib`, `tokenizer` (default: the folder's) and the rest
+    as in `quantize`. Recipes with whole-model stages are refused (`check_streamable`)."""
+    if isinstance(recipe, str):
+        recipe = Recipe(method=recipe, **recipe_fields)
+    check_streamable(recipe)
+    stream = source if isinstance(source, StreamingCheckpoint) else open_streaming(source)
+    if stream.finished:
+        raise UserError(f"{stream.directory} was already quantized through this StreamingCheckpoint; open it again "
+                        "(open_streaming) to quantize it another way")
+    tokenizer = tokenizer if tokenizer is not None else stream.tokenizer
+    ids, config = _calibration(recipe, calib, tokenizer, calib_config)
+    report = quantize_model(stream.model, recipe, ids, config, progress=progress, blocks=stream)
+    model = stream.finish()
+    report.peak_rss_mb = max(report.peak_rss_mb, peak_rss_mb())  # the LM head loads after the engine's measure
+    set_quantization_record(model, {**(quantization_record(model) or {}), "report": report.to_dict()})
+    return model, tokenizer, report
 
 
 def residual_phases(model: nn.Module, calib: torch.Tensor, a_bits: int = 4, rotation: str | None = None,

@@ -333,18 +333,27 @@ def cmd_fetch(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from bitquilt.api import load, quantize, save
+    from bitquilt.api import check_streamable, load, open_streaming, quantize, quantize_streaming, save
     from bitquilt.io import check_output
 
     recipe = _recipe_from_args(args, args.method, args.w_bits, args.group_size, args.target_bits)
     out = Path(args.output)
     check_output(out, args.overwrite)  # before hours of work, not after
     calib = _calib_config(args)
-    model, tokenizer = load(args.model)
+    if args.stream:
+        check_streamable(recipe)
+        stream = open_streaming(args.model)  # the skeleton: blocks, final norm and LM head stay on disk
+        model, tokenizer = stream.model, stream.tokenizer
+    else:
+        model, tokenizer = load(args.model)
     if recipe.needs_calibration:
         _check_calib_seqlen(model, calib)
     _check_plan(model, recipe)
-    report = quantize(model, recipe, calib, tokenizer=tokenizer, progress=not args.json)
+    if args.stream:
+        model, tokenizer, report = quantize_streaming(stream, recipe, calib, tokenizer=tokenizer,
+                                                      progress=not args.json)
+    else:
+        report = quantize(model, recipe, calib, tokenizer=tokenizer, progress=not args.json)
     save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
     summary = {"output": str(out), "method": recipe.method, "w_bits": recipe.w_bits,
                "group_size": recipe.group_size, "a_bits": recipe.a_bits, "kv_bits": recipe.kv_bits,
@@ -706,6 +715,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", required=True, help="directory to write the quantized model to")
     s.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
+    s.add_argument("--stream", action="store_true",
+                   help="quantize block by block from the safetensors checkpoint, holding one block in full "
+                   "precision instead of the whole model (same output; refuses whole-model stages: quarot, mxsens, "
+                   "--a8-layers)")
     _add_recipe_args(s)
     s.set_defaults(fn=cmd_quantize)
 

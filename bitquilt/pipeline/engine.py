@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -57,6 +57,15 @@ def check_kv_group_size(group_size: int, dim: int, grid: str = "int") -> None:
                      f"use a divisor of it ({divisors}), or -1 or any size ≥ {dim} for one group per head")
 
 
+class BlockLoader(Protocol):
+    """Where the blocks' weights come from when they are not all in memory (streaming quantization,
+    `bitquilt.models.streaming`): block i is loaded before its stages and released after its outputs are computed."""
+
+    def load(self, index: int) -> None: ...
+
+    def release(self, index: int) -> None: ...
+
+
 def _record(report: QuantReport, stage: Stage, result: dict[str, Any] | None, where: str | None) -> None:
     if result is None:
         return
@@ -81,8 +90,10 @@ def quantize_model(
     calib_ids: torch.Tensor | None = None,
     calib: CalibConfig | None = None,
     progress: bool = True,
+    blocks: BlockLoader | None = None,
 ) -> QuantReport:
-    """Quantize `model` in place according to `recipe`; returns what was done and what it cost."""
+    """Quantize `model` in place according to `recipe`; returns what was done and what it cost. With `blocks`
+    (streaming quantization), block i's weights are loaded from it just before its stages and released after."""
     start = time.perf_counter()
     reset_peak_rss()
     arch = architecture_of(model)
@@ -107,6 +118,8 @@ def quantize_model(
     bar = tqdm(range(len(layers)), desc=f"quantize {recipe.label()}", unit="block", disable=not progress)
     for i in bar:
         t_block = time.perf_counter()
+        if blocks is not None:
+            blocks.load(i)
         block_ctx = BlockContext(model, arch, plan, ctx.calib_ids, ctx.settings, ctx.scratch, index=i,
                                  block=layers[i], inputs=inputs, kwargs=layer_kwargs[i] if needs_data else {})
         for stage, opts in by_scope["block"]:
@@ -121,6 +134,8 @@ def quantize_model(
         report.linears.extend(block_ctx.results)
         if needs_data:
             inputs = run_block(layers[i], inputs, block_ctx.kwargs)
+        if blocks is not None:
+            blocks.release(i)
         report.block_seconds.append(time.perf_counter() - t_block)
         bar.set_postfix(last_block=f"{report.block_seconds[-1]:.1f}s")
 

@@ -1,0 +1,214 @@
+"""Streaming quantization's model side: a model skeleton whose weights stay on disk until a block needs them.
+
+`StreamingCheckpoint(folder)` builds the model from its config.json without allocating any weight (parameters on
+the meta device, buffers such as RoPE frequencies computed as usual) and reads tensors one at a time from the
+folder's safetensors files. The embeddings and other tensors outside the decoder blocks load at once (calibration
+starts from them); block i loads when the engine reaches it (`load`) and, once its linears are quantized, keeps
+only their packed formats (`release`); the final norm and the LM head load last (`finish`). Peak memory is then
+the embeddings, one block in fp32, the packed blocks so far and the calibration activations, instead of the
+whole fp32 model.
+
+A block not loaded yet is the identity: capturing calibration inputs only needs block 0's input and the keyword
+arguments every block receives (positions, masks), which do not depend on any block's weights.
+
+Tensors are read with plain file reads into fresh memory rather than through a memory map, so that a block's
+file pages do not stay mapped (and counted in RSS) after the block is freed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from bitquilt.errors import UserError
+from bitquilt.models.adapters import architecture_of, decoder_layers
+from bitquilt.models.loading import TOKENIZER_FILES, _load_tokenizer, check_safetensors
+from bitquilt.nn.quant_linear import QuantLinear
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """Where one tensor lies in a safetensors file."""
+
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class TensorFiles:
+    """The tensors of a folder's safetensors files by name, each read from disk only when asked for."""
+
+    def __init__(self, directory: Path):
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise UserError(f"{directory} has no .safetensors weights; --stream (streaming quantization) reads a "
+                            "Hugging Face folder with safetensors files")
+        self.entries: dict[str, _Entry] = {}
+        for path in files:
+            check_safetensors(path)
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                if info["dtype"] not in DTYPES:
+                    raise UserError(f"{path}: tensor {name} has dtype {info['dtype']}, which streaming cannot read "
+                                    f"({', '.join(DTYPES)}); quantize without --stream")
+                begin, end = info["data_offsets"]
+                self.entries[name] = _Entry(path, DTYPES[info["dtype"]], tuple(info["shape"]), 8 + n + begin,
+                                            end - begin)
+        self.nbytes = sum(f.stat().st_size for f in files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor `name` in its stored dtype, in memory of its own."""
+        e = self.entries[name]
+        raw = torch.empty(e.nbytes, dtype=torch.uint8)
+        with open(e.path, "rb") as f:
+            f.seek(e.start)
+            if f.readinto(raw.numpy()) != e.nbytes:
+                raise UserError(f"{e.path} ended inside tensor {name}; re-fetch or re-save the model")
+        return raw.view(e.dtype).reshape(e.shape)
+
+
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """`torch.isfinite(t).all()` a chunk at a time: on the whole tensor it allocates an fp32 copy (abs) and two
+    boolean masks, a transient of twice an embedding matrix."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(chunk))
+
+
+def _return_free_memory() -> None:
+    """Give the allocator's free pages back to the system (glibc `malloc_trim`; a no-op elsewhere). A freed block's
+    tensors below glibc's adaptive mmap threshold sit between the packed tensors that outlive them, and would
+    otherwise stay resident, so the process would grow by a part of every block."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+
+
+def _identity(hidden_states: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return hidden_states
+
+
+def fp_weights_held(module: nn.Module) -> int:
+    """Full-precision linear weights `module` (a block, or all of them) holds in memory, in elements: loaded
+    `nn.Linear` weights and the dequantized copies its QuantLinears cache."""
+    count = 0
+    for m in module.modules():
+        if isinstance(m, nn.Linear) and not m.weight.is_meta:
+            count += m.weight.numel()
+        elif isinstance(m, QuantLinear) and m._dequantized is not None:
+            count += m._dequantized.numel()
+    return count
+
+
+class StreamingCheckpoint:
+    """A Hugging Face folder opened for streaming quantization: `model` is its skeleton, filled by `load(i)` /
+    `release(i)` (the engine's block loader, `bitquilt.pipeline.engine.BlockLoader`) and `finish()`."""
+
+    def __init__(self, directory: str | Path, dtype: torch.dtype = torch.float32):
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        directory = Path(directory)
+        if not (directory / "config.json").is_file():
+            kind = "a .gguf file" if directory.suffix == ".gguf" else "not a Hugging Face model folder"
+            raise UserError(f"{directory} is {kind}; --stream (streaming quantization) reads a Hugging Face folder "
+                            "(config.json + .safetensors); quantize it without --stream")
+        self.directory, self.dtype = directory, dtype
+        self.files = TensorFiles(directory)
+        try:
+            config = AutoConfig.from_pretrained(directory, local_files_only=True)
+            with init_empty_weights(include_buffers=False):
+                self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"cannot build the model in {directory}: {str(e).splitlines()[0]}") from None
+        self.model.eval()
+        if (directory / "generation_config.json").is_file():
+            self.model.generation_config = GenerationConfig.from_pretrained(directory)
+        has_tokenizer = any((directory / f).is_file() for f in TOKENIZER_FILES)
+        self.tokenizer = _load_tokenizer(directory) if has_tokenizer else None
+        self.arch = architecture_of(self.model)
+        self.layers = decoder_layers(self.model, self.arch)
+        self.peak_fp_weights = 0  # most fp linear weight elements the blocks held at once (see fp_weights_held)
+        self.finished = False
+        for layer in self.layers:
+            layer.forward = _identity
+        head = (f"{self.arch.final_norm}.", f"{self.arch.lm_head}.", f"{self.arch.layers}.")
+        self._materialize(self.model, "", skip=head)
+
+    def _materialize(self, root: nn.Module, prefix: str, skip: tuple[str, ...] = ()) -> None:
+        """Read every tensor of `root` still on the meta device (its model-level name is `prefix` + its own),
+        except those whose name starts with one of `skip`."""
+        meta = [(n, t) for n, t in [*root.named_parameters(), *root.named_buffers()] if t.is_meta]
+        for name, old in meta:
+            full = prefix + name
+            if full.startswith(skip):
+                continue
+            if full not in self.files:
+                raise UserError(f"{self.directory} has no tensor {full!r}; streaming reads checkpoints whose tensor "
+                                "names match the model's modules; quantize without --stream")
+            t = self.files.read(full)
+            if tuple(t.shape) != tuple(old.shape):
+                raise UserError(f"{self.directory} is corrupt or was edited: tensor {full} has shape "
+                                f"{tuple(t.shape)}, the config implies {tuple(old.shape)}")
+            if t.is_floating_point():
+                t = t.to(self.dtype)
+                if not _all_finite(t):
+                    raise UserError(f"parameter {full} contains NaN/Inf values; refusing to quantize a corrupted "
+                                    "model")
+            owner, _, leaf = name.rpartition(".")
+            module = root.get_submodule(owner)
+            if leaf in module._parameters:
+                module._parameters[leaf] = nn.Parameter(t, requires_grad=old.requires_grad)
+            else:
+                module._buffers[leaf] = t
+
+    def load(self, index: int) -> None:
+        """Read block `index`'s weights from disk (before its stages run)."""
+        layer = self.layers[index]
+        self._materialize(layer, f"{self.arch.layers}.{index}.")
+        vars(layer).pop("forward", None)
+        self.peak_fp_weights = max(self.peak_fp_weights, fp_weights_held(self.layers))
+
+    def release(self, index: int) -> None:
+        """Free what block `index` holds in full precision beyond its packed linears (the dequantized weights its
+        QuantLinears cached while computing the next block's inputs); linears kept in full precision stay."""
+        for module in self.layers[index].modules():
+            if isinstance(module, QuantLinear):
+                module._dequantized = None
+        _return_free_memory()
+
+    def finish(self) -> nn.Module:
+        """Load the final norm and the LM head (tied to the embeddings if the config says so); the model is then
+        complete."""
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            self.model.tie_weights()
+        self._materialize(self.model, "")
+        self.finished = True
+        return self.model
