@@ -354,3 +354,14 @@ def test_pip_download_shows_pips_progress_on_stderr(tmp_path, monkeypatch):
     assert cache.pip_download("x==1", tmp_path).name == "x-1-py3-none-any.whl"
     assert seen["stdout"] == 2 and seen["stderr"] == subprocess.PIPE  # "Downloading … (size)" + bar; errors kept
     assert seen["cmd"][seen["cmd"].index("--progress-bar") + 1] == "on"
+
+
+def test_a_saved_directory_without_its_quantization_config_is_refused_by_name(tmp_path):
+    from bitquilt.api import load, quantize, save
+
+    model = make_tiny("llama")
+    quantize(model, "rtn", None, progress=False, w_bits=4, group_size=32)
+    save(model, tmp_path / "q")
+    (tmp_path / "q" / "quantization_config.json").unlink()
+    with pytest.raises(UserError, match="saved by bitquilt but its quantization_config.json is missing"):
+        load(tmp_path / "q")

@@ -82,6 +82,11 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
         raise UserError(f"{path} has a config.json but no .safetensors weights; accepted: {_accepted()}")
     for w in weights:
         check_safetensors(w)
+    from bitquilt.io import GUARD_TYPE
+
+    if json.loads((path / "config.json").read_text()).get("model_type") == GUARD_TYPE:
+        raise UserError(f"{path} was saved by bitquilt but its quantization_config.json is missing: the directory is "
+                        "incomplete; save or copy it again")
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
