@@ -140,6 +140,8 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--target-bits", type=float, default=3.0)
     p.add_argument("--route-steps", type=int, default=30)
+    p.add_argument("--train-slices", action="store_true",
+                   help="refit the slices with the routers (mobiroute.train_slices)")
     p.add_argument("--avg-bits", default="2.5,3,3.5,4,4.5,5,6")
     p.add_argument("--static-bits", default="2,3,4,5,6")
     p.add_argument("--widths", default="2,3,4", help="widths of the separately calibrated GPTQ/AWQ rows")
@@ -155,7 +157,7 @@ def main() -> None:
     slices = tuple(int(b) for b in args.slices.split(","))
     parts = args.parts.split(",")
     settings = {**settings, "slices": list(slices), "group_size": args.group_size, "target_bits": args.target_bits,
-                "route_steps": args.route_steps}
+                "route_steps": args.route_steps, "train_slices": args.train_slices}
     done = measured("mobiquant", KEY)
     base = {"model": args.model, "settings": settings}
     tokenizer, ids = None, None
@@ -172,8 +174,9 @@ def main() -> None:
         return perplexity(model, tok, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl
 
     # the mobiquant checkpoint, quantized once and kept
+    trained = "-trained" if args.train_slices else ""
     saved = Path(args.save_dir) / (f"{args.model}-mobiquant-{'-'.join(map(str, slices))}-g{args.group_size}-"
-                                   f"t{args.target_bits:g}-s{args.route_steps}-c{calib.n_samples}x{calib.seqlen}")
+                                   f"t{args.target_bits:g}-s{args.route_steps}{trained}-c{calib.n_samples}x{calib.seqlen}")
     quant = {}
     if not is_quantized_dir(saved):
         model, tokenizer = load(args.model)
@@ -181,7 +184,8 @@ def main() -> None:
         c0, t0 = time.process_time(), time.perf_counter()
         report = quantize(model, "mobiquant", ids, progress=False, w_bits=sum(slices), group_size=args.group_size,
                           options={"slices": slices},
-                          stage_options={"mobiroute": {"target_bits": args.target_bits, "steps": args.route_steps}})
+                          stage_options={"mobiroute": {"target_bits": args.target_bits, "steps": args.route_steps,
+                                                       "train_slices": args.train_slices}})
         blocks = report.stages["mobiroute"].values()
         quant = {"quant_time_s": time.perf_counter() - t0, "quant_cpu_s": time.process_time() - c0,
                  "route_seconds": sum(b["seconds"] for b in blocks),

@@ -121,6 +121,21 @@ def test_recipe_runs_the_fp_reference_and_trains_routers(routed_tiny):
         assert curve[0] == pytest.approx(6.0) and curve[-1] == pytest.approx(2.0)
 
 
+def test_routing_leaves_every_static_prefix_as_sliced(routed_tiny):
+    """Only the routers learn (default): each static prefix keeps MoBiSlice's error, falling with every slice."""
+    model, _ = routed_tiny
+    fp = make_tiny("llama")
+    with torch.no_grad():
+        reference = fp.model(IDS).last_hidden_state
+    errors = []
+    for k in range(1, 6):
+        set_slices(model, k)
+        with torch.no_grad():
+            errors.append(float((model.model(IDS).last_hidden_state - reference).pow(2).mean()))
+    set_slices(model, None)
+    assert all(b < a for a, b in zip(errors, errors[1:]))
+
+
 def test_set_precision_sweeps_realised_bits_monotonically(routed_tiny):
     model, _ = routed_tiny
     low, high = precision_range(model)

@@ -1,8 +1,9 @@
 """MoBiQuant's joint calibration as an engine stage (`--method mobiquant` = mobiroute + mobislice).
 
 `mobiroute` (scope post_block, after the mobislice solver has cut each linear into residual
-slices) gives every sliced linear a `SliceRouter`, trains slices and routers of the whole block
-together on its output error against the full-precision block plus the bit budget
+slices) gives every sliced linear a `SliceRouter` and trains the routers of the whole block (and,
+with `train_slices`, the slices' coefficients with them) on its output error against the
+full-precision block plus the bit budget
 (`bitquilt.calib.routing`, through the shared block loop `bitquilt.calib.reconstruct.fit_block`),
 packs the slices back and leaves each router at its linear's "router" slot with δ = ½. Then one
 pass over the first `curve_windows` calibration inputs records each router's bits-per-threshold curve, which
@@ -30,7 +31,7 @@ from bitquilt.registry import option
 @dataclass(frozen=True)
 class RouteOptions:
     target_bits: float = option(3.0, "average bits per weight the routers are trained towards (the budget B)")
-    steps: int = option(30, "AdamW steps per block over slices and routers together")
+    steps: int = option(30, "AdamW steps per block")
     lr: float = option(1e-2, "AdamW step size (router weights; slice coefficients move in units of their step)")
     batch: int = option(2, "calibration windows per step")
     budget_weight: float = option(1.0, "λ: weight of the squared overshoot of the bit budget, relative to the error")
@@ -38,6 +39,8 @@ class RouteOptions:
     t_start: float = option(1.0, "gate temperature at the first step")
     t_end: float = option(0.05, "gate temperature at the last step (near binary)")
     seed: int = option(0, "router initialisation and mini-batch order")
+    train_slices: bool = option(False, "also refit the slices' coefficients with the routers (off: only the routers "
+                                "learn, so every static prefix keeps MoBiSlice's error, which falls with each slice)")
     curve_windows: int = option(16, "calibration windows each router's bits-per-threshold curve is measured on")
 
     def __post_init__(self) -> None:
@@ -71,6 +74,8 @@ def mobiroute(ctx: BlockContext, opts: RouteOptions) -> dict[str, Any] | None:
     if not routed:
         return None
     stand_ins = list(routed.values())
+    for stand_in in stand_ins:
+        stand_in.slices.requires_grad_(opts.train_slices)
     config = FitConfig(opts.steps, opts.lr, opts.batch, "adam", opts.seed, keep_best=False)
     result = fit_block(ctx.block, ctx.inputs, reference["targets"], ctx.kwargs,
                        [p for r in stand_ins for p in r.parameters()], config,
