@@ -34,13 +34,14 @@ from bitquilt.cache import atomic_dir
 from bitquilt.errors import UserError
 from bitquilt.formats import format_class
 from bitquilt.formats.base import WeightFormat, split_buffers
+from bitquilt.models.loading import SAVED_MODEL_TYPE
 from bitquilt.nn import online
 from bitquilt.nn.quant_linear import QuantLinear
 
 CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 2  # 2: online modules by host and slot (version 1 kept rotations inside quantizers)
-GUARD_TYPE = "bitquilt"  # config.json's model_type in a saved directory; the base model's is kept under this key
+GUARD_TYPE = SAVED_MODEL_TYPE  # config.json's model_type in a saved directory; the base model's is kept under this key
 
 _records: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 

@@ -20,6 +20,8 @@ from bitquilt.cache import cache_dir
 from bitquilt.errors import UserError
 from bitquilt.models import registry
 
+SAVED_MODEL_TYPE = "bitquilt"  # config.json's model_type in a directory bitquilt saved (see bitquilt.io)
+
 ACCEPTED = ("a packaged model name ({names}), a Hugging Face model folder (config.json + .safetensors), "
             "a .gguf file, or a folder saved by `bitquilt quantize`")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -82,9 +84,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
         raise UserError(f"{path} has a config.json but no .safetensors weights; accepted: {_accepted()}")
     for w in weights:
         check_safetensors(w)
-    from bitquilt.io import GUARD_TYPE
-
-    if json.loads((path / "config.json").read_text()).get("model_type") == GUARD_TYPE:
+    if json.loads((path / "config.json").read_text()).get("model_type") == SAVED_MODEL_TYPE:
         raise UserError(f"{path} was saved by bitquilt but its quantization_config.json is missing: the directory is "
                         "incomplete; save or copy it again")
     try:
