@@ -58,6 +58,9 @@ def render(records: list[dict]) -> str:
     lines = ["# MoBiQuant benchmark", "", __doc__.split("\n\n", 2)[2].strip(), ""]
     for model, settings, rows in by_setting(records):
         lines += setting_header(model, settings, rows)
+        lines += [f"Checkpoint: slices {settings['slices']} at g{settings['group_size']}, routers trained at "
+                  f"{settings['target_bits']:g} bits, {settings['route_steps']} steps per block, slices "
+                  f"{'refitted with the routers' if settings.get('train_slices') else 'as MoBiSlice cut them'}.", ""]
         ppl_rows = sorted((r for r in rows if r["kind"] == "ppl"), key=lambda r: (r["label"], r["bits"]))
         if ppl_rows:
             lines += ["| model | precision | average bits/weight used | stored bits/weight | perplexity | "
