@@ -30,6 +30,7 @@ from common import (
     by_setting,
     command_line,
     fmt_ppl,
+    load_records,
     loadavg,
     machine,
     measured,
@@ -43,6 +44,7 @@ from common import (
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize, save
 from bitquilt.eval import perplexity
+from bitquilt.eval.migration import slice_precisions
 from bitquilt.io import is_quantized_dir
 from bitquilt.nn.quant_linear import QuantLinear, set_slices
 from bitquilt.nn.slice_router import realised_bits, set_precision
@@ -168,7 +170,7 @@ def main() -> None:
     def keep(record: dict) -> None:
         store("mobiquant", {**base, **record, "machine": machine(), "command": command, "load": loadavg()}, KEY,
               render, args.recheck)
-        plot(__import__("common").load_records("mobiquant"), args.model)
+        plot(load_records("mobiquant"), args.model)
 
     def wanted(kind: str, label: str, precision: str) -> bool:
         return (record_key({**base, "kind": kind, "label": label, "precision": precision}, KEY) in done) == args.recheck
@@ -203,11 +205,11 @@ def main() -> None:
     summary = model_summary(mobi)
     precisions = [("static", b) for b in _float_list(args.static_bits)] + \
                  [("routed", b) for b in _float_list(args.avg_bits)]
-    cumulative = [sum(slices[:k]) for k in range(1, len(slices) + 1)]
+    static_k = slice_precisions(mobi)  # {bits: k}
 
     def apply(kind: str, bits: float) -> None:
         if kind == "static":
-            set_slices(mobi, cumulative.index(int(bits)) + 1)
+            set_slices(mobi, static_k[bits])
         else:
             set_precision(mobi, bits)
 

@@ -377,21 +377,20 @@ def _check_task_names(args) -> None:
 
 def _precision_settings(model, args) -> list[tuple[str, Any]]:
     """(label, apply) for each --static-bits / --avg-bits value of a sliced model; [("", None)] without them."""
+    from bitquilt.eval.migration import slice_precisions
     from bitquilt.nn.quant_linear import multi_part_linears, set_slices
     from bitquilt.nn.slice_router import has_routers, precision_range, set_precision
 
     if not (args.static_bits or args.avg_bits):
         return [("", None)]
-    linears = multi_part_linears(model)
-    if not linears:
+    if not multi_part_linears(model):
         raise UserError("--static-bits/--avg-bits need a sliced model (quantize with --method mobislice or mobiquant)")
     settings: list[tuple[str, Any]] = []
-    widths = [p.bits for p in next(iter(linears.values())).fmt.parts.values()]
-    reachable = [sum(widths[:k]) for k in range(1, len(widths) + 1)]
+    reachable = slice_precisions(model)  # {bits: k}
     for bits in args.static_bits:
         if bits not in reachable:
-            raise UserError(f"--static-bits {bits:g}: the slices {widths} reach {reachable} bits")
-        settings.append((f"static {bits:g}", functools.partial(set_slices, k=reachable.index(bits) + 1)))
+            raise UserError(f"--static-bits {bits:g}: the slices reach [{', '.join(f'{b:g}' for b in reachable)}] bits")
+        settings.append((f"static {bits:g}", functools.partial(set_slices, k=reachable[bits])))
     if args.avg_bits:
         if not has_routers(model):
             raise UserError("--avg-bits needs per-token routers (quantize with --method mobiquant); this model has "

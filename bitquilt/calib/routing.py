@@ -76,7 +76,7 @@ class RoutedSlices(nn.Module):
     def _hard_forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Binary gates (δ = ½): each token through the slices it uses only, as at run time."""
         counts = 1 + (logits > 0).sum(-1)
-        self.expected_bits = torch.cat([torch.zeros(1, device=self.bits.device), self.bits]).cumsum(0)[counts].mean()
+        self.expected_bits = self.router.bits_of(counts).mean()
         weights = [s().to(x.dtype) for s in self.slices]
         flat = x.reshape(-1, x.shape[-1])
         y = grouped_matmul(flat, counts.reshape(-1), [functools.partial(F.linear, weight=w) for w in weights],
@@ -111,7 +111,6 @@ class CurveMeter:
 
     def __init__(self, router: SliceRouter):
         self.router = router
-        self.cumulative = torch.tensor((0,) + router.slice_bits, dtype=torch.float64).cumsum(0)
         self.total = torch.zeros(len(TAU_GRID), dtype=torch.float64)
         self.tokens = 0
 
@@ -119,7 +118,7 @@ class CurveMeter:
     def add(self, x: torch.Tensor) -> None:
         logits = self.router.logits(x.reshape(-1, x.shape[-1]))
         counts = 1 + (logits.unsqueeze(1) > TAU_GRID.to(logits.device)[None, :, None]).sum(-1)  # [T, G]
-        self.total += self.cumulative[counts.cpu()].sum(0)
+        self.total += self.router.bits_of(counts.cpu()).double().sum(0)
         self.tokens += logits.shape[0]
 
     def curve(self) -> torch.Tensor:

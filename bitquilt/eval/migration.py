@@ -157,15 +157,6 @@ def slice_precisions(model: nn.Module) -> dict[float, int]:
     return out
 
 
-def _router_api(model: nn.Module) -> Callable[[nn.Module, float], Any] | None:
-    """`slice_router.set_precision` if that module exists and `model` has routers, else None."""
-    try:
-        from bitquilt.nn.slice_router import has_routers, set_precision
-    except ImportError:
-        return None
-    return set_precision if has_routers(model) else None
-
-
 def precision_settings(model: nn.Module, bits: list[float] | None = None) -> dict[str, Callable[[nn.Module], Any]]:
     """Settings for `token_errors` of a sliced model: "static b" (every token uses the slices whose widths sum to
     b, `set_slices`) and, if the model has routers, "routed b" (tokens routed to average b, `set_precision`).
@@ -173,8 +164,10 @@ def precision_settings(model: nn.Module, bits: list[float] | None = None) -> dic
     `bits` None: every static precision. A b that neither a prefix of the slices nor the routers reach is
     refused, naming what is reachable; one only the routers (or only the slices) reach gets that setting alone.
     """
+    from bitquilt.nn.slice_router import has_routers, set_precision
+
     static = slice_precisions(model)
-    set_precision = _router_api(model)
+    routers = has_routers(model)
     reachable = ", ".join(f"{b:g}" for b in static)
     bits = list(static) if bits is None else bits
     settings: dict[str, Callable[[nn.Module], Any]] = {}
@@ -184,7 +177,7 @@ def precision_settings(model: nn.Module, bits: list[float] | None = None) -> dic
         if k is not None:
             settings[f"static {b:g}"] = lambda m, k=k: set_slices(m, k)
         why = "the model has no slice routers"
-        if set_precision is not None:
+        if routers:
             try:
                 set_precision(model, b)  # checks b against the routed range
                 routed[f"routed {b:g}"] = lambda m, b=b: set_precision(m, b)

@@ -37,6 +37,11 @@ from bitquilt.nn.quant_linear import QuantLinear, multi_part_linears
 TAU_GRID = torch.linspace(-12.0, 12.0, 193)  # logit thresholds the calibration curves are measured at
 
 
+def prefix_bits(widths: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """[0, b₁, b₁ + b₂, …]: entry k is the bits per weight of a token using the first k slices."""
+    return torch.tensor([0, *widths]).cumsum(0)
+
+
 @register_online
 class SliceRouter(nn.Module):
     """Per-token slice counts for one linear (module docstring)."""
@@ -53,8 +58,7 @@ class SliceRouter(nn.Module):
 
     def init_for(self, target_bits: float) -> None:
         """Start near "every token uses the slices that fit `target_bits`": l_j = 2·(k* − ½ − j)."""
-        bits = torch.tensor(self.slice_bits, dtype=torch.float32).cumsum(0)
-        k = max(1, int((bits <= target_bits + 1e-6).sum()))
+        k = max(1, int((prefix_bits(self.slice_bits)[1:] <= target_bits + 1e-6).sum()))
         with torch.no_grad():
             self.fc2.weight.mul_(0.1)
             self.fc2.bias[0] = 2.0 * (k - 1.5)
@@ -73,8 +77,7 @@ class SliceRouter(nn.Module):
 
     def bits_of(self, counts: torch.Tensor) -> torch.Tensor:
         """b₁ + … + b_k for slice counts k."""
-        cumulative = torch.tensor((0,) + self.slice_bits, device=counts.device).cumsum(0)
-        return cumulative[counts].float()
+        return prefix_bits(self.slice_bits).to(counts.device)[counts].float()
 
     def forward(self, x: torch.Tensor) -> MatmulContext:
         with torch.no_grad():
@@ -147,8 +150,7 @@ def realised_bits(model: nn.Module) -> Iterator[dict[str, float]]:
         widths = [p.bits for p in module.fmt.parts.values()]
         ctx = module.context_for(x)
         if ctx is not None:
-            cumulative = torch.tensor([0, *widths]).cumsum(0)
-            per_token = float(cumulative[ctx.slices.cpu()].float().sum())
+            per_token = float(prefix_bits(widths)[ctx.slices.cpu()].sum())
         else:
             per_token = tokens * float(sum(widths[: module.slices]))
         numel = module.in_features * module.out_features
