@@ -188,6 +188,26 @@ def outlier_migration(model: nn.Module, fp_model: nn.Module, windows: torch.Tens
     return migration(token_errors(fp_model, model, windows, settings, progress), top_fraction)
 
 
+def residual_recovery(model: nn.Module | str | Path) -> list:
+    """MosaicQuant's residual-recovery analysis (`bitquilt.eval.recovery`): per linear given a residual, its output
+    distortion on calibration data before and after the residual, from the quantization record of `model` (a
+    quantized model, or the directory it was saved to: read without loading the weights)."""
+    from bitquilt.eval.recovery import recoveries
+    from bitquilt.io import read_qconfig
+
+    if isinstance(model, nn.Module):
+        record = quantization_record(model)
+    else:
+        path = resolve_path(model)
+        if not is_quantized_dir(path):
+            raise UserError(f"{model} is not a saved bitquilt model (no quantization_config.json)")
+        record = read_qconfig(path)
+    try:
+        return recoveries(record)
+    except ValueError as e:
+        raise UserError(f"{model if not isinstance(model, nn.Module) else 'the model'}: {e}") from None
+
+
 def export(saved: str | Path, output: str | Path, to: str = "gguf", overwrite: bool = False,
            tokenizer_from: str | Path | None = None, progress: bool = False
            ) -> GGUFExport | CompressedTensorsExport:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bitquilt.errors import UserError
 
@@ -98,6 +99,14 @@ def atomic_file(path: Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_figure(fig: Any, path: str | Path, dpi: int = 110) -> Path:
+    """Save a matplotlib figure to `path` atomically, in the format its suffix names (png by default)."""
+    path = Path(path)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=dpi)
+    return path
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from bitquilt.io import model_summary
 from bitquilt.models.registry import DEFAULT_MODEL
 from bitquilt.recipes import METHOD_ALIASES, CalibConfig, Recipe, solver_name
 from bitquilt.solvers import SOLVERS
+from bitquilt.solvers.mosaic import SCORES, parse_block
 from bitquilt.tables import markdown_table
 
 RECIPE = {f.name: f.default for f in dataclasses.fields(Recipe) if f.default is not dataclasses.MISSING}
@@ -64,6 +65,13 @@ def _option_value(text: str) -> Any:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
+
+
+def _residual_block(text: str) -> tuple[int, int]:
+    try:
+        return parse_block(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _opt(text: str) -> tuple[str, Any]:
@@ -127,6 +135,16 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    help="after the solver, learn each block's rounding and clipping on its output error (SignRound): "
                    "N steps per block, e.g. 50 (default 0 = off; packed format unchanged; --opt recon.batch=8, "
                    "recon.optimizer=adam, recon.clip=false, fp_reference.stream=quantized)")
+    g.add_argument("--residual", choices=("mosaic",), default=None,
+                   help="MosaicQuant: add a sparse residual of 4-bit tiles to each solved linear, chosen by the "
+                   "Hessian Δ-score (default none)")
+    g.add_argument("--residual-budget", type=float, default=None, metavar="RHO",
+                   help="fraction of each linear's tiles kept in the residual, 0 to 1 (default 0.1)")
+    g.add_argument("--residual-block", type=_residual_block, default=None, metavar="RxC",
+                   help="residual tile shape, rows x columns (default 1x32; columns a multiple of 32 run fused)")
+    g.add_argument("--residual-score", choices=SCORES, default=None,
+                   help="how tiles are ranked: delta (Hessian Δ-score, default), greedy (exact greedy on the output "
+                   "error, slower), magnitude, random")
     _add_solver_flags(p.add_argument_group("solver options (each applies to the solvers named in its help)"))
     g.add_argument("--opt", action="append", type=_opt, default=[], metavar="KEY=VALUE",
                    help="any solver option (e.g. damp=0.1) or stage option as STAGE.KEY (e.g. awq.grid=10, "
@@ -208,11 +226,16 @@ def _recipe_from_args(args, method: str, bits: int, group_size: int | None, targ
                             "has none")
         for stage in budget_stages(method):
             stage_options.setdefault(stage, {})["target_bits"] = target_bits
+    residual_options = {key: value for key, value in (("budget", args.residual_budget), ("block", args.residual_block),
+                                                      ("score", args.residual_score)) if value is not None}
+    if residual_options and args.residual is None:
+        raise UserError(f"--residual-{'/'.join(sorted(residual_options))} configure a residual; add --residual mosaic")
     return Recipe(method=method, w_bits=bits, group_size=group_size, sym=args.sym, options=options,
                   stage_options=stage_options, skip=tuple(args.skip), a_bits=args.a_bits, a_sym=args.a_sym,
                   a_clip=args.a_clip, a_format=args.a_format, kv_bits=args.kv_bits,
                   kv_group_size=args.kv_group_size, kv_center=args.kv_center, a8_layers=args.a8_layers,
-                  a8_snr_db=args.a8_snr_db, recon_steps=args.recon_steps)
+                  a8_snr_db=args.a8_snr_db, recon_steps=args.recon_steps, residual=args.residual,
+                  residual_options=residual_options)
 
 
 def _calib_config(args) -> CalibConfig:
@@ -239,9 +262,9 @@ def _check_plan(model: Any, recipe: Recipe) -> None:
     """Refuse grids the loaded model's shapes cannot take (weight groups vs widths, KV groups vs head_dim) before
     the calibration windows are even built."""
     from bitquilt.models.adapters import architecture_of
-    from bitquilt.pipeline.engine import check_layer_shapes, initial_plan
+    from bitquilt.pipeline.engine import check_layer_shapes, initial_plan, residual_block
 
-    check_layer_shapes(model, initial_plan(model, architecture_of(model), recipe))
+    check_layer_shapes(model, initial_plan(model, architecture_of(model), recipe), residual_block(recipe))
 
 
 # ---------------------------------------------------------------- helpers
@@ -499,7 +522,8 @@ def cmd_compare(args) -> int:
 
 
 ANALYSES = {"residual_stream": "--residual-stream (Jump Ratio and historical SNR per layer)",
-            "outlier_migration": "--outlier-migration (per-token KL at several precisions of a sliced checkpoint)"}
+            "outlier_migration": "--outlier-migration (per-token KL at several precisions of a sliced checkpoint)",
+            "residual_recovery": "--residual-recovery (output distortion a MosaicQuant residual removed, per linear)"}
 
 
 def cmd_analyze(args) -> int:
@@ -511,7 +535,26 @@ def cmd_analyze(args) -> int:
         from bitquilt.io import check_writable
 
         check_writable(args.plot)
+    if args.residual_recovery:
+        return _analyze_residual_recovery(args)
     return _analyze_residual_stream(args) if args.residual_stream else _analyze_outlier_migration(args)
+
+
+def _analyze_residual_recovery(args) -> int:
+    from bitquilt.api import residual_recovery
+    from bitquilt.eval.recovery import plot_recovery, summary
+
+    rows = residual_recovery(args.model)
+    kinds = summary(rows)
+    if args.plot:
+        plot_recovery(rows, args.plot, f"{args.model}: distortion recovered by the residual")
+    if args.json:
+        _print_json({"model": args.model, "summary": kinds, "linears": [r.to_dict() for r in rows]})
+        return 0
+    _print_table(kinds, list(kinds[0]))
+    if args.plot:
+        print(f"plot: {args.plot}")
+    return 0
 
 
 def _analyze_residual_stream(args) -> int:
@@ -741,7 +784,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_compare)
 
     s = sub.add_parser("analyze", help="the papers' analyses of a model: residual-stream phases (DynamicPTQ), "
-                       "outlier migration across bit-widths (MoBiQuant)")
+                       "outlier migration across bit-widths (MoBiQuant), residual recovery (MosaicQuant)")
     s.add_argument("model", help=model_help + " (--outlier-migration: a sliced checkpoint, --method mobislice or "
                    "mobiquant)")
     s.add_argument("--residual-stream", action="store_true",
@@ -749,6 +792,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--outlier-migration", action="store_true",
                    help="per-token KL(p_fp ‖ p_q) at several precisions of a sliced checkpoint, on evaluation "
                    "windows, and how consistently the precisions rank the tokens (Spearman ρ, top-1%% overlap)")
+    s.add_argument("--residual-recovery", action="store_true",
+                   help="of a model saved with --residual mosaic: the fraction of each linear's output distortion "
+                   "on calibration data that its sparse residual removed (from the saved quantization record)")
     s.add_argument("--plot", default=None, help="write the plot (png/pdf/svg) here")
     s.add_argument("--json", action="store_true")
     r = s.add_argument_group("--residual-stream")

@@ -21,6 +21,7 @@ from bitquilt.calib.stages import STAGES, Stage
 from bitquilt.nn.act_quant import ActQuantConfig
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec, Solver
+from bitquilt.solvers.mosaic import RESIDUALS
 
 METHOD_ALIASES = {"awq": "awq+rtn", "mxsens": "mx_sens+fold_perm+mxint", "mobiquant": "mobiroute+mobislice"}
 
@@ -64,6 +65,8 @@ class Recipe:
     a8_layers: int = 0  # DynamicPTQ: this many decoder layers (chosen by residual-stream SNR) get 8-bit activations
     a8_snr_db: float | None = None  # DynamicPTQ: instead, every layer whose 4-bit SNR is below this (dB)
     recon_steps: int = 0  # block-wise learned rounding and clipping after the solver: steps per block (0: off)
+    residual: str | None = None  # MosaicQuant: "mosaic" adds a sparse 4-bit residual to each solved linear
+    residual_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"budget": 0.1, "block": (1, 32)}
 
     def __post_init__(self) -> None:
         self.method = METHOD_ALIASES.get(self.method, self.method)
@@ -81,6 +84,15 @@ class Recipe:
                                  "and policies may precede the solver")
         self.solver_spec.make_options(self.options)
         self.solver_spec.validate(self.default_spec)
+        if self.residual is not None:
+            residual = RESIDUALS.get(self.residual)
+            residual.make_options(self.residual_options)
+            if self.solver not in residual.bases:
+                raise ValueError(f"residual {self.residual!r} extends a {' or '.join(residual.bases)} base; method "
+                                 f"{self.method!r} ends in {self.solver!r}")
+        elif self.residual_options:
+            raise ValueError(f"residual options {sorted(self.residual_options)} without a residual method "
+                             f"(--residual {' | '.join(RESIDUALS)})")
         self.default_act.validate()
         self.kv_config().validate()
         for pattern, fields in self.overrides.items():
@@ -145,13 +157,21 @@ class Recipe:
         implied = {"dynamic_a8": {"layers": self.a8_layers, "snr_db": self.a8_snr_db},
                    "recon": {"steps": self.recon_steps}}
         names += ["solve"] + (["recon"] if self.recon_steps else [])
-        implied["solve"] = {"solver": self.solver, "options": self.options}
+        implied["solve"] = {"solver": self.solver, "options": self.options, "residual": self.residual,
+                            "residual_options": self.residual_options}
         return [(STAGES.get(n), STAGES.get(n).make_options({**implied.get(n, {}), **self.stage_options.get(n, {})}))
                 for n in names]
 
     @property
+    def residual_spec(self) -> Any:
+        """The residual method's options object, None without a residual."""
+        return None if self.residual is None else RESIDUALS.get(self.residual).make_options(self.residual_options)
+
+    @property
     def needs_calibration(self) -> bool:
-        return self.solver_spec.wants_stats(self.options) or any(s.needs_calibration for s, _ in self.stages())
+        residual = self.residual_spec
+        return (self.solver_spec.wants_stats(self.options) or (residual is not None and residual.needs_hessian)
+                or any(s.needs_calibration for s, _ in self.stages()))
 
     @property
     def default_spec(self) -> LayerSpec:
@@ -193,7 +213,9 @@ class Recipe:
             act += f" a8<{self.a8_snr_db:g}dB"
         kv = f" kv{self.kv_bits}" if self.kv_bits < 16 else ""
         recon = f" recon{self.recon_steps}" if self.recon_steps else ""
-        return f"{self.method} w{self.w_bits}{g}{'s' if self.sym else ''}{act}{kv}{recon}"
+        residual = self.residual_spec
+        extra = "" if residual is None else f" +{self.residual} {100 * residual.budget:g}%"
+        return f"{self.method} w{self.w_bits}{g}{'s' if self.sym else ''}{extra}{act}{kv}{recon}"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from bitquilt.cache import atomic_file
+from bitquilt.cache import write_figure
 from bitquilt.errors import UserError
 from bitquilt.nn.quant_linear import multi_part_linears, set_slices
 
@@ -227,7 +227,4 @@ def plot_migration(result: MigrationResult, path: str | Path, title: str) -> Pat
         fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
     fig.suptitle(f"{title}: {result.n_tokens} tokens", fontsize=10)
     fig.tight_layout()
-    path = Path(path)
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=110)
-    return path
+    return write_figure(fig, path)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from bitquilt.cache import atomic_file
+from bitquilt.cache import write_figure
 from bitquilt.calib.residual import LayerPhase
 
 
@@ -31,7 +31,4 @@ def plot_phases(phases: list[LayerPhase], path: str | Path, title: str, chosen: 
             ax.axvspan(i - 0.4, i + 0.4, color="orange", alpha=0.25, lw=0)
     top.set_title(title + (" (shaded: 8-bit activations)" if chosen else ""))
     fig.tight_layout()
-    path = Path(path)
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=110)
-    return path
+    return write_figure(fig, path)

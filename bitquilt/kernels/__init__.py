@@ -68,13 +68,20 @@ def _load_builtin() -> None:
     global _builtin_loaded
     if not _builtin_loaded:
         _builtin_loaded = True
+        # a specialised kernel registers ahead of a generic one (`before=`), whatever the import order:
+        # mosaic's "fused" goes before composite's "by_parts" (which bitquilt.calib may have imported already)
         import bitquilt.kernels.composite  # noqa: F401  (multi-part weights through their parts' kernels)
         import bitquilt.kernels.cpu  # noqa: F401  (registers on import; warns once if unavailable)
+        import bitquilt.kernels.mosaic  # noqa: F401  (same extension; base + sparse residual in one kernel)
         import bitquilt.kernels.mxint  # noqa: F401  (same extension; registers on import)
 
 
-def register_kernel(format_name: str, kernel_name: str, fn: KernelFn) -> None:
-    _KERNELS.setdefault(format_name, []).append((kernel_name, fn))
+def register_kernel(format_name: str, kernel_name: str, fn: KernelFn, before: str | None = None) -> None:
+    """Add a kernel for `format_name`, tried after those already registered; or, with `before`, ahead of
+    that kernel if it is registered (a specialised kernel ahead of a generic one whatever the import order)."""
+    kernels = _KERNELS.setdefault(format_name, [])
+    at = next((i for i, (name, _) in enumerate(kernels) if name == before), len(kernels))
+    kernels.insert(at, (kernel_name, fn))
 
 
 def set_kernels_enabled(enabled: bool) -> None:

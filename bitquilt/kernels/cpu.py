@@ -13,6 +13,8 @@ rows are instead dequantized to fp32 in chunks and multiplied by sgemm. The pack
 built on first use from the format's accessors (`plane_bytes()`, `scale_zero()`, coefficients)
 and kept in this module's `LayoutCache` while the format lives (about the size of the packed
 weights again); the format itself is unchanged. Calls with per-token context are declined.
+`Packed.matmul` also takes an optional sparse 4-bit residual, added inside either path
+(csrc/sparse_residual.h; the MosaicQuant kernels in `bitquilt.kernels.mosaic`).
 
 The same extension also holds the MXINT kernel (csrc/mxint_matmul.cpp), registered by
 `bitquilt.kernels.mxint`.
@@ -26,6 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Protocol
 
 import torch
 
@@ -121,6 +124,17 @@ def _tile_coefficients(c: torch.Tensor) -> torch.Tensor:
     return _pad_rows(c, 0).view(-1, TILE, g, m).permute(0, 2, 3, 1).contiguous()
 
 
+class Residual(Protocol):
+    """A sparse residual in the kernels' 1×32 segment layout (built by `bitquilt.kernels.mosaic`)."""
+
+    def segments(self) -> list[torch.Tensor]:
+        """[tile_ptr, rows, cols, scales, codes] as csrc/sparse_residual.h reads them."""
+
+
+def _segments(residual: Residual | None) -> list[torch.Tensor]:
+    return [] if residual is None else residual.segments()
+
+
 @dataclass(frozen=True)
 class Packed:
     """A weight matrix in the kernel's layout (see csrc/lut_matmul.cpp)."""
@@ -136,17 +150,21 @@ class Packed:
     def nbytes(self) -> int:
         return self.planes.nbytes + self.coeffs.nbytes
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] fp32 contiguous -> x @ Ŵᵀ [T, out] fp32, by whichever path is faster at this batch."""
-        return self.sgemm(x) if x.shape[0] >= _SGEMM_BATCH.get(self.bits, 64) else self.lut(x)
+    def matmul(self, x: torch.Tensor, residual: Residual | None = None) -> torch.Tensor:
+        """x [T, in] fp32 contiguous -> x @ (Ŵ + S)ᵀ [T, out] fp32, by whichever path is faster at this batch.
 
-    def lut(self, x: torch.Tensor) -> torch.Tensor:
+        `residual` is an optional sparse residual S in its kernel layout (`bitquilt.kernels.mosaic`),
+        added inside the kernel (fused); None: x @ Ŵᵀ.
+        """
+        return self.sgemm(x, residual) if x.shape[0] >= _SGEMM_BATCH.get(self.bits, 64) else self.lut(x, residual)
+
+    def lut(self, x: torch.Tensor, residual: Residual | None = None) -> torch.Tensor:
         """The lookup-table kernel."""
-        return _ext.lut_matmul(x, *self._args())
+        return _ext.lut_matmul(x, *self._args(), _segments(residual))
 
-    def sgemm(self, x: torch.Tensor) -> torch.Tensor:
-        """Dequantize chunks of rows to fp32 and multiply with at::mm."""
-        return _ext.dequant_matmul(x, *self._args(), _BYTE_OF_ROW)
+    def sgemm(self, x: torch.Tensor, residual: Residual | None = None) -> torch.Tensor:
+        """Dequantize chunks of rows to fp32 (plus the residual) and multiply with at::mm."""
+        return _ext.dequant_matmul(x, *self._args(), _BYTE_OF_ROW, _segments(residual))
 
     def _args(self) -> tuple:
         return self.planes, self.coeffs, self.out_features, self.bits, self.block, self.group, self.uniform

@@ -20,6 +20,7 @@ from bitquilt.pipeline.report import LinearReport
 from bitquilt.registry import option
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LinearStats, relative_error
+from bitquilt.solvers.mosaic import RESIDUALS
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,15 @@ def kv_quant(ctx: ModelContext, _options: Any) -> dict[str, Any] | None:
 class SolveOptions:
     solver: str = option("rtn", "registered solver name")
     options: dict[str, Any] = option({}, "the solver's options")
+    residual: str | None = option(None, "a residual added to each solved linear (mosaic), None: none")
+    residual_options: dict[str, Any] = option({}, "the residual's options")
+
+    def residual_method(self) -> tuple[Any, Any] | None:
+        """(the registered residual, its options), None without one."""
+        if self.residual is None:
+            return None
+        method = RESIDUALS.get(self.residual)
+        return method, method.make_options(self.residual_options)
 
 
 def warn_if_underdetermined(stats: dict[str, LinearStats], prefix: str, warned: set[int]) -> None:
@@ -55,14 +65,23 @@ def warn_if_underdetermined(stats: dict[str, LinearStats], prefix: str, warned: 
                         "--calib-seqlen) or a larger --damp", prefix, name, s.n_tokens, width, width)
 
 
-def solve_linear(ctx: BlockContext, name: str, solver, options, stats: LinearStats | None) -> LinearReport:
-    """Solve linear `name` of the block on its planned grid and swap in a QuantLinear that keeps the
-    linear's online input modules and takes the planned activation quantizer."""
+def solve_linear(ctx: BlockContext, name: str, solver, options, stats: LinearStats | None,
+                 residual: tuple[Any, Any] | None = None) -> LinearReport:
+    """Solve linear `name` of the block on its planned grid (plus the `residual` method's branch, if given) and
+    swap in a QuantLinear that keeps the linear's online input modules and takes the planned activation quantizer."""
     t0 = time.perf_counter()
     plan = ctx.plan[ctx.full(name)]
     lin = ctx.block.get_submodule(name)
     w = lin.weight.detach().float()
-    fmt = solver(w, stats, solver.validate(plan.weight), options)
+    spec = solver.validate(plan.weight)
+    base_error = None
+    if residual is None:
+        fmt = solver(w, stats, spec, options)
+    else:
+        method, residual_options = residual
+        fmt, plain = method.fn(w, stats, spec, solver, options, residual_options)
+        if stats is not None:
+            base_error = relative_error(w, plain.dequantize(), stats.hessian)
     qlin = QuantLinear(fmt, lin.bias).to(lin.weight.device)
     swap_host(ctx.block, name, qlin)
     if plan.act is not None and plan.act.enabled:
@@ -70,7 +89,7 @@ def solve_linear(ctx: BlockContext, name: str, solver, options, stats: LinearSta
     # not qlin.dequantized(): that would cache an fp32 copy of every quantized weight (2× peak memory)
     err = relative_error(w, fmt.dequantize(), stats.hessian) if stats is not None else None
     return LinearReport(ctx.full(name), fmt.describe(), fmt.bits_per_weight(), fmt.nbytes(),
-                        time.perf_counter() - t0, err)
+                        time.perf_counter() - t0, err, base_error)
 
 
 @register_stage("solve", scope="inputs", kind="solve", options=SolveOptions, needs_calibration=False)
@@ -83,8 +102,10 @@ def solve(ctx: BlockContext, opts: SolveOptions) -> None:
         return
     solver = get_solver(opts.solver)
     options = {n: solver.make_options({**opts.options, **ctx.plan[ctx.full(n)].params}) for n in names}
-    wanted = any(solver.wants_stats(o) for o in options.values())
+    residual = opts.residual_method()
+    wanted = (any(solver.wants_stats(o) for o in options.values())
+              or (residual is not None and residual[1].needs_hessian))
     stats = collect_stats(ctx.block, names, ctx.inputs, ctx.kwargs) if wanted else {}
     warn_if_underdetermined(stats, ctx.prefix, ctx.scratch.setdefault("underdetermined_widths", set()))
     for n in names:
-        ctx.results.append(solve_linear(ctx, n, solver, options[n], stats.get(n)))
+        ctx.results.append(solve_linear(ctx, n, solver, options[n], stats.get(n), residual))

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from bitquilt.calib.capture import capture_block_inputs, run_block
 from bitquilt.calib.plan import Plan
 from bitquilt.calib.stages import SCOPES, BlockContext, ModelContext, Stage
+from bitquilt.formats.sparse_blocks import check_block_shape
 from bitquilt.formats.uniform import resolve_group_size
 from bitquilt.io import set_quantization_record
 from bitquilt.models.adapters import Architecture, architecture_of, decoder_layers
@@ -29,16 +30,25 @@ from bitquilt.recipes import CalibConfig, Recipe
 from bitquilt.resources import peak_rss_mb, reset_peak_rss
 
 
-def check_layer_shapes(model: nn.Module, plan: Plan) -> None:
-    """Fail before any work if a planned linear cannot take its grid (e.g. group size vs width), or a planned KV
-    quantizer its groups (KV group size vs head_dim)."""
+def check_layer_shapes(model: nn.Module, plan: Plan, residual_block: tuple[int, int] | None = None) -> None:
+    """Fail before any work if a planned linear cannot take its grid (e.g. group size vs width) or its residual
+    tiles (`residual_block`, rows × columns), or a planned KV quantizer its groups (KV group size vs head_dim)."""
     for name in plan.quantized():
+        linear = model.get_submodule(name)
         try:
-            resolve_group_size(plan.weight(name).group_size, model.get_submodule(name).in_features)
+            resolve_group_size(plan.weight(name).group_size, linear.in_features)
+            if residual_block is not None:
+                check_block_shape(linear.out_features, linear.in_features, residual_block)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
     for name, config in plan.kv.items():
         check_kv_group_size(config.group_size, head_dim(model, name), config.format)
+
+
+def residual_block(recipe: Recipe) -> tuple[int, int] | None:
+    """The residual tile shape of `recipe`, None without a residual."""
+    residual = recipe.residual_spec
+    return None if residual is None else tuple(residual.block)
 
 
 def head_dim(model: nn.Module, attention: str) -> int:
@@ -103,7 +113,7 @@ def quantize_model(
         raise ValueError(f"recipe {recipe.label()!r} needs calibration data (solver statistics or a calibrated "
                          f"stage: {', '.join(s.name for s, _ in stages if s.needs_calibration)}); pass calibration ids")
     plan = initial_plan(model, arch, recipe)
-    check_layer_shapes(model, plan)
+    check_layer_shapes(model, plan, residual_block(recipe))
     report = QuantReport(recipe.record(), asdict(calib) if calib and needs_data else None)
     by_scope = {scope: [(s, o) for s, o in stages if s.scope == scope] for scope in SCOPES}
     ctx = ModelContext(model, arch, plan, calib_ids if needs_data else None, recipe.to_dict())

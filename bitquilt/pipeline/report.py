@@ -14,6 +14,7 @@ class LinearReport:
     nbytes: int
     seconds: float
     rel_error: float | None  # tr(D H Dᵀ) / tr(W H Wᵀ), D = W − Ŵ: relative output error on calibration data
+    base_rel_error: float | None = None  # the same for the solver's dense base alone, when a residual was added
 
 
 @dataclass

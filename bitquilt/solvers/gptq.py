@@ -16,6 +16,7 @@ kernels are unchanged. `act_order=False` gives the original paper's sweep.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,8 +100,16 @@ def gptq_sweep(
     return Q
 
 
+ColumnHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 @register_solver("gptq", GPTQOptions)
-def gptq(weight: torch.Tensor, stats: LinearStats | None, spec: LayerSpec, opts: GPTQOptions) -> UniformFormat:
+def gptq(weight: torch.Tensor, stats: LinearStats | None, spec: LayerSpec, opts: GPTQOptions,
+         column_hook: ColumnHook | None = None) -> UniformFormat:
+    """The GPTQ sweep (module docstring). `column_hook(c, w, q)`, given column c of the weight (original order),
+    its current updated values w and their quantization q on the grid, returns the value the sweep keeps instead
+    (e.g. q plus a residual branch's correction, `bitquilt.solvers.mosaic`): the error feedback then compensates
+    what the whole weight, not the grid alone, leaves."""
     check_finite(weight)
     rows, cols = weight.shape
     g = resolve_group_size(spec.group_size, cols)
@@ -131,7 +140,10 @@ def gptq(weight: torch.Tensor, stats: LinearStats | None, spec: LayerSpec, opts:
         s, z = scales[:, grp], zeros[:, grp]
         q = torch.clamp(torch.round(W1[:, i] / s) + z, 0, grid.maxq)
         codes[:, j] = q
-        return s * (q - z)
+        kept = s * (q - z)
+        if column_hook is None:
+            return kept
+        return column_hook(int(perm[j]) if perm is not None else j, W1[:, i], kept)
 
     gptq_sweep(W, prep.hinv_u, opts.block_size, quantize_column)
 

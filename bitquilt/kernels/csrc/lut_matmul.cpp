@@ -21,6 +21,12 @@
 //               mode "uniform": fp32 [tiles][groups][2][32] (s, -s*z) with C_i = s * 2^(i-1).
 //
 // Large batches go through dequant_matmul instead: rows dequantized to fp32 in chunks, then at::mm.
+//
+// Both take an optional sparse 4-bit residual in 1x32 segments (sparse_residual.h), y = x @ (W + S)^T:
+// the lookup-table path adds a tile's segments into the tile's accumulators after its blocks, before
+// the copy-out; the sgemm path adds them into the tile's dequantized fp32 rows before at::mm. With no
+// residual (an empty list, the default) both compute x @ W^T as before. sparse_residual_add_ is the
+// residual alone, y += x @ S^T in place.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,7 +40,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "sparse_residual.h"
+
 namespace {
+
+using bitquilt_sparse::check_residual;
+using bitquilt_sparse::Residual;
 
 constexpr int64_t TILE = 32;
 constexpr int64_t MAX_BLOCK = 128;  // int16 accumulators hold <= 16 pair sums of each limb
@@ -205,10 +216,11 @@ Shape check(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, in
   return s;
 }
 
-// y [T, N] = x [T, K] @ W^T for W in the packed bit-plane layout.
+// y [T, N] = x [T, K] @ (W + S)^T for W in the packed bit-plane layout, S the residual (none if empty).
 at::Tensor lut_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k,
-                      int64_t block, int64_t group, bool uniform) {
+                      int64_t block, int64_t group, bool uniform, const std::vector<at::Tensor>& residual) {
   const Shape s = check(x, w, coef, N, k, block, group, uniform);
+  const Residual res = check_residual(residual, N, s.K);
   const int64_t T = x.size(0), ntiles = s.tiles();
   std::vector<uint8_t> tab(T * s.tab_bytes());
   std::vector<float> scale(T * s.blocks()), sums(T * s.blocks());
@@ -246,6 +258,9 @@ at::Tensor lut_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor
               tile_block<false>(wb, cb, tb, scale[j], sums[j], s, out);
           }
         }
+      if (!res.empty())  // the tiles' residual segments, every token, while the accumulators are hot
+        for (int64_t i = first; i < last; ++i)
+          bitquilt_sparse::tile_residual(res, i, xp, s.K, T, acc.data() + (i - first) * T * TILE, TILE);
       for (int64_t i = first; i < last; ++i) {
         const int64_t rows = std::min(TILE, N - i * TILE);
         for (int64_t t = 0; t < T; ++t)
@@ -293,11 +308,14 @@ void dequant_tile(const uint8_t* w, const char* coef, int64_t coef_group, bool u
   }
 }
 
-// y [T, N] = x [T, K] @ W^T by dequantizing chunks of rows to fp32 and calling at::mm: faster than
-// the tables once the batch is large enough for sgemm to be compute-efficient.
+// y [T, N] = x [T, K] @ (W + S)^T by dequantizing chunks of rows to fp32 (the residual S added to
+// them) and calling at::mm: faster than the tables once the batch is large enough for sgemm to be
+// compute-efficient.
 at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k,
-                          int64_t block, int64_t group, bool uniform, const std::vector<int64_t>& byte_of_row) {
+                          int64_t block, int64_t group, bool uniform, const std::vector<int64_t>& byte_of_row,
+                          const std::vector<at::Tensor>& residual) {
   const Shape s = check(x, w, coef, N, k, block, group, uniform);
+  const Residual res = check_residual(residual, N, s.K);
   TORCH_CHECK(byte_of_row.size() == TILE, "byte_of_row needs one entry per tile row");
   uint8_t bor[TILE];
   std::copy(byte_of_row.begin(), byte_of_row.end(), bor);
@@ -311,9 +329,11 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& w, const at::Te
   for (int64_t c0 = 0; c0 < ntiles; c0 += chunk) {
     const int64_t c1 = std::min(ntiles, c0 + chunk);
     at::parallel_for(c0, c1, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i)
-        dequant_tile(wp + i * s.tile_bytes(), cp + i * s.groups() * coef_group, coef_group, uniform, s, bor,
-                     wf.data_ptr<float>() + (i - c0) * TILE * s.K);
+      for (int64_t i = begin; i < end; ++i) {
+        float* rows = wf.data_ptr<float>() + (i - c0) * TILE * s.K;
+        dequant_tile(wp + i * s.tile_bytes(), cp + i * s.groups() * coef_group, coef_group, uniform, s, bor, rows);
+        if (!res.empty()) bitquilt_sparse::tile_residual_rows(res, i, s.K, rows);
+      }
     });
     auto out = yt.narrow(0, c0 * TILE, (c1 - c0) * TILE);
     at::mm_out(out, wf.narrow(0, 0, (c1 - c0) * TILE), xt);
@@ -321,12 +341,38 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& w, const at::Te
   return yt.narrow(0, 0, N).t().contiguous();
 }
 
+// y [T, N] += x [T, K] @ S^T in place for the residual S alone, tiles of 32 output rows in parallel.
+void sparse_residual_add_(const at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [T, K]");
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.is_contiguous() && y.size(0) == x.size(0),
+              "y: contiguous fp32 [T, N]");
+  TORCH_CHECK(!residual.empty(), "sparse_residual_add_ needs a residual");
+  const int64_t T = x.size(0), N = y.size(1), K = x.size(1);
+  const Residual res = check_residual(residual, N, K);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (N + TILE - 1) / TILE;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)  // tile i's rows of y: y + i * TILE, one row of y per token
+      bitquilt_sparse::tile_residual(res, i, xp, K, T, yp + i * TILE, N);
+  });
+}
+
 }  // namespace
 
 void register_mxint(pybind11::module& m);  // mxint_matmul.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("lut_matmul", &lut_matmul, "y = x @ W^T for bit-plane packed W (AVX2 lookup tables)");
-  m.def("dequant_matmul", &dequant_matmul, "y = x @ W^T through dequantized fp32 row chunks and at::mm");
+  namespace py = pybind11;
+  const std::vector<at::Tensor> none;
+  m.def("lut_matmul", &lut_matmul, "y = x @ (W + S)^T for bit-plane packed W (AVX2 lookup tables), S a residual",
+        py::arg("x"), py::arg("w"), py::arg("coef"), py::arg("N"), py::arg("k"), py::arg("block"), py::arg("group"),
+        py::arg("uniform"), py::arg("residual") = none);
+  m.def("dequant_matmul", &dequant_matmul,
+        "y = x @ (W + S)^T through dequantized fp32 row chunks and at::mm, S a residual", py::arg("x"), py::arg("w"),
+        py::arg("coef"), py::arg("N"), py::arg("k"), py::arg("block"), py::arg("group"), py::arg("uniform"),
+        py::arg("byte_of_row"), py::arg("residual") = none);
+  m.def("sparse_residual_add_", &sparse_residual_add_, "y += x @ S^T in place for a residual S in 1x32 segments",
+        py::arg("y"), py::arg("x"), py::arg("residual"));
   register_mxint(m);
 }
