@@ -110,7 +110,6 @@ def kernel_latency(shapes=SHAPES, densities=DENSITIES, batches=BATCHES, block: t
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    batches = list(dict.fromkeys(r["batch"] for r in rows))
     lines = [
         "# MosaicQuant kernels: dense base vs base + sparse int4 residual (two kernels, fused)",
         "",
@@ -122,15 +121,21 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "Cells: dense ms, then fused / dense and two-kernel / dense (wall time; CPU time in the JSON). "
         f"Batches from {cpu._SGEMM_BATCH[4]} on take the dequantize + sgemm path, smaller ones the lookup tables.",
         "",
-        "| out×in | density | " + " | ".join(f"batch {b}" for b in batches) + " |",
-        "|---|---|" + "---|" * len(batches),
-    ]
+    ] + latency_table(rows)
+    return "\n".join(lines) + "\n"
+
+
+def latency_table(rows: list[dict]) -> list[str]:
+    """Markdown rows: per shape and density, per batch: dense ms; fused / dense and two-kernel / dense."""
+    batches = list(dict.fromkeys(r["batch"] for r in rows))
+    lines = ["| out×in | density | " + " | ".join(f"batch {b}" for b in batches) + " |",
+             "|---|---|" + "---|" * len(batches)]
     for key in dict.fromkeys((r["out"], r["inp"], r["density"]) for r in rows):
         cells = {r["batch"]: r for r in rows if (r["out"], r["inp"], r["density"]) == key}
         lines.append(f"| {key[0]}×{key[1]} | {100 * key[2]:.0f}% | " + " | ".join(
             f"{c['dense_ms']:.3f} ms; {c['fused_over_dense']:.2f}× / {c['two_kernel_over_dense']:.2f}×"
             if (c := cells.get(b)) else "" for b in batches) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def floats(text: str) -> list[float]:

@@ -143,8 +143,9 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     g.add_argument("--residual-block", type=_residual_block, default=None, metavar="RxC",
                    help="residual tile shape, rows x columns (default 1x32; columns a multiple of 32 run fused)")
     g.add_argument("--residual-score", choices=SCORES, default=None,
-                   help="how tiles are ranked: delta (Hessian Δ-score, default), greedy (exact greedy on the output "
-                   "error, slower), magnitude, random")
+                   help="how tiles are ranked: auto (default: greedy on an RTN base, delta in the joint GPTQ sweep), "
+                   "delta (the paper's diagonal-Hessian Δ-score), exact (single-tile drop with the full Hessian), "
+                   "greedy (exact greedy on the output error), magnitude, random")
     _add_solver_flags(p.add_argument_group("solver options (each applies to the solvers named in its help)"))
     g.add_argument("--opt", action="append", type=_opt, default=[], metavar="KEY=VALUE",
                    help="any solver option (e.g. damp=0.1) or stage option as STAGE.KEY (e.g. awq.grid=10, "

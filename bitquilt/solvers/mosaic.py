@@ -11,18 +11,22 @@ and MosaicQuant keeps the ⌈ρ · #tiles⌉ tiles of highest
 
     Δ_b = Σ_{(i,j) ∈ b} H_jj · (E_ij² − (E_ij − Q4(E)_ij)²)
 
-the drop in D tile b alone would give if H were diagonal. Alternatives, for the analysis and the
-benchmark: `magnitude` (Σ_b E², no activations), `random` (seeded), and `greedy`: the exact
-greedy on D with the full H, each step taking the tile of largest true drop given the tiles already
-taken, 2⟨Q4(E_b), (D H)_b⟩ − Σ_{rows i of b} Q4(E_b)_i H_cc Q4(E_b)_iᵀ (tiles in other rows do not
-interact, so a step only updates its own rows). Every score ranks tiles; a budget keeps a prefix.
+the drop in D tile b alone would give if H were diagonal (the paper's score). Other rankings:
+`exact`, the drop tile b alone gives with the full H, 2⟨Q4(E_b), (E H)_b⟩ − Σ_{rows i of b}
+Q4(E_b)_i H_cc Q4(E_b)_iᵀ (one E·H product); `greedy`, the exact greedy on D: each step takes the
+tile of largest true drop given the tiles already taken (the same formula with E replaced by
+D = E − R_S; tiles in other rows do not interact, so a step updates its own band of rows only);
+`magnitude` (Σ_b E², no activations) and `random` (seeded). Every score ranks tiles; a budget
+keeps a prefix. After a rotation (QuaRot) H's diagonal is nearly flat while its off-diagonal part
+is not, so Δ ranks almost like magnitude and the full-H rankings recover far more (bench/mosaic.py):
+`auto`, the default, is greedy on an RTN base.
 
 A GPTQ base is solved jointly with its residual (`gptq_mosaic`): GPTQ's error E is shaped by its
 feedback (its columns cancel through H), so tiles fitted to it afterwards add distortion; instead the
 tiles are chosen on the RTN error of GPTQ's starting grid, with Δ weighting column j by the
 sweep's own sensitivity 1/[U]_jj² (U the Cholesky factor of H⁻¹: the OBS cost of an error on column
-j; H_jj when H is diagonal), and the sweep quantizes their weights to base + residual, compensating
-what both leave.
+j; H_jj when H is diagonal; `auto` here), and the sweep quantizes their weights to base + residual,
+compensating what both leave.
 
 The weight becomes `CompositeFormat({"base": B, "residual": S})`: both branches are 4-bit and read
 the same (4-bit) activations, x Ŵᵀ = x Bᵀ + x Sᵀ, fused by `bitquilt.kernels.mosaic`.
@@ -55,15 +59,17 @@ from bitquilt.solvers.gptq import GPTQOptions, gptq
 from bitquilt.solvers.hessian import invert_permutation, prepare_hessian
 from bitquilt.solvers.rtn import dequantize_groups, quantize_groups
 
-SCORES = ("delta", "magnitude", "random", "greedy")
-NEEDS_HESSIAN = ("delta", "greedy")
+SCORES = ("auto", "delta", "exact", "greedy", "magnitude", "random")
+NEEDS_HESSIAN = ("auto", "delta", "exact", "greedy")
+AUTO = {"joint": "delta", "fitted": "greedy"}  # what "auto" ranks by, per way of adding the residual
 
 
 @dataclass(frozen=True)
 class MosaicOptions:
     budget: float = option(0.1, "fraction of each linear's tiles stored as the 4-bit residual (0 to 1)")
     block: tuple[int, ...] = option((1, 32), "tile shape (rows, columns); columns a multiple of 32 run fused")
-    score: str = option("delta", f"tile ranking: {', '.join(SCORES)}")
+    score: str = option("auto", f"tile ranking: {', '.join(SCORES)} (auto: greedy on an RTN base, delta in the joint "
+                        "GPTQ sweep: the best measured on each)")
     seed: int = option(0, "seed of the random ranking")
 
     def __post_init__(self) -> None:
@@ -133,32 +139,48 @@ def magnitude_scores(res: Residual) -> torch.Tensor:
     return res.tiles.pow(2).sum(dim=1)
 
 
+class TileGains:
+    """The exact drop in D(S) each tile would give if taken next: 2⟨Q4(E_b), (D H)_b⟩ − Σ_{rows i of b} Q4(E_b)_i
+    H_cc Q4(E_b)_iᵀ, with D = E − R_S (S empty to start). Taking a tile changes D in its own band of r rows only,
+    so `take` updates the gradient D H of that band and the gains of the tiles in it."""
+
+    def __init__(self, res: Residual, hessian: torch.Tensor):
+        r, c = self.block = res.block
+        out, inp = res.error.shape
+        self.h = hessian.float()
+        self.per_row = inp // c
+        self.gradient = res.error @ self.h
+        self.q4 = res.quantized.reshape(out // r, self.per_row, r, c)  # tile b = (band b // per_row, block b % ...)
+        h_blocks = self.h.reshape(self.per_row, c, self.per_row, c).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+        self.self_term = torch.einsum("bprc,pcd,bprd->bp", self.q4, h_blocks, self.q4).reshape(-1)
+        self.gains = self.linear_term(slice(0, out // r)) - self.self_term
+
+    def linear_term(self, bands: slice) -> torch.Tensor:
+        r, c = self.block
+        g = self.gradient[bands.start * r:bands.stop * r].reshape(-1, r, self.per_row, c).transpose(1, 2)
+        return 2 * (self.q4[bands] * g).sum(dim=(2, 3)).reshape(-1)
+
+    def take(self, b: int) -> slice:
+        """Take tile b: update its band's gradient and gains; returns the band's tile ids."""
+        r, c = self.block
+        band, cb = divmod(b, self.per_row)
+        q = self.q4[band, cb]
+        self.gradient[band * r:(band + 1) * r] -= q @ self.h[cb * c:(cb + 1) * c]
+        tiles = slice(band * self.per_row, (band + 1) * self.per_row)
+        self.gains[tiles] = self.linear_term(slice(band, band + 1)) - self.self_term[tiles]
+        return tiles
+
+
 def greedy_order(res: Residual, hessian: torch.Tensor, count: int) -> torch.Tensor:
     """The first `count` tiles of the exact greedy on D(S) (module docstring), in the order taken."""
-    r, c = res.block
-    out, inp = res.error.shape
-    h = hessian.float()
-    per_row = inp // c
-    gradient = res.error @ h  # (D H) for D = E; a band of r rows changes when one of its tiles is taken
-    q4 = res.quantized.reshape(out // r, per_row, r, c)  # tile b = (band b // per_row, column block b % per_row)
-    h_blocks = h.reshape(per_row, c, per_row, c).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # H_cc [per_row, c, c]
-    self_term = torch.einsum("bprc,pcd,bprd->bp", q4, h_blocks, q4).reshape(-1)
-
-    def linear_term(band: slice) -> torch.Tensor:
-        g = gradient[band.start * r:band.stop * r].reshape(-1, r, per_row, c).transpose(1, 2)
-        return 2 * (q4[band] * g).sum(dim=(2, 3)).reshape(-1)
-
-    gains = linear_term(slice(0, out // r)) - self_term
-    q = res.quantized.reshape(-1, r, c)
+    gains = TileGains(res, hessian)
     order, taken = [], torch.zeros(res.n_tiles, dtype=torch.bool)
     for _ in range(count):
-        b = int(gains.argmax())
+        b = int(gains.gains.argmax())
         order.append(b)
         taken[b] = True
-        band, cb = divmod(b, per_row)
-        gradient[band * r:(band + 1) * r] -= q[b] @ h[cb * c:(cb + 1) * c]
-        tiles = slice(band * per_row, (band + 1) * per_row)
-        gains[tiles] = (linear_term(slice(band, band + 1)) - self_term[tiles]).masked_fill(taken[tiles], -math.inf)
+        tiles = gains.take(b)
+        gains.gains[tiles] = gains.gains[tiles].masked_fill(taken[tiles], -math.inf)
     return torch.tensor(order, dtype=torch.int64)
 
 
@@ -170,6 +192,8 @@ def ranking(res: Residual, score: str, stats: LinearStats | None, count: int, se
         raise ValueError(f"mosaic score {score!r} needs the layer's Hessian (calibration statistics)")
     if score == "greedy":
         return greedy_order(res, stats.hessian, count)
+    if score == "exact":
+        return torch.argsort(TileGains(res, stats.hessian).gains, descending=True, stable=True)
     if score == "random":
         return torch.randperm(res.n_tiles, generator=torch.Generator().manual_seed(seed))
     if score == "magnitude":
@@ -192,11 +216,12 @@ def tile_count(budget: float, n_tiles: int) -> int:
     return min(n_tiles, math.ceil(budget * n_tiles - 1e-9))
 
 
-def select_tiles(res: Residual, stats: LinearStats | None, opts: MosaicOptions,
+def select_tiles(res: Residual, stats: LinearStats | None, opts: MosaicOptions, way: str,
                  sensitivity: torch.Tensor | None = None) -> torch.Tensor:
-    """The ⌈ρ·n⌉ best tiles of `res` by `opts.score`."""
+    """The ⌈ρ·n⌉ best tiles of `res` by `opts.score` (`way`: "fitted" or "joint", what "auto" means)."""
     count = tile_count(opts.budget, res.n_tiles)
-    return ranking(res, opts.score, stats, count, opts.seed, sensitivity)[:count]
+    score = AUTO[way] if opts.score == "auto" else opts.score
+    return ranking(res, score, stats, count, opts.seed, sensitivity)[:count]
 
 
 def mosaic_residual(weight: torch.Tensor, base: WeightFormat, stats: LinearStats | None,
@@ -205,7 +230,7 @@ def mosaic_residual(weight: torch.Tensor, base: WeightFormat, stats: LinearStats
     error feedback (RTN)."""
     block = (int(opts.block[0]), int(opts.block[1]))
     res = Residual.of(weight, base.dequantize(), block)
-    index = select_tiles(res, stats, opts)
+    index = select_tiles(res, stats, opts, "fitted")
     return CompositeFormat({"base": base, "residual": SparseBlockFormat.from_dense(res.error, index, block)})
 
 
@@ -220,8 +245,8 @@ def gptq_mosaic(weight: torch.Tensor, stats: LinearStats, spec: LayerSpec, gptq_
     g = resolve_group_size(spec.group_size, weight.shape[1])
     start = dequantize_groups(*quantize_groups(weight, UniformGrid(spec.bits, spec.sym), g, gptq_opts.mse), g)
     res = Residual.of(weight, start, block)
-    sensitivity = sweep_sensitivity(weight, stats.hessian, gptq_opts) if opts.score == "delta" else None
-    index = select_tiles(res, stats, opts, sensitivity)
+    sensitivity = sweep_sensitivity(weight, stats.hessian, gptq_opts) if opts.score in ("auto", "delta") else None
+    index = select_tiles(res, stats, opts, "joint", sensitivity)
     _, tile_scales = quantize_tiles(res.tiles[index])
     per_tile = torch.zeros(res.n_tiles)
     per_tile[index] = tile_scales
