@@ -168,6 +168,9 @@ def ppl_part(args, settings) -> None:
             wanted = {"model": args.model, "part": "ppl", "config": config, "settings": settings}
             if record_key(wanted, KEY) in measured("mosaic", KEY):
                 continue
+            if budget == 0 and (stored := backbone_record(args.model, backbone, settings)) is not None:
+                store("mosaic", {**wanted, "backbone": backbone, "budget": 0.0, **stored}, KEY, render, False)
+                continue
             model, tokenizer = load(args.model)
             ids = calibration_ids(tokenizer, protocol_settings(args)[0])
             residual = {"residual": "mosaic", "residual_options": {"budget": budget}} if budget > 0 else {}
@@ -189,6 +192,18 @@ def ppl_part(args, settings) -> None:
                   f"{quant[0]:5.0f} s", flush=True)
             store("mosaic", record, KEY, render, False)
             del model
+
+
+def backbone_record(model: str, backbone: str, settings: dict) -> dict | None:
+    """The W4A4KV4 measurement of `backbone` alone that bench/w4a4.py stored with the same settings and recipe
+    (the residual-free row of this benchmark; perplexity is deterministic, so it is not measured twice)."""
+    for r in load_records("w4a4"):
+        if (r["model"], r["precision"], r["method"], r["kv_center"], r["settings"]) == (
+                model, "W4A4KV4", backbone, True, settings):
+            return {"recipe": r["recipe"], "ppl": r["ppl"], "linear_bits_per_weight": r["bits_per_weight"],
+                    "mean_recovered": None, "quant_time_s": r["quant_time_s"], "quant_cpu_s": None,
+                    "machine": r["machine"], "command": r["command"], "load": None, "from": "bench/w4a4.py"}
+    return None
 
 
 def linear_shapes(model_name: str) -> list[tuple[int, int]]:

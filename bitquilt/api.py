@@ -27,6 +27,7 @@ from bitquilt.io import (  # noqa: F401  (API)
 from bitquilt.models.loading import load_model, resolve_path
 from bitquilt.models.streaming import StreamingCheckpoint
 from bitquilt.pipeline.engine import quantize_model
+from bitquilt.pipeline.head import HEAD_STAGE, quantize_head
 from bitquilt.pipeline.report import QuantReport
 from bitquilt.recipes import CalibConfig, Recipe
 from bitquilt.resources import peak_rss_mb
@@ -148,6 +149,9 @@ def quantize_streaming(
     ids, config = _calibration(recipe, calib, tokenizer, calib_config)
     report = quantize_model(stream.model, recipe, ids, config, progress=progress, blocks=stream)
     model = stream.finish()
+    head = quantize_head(model, recipe)  # the engine left them: the LM head was still on disk
+    if head is not None:
+        report.stages[HEAD_STAGE] = head
     report.peak_rss_mb = max(report.peak_rss_mb, peak_rss_mb())  # the LM head loads after the engine's measure
     set_quantization_record(model, {**(quantization_record(model) or {}), "report": report.to_dict()})
     return model, tokenizer, report

@@ -174,6 +174,13 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     a.add_argument("--kv-center", action=argparse.BooleanOptionalAction, default=RECIPE["kv_center"],
                    help="quantize keys around their mean on the calibration data (default on; it keeps Qwen2.5's "
                    "biased keys from collapsing at 4 bits)")
+    h = p.add_argument_group("LM head and embeddings")
+    h.add_argument("--head-bits", type=int, default=RECIPE["head_bits"], metavar="{16,8,4}",
+                   help="bits of the LM head and input embeddings (RTN after the blocks; 8: symmetric, 4: asymmetric; "
+                   f"tied ones stored once; default {RECIPE['head_bits']} = full precision)")
+    h.add_argument("--head-group-size", type=int, default=RECIPE["head_group_size"], metavar="N",
+                   help=f"their group size along the hidden dimension (default {RECIPE['head_group_size']}; -1: one "
+                   "group per row)")
     c = p.add_argument_group("calibration")
     c.add_argument("--calib-data", default=CALIB["source"],
                    help=f"calibration text: sciq, wiki, lambada, or a .txt/.jsonl file (default {CALIB['source']})")
@@ -236,7 +243,8 @@ def _recipe_from_args(args, method: str, bits: int, group_size: int | None, targ
                   a_clip=args.a_clip, a_format=args.a_format, kv_bits=args.kv_bits,
                   kv_group_size=args.kv_group_size, kv_center=args.kv_center, a8_layers=args.a8_layers,
                   a8_snr_db=args.a8_snr_db, recon_steps=args.recon_steps, residual=args.residual,
-                  residual_options=residual_options)
+                  residual_options=residual_options, head_bits=args.head_bits,
+                  head_group_size=args.head_group_size)
 
 
 def _calib_config(args) -> CalibConfig:
@@ -381,6 +389,7 @@ def cmd_quantize(args) -> int:
     save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
     summary = {"output": str(out), "method": recipe.method, "w_bits": recipe.w_bits,
                "group_size": recipe.group_size, "a_bits": recipe.a_bits, "kv_bits": recipe.kv_bits,
+               "head_bits": recipe.head_bits,
                **model_summary(model),
                "quant_time_s": report.total_seconds, "peak_rss_mb": report.peak_rss_mb}
     if args.json:
@@ -642,10 +651,12 @@ def cmd_inspect(args) -> int:
     qconfig = read_qconfig(path)
     report = qconfig.get("report") or {}
     by_name = {r["name"]: r for r in report.get("linears", [])}
+    by_name.update({r["name"]: r for r in (report.get("stages") or {}).get("head_quant", {}).get("layers", [])})
     rows = []
     for name, info in qconfig["layers"].items():
         r = by_name.get(name, {})
-        rows.append({"layer": name, "format": r.get("format", info["format"]),
+        tied = f" (tied to {info['tied']}, stored once)" if "tied" in info else ""
+        rows.append({"layer": name, "format": r.get("format", info["format"]) + tied,
                      "bits_per_weight": r.get("bits_per_weight"), "bytes": r.get("nbytes"),
                      "rel_error": r.get("rel_error"), "seconds": r.get("seconds")})
     disk = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
@@ -880,6 +891,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`bitquilt inspect DIR | head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

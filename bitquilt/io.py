@@ -7,13 +7,21 @@ Layout of a saved directory
   generation_config.json, tokenizer files   the base model's, unchanged
   model.safetensors       every tensor: full-precision parameters under their usual names,
                           packed formats as `<linear>.packed_<tensor>` (+ `<linear>.bias`)
-  quantization_config.json  format version, recipe, calibration, per-linear format + meta,
+  quantization_config.json  format version, recipe, calibration, per-layer format + meta ("layers"; a
+                          quantized input embedding has "kind": "embedding", a tied LM head "tied": the
+                          embedding's name, its tensors then stored once, under the embedding),
                           the quantization report, library versions, and the online modules
                           ({host: {slot: {class, config}}}, see `bitquilt.nn.online`)
 Writes go to a temporary sibling directory renamed into place, so an interrupted save never
 leaves a directory that loads (and the next save removes what a killed one left). Loading checks
 every packed layer against the shape its module must have, so an edited or damaged directory is
 refused with one line instead of failing at the first forward pass.
+
+Loading never builds the full-precision model: the skeleton has its parameters on the meta device
+(`bitquilt.models.loading.empty_model`, shared with streaming quantization), the packed layers are built
+from their saved tensors, and the other tensors are read one by one into the memory they keep
+(`bitquilt.models.streaming.TensorFiles`: plain reads, no memory map), so the load's peak is about the
+file's size above what the process held before.
 """
 
 from __future__ import annotations
@@ -26,16 +34,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from bitquilt.cache import atomic_dir
 from bitquilt.errors import UserError
 from bitquilt.formats import format_class
-from bitquilt.formats.base import WeightFormat, split_buffers
-from bitquilt.models.loading import SAVED_MODEL_TYPE
+from bitquilt.formats.base import BUFFER_PREFIX, WeightFormat, split_buffers
+from bitquilt.models.loading import SAVED_MODEL_TYPE, empty_model
+from bitquilt.models.streaming import TensorFiles
 from bitquilt.nn import online
+from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
 
 CONFIG_NAME = "quantization_config.json"
@@ -82,12 +91,39 @@ def model_nbytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in stored_tensors(model).values())
 
 
+def _shared_with(fmt: WeightFormat, seen: dict[tuple[int, ...], str], name: str) -> str | None:
+    """The name of the layer seen before whose format holds the same tensors as `fmt` (a tied LM head), else None
+    (and `name` is remembered as the owner of `fmt`'s tensors)."""
+    key = tuple(t.data_ptr() for t in fmt.tensors().values())
+    owner = seen.get(key)
+    if owner is None:
+        seen[key] = name
+    return owner
+
+
+def quantized_layers(model: nn.Module) -> dict[str, tuple[QuantLinear | QuantEmbedding, str | None]]:
+    """{name: (module, the earlier layer whose packed tensors it shares, or None)} of every quantized linear and
+    embedding, in model order."""
+    seen: dict[tuple[int, ...], str] = {}
+    return {name: (m, _shared_with(m.fmt, seen, name)) for name, m in model.named_modules()
+            if isinstance(m, (QuantLinear, QuantEmbedding))}
+
+
 def model_summary(model: nn.Module) -> dict[str, float]:
-    """Stored size in MB and the mean bits per weight over the quantized linears (32: fp32 storage, if none)."""
-    q = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    n_weights = sum(m.in_features * m.out_features for m in q)
-    bits = sum(m.fmt.bits_per_weight() * m.in_features * m.out_features for m in q)
+    """Stored size in MB and the mean bits per weight over the quantized weight matrices: the linears, and the LM
+    head and input embeddings when they are quantized (a tied pair counted once); 32 (fp32 storage) if none."""
+    q = [m.fmt for m, tied in quantized_layers(model).values() if tied is None]
+    n_weights = sum(f.in_features * f.out_features for f in q)
+    bits = sum(f.bits_per_weight() * f.in_features * f.out_features for f in q)
     return {"size_mb": model_nbytes(model) / 2**20, "bits_per_weight": bits / n_weights if n_weights else 32.0}
+
+
+def _layer_config(module: QuantLinear | QuantEmbedding, tied: str | None) -> dict[str, Any]:
+    if isinstance(module, QuantEmbedding):
+        entry = {"format": module.fmt.name, "meta": module.fmt.meta(), "kind": "embedding"}
+    else:
+        entry = {"format": module.fmt.name, "meta": module.fmt.meta(), "bias": module.bias is not None}
+    return entry if tied is None else {**entry, "tied": tied}
 
 
 def check_output(path: str | Path, overwrite: bool = False) -> None:
@@ -122,11 +158,7 @@ def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, extra: 
     """Write a quantized (or full-precision) model to `directory` atomically (`bitquilt.cache.atomic_dir`)."""
     directory = Path(directory)
     check_output(directory, overwrite)
-    layers = {
-        name: {"format": m.fmt.name, "meta": m.fmt.meta(), "bias": m.bias is not None}
-        for name, m in model.named_modules()
-        if isinstance(m, QuantLinear)
-    }
+    layers = {name: _layer_config(m, tied) for name, (m, tied) in quantized_layers(model).items()}
     record = quantization_record(model) or {}
     qconfig = {
         "format_version": FORMAT_VERSION,
@@ -197,18 +229,29 @@ def read_qconfig(directory: str | Path) -> dict[str, Any]:
     return qconfig
 
 
-def _checked_format(directory: Path, model: nn.Module, name: str, info: Any, tensors: dict[str, torch.Tensor],
-                    bias: torch.Tensor | None, checked: set[tuple]) -> WeightFormat:
-    """The saved format of linear `name`, rebuilt and checked against the linear `model` has there; a UserError
-    naming the layer, what it should be and what was found if they disagree (`checked`: layouts already tried)."""
+KINDS = {"linear": nn.Linear, "embedding": nn.Embedding}  # a saved layer's "kind" -> the module it replaces
+
+
+def _layer_shape(directory: Path, model: nn.Module, name: str, kind: Any) -> tuple[int, int]:
+    """[out, in] of the module a saved layer `name` of `kind` replaces; a UserError if the model has none there."""
     try:
         module = model.get_submodule(name)
     except AttributeError:
         module = None
-    if not isinstance(module, nn.Linear):
-        raise UserError(f"{directory} is corrupt or was edited: its config names a quantized layer {name!r}, which "
-                        "is not a linear of this model")
-    shape = (module.out_features, module.in_features)
+    if kind not in KINDS or not isinstance(module, KINDS[kind]):
+        what = f"a layer of unknown kind {kind!r}" if kind not in KINDS else f"a quantized {kind} {name!r}"
+        raise UserError(f"{directory} is corrupt or was edited: its config names {what}, which is not "
+                        f"{'an' if kind == 'embedding' else 'a'} {kind} of this model")
+    if kind == "embedding":
+        return module.num_embeddings, module.embedding_dim
+    return module.out_features, module.in_features
+
+
+def _checked_format(directory: Path, shape: tuple[int, int], name: str, info: Any, tensors: dict[str, torch.Tensor],
+                    bias: torch.Tensor | None, checked: set[tuple]) -> WeightFormat:
+    """The saved format of layer `name`, rebuilt and checked against the [out, in] `shape` its module has; a
+    UserError naming the layer, what it should be and what was found if they disagree (`checked`: layouts already
+    tried)."""
     try:
         return _rebuild_format(info, tensors, bias, shape, checked)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
@@ -222,51 +265,99 @@ def _rebuild_format(info: Any, tensors: dict[str, torch.Tensor], bias: torch.Ten
                     checked: set[tuple]) -> WeightFormat:
     """`from_tensors` of one layer, then its [out, in] shape and bias checked; raises what the format raises, or
     ValueError. Each distinct layout is dequantized once, so a meta that does not fit its tensors (bits, group
-    size) fails here rather than at the first forward pass."""
+    size) fails here rather than at the first forward pass (a few rows, for a format that dequantizes rows apart:
+    a whole LM head or embedding table in fp32 would be most of a small model)."""
     fmt = format_class(info["format"]).from_tensors(tensors, info["meta"])
     if (fmt.out_features, fmt.in_features) != shape:
         raise ValueError(f"its format describes a {fmt.out_features}×{fmt.in_features} weight")
-    if bool(info["bias"]) != (bias is not None) or (bias is not None and tuple(bias.shape) != shape[:1]):
+    if bool(info.get("bias")) != (bias is not None) or (bias is not None and tuple(bias.shape) != shape[:1]):
         raise ValueError("its bias is missing" if bias is None else f"its bias has shape {tuple(bias.shape)}")
     layout = (json.dumps(info, sort_keys=True), tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in tensors.items())))
     if layout not in checked:
-        got = tuple(fmt.dequantize().shape)
+        if hasattr(fmt, "dequantize_rows"):
+            rows = min(shape[0], 8)
+            got = (shape[0], *fmt.dequantize_rows(torch.arange(rows)).shape[1:]) if rows else (0, shape[1])
+        else:
+            got = tuple(fmt.dequantize().shape)
         if got != shape:
             raise ValueError(f"its tensors dequantize to a {got[0]}×{got[1]} matrix")
         checked.add(layout)
     return fmt
 
 
+def _open_weights(directory: Path) -> TensorFiles:
+    path = directory / WEIGHTS_NAME
+    try:
+        if not path.is_file():
+            raise UserError("no such file")
+        return TensorFiles(directory, [path])
+    except (UserError, OSError) as e:
+        raise UserError(f"cannot read {path} (missing or corrupted): {e}") from None
+
+
+def _quantized_module(kind: str, fmt: WeightFormat, bias: torch.Tensor | None, old: nn.Module) -> nn.Module:
+    if kind == "embedding":
+        return QuantEmbedding.from_embedding(old, fmt)
+    return QuantLinear(fmt, bias)
+
+
 def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
-    """Rebuild a model saved by `save` (no recalibration); returns (model, tokenizer or None)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Rebuild a model saved by `save` (no recalibration); returns (model, tokenizer or None). No full-precision
+    copy of the model is built (see the module's docstring)."""
+    from transformers import AutoTokenizer
 
     directory = Path(directory)
     qconfig = read_qconfig(directory)
-    try:
-        tensors = load_file(str(directory / WEIGHTS_NAME))
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"cannot read {directory / WEIGHTS_NAME} (missing or corrupted): {e}") from None
+    files = _open_weights(directory)
     config = base_config(directory)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = empty_model(config, torch.float32)
     checked: set[tuple] = set()
-    for name, info in qconfig["layers"].items():
-        fmt_tensors, bias = split_buffers(tensors, name), tensors.pop(f"{name}.bias", None)
-        fmt = _checked_format(directory, model, name, info, fmt_tensors, bias, checked)
+    formats: dict[str, WeightFormat] = {}
+    consumed: set[str] = set()
+    layers = qconfig["layers"]
+    for name, info in sorted(layers.items(), key=lambda item: "tied" in item[1]):  # the tensors' owners first
+        kind = info.get("kind", "linear")
+        shape = _layer_shape(directory, model, name, kind)
+        keys = [k for k in files.entries if k.startswith(f"{name}.{BUFFER_PREFIX}") and "." not in k[len(name) + 1:]]
+        bias_key = f"{name}.bias" if kind == "linear" and f"{name}.bias" in files else None
+        consumed.update(keys + [bias_key] * (bias_key is not None))
+        bias = files.read(bias_key) if bias_key else None
+        if "tied" in info:
+            fmt = formats.get(info["tied"])
+            if fmt is None or keys or (fmt.out_features, fmt.in_features) != shape or "tied" in layers[info["tied"]]:
+                raise UserError(f"{directory} is corrupt or was edited: layer {name} is tied to {info['tied']!r}, "
+                                f"which is no quantized {shape[0]}×{shape[1]} layer stored in it; quantize the model "
+                                "again")
+            if bool(info.get("bias")) != (bias is not None):
+                raise UserError(f"{directory} is corrupt or was edited: layer {name}'s bias is missing")
+        else:
+            tensors = split_buffers({k: files.read(k) for k in keys}, name)
+            fmt = _checked_format(directory, shape, name, info, tensors, bias, checked)
+        formats[name] = fmt
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, QuantLinear(fmt, bias))
+        host = model.get_submodule(parent)
+        setattr(host, child, _quantized_module(kind, fmt, bias, getattr(host, child)))
     online.restore(model, qconfig.get("online", {}))  # before the tensors: some own buffers (key centres)
+    expected = model.state_dict(keep_vars=True)
+    rest = {}
+    for key in files.entries.keys() - consumed:
+        t = files.read(key)
+        want = expected.get(key)
+        rest[key] = t.to(want.dtype) if want is not None and t.is_floating_point() and want.is_floating_point() else t
     try:
-        missing, unexpected = model.load_state_dict(tensors, strict=False)
+        missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
     except RuntimeError as e:  # a tensor of the wrong shape
         raise UserError(f"{directory} is corrupt or was edited: {str(e).splitlines()[-1].strip()}") from None
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    quantized = tuple(f"{name}." for name in qconfig["layers"])
-    missing = [k for k in missing if k not in tied and not k.startswith(quantized)]
-    if missing or unexpected:
-        raise UserError(f"{directory} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    del rest, expected
+    head = "lm_head"  # tied to the embedding when the config says so and it is neither quantized nor stored
+    tied = getattr(config, "tie_word_embeddings", False) and head not in layers and f"{head}.weight" not in files
+    missing = [k for k in missing if not (tied and k == f"{head}.weight") and k.rpartition(".")[0] not in layers]
     if tied:
         model.tie_weights()
+    missing += [k for k, t in [*model.named_parameters(remove_duplicate=False),
+                               *model.named_buffers(remove_duplicate=False)] if t.is_meta and k not in missing]
+    if missing or unexpected:
+        raise UserError(f"{directory} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, config=config)

@@ -19,6 +19,7 @@ from typing import Any
 import bitquilt.pipeline  # noqa: F401  (registers the built-in solvers, transforms and policies)
 from bitquilt.calib.stages import STAGES, Stage
 from bitquilt.nn.act_quant import ActQuantConfig
+from bitquilt.pipeline.head import head_spec
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec, Solver
 from bitquilt.solvers.mosaic import RESIDUALS
@@ -67,6 +68,8 @@ class Recipe:
     recon_steps: int = 0  # block-wise learned rounding and clipping after the solver: steps per block (0: off)
     residual: str | None = None  # MosaicQuant: "mosaic" adds a sparse 4-bit residual to each solved linear
     residual_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"budget": 0.1, "block": (1, 32)}
+    head_bits: int = 16  # LM head and input embeddings: 8 or 4 (RTN, uniform grid; bitquilt.pipeline.head), 16: off
+    head_group_size: int = 128  # their group size along the hidden dimension (-1: one group per row)
 
     def __post_init__(self) -> None:
         self.method = METHOD_ALIASES.get(self.method, self.method)
@@ -117,6 +120,7 @@ class Recipe:
                              f"recipe's activations are {self.a_bits}-bit (use --a-bits 4)")
         if self.a8_layers < 0:
             raise ValueError(f"a8_layers must be ≥ 0, got {self.a8_layers}")
+        head_spec(self.head_bits, self.head_group_size)
         if "quarot" in self.components and "awq" in self.components:
             raise ValueError("awq cannot follow quarot: its scales would cross the online Hadamard transforms")
 
@@ -213,6 +217,7 @@ class Recipe:
             act += f" a8<{self.a8_snr_db:g}dB"
         kv = f" kv{self.kv_bits}" if self.kv_bits < 16 else ""
         recon = f" recon{self.recon_steps}" if self.recon_steps else ""
+        recon += f" head{self.head_bits}" if self.head_bits < 16 else ""
         residual = self.residual_spec
         extra = "" if residual is None else f" +{self.residual} {100 * residual.budget:g}%"
         return f"{self.method} w{self.w_bits}{g}{'s' if self.sym else ''}{extra}{act}{kv}{recon}"

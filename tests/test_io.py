@@ -85,3 +85,47 @@ def test_real_model_rtn_round_trip(smollm, tmp_path):
         assert torch.equal(loaded(ids).logits, ref)
     assert tok2 is not None
     assert model_nbytes(loaded) < 0.45 * model_nbytes(smollm[0])  # embeddings stay fp32
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text"])
+def test_load_builds_no_full_precision_model(tmp_path, monkeypatch, model_type):
+    """The skeleton holds no weight (parameters on the meta device), the saved tensors become the model's own, and
+    the buffers no checkpoint holds (RoPE frequencies, Gemma's embedding scale) are computed as in a built model."""
+    import bitquilt.io as bio
+    from bitquilt.models.loading import empty_model
+
+    def checked_skeleton(config, dtype):
+        skeleton = empty_model(config, dtype)
+        assert all(p.is_meta for p in skeleton.parameters())
+        assert not any(b.is_meta for b in skeleton.buffers())
+        return skeleton
+
+    monkeypatch.setattr(bio, "empty_model", checked_skeleton)
+    model = make_tiny(model_type)
+    quantize(model, Recipe("rtn", w_bits=4, group_size=32), None, progress=False)
+    loaded = reload_bit_exact(model, _ids(2), tmp_path / "q")
+    tensors = dict(loaded.named_parameters(remove_duplicate=False)) | dict(loaded.named_buffers())
+    assert not [name for name, t in tensors.items() if t.is_meta]
+    assert dict(model.named_buffers()).keys() == dict(loaded.named_buffers()).keys()
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, loaded.get_buffer(name)), name
+    inv_freq = {n: b for n, b in loaded.model.rotary_emb.named_buffers() if n.endswith("inv_freq")}
+    assert inv_freq and all(b.dtype == torch.float32 and b.abs().sum() > 0 for b in inv_freq.values())
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == model.config.tie_word_embeddings
+
+
+def test_a_missing_full_precision_tensor_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = make_tiny("llama")
+    quantize(model, Recipe("rtn", w_bits=4, group_size=64), None, progress=False)
+    save(model, tmp_path / "q")
+    weights = tmp_path / "q" / WEIGHTS_NAME
+    tensors = load_file(str(weights))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(weights))
+    with pytest.raises(UserError, match=r"does not match its config: missing \['model.norm.weight'\]"):
+        load_quantized(tmp_path / "q")
+    (tmp_path / "q" / WEIGHTS_NAME).unlink()
+    with pytest.raises(UserError, match="missing or corrupted"):
+        load_quantized(tmp_path / "q")

@@ -59,6 +59,7 @@ from bitquilt.io import (
     stored_tensors,
 )
 from bitquilt.nn import online
+from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
 
 FORMAT = "pack-quantized"
@@ -155,6 +156,10 @@ def check_exportable(model: nn.Module) -> None:
         modules = ", ".join(f"{slot} ({entry['class']})" for slot, entry in slots.items())
         raise UserError(f"cannot export {host} to compressed-tensors: it runs the online module(s) {modules}, which "
                         f"vLLM and transformers do not run; exportable: weight-only models with {EXPORTABLE}")
+    embeddings = [name for name, m in model.named_modules() if isinstance(m, QuantEmbedding)]
+    if embeddings:
+        raise UserError(f"cannot export {embeddings[0]} to compressed-tensors: quantized input embeddings "
+                        "(--head-bits) are not exported yet; quantize with --head-bits 16")
     refused = [(name, m.fmt, why) for name, m in model.named_modules()
                if isinstance(m, QuantLinear) and (why := refusal(m.fmt)) is not None]
     if refused:

@@ -52,6 +52,7 @@ from bitquilt.io import check_writable, is_quantized_dir, load_quantized
 from bitquilt.models import registry
 from bitquilt.models.loading import TOKENIZER_FILES
 from bitquilt.nn import online
+from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,10 @@ def check_exportable(model: nn.Module) -> Family:
         modules = ", ".join(f"{slot} ({entry['class']})" for slot, entry in slots.items())
         raise UserError(f"cannot export {host} to GGUF: it runs the online module(s) {modules}, which llama.cpp "
                         f"cannot run; exportable: weight-only models with {EXPORTABLE}")
+    embeddings = [name for name, m in model.named_modules() if isinstance(m, QuantEmbedding)]
+    if embeddings:
+        raise UserError(f"cannot export {embeddings[0]} to GGUF: quantized input embeddings (--head-bits) are "
+                        "not exported yet; quantize with --head-bits 16")
     refused = [(name, m.fmt, why) for name, m in model.named_modules()
                if isinstance(m, QuantLinear) and (why := refusal(m.fmt)) is not None]
     if refused:

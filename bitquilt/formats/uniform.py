@@ -20,6 +20,8 @@ import torch
 from bitquilt.formats.base import WeightFormat, register_format
 from bitquilt.formats.packing import bit_planes, pack, packed_words, unpack
 
+PLANE_ROWS = 4096  # rows converted to bit-planes at a time (`UniformFormat.plane_bytes`)
+
 
 def resolve_group_size(group_size: int, in_features: int) -> int:
     """Concrete group size for a layer: -1 (or anything ≥ the width) means the whole row.
@@ -172,8 +174,13 @@ class UniformFormat(WeightFormat):
         return unpack(self.qweight, self.bits, self.in_features)
 
     def plane_bytes(self) -> torch.Tensor:
-        """The codes as bit-planes, uint8 [bits, out, in/8]: bit j of byte p of plane i is bit i of q[:, 8p + j]."""
-        return bit_planes(self.qweight, self.bits, self.in_features)
+        """The codes as bit-planes, uint8 [bits, out, in/8]: bit j of byte p of plane i is bit i of q[:, 8p + j].
+        Built PLANE_ROWS rows at a time: `bit_planes` holds several bytes per bit on the way, which for an LM head
+        (150k rows) would be gigabytes."""
+        out = torch.empty(self.bits, self.out_features, self.in_features // 8, dtype=torch.uint8)
+        for i in range(0, self.out_features, PLANE_ROWS):
+            out[:, i:i + PLANE_ROWS] = bit_planes(self.qweight[i:i + PLANE_ROWS], self.bits, self.in_features)
+        return out
 
     def scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero per (row, group), each fp32 [out, G]; a symmetric grid's zero is 2^(b−1)."""
@@ -193,6 +200,14 @@ class UniformFormat(WeightFormat):
     def dequantize(self, selector: Any = None) -> torch.Tensor:
         scale, zero = self.column_params()
         return scale * (self.codes().float() - zero)
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` (integer indices of any shape) of `dequantize()`, shape [*rows.shape, in]: only those rows
+        are unpacked (rows are packed apart), with the same arithmetic, so the values are bit-identical."""
+        flat = rows.reshape(-1)
+        part = UniformFormat(self.qweight[flat], self.scales[flat], None if self.zeros is None else self.zeros[flat],
+                             self.bits, self.group_size, self.in_features, self.g_idx)
+        return part.dequantize().reshape(*rows.shape, self.in_features)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"qweight": self.qweight, "scales": self.scales}

@@ -67,6 +67,18 @@ def check_safetensors(path: Path) -> None:
                         "re-fetch or re-save the model")
 
 
+def empty_model(config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The causal LM `config` describes, without its weights: every parameter on the meta device (nothing
+    allocated), buffers such as RoPE frequencies and Gemma's embedding scale computed as usual (the non-persistent
+    ones are in no checkpoint). The skeleton streaming quantization (`bitquilt.models.streaming`) and
+    `bitquilt.io.load_quantized` fill from safetensors files; tied weights share one meta parameter."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def _load_tokenizer(path: Path, **kwargs: Any) -> Any:
     from transformers import AutoTokenizer
 

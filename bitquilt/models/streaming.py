@@ -31,7 +31,7 @@ from torch import nn
 
 from bitquilt.errors import UserError
 from bitquilt.models.adapters import architecture_of, decoder_layers
-from bitquilt.models.loading import TOKENIZER_FILES, _load_tokenizer, check_safetensors
+from bitquilt.models.loading import TOKENIZER_FILES, _load_tokenizer, check_safetensors, empty_model
 from bitquilt.nn.quant_linear import QuantLinear
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -51,10 +51,11 @@ class _Entry:
 
 
 class TensorFiles:
-    """The tensors of a folder's safetensors files by name, each read from disk only when asked for."""
+    """The tensors of a folder's safetensors files (or of `files` in it) by name, each read from disk only when asked
+    for (also how `bitquilt.io.load_quantized` reads a saved model)."""
 
-    def __init__(self, directory: Path):
-        files = sorted(directory.glob("*.safetensors"))
+    def __init__(self, directory: Path, files: list[Path] | None = None):
+        files = sorted(directory.glob("*.safetensors")) if files is None else files
         if not files:
             raise UserError(f"{directory} has no .safetensors weights; --stream (streaming quantization) reads a "
                             "Hugging Face folder with safetensors files")
@@ -132,8 +133,7 @@ class StreamingCheckpoint:
     `release(i)` (the engine's block loader, `bitquilt.pipeline.engine.BlockLoader`) and `finish()`."""
 
     def __init__(self, directory: str | Path, dtype: torch.dtype = torch.float32):
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoConfig, GenerationConfig
 
         directory = Path(directory)
         if not (directory / "config.json").is_file():
@@ -144,8 +144,7 @@ class StreamingCheckpoint:
         self.files = TensorFiles(directory)
         try:
             config = AutoConfig.from_pretrained(directory, local_files_only=True)
-            with init_empty_weights(include_buffers=False):
-                self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            self.model = empty_model(config, dtype)
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"cannot build the model in {directory}: {str(e).splitlines()[0]}") from None
         self.model.eval()

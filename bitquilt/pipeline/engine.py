@@ -25,6 +25,7 @@ from bitquilt.formats.sparse_blocks import check_block_shape
 from bitquilt.formats.uniform import resolve_group_size
 from bitquilt.io import set_quantization_record
 from bitquilt.models.adapters import Architecture, architecture_of, decoder_layers
+from bitquilt.pipeline.head import HEAD_STAGE, quantize_head
 from bitquilt.pipeline.report import QuantReport
 from bitquilt.recipes import CalibConfig, Recipe
 from bitquilt.resources import peak_rss_mb, reset_peak_rss
@@ -83,6 +84,13 @@ def _record(report: QuantReport, stage: Stage, result: dict[str, Any] | None, wh
         report.stages[stage.name] = result
     else:
         report.stages.setdefault(stage.name, {}).setdefault(where, {}).update(result)
+
+
+def _record_head(report: QuantReport, model: nn.Module, recipe: Recipe, arch: Architecture | None = None) -> None:
+    """Quantize the LM head and embeddings if `recipe.head_bits` says so (`bitquilt.pipeline.head`), into `report`."""
+    result = quantize_head(model, recipe, arch)
+    if result is not None:
+        report.stages[HEAD_STAGE] = result
 
 
 def initial_plan(model: nn.Module, arch: Architecture, recipe: Recipe) -> Plan:
@@ -150,6 +158,8 @@ def quantize_model(
         bar.set_postfix(last_block=f"{report.block_seconds[-1]:.1f}s")
 
     model.config.use_cache = use_cache
+    if blocks is None:  # streaming quantizes them once it has loaded the LM head (`bitquilt.api.quantize_streaming`)
+        _record_head(report, model, recipe, arch)
     report.plan = plan.to_dict()
     report.total_seconds = time.perf_counter() - start
     report.peak_rss_mb = peak_rss_mb()
