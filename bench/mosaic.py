@@ -3,8 +3,8 @@ perplexity on each backbone, what it costs in memory and in kernel time.
 
 Parts (--parts, default all):
 
-  recovery  on the linears of every --probe-every-th decoder block after the QuaRot rotation (calibration
-            statistics of the rotated full-precision model), the recovered fraction of the true output
+  recovery  on the linears of every --probe-every-th decoder block, after the QuaRot rotation and as they are
+            (--rotations; calibration statistics of the full-precision model), the recovered fraction of the true output
             distortion, 1 − Σ tr(D H Dᵀ)/Σ tr(E H Eᵀ) pooled over the probed linears (E: the dense base's error, D:
             what base + residual leave), at budgets --curve-budgets, per tile ranking: Δ-score, magnitude,
             random, and the exact greedy (RTN base). Two bases: RTN (the residual fitted to its error) and GPTQ
@@ -20,7 +20,7 @@ Parts (--parts, default all):
     python bench/mosaic.py --model smollm2-135m --threads 1
     python bench/mosaic.py --model qwen2.5-0.5b --threads 1 --parts ppl --backbones quarot+gptq --budgets 0,0.1
 
-Results: bench/results/mosaic.{json,md} and mosaic_<model>.png (recovery curves); a record already measured
+Results: bench/results/mosaic.{json,md} and mosaic_<model>_<rotation>.png (recovery curves); a record already measured
 with the same settings is skipped, so an interrupted run resumes.
 """
 
@@ -74,12 +74,13 @@ def floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
 
 
-def probe_layers(model, ids, every: int) -> list[tuple[str, torch.Tensor, object]]:
-    """(name, weight, statistics) of every linear of blocks 0, every, 2·every, ... of `model` after QuaRot's
-    rotation (in place), statistics from the rotated full-precision model on `ids`."""
+def probe_layers(model, ids, every: int, rotation: str) -> list[tuple[str, torch.Tensor, object]]:
+    """(name, weight, statistics) of every linear of blocks 0, every, 2·every, ... of `model` after `rotation`
+    ("quarot", in place, or "none"), statistics from the full-precision model on `ids`."""
     arch = architecture_of(model)
-    stage = STAGES.get("quarot")
-    stage.fn(ModelContext(model, arch, Plan({}, {}), None), stage.make_options())
+    if rotation == "quarot":
+        stage = STAGES.get("quarot")
+        stage.fn(ModelContext(model, arch, Plan({}, {}), None), stage.make_options())
     inputs, kwargs = capture_block_inputs(model, arch, ids)
     names = list(arch.linear_names())
     out = []
@@ -130,18 +131,18 @@ def overhead_bits(block: tuple[int, int], budget: float) -> float:
     return budget * (4 + 48 / (block[0] * block[1]))
 
 
-def recovery_part(args, settings) -> list[dict]:
+def recovery_part(args, rotation: str) -> list[dict]:
     model, tokenizer = load(args.model)
     ids = calibration_ids(tokenizer, protocol_settings(args)[0])
     t0 = time.perf_counter()
-    layers = probe_layers(model, ids, args.probe_every)
+    layers = probe_layers(model, ids, args.probe_every, rotation)
     del model
     budgets = args.curve_budgets
     records = []
     for base, fn in (("rtn", rtn_curves), ("gptq", gptq_curves)):
         t = time.perf_counter()
         curves = fn(layers, budgets)
-        records.append({"part": "recovery", "config": f"scores {base}", "base": base, "budgets": budgets,
+        records.append({"part": "recovery", "config": f"scores {base} {rotation}", "base": base, "budgets": budgets,
                         "curves": curves, "seconds": time.perf_counter() - t})
         print(f"recovery {base}: " + "; ".join(f"{s} {[round(v, 3) for v in c]}" for s, c in curves.items()),
               flush=True)
@@ -149,14 +150,15 @@ def recovery_part(args, settings) -> list[dict]:
         shapes = {}
         for shape in args.shapes:
             shapes["x".join(map(str, shape))] = fn(layers, budgets, shape, ("delta",))["delta"]
-        records.append({"part": "recovery", "config": f"shapes {base}", "base": base, "budgets": budgets,
+        records.append({"part": "recovery", "config": f"shapes {base} {rotation}", "base": base, "budgets": budgets,
                         "shapes": shapes,
                         "overhead_bits": {k: [overhead_bits(s, b) for b in budgets] for k, s in
                                           zip(shapes, args.shapes)}})
         print(f"shapes {base}: {shapes}", flush=True)
     probed = sorted({name.split(".")[0] for name, _, _ in layers}, key=int)
     for r in records:
-        r.update(probed_blocks=probed, probed_linears=len(layers), probe_seconds=time.perf_counter() - t0)
+        r.update(rotation=rotation, probed_blocks=probed, probed_linears=len(layers),
+                 probe_seconds=time.perf_counter() - t0)
     return records
 
 
@@ -214,7 +216,8 @@ def linear_shapes(model_name: str) -> list[tuple[int, int]]:
                               for n in arch.linear_names()))
 
 
-def plot(records: list[dict], model: str) -> None:
+def plot(records: list[dict], model: str, rotation: str) -> None:
+    records = [r for r in records if r.get("rotation") == rotation]
     scores = {r["base"]: r for r in records if r["config"].startswith("scores")}
     shapes = {r["base"]: r for r in records if r["config"].startswith("shapes")}
     if not scores:
@@ -246,9 +249,10 @@ def plot(records: list[dict], model: str) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"MosaicQuant residual recovery, {model} (QuaRot-rotated linears)", fontsize=10)
+    fig.suptitle(f"MosaicQuant residual recovery, {model} ({'QuaRot-rotated' if rotation == 'quarot' else 'unrotated'} "
+                 "linears)", fontsize=10)
     fig.tight_layout()
-    write_figure(fig, RESULTS / f"mosaic_{model}.png")
+    write_figure(fig, RESULTS / f"mosaic_{model}_{rotation}.png")
 
 
 def render(records: list[dict]) -> str:
@@ -264,8 +268,13 @@ def render(records: list[dict]) -> str:
         for r in rec:
             header = f"| {'ranking' if 'curves' in r else 'tile shape'} | " + " | ".join(
                 f"{100 * b:g}%" for b in r["budgets"]) + " |"
-            lines += [f"### Recovered distortion, {r['config']} (blocks {', '.join(r['probed_blocks'])}: "
-                      f"{r['probed_linears']} linears)", "", header, "|---|" + "---:|" * len(r["budgets"])]
+            what = ("Δ-score per tile shape" if "shapes" in r else "per ranking")
+            base = ("RTN base, residual fitted to its error" if r["base"] == "rtn"
+                    else "GPTQ base, joint sweep, against plain GPTQ")
+            rotated = "QuaRot-rotated" if r.get("rotation", "quarot") == "quarot" else "unrotated"
+            lines += [f"### Recovered distortion {what}: {base}; {rotated} linears (blocks "
+                      f"{', '.join(r['probed_blocks'])}: {r['probed_linears']} linears)", "", header,
+                      "|---|" + "---:|" * len(r["budgets"])]
             table = r.get("curves") or r["shapes"]
             for name, c in table.items():
                 extra = (" (+" + ", ".join(f"{b:.2f}" for b in r["overhead_bits"][name]) + " bits/weight)"
@@ -310,14 +319,16 @@ def main() -> None:
     p.add_argument("--shapes", default="1x32,2x32,4x32,16x32",
                    type=lambda s: [tuple(int(v) for v in x.split("x")) for x in s.split(",")])
     p.add_argument("--probe-every", type=int, default=6, help="probe the linears of every N-th block (recovery)")
+    p.add_argument("--rotations", default="quarot,none", type=lambda s: s.split(","),
+                   help="recovery: probe the linears after a QuaRot rotation (quarot) and/or as they are (none)")
     add_protocol_args(p, calib_samples=32, ppl_windows=20)
     args = p.parse_args()
     _, settings = protocol_settings(args)
     parts = args.parts.split(",")
-    if "recovery" in parts:
-        wanted = {"model": args.model, "part": "recovery", "config": "scores rtn", "settings": settings}
+    for rotation in args.rotations if "recovery" in parts else ():
+        wanted = {"model": args.model, "part": "recovery", "config": f"scores rtn {rotation}", "settings": settings}
         if record_key(wanted, KEY) not in measured("mosaic", KEY):
-            for r in recovery_part(args, settings):
+            for r in recovery_part(args, rotation):
                 store("mosaic", {"model": args.model, **r, "settings": settings, "machine": machine(),
                                  "command": command_line()}, KEY, render, False)
     if "ppl" in parts:
@@ -328,8 +339,9 @@ def main() -> None:
         store("mosaic", {"model": args.model, "part": "latency", "config": f"threads {threads}", "rows": rows,
                          "threads": threads, "load": loadavg(), "settings": settings, "machine": machine(),
                          "command": command_line()}, KEY, render, False)
-    plot([r for r in load_records("mosaic") if r["model"] == args.model and r["part"] == "recovery"
-          and r["settings"] == settings], args.model)
+    for rotation in args.rotations:
+        plot([r for r in load_records("mosaic") if r["model"] == args.model and r["part"] == "recovery"
+              and r["settings"] == settings], args.model, rotation)
 
 
 if __name__ == "__main__":
