@@ -20,7 +20,7 @@ from bitquilt.errors import USER_ERRORS, UserError
 from bitquilt.export import FORMATS as EXPORT_FORMATS
 from bitquilt.io import model_summary
 from bitquilt.models.registry import DEFAULT_MODEL
-from bitquilt.recipes import METHOD_ALIASES, CalibConfig, Recipe, solver_name
+from bitquilt.recipes import BEST_RECIPES, METHOD_ALIASES, CalibConfig, Recipe, solver_name
 from bitquilt.solvers import SOLVERS
 from bitquilt.solvers.mosaic import SCORES, parse_block
 from bitquilt.tables import markdown_table
@@ -116,10 +116,12 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
                        help="average bits per weight of methods with a bit budget (mxsens), e.g. 4.25,4.5,5: "
                        "one run per value")
     else:
-        g.add_argument("--method", "--recipe", dest="method", default=RECIPE["method"],
+        g.add_argument("--method", "--recipe", dest="method", default=None,
                        help="rtn | gptq | awq (=awq+rtn) | awq+gptq | bpdq | smoothquant+rtn | quarot+rtn | "
-                       f"quarot+gptq | mxint | mxsens (default: {RECIPE['method']}, the most accurate uniform grid at "
-                       "3-4 bits; gptq is faster; use bpdq at 2 bits; mxsens for MXINT 4/6/8 mixed by sensitivity)")
+                       "quarot+gptq | mxint | mxsens | mobiquant (default at 2, 3 and 4 bits: the most accurate "
+                       "measured, awq+rtn with --recon-steps 50 (4 windows a step; g64 at 2 bits), slow: about 1 "
+                       f"CPU-minute per block of a 135M model; {RECIPE['method']} at other widths. Faster: --method "
+                       "awq+gptq or gptq)")
         g.add_argument("--w-bits", type=int, default=RECIPE["w_bits"],
                        help=f"weight bits: 2, 3, 4 or 8; MXINT 4, 6 or 8 (default {RECIPE['w_bits']})")
         g.add_argument("--group-size", type=int, default=None,
@@ -131,9 +133,10 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     g.add_argument("--sym", action="store_true", help="symmetric grid (default asymmetric, with zero points)")
     g.add_argument("--skip", action="append", default=[], metavar="GLOB",
                    help="keep linears matching GLOB in full precision (repeatable), e.g. '*.down_proj'")
-    g.add_argument("--recon-steps", type=int, default=RECIPE["recon_steps"], metavar="N",
+    g.add_argument("--recon-steps", type=int, default=None, metavar="N",
                    help="after the solver, learn each block's rounding and clipping on its output error (SignRound): "
-                   "N steps per block, e.g. 50 (default 0 = off; packed format unchanged; --opt recon.batch=8, "
+                   "N steps per block, e.g. 50 (default: 50 with the default method, else 0 = off; packed format "
+                   "unchanged; --opt recon.batch=8, "
                    "recon.optimizer=adam, recon.clip=false, fp_reference.stream=quantized)")
     g.add_argument("--residual", choices=("mosaic",), default=None,
                    help="MosaicQuant: add a sparse residual of 4-bit tiles to each solved linear, chosen by the "
@@ -215,7 +218,11 @@ def budget_stages(method: str) -> list[str]:
 
 def _recipe_from_args(args, method: str, bits: int, group_size: int | None, target_bits: float | None = None) -> Recipe:
     """The recipe the flags describe: derived solver flags the solver takes, then `--opt` entries
-    (KEY: a solver option; STAGE.KEY: an option of one of the method's stages), then --target-bits."""
+    (KEY: a solver option; STAGE.KEY: an option of one of the method's stages), then --target-bits. Without a
+    method, the most accurate one measured at `bits` (`Recipe.best`), the flags given overriding it."""
+    best = method is None
+    if best:
+        method = BEST_RECIPES.get(bits, {}).get("method", RECIPE["method"])
     solver = SOLVERS.get(solver_name(method))
     taken = {f.name for f in dataclasses.fields(solver.options)}
     options = {k: getattr(args, k) for k in solver_option_fields() if k in taken and getattr(args, k) is not None}
@@ -238,13 +245,17 @@ def _recipe_from_args(args, method: str, bits: int, group_size: int | None, targ
                                                       ("score", args.residual_score)) if value is not None}
     if residual_options and args.residual is None:
         raise UserError(f"--residual-{'/'.join(sorted(residual_options))} configure a residual; add --residual mosaic")
-    return Recipe(method=method, w_bits=bits, group_size=group_size, sym=args.sym, options=options,
-                  stage_options=stage_options, skip=tuple(args.skip), a_bits=args.a_bits, a_sym=args.a_sym,
-                  a_clip=args.a_clip, a_format=args.a_format, kv_bits=args.kv_bits,
-                  kv_group_size=args.kv_group_size, kv_center=args.kv_center, a8_layers=args.a8_layers,
-                  a8_snr_db=args.a8_snr_db, recon_steps=args.recon_steps, residual=args.residual,
+    fields = dict(sym=args.sym, options=options, stage_options=stage_options, skip=tuple(args.skip),
+                  a_bits=args.a_bits, a_sym=args.a_sym, a_clip=args.a_clip, a_format=args.a_format,
+                  kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_center=args.kv_center,
+                  a8_layers=args.a8_layers, a8_snr_db=args.a8_snr_db, residual=args.residual,
                   residual_options=residual_options, head_bits=args.head_bits,
                   head_group_size=args.head_group_size)
+    if args.recon_steps is not None:
+        fields["recon_steps"] = args.recon_steps
+    if best:
+        return Recipe.best(bits, **fields, **({} if group_size is None else {"group_size": group_size}))
+    return Recipe(method=method, w_bits=bits, group_size=group_size, **fields)
 
 
 def _calib_config(args) -> CalibConfig:

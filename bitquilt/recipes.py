@@ -30,6 +30,15 @@ WEIGHT_FIELDS = {"bits", "group_size", "sym"}
 ACT_FIELDS = {"a_bits": "bits", "a_sym": "sym", "a_clip": "clip_ratio"}  # override field -> ActQuantConfig field
 
 
+# The most accurate recipe measured per weight width (bench/results/peers.md: smollm2-135m, 64 × 512 SciQ calibration
+# windows, wiki perplexity): AWQ scales, RTN, then block-wise reconstruction (50 signed-gradient steps per block on
+# 4 windows each). What `bitquilt quantize` runs when no --method is given; `best_recipe` in Python.
+BEST_RECIPES: dict[int, dict[str, Any]] = {
+    bits: {"method": "awq+rtn", "group_size": group, "recon_steps": 50, "stage_options": {"recon": {"batch": 4}}}
+    for bits, group in ((4, 128), (3, 128), (2, 64))
+}
+
+
 def solver_name(method: str) -> str:
     """The solver a method ends in, e.g. "awq+gptq" -> "gptq", "awq" (= "awq+rtn") -> "rtn"."""
     return METHOD_ALIASES.get(method, method).split("+")[-1]
@@ -233,6 +242,19 @@ class Recipe:
         stage_options = {s.name: asdict(o) for s, o in self.stages() if s.name != "solve" and asdict(o)}
         return {**self.to_dict(), "options": asdict(self.solver_spec.make_options(self.options)),
                 "stage_options": stage_options}
+
+    @classmethod
+    def best(cls, w_bits: int = 4, **fields: Any) -> Recipe:
+        """The most accurate recipe measured at `w_bits` (`BEST_RECIPES`; the class defaults at other widths), with
+        `fields` overriding it (stage options merged per stage)."""
+        best = BEST_RECIPES.get(w_bits, {})
+        chosen = {k: v for k, v in best.items() if k != "stage_options"}
+        recon = fields.get("recon_steps", best.get("recon_steps", 0))
+        stage_options = {name: dict(opts) for name, opts in best.get("stage_options", {}).items()
+                         if name != "recon" or recon}  # --recon-steps 0 drops the best recipe's recon settings
+        for name, opts in fields.pop("stage_options", {}).items():
+            stage_options.setdefault(name, {}).update(opts)
+        return cls(**{**chosen, **fields, "w_bits": w_bits, "stage_options": stage_options})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Recipe:

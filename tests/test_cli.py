@@ -71,11 +71,23 @@ def test_models_lists_the_default(capsys):
     assert code == 0 and any(r["name"] == "smollm2-135m" and r["fetched"] for r in rows)
 
 
-def test_default_method_is_awq_gptq_with_act_order_static_groups_and_mse():
-    """The default recipe is the best uniform grid measured at 3-4 bits (bench/results/accuracy.md)."""
-    args = build_parser().parse_args(["quantize", "smollm2-135m", "-o", "out/q"])
+def test_default_recipe_is_the_best_measured_per_width():
+    """Without --method, `quantize` runs the most accurate recipe measured at the width (bench/results/peers.md):
+    awq+rtn with 50 reconstruction steps per block; the Recipe class default stays the fast awq+gptq."""
+    from bitquilt.cli import _recipe_from_args
+
+    for bits, group in ((4, 128), (3, 128), (2, 64)):
+        args = build_parser().parse_args(["quantize", "smollm2-135m", "-o", "out/q", "--w-bits", str(bits)])
+        best = _recipe_from_args(args, args.method, args.w_bits, args.group_size, args.target_bits)
+        assert args.method is None and (best.method, best.group_size, best.recon_steps) == ("awq+rtn", group, 50)
+        assert best.stage_options == {"recon": {"batch": 4}} and best == Recipe.best(bits)
+    args = build_parser().parse_args(["quantize", "m", "-o", "q", "--recon-steps", "0", "--group-size", "64"])
+    plain = _recipe_from_args(args, args.method, args.w_bits, args.group_size, args.target_bits)
+    assert (plain.recon_steps, plain.group_size, plain.stage_options) == (0, 64, {})  # flags override it
+    args = build_parser().parse_args(["quantize", "m", "-o", "q", "--w-bits", "8"])
+    assert _recipe_from_args(args, args.method, 8, None).method == Recipe().method  # no measurement at 8 bits
     recipe = Recipe()
-    assert args.method == recipe.method == "awq+gptq" and recipe.transforms == ["awq"] and recipe.solver == "gptq"
+    assert recipe.method == "awq+gptq" and recipe.transforms == ["awq"] and recipe.solver == "gptq"
     options = get_solver(recipe.solver).make_options(recipe.options)
     assert options.act_order and options.static_groups and options.mse
 
