@@ -19,7 +19,7 @@ symmetric → Q8_0; RTN needs no calibration): quantize with bitquilt, save, `bi
 Perplexity is bitquilt's: exp of the mean over windows of the mean −log p(x_t | x_<t), t ≥ 1.
 
 llama.cpp is an optional bench dependency in a venv of its own (a prebuilt CPU wheel, no compiling;
-llama-cpp-python has no wheel on PyPI); the bench runs it in a subprocess of that venv's Python:
+llama-cpp-python has no wheel on PyPI); the bench runs it in a subprocess of that venv's Python (`bench/llamacpp.py`):
 
     python3 -m venv .venv-llamacpp
     .venv-llamacpp/bin/pip install xllamacpp==2026.10.11549 numpy
@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 import urllib.request
 from importlib.metadata import version
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import llamacpp
+
+ROOT = llamacpp.ROOT
 TOP_K = 5  # llama.cpp's own log-probabilities compared at the last position of each window
 
 
@@ -53,15 +54,9 @@ def llamacpp_worker(gguf_file: str, ids_file: str, out_file: str, threads: int) 
     import xllamacpp as xlc
 
     ids = np.load(ids_file)
-    params = xlc.CommonParams()
-    params.model.path = gguf_file
-    params.n_ctx = params.n_batch = params.n_ubatch = ids.shape[1]
-    params.n_parallel = 1
-    params.embedding = True
-    params.pooling_type = xlc.llama_pooling_type.LLAMA_POOLING_TYPE_NONE
-    params.cpuparams.n_threads = params.cpuparams_batch.n_threads = threads
-    params.warmup = False
-    server = xlc.Server(params)
+    server = llamacpp.server(gguf_file, threads, n_ctx=ids.shape[1], n_batch=ids.shape[1], n_ubatch=ids.shape[1],
+                             embedding=True, pooling_type=xlc.llama_pooling_type.LLAMA_POOLING_TYPE_NONE,
+                             warmup=False)
 
     def post(path: str, body: dict) -> object:
         request = urllib.request.Request(server.listening_address + path, data=json.dumps(body).encode(),
@@ -113,8 +108,7 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
     p.add_argument("--workdir", default=str(ROOT / "out" / "export_gguf"), help="saved models and GGUF files")
-    p.add_argument("--llamacpp-python", default=str(ROOT / ".venv-llamacpp" / "bin" / "python"),
-                   help="Python of the venv with xllamacpp")
+    p.add_argument("--llamacpp-python", default=str(llamacpp.PYTHON), help="Python of the venv with xllamacpp")
     args = p.parse_args()
 
     def gguf_weights_check(model: torch.nn.Module, path: Path) -> float:
@@ -161,10 +155,7 @@ def main() -> None:
 
     def bench() -> None:
         torch.set_num_threads(args.threads)
-        python = Path(args.llamacpp_python)
-        if not python.is_file():
-            raise UserError(f"{python} not found: install llama.cpp's wheel first (python3 -m venv .venv-llamacpp; "
-                            ".venv-llamacpp/bin/pip install xllamacpp numpy), or pass --llamacpp-python")
+        python = llamacpp.check_python(args.llamacpp_python)
         unknown = [c for c in args.configs.split(",") if c not in configs]
         if unknown:
             raise UserError(f"unknown configs {unknown}; known: {', '.join(configs)}")
@@ -182,10 +173,8 @@ def main() -> None:
             model, tokenizer = load_quantized(saved)
             windows = eval_windows(tokenizer, args.ppl_data, args.seqlen, args.windows)
             np.save(work / "ids.npy", windows.numpy().astype(np.int32))
-            proc = subprocess.run([str(python), __file__, "--worker", str(gguf_file), str(work / "ids.npy"),
-                                   str(work / "llamacpp.npz"), str(args.threads)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise UserError(f"llama.cpp failed on {gguf_file}: {proc.stderr.strip().splitlines()[-1:]}")
+            llamacpp.run_worker([str(python), __file__, "--worker", str(gguf_file), str(work / "ids.npy"),
+                                 str(work / "llamacpp.npz"), str(args.threads)], f"llama.cpp on {gguf_file}")
             ll = np.load(work / "llamacpp.npz")
             head = output_matrix(gguf_file)
             ll_logits = [torch.from_numpy(h) @ head.T for h in ll["hidden"]]
