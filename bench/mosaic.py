@@ -11,10 +11,10 @@ Parts (--parts, default all):
             (the joint sweep, `bitquilt.solvers.mosaic.gptq_mosaic`, against plain GPTQ). Then the Δ-score's
             recovery per tile shape (--shapes) against the bits per weight each costs: the default shape is
             chosen from this.
-  ppl       W4A4KV4 perplexity of each --backbones recipe (the protocol of bench/w4a4.py: 4-bit weights g128,
-            per-token 4-bit activations with searched clipping, 4-bit KV cache with centred keys; GPTQ without
-            act-order) with a residual at each --budgets (0: the backbone alone), its bits/weight, the mean
-            recovered distortion of its linears and the quantization time.
+  ppl       W4A4KV4 (or --precision W4A16) perplexity of each --backbones recipe (the protocol of bench/w4a4.py:
+            4-bit weights g128, per-token 4-bit activations with searched clipping, 4-bit KV cache with centred
+            keys; GPTQ without act-order) with a residual at each --budgets (0: the backbone alone), its
+            bits/weight, the mean recovered distortion of its linears and the quantization time.
   latency   `bench/mosaic_kernels.py` on the model's linear shapes: dense base, two-kernel, fused.
 
     python bench/mosaic.py --model smollm2-135m --threads 1
@@ -64,6 +64,7 @@ from bitquilt.solvers.base import LayerSpec, hessian_error
 from bitquilt.solvers.mosaic import MosaicOptions, Residual, gptq_mosaic, ranking, tile_count
 
 KEY = ("model", "part", "config")  # + settings
+PRECISIONS = {"W4A4KV4": (4, 4), "W4A16": (16, 16)}  # (a_bits, kv_bits), bench/w4a4.py's protocol
 PARTS = ("recovery", "ppl", "latency")
 SCORES_RTN = ("delta", "exact", "greedy", "magnitude", "random")
 SCORES_GPTQ = ("delta", "exact", "magnitude", "random")
@@ -164,20 +165,23 @@ def recovery_part(args, rotation: str) -> list[dict]:
 
 def ppl_part(args, settings) -> None:
     command = command_line()
+    precision = args.precision
+    a_bits, kv_bits = PRECISIONS[precision]
     for backbone in args.backbones:
         for budget in args.budgets:
-            config = f"{backbone} +{budget:g}"
+            config = f"{backbone} +{budget:g}" if precision == "W4A4KV4" else f"{backbone} {precision} +{budget:g}"
             wanted = {"model": args.model, "part": "ppl", "config": config, "settings": settings}
             if record_key(wanted, KEY) in measured("mosaic", KEY):
                 continue
-            if budget == 0 and (stored := backbone_record(args.model, backbone, settings)) is not None:
-                store("mosaic", {**wanted, "backbone": backbone, "budget": 0.0, **stored}, KEY, render, False)
+            if budget == 0 and (stored := backbone_record(args.model, backbone, precision, settings)) is not None:
+                store("mosaic", {**wanted, "backbone": backbone, "budget": 0.0, "precision": precision, **stored}, KEY,
+                      render, False)
                 continue
             model, tokenizer = load(args.model)
             ids = calibration_ids(tokenizer, protocol_settings(args)[0])
             residual = {"residual": "mosaic", "residual_options": {"budget": budget}} if budget > 0 else {}
             recipe = Recipe(backbone, w_bits=4, group_size=128, options=GPTQ_PLAIN if backbone.endswith("gptq") else {},
-                            a_bits=4, kv_bits=4, a_clip=None, **residual)
+                            a_bits=a_bits, kv_bits=kv_bits, a_clip=None if a_bits < 16 else 1.0, **residual)
             reset_peak_rss()
             t0, c0 = time.perf_counter(), time.process_time()
             report = quantize(model, recipe, ids, progress=False)
@@ -185,7 +189,8 @@ def ppl_part(args, settings) -> None:
             ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False)
             rec = [1 - r.rel_error / r.base_rel_error for r in report.linears if r.base_rel_error]
             weights = sum(8 * r.nbytes / r.bits_per_weight for r in report.linears)
-            record = {**wanted, "backbone": backbone, "budget": budget, "recipe": recipe.to_dict(), "ppl": ppl.ppl,
+            record = {**wanted, "backbone": backbone, "budget": budget, "precision": precision,
+                      "recipe": recipe.to_dict(), "ppl": ppl.ppl,
                       "linear_bits_per_weight": 8 * sum(r.nbytes for r in report.linears) / weights,
                       "mean_recovered": sum(rec) / len(rec) if rec else None, **model_summary(model),
                       "quant_time_s": quant[0], "quant_cpu_s": quant[1], "peak_rss_mb": peak_rss_mb(),
@@ -196,16 +201,20 @@ def ppl_part(args, settings) -> None:
             del model
 
 
-def backbone_record(model: str, backbone: str, settings: dict) -> dict | None:
-    """The W4A4KV4 measurement of `backbone` alone that bench/w4a4.py stored with the same settings and recipe
+def backbone_record(model: str, backbone: str, precision: str, settings: dict) -> dict | None:
+    """The measurement of `backbone` alone at `precision` that bench/w4a4.py stored with the same settings and recipe
     (the residual-free row of this benchmark; perplexity is deterministic, so it is not measured twice)."""
     for r in load_records("w4a4"):
-        if (r["model"], r["precision"], r["method"], r["kv_center"], r["settings"]) == (
-                model, "W4A4KV4", backbone, True, settings):
+        if (r["model"], r["precision"], r["method"], r["kv_center"] or False, r["settings"]) == (
+                model, precision, backbone, kv_bits_of(precision) < 16, settings):
             return {"recipe": r["recipe"], "ppl": r["ppl"], "linear_bits_per_weight": r["bits_per_weight"],
                     "mean_recovered": None, "quant_time_s": r["quant_time_s"], "quant_cpu_s": None,
                     "machine": r["machine"], "command": r["command"], "load": None, "from": "bench/w4a4.py"}
     return None
+
+
+def kv_bits_of(precision: str) -> int:
+    return PRECISIONS[precision][1]
 
 
 def linear_shapes(model_name: str) -> list[tuple[int, int]]:
@@ -255,6 +264,31 @@ def plot(records: list[dict], model: str, rotation: str) -> None:
     write_figure(fig, RESULTS / f"mosaic_{model}_{rotation}.png")
 
 
+def ppl_table(ppl: list[dict], precision: str) -> list[str]:
+    """Markdown: per backbone, its perplexity alone and with the residual at each budget."""
+    if not ppl:
+        return []
+    lines: list[str] = []
+    budgets = sorted({r["budget"] for r in ppl})
+    lines += [f"### {precision} perplexity with the residual", "",
+              "Each cell: perplexity · bits/weight of the linears · mean recovered distortion of the linears "
+              "· quantization time (wall).", "",
+              "| backbone | " + " | ".join("backbone alone" if b == 0 else f"+ Mosaic {100 * b:g}%"
+                                            for b in budgets) + " |",
+              "|---|" + "---|" * len(budgets)]
+    for backbone in dict.fromkeys(r["backbone"] for r in ppl):
+        cells = []
+        for b in budgets:
+            r = next((x for x in ppl if x["backbone"] == backbone and x["budget"] == b), None)
+            cells.append("" if r is None else
+                         f"{fmt_ppl(r['ppl'])} · {r['linear_bits_per_weight']:.3f} b"
+                         + (f" · {r['mean_recovered']:.2f}" if r["mean_recovered"] is not None else "")
+                         + f" · {r['quant_time_s']:.0f} s")
+        lines.append(f"| {backbone} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
 def render(records: list[dict]) -> str:
     lines = ["# MosaicQuant benchmark", "",
              "Generated by `bench/mosaic.py`. A MosaicQuant linear is a dense 4-bit base (g128, asymmetric) plus a "
@@ -281,25 +315,10 @@ def render(records: list[dict]) -> str:
                          if "overhead_bits" in r else "")
                 lines.append(f"| {name}{extra} | " + " | ".join(f"{v:.3f}" for v in c) + " |")
             lines.append("")
-        ppl = [r for r in rows if r["part"] == "ppl"]
-        if ppl:
-            budgets = sorted({r["budget"] for r in ppl})
-            lines += ["### W4A4KV4 perplexity with the residual", "",
-                      "Each cell: perplexity · bits/weight of the linears · mean recovered distortion of the linears "
-                      "· quantization time (wall).", "",
-                      "| backbone | " + " | ".join("backbone alone" if b == 0 else f"+ Mosaic {100 * b:g}%"
-                                                    for b in budgets) + " |",
-                      "|---|" + "---|" * len(budgets)]
-            for backbone in dict.fromkeys(r["backbone"] for r in ppl):
-                cells = []
-                for b in budgets:
-                    r = next((x for x in ppl if x["backbone"] == backbone and x["budget"] == b), None)
-                    cells.append("" if r is None else
-                                 f"{fmt_ppl(r['ppl'])} · {r['linear_bits_per_weight']:.3f} b"
-                                 + (f" · {r['mean_recovered']:.2f}" if r["mean_recovered"] is not None else "")
-                                 + f" · {r['quant_time_s']:.0f} s")
-                lines.append(f"| {backbone} | " + " | ".join(cells) + " |")
-            lines.append("")
+        for precision in PRECISIONS:
+            lines += ppl_table([r for r in rows if r["part"] == "ppl" and r.get("precision", "W4A4KV4") == precision],
+                               precision)
+
         for r in [r for r in rows if r["part"] == "latency"]:
             lines += ["### Kernel latency: dense base vs base + residual, fused and two-kernel", "",
                       f"{r['threads']} thread(s), load average {r['load']}; random W4g128 layers of the model's "
@@ -315,6 +334,8 @@ def main() -> None:
     p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--backbones", default="quarot+gptq,quarot+rtn,smoothquant+rtn", type=lambda s: s.split(","))
     p.add_argument("--budgets", default="0,0.05,0.1,0.2", type=floats)
+    p.add_argument("--precision", choices=list(PRECISIONS), default="W4A4KV4",
+                   help="ppl: W4A4KV4 (4-bit activations and KV cache) or W4A16 (weights only)")
     p.add_argument("--curve-budgets", default="0.01,0.05,0.1,0.2", type=floats)
     p.add_argument("--shapes", default="1x32,2x32,4x32,16x32",
                    type=lambda s: [tuple(int(v) for v in x.split("x")) for x in s.split(",")])
