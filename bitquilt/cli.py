@@ -216,16 +216,23 @@ def budget_stages(method: str) -> list[str]:
             if n in STAGES and "target_bits" in {f.name for f in dataclasses.fields(STAGES.get(n).options)}]
 
 
-def _recipe_from_args(args, method: str, bits: int, group_size: int | None, target_bits: float | None = None) -> Recipe:
+def _recipe_from_args(args, method: str | None, bits: int, group_size: int | None, target_bits: float | None = None,
+                      strict: bool = False) -> Recipe:
     """The recipe the flags describe: derived solver flags the solver takes, then `--opt` entries
     (KEY: a solver option; STAGE.KEY: an option of one of the method's stages), then --target-bits. Without a
-    method, the most accurate one measured at `bits` (`Recipe.best`), the flags given overriding it."""
+    method, the most accurate one measured at `bits` (`Recipe.best`), the flags given overriding it. `strict` (one
+    method, `quantize`): a solver flag the method's solver does not take is an error, not ignored."""
     best = method is None
     if best:
         method = BEST_RECIPES.get(bits, {}).get("method", RECIPE["method"])
     solver = SOLVERS.get(solver_name(method))
     taken = {f.name for f in dataclasses.fields(solver.options)}
-    options = {k: getattr(args, k) for k in solver_option_fields() if k in taken and getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in solver_option_fields() if getattr(args, k) is not None}
+    if strict and (ignored := sorted(set(given) - taken)):
+        flags = ", ".join("--" + k.replace("_", "-") for k in ignored)
+        raise UserError(f"{flags} set an option that solver {solver.name!r} (the end of method {method!r}) does not "
+                        f"take; choose a method whose solver does (e.g. --method gptq), or drop the flag")
+    options = {k: v for k, v in given.items() if k in taken}
     stage_options: dict[str, dict[str, Any]] = {}
     for key, value in args.opt:
         stage, _, name = key.rpartition(".")
@@ -379,7 +386,7 @@ def cmd_quantize(args) -> int:
     from bitquilt.api import check_streamable, load, open_streaming, quantize, quantize_streaming, save
     from bitquilt.io import check_output
 
-    recipe = _recipe_from_args(args, args.method, args.w_bits, args.group_size, args.target_bits)
+    recipe = _recipe_from_args(args, args.method, args.w_bits, args.group_size, args.target_bits, strict=True)
     out = Path(args.output)
     check_output(out, args.overwrite)  # before hours of work, not after
     calib = _calib_config(args)
