@@ -124,7 +124,6 @@ class Residual:
 
     def column_of_tile(self) -> torch.Tensor:
         """Input columns covered by each tile [n, r·c] (tile-local row-major, as `to_blocks`)."""
-        r, c = self.block
         cols = torch.arange(self.error.shape[1]).expand(self.error.shape[0], -1)
         return to_blocks(cols, self.block)
 
