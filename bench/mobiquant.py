@@ -49,40 +49,54 @@ from bitquilt.io import is_quantized_dir
 from bitquilt.nn.quant_linear import QuantLinear, set_slices
 from bitquilt.nn.slice_router import realised_bits, set_precision
 
-KEY = ("model", "kind", "label", "precision")
+KEY = ("model", "kind", "label", "precision", "checkpoint")
 
 
 def _float_list(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
 
 
+def checkpoint_name(slices: tuple[int, ...], target_bits: float, steps: int, train_slices: bool) -> str:
+    """How the mobiquant rows name their checkpoint (baseline rows have none)."""
+    return (f"slices {','.join(map(str, slices))}, {target_bits:g} bits, {steps} steps, "
+            f"{'slices refit' if train_slices else 'router-only'}")
+
+
+def name_of(r: dict) -> str:
+    """A row's model column: the label, and for the checkpoint's rows how it was calibrated."""
+    return f"{r['label']} ({r['checkpoint'].rsplit(', ', 1)[-1]})" if r.get("checkpoint") else r["label"]
+
+
 def render(records: list[dict]) -> str:
     lines = ["# MoBiQuant benchmark", "", __doc__.split("\n\n", 2)[2].strip(), ""]
     for model, settings, rows in by_setting(records):
         lines += setting_header(model, settings, rows)
-        lines += [f"Checkpoint: slices {settings['slices']} at g{settings['group_size']}, routers trained at "
-                  f"{settings['target_bits']:g} bits, {settings['route_steps']} steps per block, slices "
-                  f"{'refitted with the routers' if settings.get('train_slices') else 'as MoBiSlice cut them'}.", ""]
-        ppl_rows = sorted((r for r in rows if r["kind"] == "ppl"), key=lambda r: (r["label"], r["bits"]))
+        lines += [f"Checkpoint {c!r}: MoBiQuant slices at g{settings['group_size']}; routers trained at the "
+                  "target bits with the steps per block shown, slices as MoBiSlice cut them (router-only) or "
+                  "refitted with the routers (slices refit)." for c in dict.fromkeys(r["checkpoint"] for r in rows
+                                                                                      if r["checkpoint"])]
+        lines += [f"Baselines: groups of {settings['group_size']}, calibrated on the same windows.", ""]
+        ppl_rows = sorted((r for r in rows if r["kind"] == "ppl"), key=lambda r: (name_of(r), r["bits"]))
         if ppl_rows:
             lines += ["| model | precision | average bits/weight used | stored bits/weight | perplexity | "
                       "quantization s (CPU s) |", "|---|---|---:|---:|---:|---|"]
             for r in ppl_rows:
                 q = f"{r['quant_time_s']:.0f} ({r['quant_cpu_s']:.0f})" if r.get("quant_time_s") else ""
-                lines.append(f"| {r['label']} | {r['precision']} | {r['bits']:.2f} | {r['bits_per_weight']:.2f} | "
+                lines.append(f"| {name_of(r)} | {r['precision']} | {r['bits']:.2f} | {r['bits_per_weight']:.2f} | "
                              f"{fmt_ppl(r['ppl'])} | {q} |")
             lines += ["", f"![perplexity vs bits](mobiquant_{model}.png)", ""]
         speed = [r for r in rows if r["kind"] == "speed"]
         if speed:
             lines += ["Batch-1 decode of the mobiquant checkpoint (prompt 128, 32 new tokens, median of 3; routed "
-                      "rows include the routers):", "", "| precision | bits used | decode tok/s | prefill tok/s |",
-                      "|---|---:|---:|---:|"]
-            lines += [f"| {r['precision']} | {r['bits']:.2f} | {r['decode_tps']:.1f} | {r['prefill_tps']:.0f} |"
-                      for r in sorted(speed, key=lambda r: (r["precision"][0], r["bits"]))]
+                      "rows include the routers):", "", "| checkpoint | precision | bits used | decode tok/s | "
+                      "prefill tok/s |", "|---|---|---:|---:|---:|"]
+            lines += [f"| {r['checkpoint']} | {r['precision']} | {r['bits']:.2f} | {r['decode_tps']:.1f} | "
+                      f"{r['prefill_tps']:.0f} |"
+                      for r in sorted(speed, key=lambda r: (r["checkpoint"], r["precision"][0], r["bits"]))]
             lines += [""]
         for r in (r for r in rows if r["kind"] == "migration"):
             labels = r["result"]["labels"]
-            lines += [f"Outlier migration, {r['label']}: Spearman ρ of per-token KL(p_fp ‖ p_q) over "
+            lines += [f"Outlier migration, {name_of(r)}: Spearman ρ of per-token KL(p_fp ‖ p_q) over "
                       f"{r['result']['n_tokens']} tokens (and the fraction of the top-1% tokens shared; chance "
                       f"{r['result']['chance_shared']:.3f}):", "",
                       "| | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
@@ -102,11 +116,14 @@ def plot(records: list[dict], model: str) -> None:
 
     rows = [r for r in records if r["model"] == model and r["kind"] == "ppl"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"mobiquant routed": ("o-", "C0"), "mobiquant static": ("s--", "C1"), "gptq": ("^:", "C2"),
-              "awq": ("v:", "C3"), "gptq 3→4": ("X", "C4")}
-    for name, (style, color) in styles.items():
-        pts = sorted((r["bits"], r["ppl"]) for r in rows if f"{r['label']} {r['precision'].split()[0]}" == name
-                     or r["label"] == name)
+    checkpoints = list(dict.fromkeys(r["checkpoint"] for r in rows if r["checkpoint"]))
+    lines = [(f"mobiquant {kind} ({c})", lambda r, c=c, kind=kind: r["checkpoint"] == c
+              and r["precision"].startswith(kind), style, f"C{2 * i + j}")
+             for i, c in enumerate(checkpoints) for j, (kind, style) in enumerate((("routed", "o-"), ("static", "s--")))]
+    lines += [(label, lambda r, label=label: r["label"] == label, style, color)
+              for label, style, color in (("gptq", "^:", "C6"), ("awq", "v:", "C7"), ("gptq 3→4", "X", "C8"))]
+    for name, selected, style, color in lines:
+        pts = sorted((r["bits"], r["ppl"]) for r in rows if selected(r))
         if pts:
             ax.plot(*zip(*pts), style, color=color, label=name, markersize=7)
     ax.set_yscale("log")
@@ -161,19 +178,22 @@ def main() -> None:
     command = command_line()
     slices = tuple(int(b) for b in args.slices.split(","))
     parts = args.parts.split(",")
-    settings = {**settings, "slices": list(slices), "group_size": args.group_size, "target_bits": args.target_bits,
-                "route_steps": args.route_steps, "train_slices": args.train_slices}
+    settings = {**settings, "group_size": args.group_size}
+    checkpoint = checkpoint_name(slices, args.target_bits, args.route_steps, args.train_slices)
     done = measured("mobiquant", KEY)
-    base = {"model": args.model, "settings": settings}
+    base = {"model": args.model, "settings": settings, "checkpoint": ""}
     tokenizer, ids = None, None
 
     def keep(record: dict) -> None:
-        store("mobiquant", {**base, **record, "machine": machine(), "command": command, "load": loadavg()}, KEY,
-              render, args.recheck)
+        ours = checkpoint if record["label"].startswith("mobiquant") else ""
+        store("mobiquant", {**base, **record, "checkpoint": ours, "machine": machine(), "command": command,
+                            "load": loadavg()}, KEY, render, args.recheck)
         plot(load_records("mobiquant"), args.model)
 
     def wanted(kind: str, label: str, precision: str) -> bool:
-        return (record_key({**base, "kind": kind, "label": label, "precision": precision}, KEY) in done) == args.recheck
+        ours = checkpoint if label.startswith("mobiquant") else ""
+        record = {**base, "kind": kind, "label": label, "precision": precision, "checkpoint": ours}
+        return (record_key(record, KEY) in done) == args.recheck
 
     def ppl(model, tok) -> float:
         return perplexity(model, tok, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl
