@@ -117,9 +117,10 @@ def plot(records: list[dict], model: str) -> None:
     rows = [r for r in records if r["model"] == model and r["kind"] == "ppl"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     checkpoints = list(dict.fromkeys(r["checkpoint"] for r in rows if r["checkpoint"]))
+    kinds = (("routed", "o-"), ("static", "s--"))
     lines = [(f"mobiquant {kind} ({c})", lambda r, c=c, kind=kind: r["checkpoint"] == c
               and r["precision"].startswith(kind), style, f"C{2 * i + j}")
-             for i, c in enumerate(checkpoints) for j, (kind, style) in enumerate((("routed", "o-"), ("static", "s--")))]
+             for i, c in enumerate(checkpoints) for j, (kind, style) in enumerate(kinds)]
     lines += [(label, lambda r, label=label: r["label"] == label, style, color)
               for label, style, color in (("gptq", "^:", "C6"), ("awq", "v:", "C7"), ("gptq 3→4", "X", "C8"))]
     for name, selected, style, color in lines:
