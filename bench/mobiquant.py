@@ -56,26 +56,38 @@ def _float_list(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
 
 
-def checkpoint_name(slices: tuple[int, ...], target_bits: float, steps: int, train_slices: bool) -> str:
+def checkpoint_name(slices: tuple[int, ...], target_bits: float, steps: int, router_only: bool) -> str:
     """How the mobiquant rows name their checkpoint (baseline rows have none)."""
     return (f"slices {','.join(map(str, slices))}, {target_bits:g} bits, {steps} steps, "
-            f"{'slices refit' if train_slices else 'router-only'}")
+            f"{'router-only' if router_only else 'prefixes refit + re-cut'}")
+
+
+MODES = {
+    "router-only": "routers trained alone at the budget, the slices as MoBiSlice cut them.",
+    "prefixes refit + re-cut": "routers and the slices up to one bit past the budget trained together (every "
+                               "other step one random static prefix), the slices above re-cut afterwards "
+                               "(mobiroute's default).",
+    "all slices refit, routed mix only": "routers and every slice trained on the routed mix alone (the first "
+                                         "implementation of train_slices, since replaced).",
+}
+
+
+def mode_of(checkpoint: str) -> str:
+    return checkpoint.split("steps, ", 1)[1]
 
 
 def name_of(r: dict) -> str:
     """A row's model column: the label, and for the checkpoint's rows how it was calibrated."""
-    return f"{r['label']} ({r['checkpoint'].rsplit(', ', 1)[-1]})" if r.get("checkpoint") else r["label"]
+    return f"{r['label']} ({mode_of(r['checkpoint'])})" if r.get("checkpoint") else r["label"]
 
 
 def render(records: list[dict]) -> str:
     lines = ["# MoBiQuant benchmark", "", __doc__.split("\n\n", 2)[2].strip(), ""]
     for model, settings, rows in by_setting(records):
         lines += setting_header(model, settings, rows)
-        lines += [f"Checkpoint {c!r}: MoBiQuant slices at g{settings['group_size']}; routers trained at the "
-                  "target bits with the steps per block shown, slices as MoBiSlice cut them (router-only) or "
-                  "refitted with the routers (slices refit)." for c in dict.fromkeys(r["checkpoint"] for r in rows
-                                                                                      if r["checkpoint"])]
-        lines += [f"Baselines: groups of {settings['group_size']}, calibrated on the same windows.", ""]
+        lines += [f"- Checkpoint '{c}' (g{settings['group_size']}): {MODES[mode_of(c)]}" for c in
+                  dict.fromkeys(r["checkpoint"] for r in rows if r["checkpoint"])]
+        lines += ["", f"Baselines: groups of {settings['group_size']}, calibrated on the same windows.", ""]
         ppl_rows = sorted((r for r in rows if r["kind"] == "ppl"), key=lambda r: (name_of(r), r["bits"]))
         if ppl_rows:
             lines += ["| model | precision | average bits/weight used | stored bits/weight | perplexity | "
@@ -163,8 +175,8 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--target-bits", type=float, default=3.0)
     p.add_argument("--route-steps", type=int, default=30)
-    p.add_argument("--train-slices", action="store_true",
-                   help="refit the slices with the routers (mobiroute.train_slices)")
+    p.add_argument("--router-only", action="store_true",
+                   help="train the routers alone, the slices as MoBiSlice cut them (mobiroute.train_slices=false)")
     p.add_argument("--avg-bits", default="2.5,3,3.5,4,4.5,5,6")
     p.add_argument("--static-bits", default="2,3,4,5,6")
     p.add_argument("--widths", default="2,3,4", help="widths of the separately calibrated GPTQ/AWQ rows")
@@ -180,7 +192,7 @@ def main() -> None:
     slices = tuple(int(b) for b in args.slices.split(","))
     parts = args.parts.split(",")
     settings = {**settings, "group_size": args.group_size}
-    checkpoint = checkpoint_name(slices, args.target_bits, args.route_steps, args.train_slices)
+    checkpoint = checkpoint_name(slices, args.target_bits, args.route_steps, args.router_only)
     done = measured("mobiquant", KEY)
     base = {"model": args.model, "settings": settings, "checkpoint": ""}
     tokenizer, ids = None, None
@@ -200,7 +212,7 @@ def main() -> None:
         return perplexity(model, tok, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl
 
     # the mobiquant checkpoint, quantized once and kept
-    trained = "-trained" if args.train_slices else ""
+    trained = "-routeronly" if args.router_only else "-recut"
     saved = Path(args.save_dir) / (f"{args.model}-mobiquant-{'-'.join(map(str, slices))}-g{args.group_size}-"
                                    f"t{args.target_bits:g}-s{args.route_steps}{trained}-c{calib.n_samples}x{calib.seqlen}")
     quant = {}
@@ -211,7 +223,7 @@ def main() -> None:
         report = quantize(model, "mobiquant", ids, progress=False, w_bits=sum(slices), group_size=args.group_size,
                           options={"slices": slices},
                           stage_options={"mobiroute": {"target_bits": args.target_bits, "steps": args.route_steps,
-                                                       "train_slices": args.train_slices}})
+                                                       "train_slices": not args.router_only}})
         blocks = report.stages["mobiroute"].values()
         quant = {"quant_time_s": time.perf_counter() - t0, "quant_cpu_s": time.process_time() - c0,
                  "route_seconds": sum(b["seconds"] for b in blocks),

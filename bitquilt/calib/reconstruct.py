@@ -36,6 +36,7 @@ class FitConfig:
     optimizer: str = "signsgd"
     seed: int = 0
     keep_best: bool = True
+    relative: bool = False  # each step minimises (L + penalty) / sg(L), i.e. ∇ log L: losses of any scale weigh alike
 
     def validate(self) -> FitConfig:
         if self.steps < 0 or self.batch < 1:
@@ -136,11 +137,12 @@ def fit_block(block: nn.Module, inputs: Sequence[torch.Tensor], targets: Sequenc
             pick = torch.randperm(len(inputs), generator=gen)[:batch].tolist()
             x = torch.cat([inputs[i] for i in pick])
             y = torch.cat([targets[i] for i in pick])
-            loss = (block_output(block, x, kwargs).float() - y.float()).pow(2).mean()
-            if penalty is not None:
-                loss = loss + penalty(loss)
+            error = (block_output(block, x, kwargs).float() - y.float()).pow(2).mean()
+            loss = error if penalty is None else error + penalty(error)
             if config.keep_best and float(loss.detach()) < best:
                 best, best_state = float(loss.detach()), [p.detach().clone() for p in params]
+            if config.relative:
+                loss = loss / error.detach().clamp_min(torch.finfo(torch.float32).tiny)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -2,8 +2,9 @@
 
 `mobiroute` (scope post_block, after the mobislice solver has cut each linear into residual
 slices) gives every sliced linear a `SliceRouter` and trains the routers of the whole block (and,
-with `train_slices`, the slices' coefficients with them) on its output error against the
-full-precision block plus the bit budget
+with `train_slices`, the default, the coefficients of the slices up to one bit past the budget,
+also on every static prefix, re-cutting the slices above afterwards) on its output error against
+the full-precision block plus the bit budget
 (`bitquilt.calib.routing`, through the shared block loop `bitquilt.calib.reconstruct.fit_block`),
 packs the slices back and leaves each router at its linear's "router" slot with δ = ½. Then one
 pass over the first `curve_windows` calibration inputs records each router's bits-per-threshold curve, which
@@ -12,6 +13,7 @@ pass over the first `curve_windows` calibration inputs records each router's bit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +21,18 @@ import torch
 
 from bitquilt.calib.capture import run_block
 from bitquilt.calib.reconstruct import FitConfig, fit_block
-from bitquilt.calib.routing import CurveMeter, RoutedSlices, budget_penalty, routable, temperature_schedule
+from bitquilt.calib.routing import (
+    CurveMeter,
+    RoutedSlices,
+    budget_penalty,
+    prefix_schedule,
+    recut,
+    refit_count,
+    routable,
+    temperature_schedule,
+)
 from bitquilt.calib.stages import BlockContext, register_stage
+from bitquilt.formats.composite import CompositeFormat
 from bitquilt.nn.online import attach, swap_host
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.nn.slice_router import TAU_GRID, SliceRouter
@@ -39,8 +51,10 @@ class RouteOptions:
     t_start: float = option(1.0, "gate temperature at the first step")
     t_end: float = option(0.05, "gate temperature at the last step (near binary)")
     seed: int = option(0, "router initialisation and mini-batch order")
-    train_slices: bool = option(False, "also refit the slices' coefficients with the routers (off: only the routers "
-                                "learn, so every static prefix keeps MoBiSlice's error, which falls with each slice)")
+    train_slices: bool = option(True, "also refit the coefficients of the slices up to one bit past the budget, on "
+                                "the routed mix and on every static prefix, and cut the slices above again from "
+                                "what they leave (off: only the routers learn; every prefix keeps MoBiSlice's "
+                                "error)")
     curve_windows: int = option(16, "calibration windows each router's bits-per-threshold curve is measured on")
 
     def __post_init__(self) -> None:
@@ -54,6 +68,13 @@ class RouteOptions:
         FitConfig(self.steps, self.lr, self.batch, "adam", self.seed, keep_best=False).validate()
 
 
+def _both(first: Callable[[float], None], second: Callable[[float], None]) -> Callable[[float], None]:
+    def run(t: float) -> None:
+        first(t)
+        second(t)
+    return run
+
+
 @register_stage("mobiroute", scope="post_block", kind="policy", options=RouteOptions, requires=("fp_reference",))
 @torch.no_grad()
 def mobiroute(ctx: BlockContext, opts: RouteOptions) -> dict[str, Any] | None:
@@ -63,6 +84,7 @@ def mobiroute(ctx: BlockContext, opts: RouteOptions) -> dict[str, Any] | None:
         raise RuntimeError("mobiroute needs the fp_reference stage on the same block")
     torch.manual_seed(opts.seed * 1009 + ctx.index)
     routed: dict[str, RoutedSlices] = {}
+    original: dict[str, CompositeFormat] = {}
     for name in ctx.arch.linear_names():
         linear = ctx.block.get_submodule(name)
         if not (isinstance(linear, QuantLinear) and routable(linear.fmt)):
@@ -70,20 +92,30 @@ def mobiroute(ctx: BlockContext, opts: RouteOptions) -> dict[str, Any] | None:
         router = SliceRouter(linear.in_features, [p.bits for p in linear.fmt.parts.values()], opts.hidden)
         router.init_for(opts.target_bits)
         routed[name] = RoutedSlices(linear.fmt, linear.bias, router)
+        original[name] = linear.fmt
         swap_host(ctx.block, name, routed[name])
     if not routed:
         return None
     stand_ins = list(routed.values())
+    refit = min(refit_count(s.router.slice_bits, opts.target_bits) for s in stand_ins) if opts.train_slices else 0
     for stand_in in stand_ins:
-        stand_in.slices.requires_grad_(opts.train_slices)
-    config = FitConfig(opts.steps, opts.lr, opts.batch, "adam", opts.seed, keep_best=False)
+        stand_in.slices.requires_grad_(False)
+        stand_in.slices[:refit].requires_grad_(True)
+    config = FitConfig(opts.steps, opts.lr, opts.batch, "adam", opts.seed, keep_best=False, relative=bool(refit))
+    anneal = temperature_schedule(stand_ins, opts.t_start, opts.t_end)
+    if refit:
+        anneal = _both(anneal, prefix_schedule(stand_ins, refit, opts.steps, opts.seed * 1009 + ctx.index))
     result = fit_block(ctx.block, ctx.inputs, reference["targets"], ctx.kwargs,
                        [p for r in stand_ins for p in r.parameters()], config,
-                       penalty=budget_penalty(stand_ins, opts.target_bits, opts.budget_weight),
-                       anneal=temperature_schedule(stand_ins, opts.t_start, opts.t_end))
+                       penalty=budget_penalty(stand_ins, opts.target_bits, opts.budget_weight), anneal=anneal)
+    for stand_in in stand_ins:
+        stand_in.forced = None
     meters = {}
     for name, stand_in in routed.items():
-        linear = QuantLinear(stand_in.to_format(), stand_in.bias).to(ctx.inputs[0].device)
+        fmt = stand_in.to_format()
+        if refit:
+            fmt = recut(original[name], list(fmt.parts.values())[:refit])
+        linear = QuantLinear(fmt, stand_in.bias).to(ctx.inputs[0].device)
         swap_host(ctx.block, name, linear)
         attach(linear, "router", stand_in.router)
         meters[name] = CurveMeter(stand_in.router)
