@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 from common import (
@@ -104,7 +105,8 @@ def render(records: list[dict]) -> str:
                              f"{r['size_mb']:.1f} | {fmt_ppl(r['ppl'])} | {r['quant_time_s']:.0f} |")
             lines.append("")
         lines += sensitivity_table(rows)
-        lines += [f"![perplexity against bits]({plot(model, rows).name})", ""]
+        figure = plot(model, rows)
+        lines += [f"![perplexity against bits]({figure.name})", ""] if figure else []
     return "\n".join(lines)
 
 
@@ -130,15 +132,17 @@ def sensitivity_table(rows: list[dict]) -> list[str]:
             + ["", "Most sensitive: " + ", ".join(f"`{n}` ({sens[n] / mean:.1f})" for n in top) + ".", ""])
 
 
-def plot(model: str, rows: list[dict]):
+def plot(model: str, rows: list[dict]) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     path = RESULTS / f"mxsens_{model}.png"
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
     weights = [r for r in rows if r["section"] == "weights"]
+    if not weights:  # only W4A4KV4 rows (e.g. the big models' headline): nothing to plot
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for config in VARIANTS:
         pts = sorted((r["element_bits"], r["ppl"]) for r in weights if r["config"] == config)
         if pts:
