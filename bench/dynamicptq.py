@@ -23,13 +23,12 @@ from common import (
     command_line,
     fmt_ppl,
     machine,
-    measured,
     pivot,
     protocol_settings,
-    record_key,
     run,
     setting_header,
     store,
+    stored_record,
 )
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
@@ -38,7 +37,7 @@ from bitquilt.eval.zeroshot import average_accuracy, evaluate_tasks
 from bitquilt.recipes import Recipe
 
 BACKBONES = ("quarot+rtn", "quarot+gptq", "smoothquant+rtn")
-KEY = ("model", "backbone", "layers", "select", "tasks")
+KEY = ("model", "backbone", "layers", "select")
 
 
 def a8_bytes_per_token(model, layers: list[int]) -> int:
@@ -67,9 +66,11 @@ def render(records: list[dict]) -> str:
         backbones = list(dict.fromkeys(r["backbone"] for r in rows))
         ppl = {(r["backbone"], column(r)): fmt_ppl(r["ppl"]) for r in rows}
         lines += ["Perplexity:", ""] + pivot("backbone", backbones, cols, ppl) + [""]
-        acc = {(r["backbone"], column(r)): f"{100 * r['zeroshot_avg']:.1f}" for r in rows if r.get("zeroshot_avg")}
+        scored = [r for r in rows if r.get("zeroshot_avg")]
+        acc = {(r["backbone"], column(r)): f"{100 * r['zeroshot_avg']:.1f}" for r in scored}
         if acc:
-            lines += [f"Zero-shot average accuracy (%, {rows[0]['tasks']}):", ""]
+            lines += [f"Zero-shot average accuracy (%, {scored[0]['tasks']}, {scored[0]['limit']} items per task):",
+                      ""]
             lines += pivot("backbone", backbones, cols, acc) + [""]
         lines += ["Layers given 8-bit activations (the policy measures after the backbone's model transform):", ""]
         for c in dict.fromkeys(column(r) for r in rows if r["layers"]):
@@ -89,7 +90,8 @@ def main() -> None:
     p.add_argument("--compare-k", type=int, default=4, help="K at which the other --selects are compared too")
     p.add_argument("--selects", default="snr,random,ends",
                    help="selections compared with the Jump Ratio at --compare-k")
-    p.add_argument("--tasks", default="", help="zero-shot tasks, e.g. piqa,arc_easy,hellaswag (default: none)")
+    p.add_argument("--tasks", default="", help="zero-shot tasks, e.g. piqa,arc_easy,hellaswag (default: none); a row "
+                   "measured without them is measured again with them")
     p.add_argument("--limit", type=int, default=200, help="zero-shot items per task")
     add_protocol_args(p, calib_samples=32, ppl_windows=20)
     args = p.parse_args()
@@ -106,9 +108,11 @@ def main() -> None:
     configs += [(b, args.compare_k, s) for b in backbones[1:] for s in selects]
     ids = None
     for backbone, k, select in configs:
-        wanted = {"model": args.model, "backbone": backbone, "layers": k, "select": select, "tasks": args.tasks,
-                  "settings": settings}
-        if (record_key(wanted, KEY) in measured("dynamicptq", KEY)) != args.recheck:
+        wanted = {"model": args.model, "backbone": backbone, "layers": k, "select": select, "settings": settings}
+        stored = stored_record("dynamicptq", wanted, KEY)
+        done = stored is not None and (not args.tasks or (stored.get("tasks"), stored.get("limit")) ==
+                                       (args.tasks, args.limit))
+        if done != args.recheck:
             continue
         model, tokenizer = load(args.model)
         ids = calibration_ids(tokenizer, calib) if ids is None else ids
@@ -128,7 +132,8 @@ def main() -> None:
             plot_phases(phases, RESULTS / f"dynamicptq_{args.model}.png", f"{args.model} after {backbone}'s "
                         "transform")
         ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False)
-        record = {**wanted, "ppl": ppl.ppl, "chosen": decision.get("layers", []),
+        record = {**wanted, "tasks": args.tasks, "limit": args.limit if args.tasks else None, "ppl": ppl.ppl,
+                  "chosen": decision.get("layers", []),
                   "a8_bytes_per_token": a8_bytes_per_token(model, decision.get("layers", [])),
                   **model_summary(model), "quant_time_s": quant_time, "machine": machine(), "command": command}
         if args.tasks:
