@@ -9,7 +9,7 @@ import torch
 from conftest import block_context, make_tiny
 
 from bitquilt import kernels
-from bitquilt.calib.routing import recut, refit_count
+from bitquilt.calib.routing import RoutedSlices, prefix_schedule, recut, refit_count
 from bitquilt.formats.base import MatmulContext
 from bitquilt.formats.bitplane import BitplaneFormat
 from bitquilt.formats.composite import CompositeFormat
@@ -144,6 +144,22 @@ def test_refit_count_reaches_one_bit_past_the_budget():
     assert refit_count([2, 1, 1, 1, 1, 1, 1], 2.0) == 2
     assert refit_count([2, 2, 2], 3.0) == 2
     assert refit_count([2, 1], 5.0) == 2  # never past the last slice
+
+
+def test_prefix_schedule_alternates_routed_steps_with_random_static_prefixes():
+    fmt = _sliced(bits=6)
+    routed = [RoutedSlices(fmt, None, SliceRouter(128, [p.bits for p in fmt.parts.values()])) for _ in range(2)]
+    choose = prefix_schedule(routed, 3, steps=40, seed=0)
+    forced = []
+    for step in range(40):
+        choose(step / 40)
+        assert routed[0].forced == routed[1].forced  # one prefix for the whole block
+        forced.append(routed[0].forced)
+    assert forced[::2] == [None] * 20 and set(forced[1::2]) == {1, 2, 3}
+    x = torch.randn(5, 128)
+    routed[0].forced = 2
+    with torch.no_grad():
+        torch.testing.assert_close(routed[0](x), fmt.reference_matmul(x, MatmulContext(slices=torch.full((5,), 2))))
 
 
 def test_recut_keeps_the_refitted_slices_and_recovers_the_weight_above_them():
