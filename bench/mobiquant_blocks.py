@@ -35,10 +35,10 @@ MODES = {"router-only": {"train_slices": False}, "refit + re-cut": {"train_slice
 
 def render(records: list[dict]) -> str:
     lines = ["# MoBiQuant calibration, block by block", "", __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), ""]
-    for setup in dict.fromkeys(r["setup"] for r in records):
-        rows = [r for r in records if r["setup"] == setup]
+    for model, setup in dict.fromkeys((r["model"], r["setup"]) for r in records):
+        rows = [r for r in records if (r["model"], r["setup"]) == (model, setup)]
         cols = list(rows[0]["errors"])
-        lines += [f"## {rows[0]['model']}: {setup}", "",
+        lines += [f"## {model}: {setup}", "",
                   f"Machine: {rows[0]['machine']}; commands: "
                   + ", ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in rows)), "",
                   "Relative output error ‖Block_q(x) − Block_fp(x)‖² / ‖Block_fp(x)‖² on held-out windows ("
