@@ -156,6 +156,8 @@ def test_prefix_schedule_alternates_routed_steps_with_random_static_prefixes():
         assert routed[0].forced == routed[1].forced  # one prefix for the whole block
         forced.append(routed[0].forced)
     assert forced[::2] == [None] * 20 and set(forced[1::2]) == {1, 2, 3}
+    choose(1.0)
+    assert routed[0].forced is None  # the end state routes: the error after training is the routed one
     x = torch.randn(5, 128)
     routed[0].forced = 2
     with torch.no_grad():

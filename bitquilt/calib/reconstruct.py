@@ -114,8 +114,8 @@ def fit_block(block: nn.Module, inputs: Sequence[torch.Tensor], targets: Sequenc
 
     `project()` runs after every step (e.g. clamping offsets into their range); `penalty(L)` is added
     to the mini-batch reconstruction loss L (e.g. a bit budget, which may scale itself by L);
-    `anneal(t)` runs before step t/steps ∈ [0, 1) (e.g. a router's temperature). Deterministic for a
-    given `config.seed`.
+    `anneal(t)` runs before step t/steps ∈ [0, 1) (e.g. a router's temperature), and with t = 1 after the
+    last step: the state the error after is measured in. Deterministic for a given `config.seed`.
     """
     config.validate()
     t0 = time.perf_counter()
@@ -149,6 +149,8 @@ def fit_block(block: nn.Module, inputs: Sequence[torch.Tensor], targets: Sequenc
             schedule.step()
             if project is not None:
                 project()
+    if anneal is not None:
+        anneal(1.0)
     if best_state is not None:
         with torch.no_grad():
             for p, saved in zip(params, best_state):

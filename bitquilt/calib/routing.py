@@ -121,11 +121,11 @@ def temperature_schedule(routed: list[RoutedSlices], t_start: float, t_end: floa
 
 def prefix_schedule(routed: list[RoutedSlices], n_slices: int, steps: int, seed: int) -> Callable[[float], None]:
     """choose(t), before step t·steps: odd steps force every linear to one random prefix k ∈ 1..n_slices
-    (the same k for the whole block), even steps route (module docstring)."""
+    (the same k for the whole block), even steps and the end (t = 1) route (module docstring)."""
     rng = random.Random(seed)
 
     def choose(t: float) -> None:
-        k = rng.randint(1, n_slices) if round(t * steps) % 2 else None
+        k = rng.randint(1, n_slices) if t < 1 and round(t * steps) % 2 else None
         for r in routed:
             r.forced = k
     return choose

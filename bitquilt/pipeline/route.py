@@ -108,8 +108,6 @@ def mobiroute(ctx: BlockContext, opts: RouteOptions) -> dict[str, Any] | None:
     result = fit_block(ctx.block, ctx.inputs, reference["targets"], ctx.kwargs,
                        [p for r in stand_ins for p in r.parameters()], config,
                        penalty=budget_penalty(stand_ins, opts.target_bits, opts.budget_weight), anneal=anneal)
-    for stand_in in stand_ins:
-        stand_in.forced = None
     meters = {}
     for name, stand_in in routed.items():
         fmt = stand_in.to_format()
