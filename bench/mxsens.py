@@ -41,7 +41,7 @@ from bitquilt.formats.mxint import MXIntFormat
 from bitquilt.models.adapters import architecture_of
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.pipeline.engine import initial_plan
-from bitquilt.policies.mx_sens import bits_range, model_shapes
+from bitquilt.policies.mx_sens import MXSensOptions, bits_range, model_shapes
 from bitquilt.recipes import Recipe
 
 KEY = ("model", "section", "config", "target_bits")
@@ -127,7 +127,8 @@ def sensitivity_table(rows: list[dict]) -> list[str]:
             cell[kind, label] = f"{sum(vals) / len(vals):.2f}" if vals else ""
     top = sorted(sens, key=sens.get, reverse=True)[:5]
     return (["### Layer sensitivity", "", "ŝ = ‖Y_l − Y‖² / ‖Y‖² with linear l alone at MXINT4 (final normed hidden "
-             "state, 4 calibration windows), normalised to mean 1; mean by linear and depth:", ""]
+             f"state, {rows[0]['settings'].get('sensitivity_samples', MXSensOptions().samples)} calibration windows), "
+             "normalised to mean 1; mean by linear and depth:", ""]
             + pivot("linear", kinds, list(thirds), cell)
             + ["", "Most sensitive: " + ", ".join(f"`{n}` ({sens[n] / mean:.1f})" for n in top) + ".", ""])
 
