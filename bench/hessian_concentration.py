@@ -1,0 +1,78 @@
+"""How concentrated the Hessian diagonal is: the share of Σ_j H_jj in a linear's top columns.
+
+    python bench/hessian_concentration.py --models smollm2-135m,qwen2.5-0.5b
+
+MXSens gives a linear's top 32 columns by H_jj = Σ_t x_tj² 8 bits and a middle class 6 bits; how
+much that buys depends on how much of Σ_j H_jj those columns hold. For q/o/up/down of the first,
+middle and last decoder block, over --windows calibration windows: the share of the top 32 columns
+and of the next 12.5% of the columns. Results: bench/results/hessian_concentration.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from common import RESULTS, command_line, machine, run, write_atomic
+
+from bitquilt.api import load
+from bitquilt.data.windows import calibration_windows
+from bitquilt.models.adapters import architecture_of, decoder_layers
+
+LINEARS = ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@torch.no_grad()
+def concentration(model_name: str, windows: int) -> dict[str, tuple[float, float]]:
+    """{block.linear: (top-32 share, next-12.5% share)} of Σ_j H_jj."""
+    model, tokenizer = load(model_name)
+    ids = calibration_windows(tokenizer, "sciq", n_samples=windows, seqlen=512, seed=0)
+    blocks = decoder_layers(model, architecture_of(model))
+    diag: dict[str, torch.Tensor] = {}
+
+    def hook(key: str):
+        def add(_module, args) -> None:
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            diag[key] = diag.get(key, 0) + x.pow(2).sum(0)
+        return add
+
+    handles = [blocks[i].get_submodule(n).register_forward_pre_hook(hook(f"{i}.{n}"))
+               for i in (0, len(blocks) // 2, len(blocks) - 1) for n in LINEARS]
+    try:
+        for row in ids:
+            model(row[None])
+    finally:
+        for h in handles:
+            h.remove()
+    shares = {}
+    for key, h in diag.items():
+        s = h.sort(descending=True).values
+        shares[key] = (float(s[:32].sum() / s.sum()), float(s[32:32 + s.numel() // 8].sum() / s.sum()))
+    return shares
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b")
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    results = {m: concentration(m, args.windows) for m in args.models.split(",")}
+    lines = ["# Hessian-diagonal concentration", "", __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), "",
+             f"Command: `{command_line()}`. Machine: {machine()}.", "",
+             "| model | linear | top-32 share | next 12.5% share |", "|---|---|---:|---:|"]
+    for model, shares in results.items():
+        lines += [f"| {model} | {k} | {a:.3f} | {b:.3f} |" for k, (a, b) in shares.items()]
+    lines += ["", "Median top-32 share: " + ", ".join(
+        f"{m} {statistics.median(a for a, _ in s.values()):.3f}" for m, s in results.items()) + ".", ""]
+    write_atomic(RESULTS / "hessian_concentration.json", json.dumps({"results": results, "machine": machine(),
+                                                                     "command": command_line()}, indent=1))
+    write_atomic(RESULTS / "hessian_concentration.md", "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    run(main)
