@@ -18,6 +18,7 @@ import torch
 from common import RESULTS, command_line, machine, run, write_atomic
 
 from bitquilt.api import load
+from bitquilt.calib.capture import capture_block_inputs, feed_linears, run_block
 from bitquilt.data.windows import calibration_windows
 from bitquilt.models.adapters import architecture_of, decoder_layers
 
@@ -29,23 +30,17 @@ def concentration(model_name: str, windows: int) -> dict[str, tuple[float, float
     """{block.linear: (top-32 share, next-12.5% share)} of Σ_j H_jj."""
     model, tokenizer = load(model_name)
     ids = calibration_windows(tokenizer, "sciq", n_samples=windows, seqlen=512, seed=0)
-    blocks = decoder_layers(model, architecture_of(model))
+    arch = architecture_of(model)
+    blocks = decoder_layers(model, arch)
+    x, kwargs = capture_block_inputs(model, arch, ids)
+    picks = (0, len(blocks) // 2, len(blocks) - 1)
     diag: dict[str, torch.Tensor] = {}
-
-    def hook(key: str):
-        def add(_module, args) -> None:
-            x = args[0].reshape(-1, args[0].shape[-1]).float()
-            diag[key] = diag.get(key, 0) + x.pow(2).sum(0)
-        return add
-
-    handles = [blocks[i].get_submodule(n).register_forward_pre_hook(hook(f"{i}.{n}"))
-               for i in (0, len(blocks) // 2, len(blocks) - 1) for n in LINEARS]
-    try:
-        for row in ids:
-            model(row[None])
-    finally:
-        for h in handles:
-            h.remove()
+    for i in range(picks[-1] + 1):
+        if i in picks:
+            def add(name: str, h: torch.Tensor, i: int = i) -> None:
+                diag[f"{i}.{name}"] = diag.get(f"{i}.{name}", 0) + h.reshape(-1, h.shape[-1]).float().pow(2).sum(0)
+            feed_linears(blocks[i], list(LINEARS), x, kwargs[i], add)
+        x = run_block(blocks[i], x, kwargs[i])
     shares = {}
     for key, h in diag.items():
         s = h.sort(descending=True).values
