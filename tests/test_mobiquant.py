@@ -13,7 +13,8 @@ from bitquilt.calib.routing import RoutedSlices, prefix_schedule, recut, refit_c
 from bitquilt.formats.base import MatmulContext
 from bitquilt.formats.bitplane import BitplaneFormat
 from bitquilt.formats.composite import CompositeFormat
-from bitquilt.kernels import composite
+from bitquilt.kernels import composite, cpu
+from bitquilt.kernels import router as router_kernel
 from bitquilt.nn.online import attach
 from bitquilt.nn.quant_linear import QuantLinear, set_slices
 from bitquilt.nn.slice_router import (
@@ -76,6 +77,32 @@ def test_router_logits_fall_along_slices_and_thresholds_sweep_counts_monotonical
         previous = counts
     with pytest.raises(ValueError, match="at least 2 slices"):
         SliceRouter(128, (4,))
+
+
+@pytest.mark.skipif(cpu.extension() is None, reason="CPU extension unavailable (no AVX2 or build failed)")
+@pytest.mark.parametrize("in_features,slices,tokens", [(576, (2, 1, 1, 1, 1, 1, 1), 1), (37, (2, 2, 2), 65)])
+def test_compiled_slice_counts_match_the_torch_reference(in_features, slices, tokens):
+    torch.manual_seed(0)
+    router = SliceRouter(in_features, slices)
+    with torch.no_grad():
+        router.fc2.weight.normal_()  # logits that spread over every count
+    x = 3 * torch.randn(tokens, in_features)
+    logits = router.logits(x).detach()
+    seen = set()
+    for tau in (-3.0, -1.0, 0.0, 0.5, 2.0):
+        router.threshold.fill_(tau)
+        fast = router_kernel.slice_counts(x, router.fc1, router.fc2, tau)
+        reference = 1 + (logits > tau).sum(-1)
+        clear = ((logits - tau).abs() > 1e-4).all(-1)  # tokens with no logit on the threshold
+        assert fast.dtype == torch.int64 and torch.equal(fast[clear], reference[clear])
+        assert torch.equal(router.counts(x), fast)  # the router takes the compiled path
+        seen |= set(fast.tolist())
+    assert len(seen) >= 3
+    kernels.set_kernels_enabled(False)
+    try:
+        assert router_kernel.slice_counts(x, router.fc1, router.fc2, 0.0) is None
+    finally:
+        kernels.set_kernels_enabled(True)
 
 
 def test_static_mode_equals_a_router_forced_to_k():

@@ -90,6 +90,11 @@ def set_kernels_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
+def kernels_enabled() -> bool:
+    """False while `set_kernels_enabled(False)` forces the torch reference."""
+    return _enabled
+
+
 def kernels_for(format_name: str) -> list[str]:
     return [name for name, _ in _KERNELS.get(format_name, [])]
 

@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from bitquilt.formats.base import MatmulContext
+from bitquilt.kernels import router as router_kernel
 from bitquilt.nn.online import get, register_online
 from bitquilt.nn.quant_linear import QuantLinear, multi_part_linears
 
@@ -72,7 +73,11 @@ class SliceRouter(nn.Module):
         return torch.cat([h[..., :1], -F.softplus(h[..., 1:])], dim=-1).cumsum(-1)
 
     def counts(self, x: torch.Tensor) -> torch.Tensor:
-        """k_t int64 [...]: slices each token uses at the current threshold."""
+        """k_t int64 [...]: slices each token uses at the current threshold (one compiled call when
+        the CPU kernels load, else the reference below)."""
+        fast = router_kernel.slice_counts(x.reshape(-1, self.in_features), self.fc1, self.fc2, float(self.threshold))
+        if fast is not None:
+            return fast.reshape(x.shape[:-1])
         return 1 + (self.logits(x) > self.threshold).sum(-1)
 
     def bits_of(self, counts: torch.Tensor) -> torch.Tensor:

@@ -360,7 +360,8 @@ void sparse_residual_add_(const at::Tensor& y, const at::Tensor& x, const std::v
 
 }  // namespace
 
-void register_mxint(pybind11::module& m);  // mxint_matmul.cpp
+void register_mxint(pybind11::module& m);   // mxint_matmul.cpp
+void register_router(pybind11::module& m);  // slice_router.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -375,4 +376,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_residual_add_", &sparse_residual_add_, "y += x @ S^T in place for a residual S in 1x32 segments",
         py::arg("y"), py::arg("x"), py::arg("residual"));
   register_mxint(m);
+  register_router(m);
 }
