@@ -17,6 +17,7 @@ from typing import Any
 
 from bitquilt.calib.stages import STAGES
 from bitquilt.errors import USER_ERRORS, UserError
+from bitquilt.eval.speed import ENGINES
 from bitquilt.export import FORMATS as EXPORT_FORMATS
 from bitquilt.io import model_summary
 from bitquilt.models.registry import DEFAULT_MODEL
@@ -724,7 +725,8 @@ def cmd_generate(args) -> int:
         raise UserError(f"{args.model} has no tokenizer files; cannot generate text")
     ids = torch.tensor([tokenizer(args.prompt)["input_ids"]])
     run = decode(model, ids, args.max_new_tokens, args.temperature, args.seed,
-                 stop_ids=None if args.ignore_eos or tokenizer.eos_token_id is None else {tokenizer.eos_token_id})
+                 stop_ids=None if args.ignore_eos or tokenizer.eos_token_id is None else {tokenizer.eos_token_id},
+                 engine=args.engine)
     text = tokenizer.decode(run.new_ids, skip_special_tokens=True)
     stats = {"prompt_tokens": ids.shape[1], "new_tokens": len(run.new_ids),
              "prefill_tokens_per_s": ids.shape[1] / run.prefill_seconds,
@@ -748,7 +750,8 @@ def cmd_bench(args) -> int:
     for spec in args.models:
         reset_peak_rss()
         model, _ = load(spec)
-        result = measure_speed(model, model.config.vocab_size, args.prompt_tokens, args.new_tokens, args.repeats)
+        result = measure_speed(model, model.config.vocab_size, args.prompt_tokens, args.new_tokens, args.repeats,
+                               engine=args.engine)
         row = {"model": spec, **model_summary(model), **result.to_dict()}
         if rows:
             row["decode_speedup"] = row["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
@@ -878,6 +881,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
+    s.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="decode loop: lean (static KV cache, the model's modules without transformers' per-layer "
+                   "glue; llama/mistral/qwen2/qwen3), transformers, or auto (lean where supported; default)")
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_generate)
@@ -888,6 +894,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for prefill (default 128)")
     s.add_argument("--new-tokens", type=int, default=32, help="decode steps per run (default 32)")
     s.add_argument("--repeats", type=int, default=3, help="runs per model; the median is reported (default 3)")
+    s.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="decode loop: lean (static KV cache, the model's modules without transformers' per-layer "
+                   "glue; llama/mistral/qwen2/qwen3), transformers, or auto (lean where supported; default)")
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_bench)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -50,25 +51,49 @@ def _next_token(logits: torch.Tensor, temperature: float, generator: torch.Gener
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+ENGINES = ("auto", "lean", "transformers")
+
+
+def stepper(model: nn.Module, max_len: int, engine: str = "auto") -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function from the next input ids [1, T] to the logits [vocab] of their last position, the
+    sequence's KV cache kept between calls: `LeanDecoder` (bitquilt.models.lean_decode) for "lean",
+    and for "auto" where it supports the model; the transformers forward with its cache otherwise."""
+    from bitquilt.models.lean_decode import LeanDecoder, unsupported_reason
+
+    if engine not in ENGINES:
+        raise ValueError(f"unknown decode engine {engine!r}; engines: {', '.join(ENGINES)}")
+    reason = unsupported_reason(model, max_len) if engine != "transformers" else "transformers requested"
+    if reason is None:
+        return LeanDecoder(model, max_len).forward
+    if engine == "lean":
+        raise ValueError(f"lean decoding does not support this model: {reason}")
+    state: dict[str, Any] = {}
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        out = model(ids, cache=state.get("cache"), use_cache=True, logits_to_keep=1)
+        state["cache"] = out.cache
+        return out.logits[0, -1]
+
+    return step
+
+
 @torch.no_grad()
 def decode(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-           seed: int = 0, stop_ids: set[int] | None = None) -> DecodeRun:
-    """Greedy (temperature 0) or sampled continuation of prompt_ids [1, T], with the KV cache."""
+           seed: int = 0, stop_ids: set[int] | None = None, engine: str = "auto") -> DecodeRun:
+    """Greedy (temperature 0) or sampled continuation of prompt_ids [1, T], with the KV cache
+    (`stepper` says which engine runs it)."""
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] == 0:
         raise ValueError(f"decode needs one non-empty prompt [1, T], got shape {tuple(prompt_ids.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
     t0 = time.perf_counter()
-    out = model(prompt_ids, use_cache=True, logits_to_keep=1)
-    token = _next_token(out.logits[0, -1], temperature, generator)
+    step = stepper(model, prompt_ids.shape[1] + max_new_tokens, engine)
+    token = _next_token(step(prompt_ids), temperature, generator)
     t1 = time.perf_counter()
     new_ids = [token]
-    cache = out.cache
     while len(new_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
-        out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
-        cache = out.cache
-        token = _next_token(out.logits[0, -1], temperature, generator)
+        token = _next_token(step(torch.tensor([[token]])), temperature, generator)
         new_ids.append(token)
     return DecodeRun(new_ids, t1 - t0, time.perf_counter() - t1)
 
@@ -89,7 +114,7 @@ def check_speed_settings(prompt_tokens: int, new_tokens: int, repeats: int) -> N
 
 @torch.no_grad()
 def measure_speed(model: nn.Module, vocab_size: int, prompt_tokens: int = 128, new_tokens: int = 32,
-                  repeats: int = 3, seed: int = 0) -> SpeedResult:
+                  repeats: int = 3, seed: int = 0, engine: str = "auto") -> SpeedResult:
     """Median prefill and decode throughput over `repeats` runs on a random-token prompt.
 
     Decode runs exactly `new_tokens` steps (no stop token); its rate excludes the prefill.
@@ -99,8 +124,8 @@ def measure_speed(model: nn.Module, vocab_size: int, prompt_tokens: int = 128, n
     check_speed_settings(prompt_tokens, new_tokens, repeats)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab_size, (1, prompt_tokens), generator=gen)
-    decode(model, prompt[:, : min(8, prompt_tokens)], 2)  # warm-up: kernel layouts, allocator
-    runs = [decode(model, prompt, new_tokens) for _ in range(repeats)]
+    decode(model, prompt[:, : min(8, prompt_tokens)], 2, engine=engine)  # warm-up: kernel layouts, allocator
+    runs = [decode(model, prompt, new_tokens, engine=engine) for _ in range(repeats)]
     prefill = statistics.median(r.prefill_seconds for r in runs)
     per_token = statistics.median(r.decode_seconds / (len(r.new_ids) - 1) for r in runs)
     return SpeedResult(prompt_tokens, new_tokens, prompt_tokens / prefill, 1.0 / per_token,

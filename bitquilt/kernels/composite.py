@@ -34,11 +34,16 @@ def grouped_matmul(x: torch.Tensor, counts: torch.Tensor, parts: Sequence[Callab
     """y_t = Σ_{e ≤ counts[t]} parts[e − 1](x_t) for x [T, in]: each part called once, on the tokens that use it."""
     if counts.shape != x.shape[:1]:
         raise ValueError(f"per-token slices of shape {tuple(counts.shape)} for {x.shape[0]} tokens")
-    low, high = int(counts.min()), int(counts.max())
+    low, high = (int(counts),) * 2 if counts.numel() == 1 else (int(counts.min()), int(counts.max()))
     if low < 0 or high > len(parts):
         raise ValueError(f"per-token slice counts must lie in [0, {len(parts)}]")
     if low == high:  # every token the same count (static precision, batch-1 decode): no regrouping
-        return sum((part(x) for part in parts[:high]), x.new_zeros(x.shape[0], out_features))
+        if high == 0:
+            return x.new_zeros(x.shape[0], out_features)
+        y = parts[0](x)
+        for part in parts[1:high]:
+            y += part(x)
+        return y
     ordered, order = torch.sort(counts, descending=True, stable=True)
     sorted_x = x[order].contiguous()
     y = x.new_zeros(x.shape[0], out_features)

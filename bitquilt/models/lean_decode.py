@@ -1,0 +1,138 @@
+"""Batch-1 generation without the transformers module stack: the same modules, fewer ops per step.
+
+A transformers decode step of a small model spends about half its time outside the matmuls:
+per-layer rotary tables, a cache that grows by `torch.cat`, mask construction, keyword plumbing,
+output dataclasses. `LeanDecoder` runs the model's own modules for one sequence:
+
+- embeddings, norms, every linear (quantized or not, with its online modules: rotations,
+  activation quantizers, slice routers) and the LM head are called as they are;
+- a static KV cache: per layer, key and value buffers [1, kv_heads, max_len, head_dim] written
+  in place at each position;
+- rotary cos/sin computed once for every position by the model's rotary module and applied by
+  the family's own `apply_rotary_pos_emb`;
+- attention by `scaled_dot_product_attention` with grouped-query heads (`enable_gqa`), causal
+  for the prompt, over the cache's filled prefix for a new token; the attention site's online
+  modules (KV quantizers, q/k rotations) see q, k, v there as they do in transformers (after
+  RoPE, keys and values the whole filled cache);
+- an RMSNorm without hooks runs as one fused `rms_norm` call.
+
+Families: llama, mistral (without a sliding window shorter than the run), qwen2 (without sliding
+window), qwen3 (q/k norms); `unsupported_reason` says why another model stays on transformers.
+Tested against the transformers forward (logits and greedy tokens).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from bitquilt.nn.online import run_site
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
+    """Why `LeanDecoder` cannot run `model` for `max_len` positions; None if it can."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        return f"model type {model_type!r} (lean decoding covers {', '.join(FAMILIES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (lean decoding runs SiLU-gated MLPs)"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and (model_type != "qwen2" or getattr(config, "use_sliding_window", False)) \
+            and window < max_len:
+        return f"a sliding window of {window} positions shorter than the run ({max_len})"
+    if not hasattr(getattr(model, "model", None), "rotary_emb"):
+        return "no shared rotary embedding module"
+    if max_len > config.max_position_embeddings:
+        return f"{max_len} positions exceed the model's {config.max_position_embeddings}"
+    return None
+
+
+def _norm_fn(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The norm as one fused call when it is a plain RMSNorm (no hooks, no online modules), else the module."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    plain = type(norm).__name__.endswith("RMSNorm") and eps is not None and not norm._forward_hooks \
+        and not norm._forward_pre_hooks and not norm._modules
+    if not plain:
+        return norm
+    weight = norm.weight
+    return lambda x: F.rms_norm(x, weight.shape, weight, eps)
+
+
+class LeanDecoder:
+    """Prompt and one-token steps of a Llama-like causal LM with a static KV cache (module docstring)."""
+
+    def __init__(self, model: nn.Module, max_len: int):
+        reason = unsupported_reason(model, max_len)
+        if reason is not None:
+            raise ValueError(f"lean decoding does not support this model: {reason}")
+        self.model, self.max_len, self.pos = model, max_len, 0
+        config, body = model.config, model.model
+        self.layers = list(body.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        param = next(model.parameters(), None)
+        dtype = torch.float32 if param is None or not param.is_floating_point() else param.dtype
+        positions = torch.arange(max_len).unsqueeze(0)
+        probe = torch.zeros(1, 1, self.head_dim, dtype=dtype)
+        self.cos, self.sin = body.rotary_emb(probe, positions)  # [1, max_len, head_dim]
+        shape = (1, self.kv_heads, max_len, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
+        self.input_norms = [_norm_fn(layer.input_layernorm) for layer in self.layers]
+        self.mlp_norms = [_norm_fn(layer.post_attention_layernorm) for layer in self.layers]
+        self.final_norm = _norm_fn(body.norm)
+        self.has_site = [bool(a._modules.keys() & {"qk_rotation", "kv_quant"})
+                         for a in (layer.self_attn for layer in self.layers)]
+
+    def _attention(self, index: int, layer: nn.Module, h: torch.Tensor, start: int) -> torch.Tensor:
+        attn, t = layer.self_attn, h.shape[1]
+        q = attn.q_proj(h).view(1, t, self.heads, self.head_dim)
+        k = attn.k_proj(h).view(1, t, self.kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(1, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):  # qwen3: per-head norms before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        end = start + t
+        q, k = self.apply_rope(q, k, self.cos[:, start:end], self.sin[:, start:end])
+        self.keys[index][:, :, start:end] = k
+        self.values[index][:, :, start:end] = v
+        keys, values = self.keys[index][:, :, :end], self.values[index][:, :, :end]
+        if self.has_site[index]:
+            q, keys, values = run_site(attn, "attention", q, keys, values)
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=t > 1, scale=attn.scaling,
+                                             enable_gqa=self.heads != self.kv_heads)
+        return attn.o_proj(out.transpose(1, 2).reshape(1, t, -1))
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [vocab] of the last of `ids` [1, T], appended at the cache's current position.
+
+        T > 1 (a prompt) only on an empty cache; then one token at a time."""
+        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+            raise ValueError(f"lean decoding takes one sequence [1, T], got shape {tuple(ids.shape)}")
+        t, start = ids.shape[1], self.pos
+        if t > 1 and start:
+            raise ValueError("a multi-token input must start on an empty cache (call reset())")
+        if start + t > self.max_len:
+            raise ValueError(f"position {start + t} is past the cache's {self.max_len} positions")
+        x = self.model.model.embed_tokens(ids)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, layer, self.input_norms[i](x), start)
+            mlp = layer.mlp
+            h = self.mlp_norms[i](x)
+            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        self.pos = start + t
+        return self.model.lm_head(self.final_norm(x[:, -1:]))[0, -1]
+
+    def reset(self) -> None:
+        """Forget the sequence (the buffers are overwritten as positions fill again)."""
+        self.pos = 0
