@@ -46,6 +46,7 @@ from torch import nn
 
 from bitquilt.api import export, load, quantize, save
 from bitquilt.errors import UserError
+from bitquilt.eval.speed import ENGINES, stepper
 from bitquilt.formats import BitplaneFormat
 from bitquilt.io import model_nbytes, model_summary
 from bitquilt.models.loading import resolve_path
@@ -97,19 +98,15 @@ def to_bitplane(model: nn.Module) -> None:
 
 # ---------------------------------------------------------------- workers (fresh processes)
 @torch.no_grad()
-def generate(model: nn.Module, prompt: list[int], new_tokens: int) -> dict[str, float]:
-    """The forward passes of `bitquilt.eval.speed.decode` (greedy prefill in one pass keeping the last logits, then
+def generate(model: nn.Module, prompt: list[int], new_tokens: int, engine: str) -> dict[str, float]:
+    """The forward passes of `bitquilt.eval.speed.decode` with `engine` (greedy prefill in one pass, then
     `new_tokens` − 1 single-token steps with the KV cache), timed on the wall clock and on this process's CPU time."""
-    ids = torch.tensor([prompt])
     w0, c0 = time.perf_counter(), llamacpp.cpu_seconds()
-    out = model(ids, use_cache=True, logits_to_keep=1)
-    token = int(out.logits[0, -1].argmax())
+    step = stepper(model, len(prompt) + new_tokens, engine)
+    token = int(step(torch.tensor([prompt])).argmax())
     w1, c1 = time.perf_counter(), llamacpp.cpu_seconds()
-    cache = out.cache
     for _ in range(new_tokens - 1):
-        out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
-        cache = out.cache
-        token = int(out.logits[0, -1].argmax())
+        token = int(step(torch.tensor([[token]])).argmax())
     w2, c2 = time.perf_counter(), llamacpp.cpu_seconds()
     n, steps = len(prompt), new_tokens - 1
     return {"prefill_tokens_per_s": n / (w1 - w0), "prefill_cpu_tokens_per_s": n / (c1 - c0),
@@ -118,7 +115,8 @@ def generate(model: nn.Module, prompt: list[int], new_tokens: int) -> dict[str, 
             "decode_steps": steps}
 
 
-def bitquilt_worker(source: str, prompt: list[int], new_tokens: int, threads: int, vocab_size: int) -> dict[str, Any]:
+def bitquilt_worker(source: str, prompt: list[int], new_tokens: int, threads: int, vocab_size: int,
+                    engine: str) -> dict[str, Any]:
     """One measurement of a bitquilt row: load `source` (the packaged fp32 model, or a saved quantized one), warm up,
     time one prefill + decode. Peak RSS is the whole process's, as llama.cpp's."""
     from bitquilt import kernels
@@ -127,8 +125,8 @@ def bitquilt_worker(source: str, prompt: list[int], new_tokens: int, threads: in
     t0 = time.perf_counter()
     model, _ = load(source)
     setup_s = time.perf_counter() - t0
-    generate(model, llamacpp.warmup_prompt(prompt, vocab_size), WARMUP_TOKENS)  # kernel layouts, allocator
-    result = generate(model, prompt, new_tokens)
+    generate(model, llamacpp.warmup_prompt(prompt, vocab_size), WARMUP_TOKENS, engine)  # kernel layouts, allocator
+    result = generate(model, prompt, new_tokens, engine)
     layouts = sum(kernels.kernel_layout_bytes(m.fmt) for m in model.modules() if isinstance(m, QuantLinear))
     return {**result, "peak_rss_mb": llamacpp.peak_rss_mb(), "setup_s": setup_s,
             "weights_mb": model_nbytes(model) / 2**20, "kernel_layout_mb": layouts / 2**20,
@@ -209,9 +207,11 @@ def render(records: list[dict]) -> str:
              "system, all threads) over the prefill, and over all decode steps. bitquilt's quantized rows are RTN "
              "weights (speed does not depend on the values), quantized once and loaded saved: *uniform* the "
              "bit-stream format, *bitplane* the same grid as bit-planes + per-group coefficients (BPDQ's format); "
-             "embeddings and LM head fp32 except in *head8* (8-bit RTN, `Recipe.head_bits`). llama.cpp (xllamacpp "
-             "CPU wheel, default settings): *original* the packaged model's own GGUF; *q4_0* bitquilt's GGUF export "
-             "of the *uniform w4 g32 sym* row (the same weights bit for bit, F32 embeddings and LM head). "
+             "embeddings and LM head fp32 except in *head8* (8-bit RTN, `Recipe.head_bits`); bitquilt decodes with "
+             "`bitquilt.eval.speed.decode`'s default engine (*lean*: static KV cache, the model's own modules, where "
+             "the family is supported; a row named *[transformers]* runs the transformers forward). llama.cpp "
+             "(xllamacpp CPU wheel, default settings): *original* the packaged model's own GGUF; *q4_0* bitquilt's "
+             "GGUF export of the *uniform w4 g32 sym* row (the same weights bit for bit, F32 embeddings and LM head). "
              "bits/weight as `model_summary` counts it: the linears, plus embeddings and LM head when quantized. "
              "weights MB: bitquilt's stored tensors, llama.cpp's GGUF file. Peak RSS: the worker's (both map their "
              "weight files). Ratios: rate ÷ the rate of llama.cpp's original GGUF in the same run (> 1: faster).", ""]
@@ -287,6 +287,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated: the prefill's + decode steps")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch and llama.cpp threads")
+    p.add_argument("--decode-engines", default="auto",
+                   help=f"bitquilt's decode loops, comma-separated ({', '.join(ENGINES)}); several: each bitquilt "
+                        "row once per engine, named 'variant [engine]'")
     p.add_argument("--results", default=str(RESULTS), help="folder for e2e.json and e2e.md")
     p.add_argument("--workdir", default=str(llamacpp.ROOT / "out" / "e2e"),
                    help="the saved quantized models (deleted once measured, unless --keep-saved) and the q4_0 GGUF")
@@ -295,9 +298,11 @@ def main() -> None:
     args = p.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     ggufs = [g for g in args.ggufs.split(",") if g]
-    unknown = [v for v in variants if v not in VARIANTS] + [g for g in ggufs if g not in GGUFS]
+    unknown = [v for v in variants if v not in VARIANTS] + [g for g in ggufs if g not in GGUFS] + \
+        [e for e in args.decode_engines.split(",") if e not in ENGINES]
     if unknown:
-        raise UserError(f"unknown rows {unknown}; bitquilt: {', '.join(VARIANTS)}; llama.cpp: {', '.join(GGUFS)}")
+        raise UserError(f"unknown rows or engines {unknown}; bitquilt: {', '.join(VARIANTS)}; llama.cpp: "
+                        f"{', '.join(GGUFS)}; decode engines: {', '.join(ENGINES)}")
     if args.prompt_tokens < 1 or args.new_tokens < 2 or args.repeats < 1 or not (variants or ggufs):
         raise UserError("need --prompt-tokens ≥ 1, --new-tokens ≥ 2, --repeats ≥ 1 and at least one row")
     if ggufs:
@@ -328,11 +333,15 @@ def measure(name: str, variants: list[str], ggufs: list[str], sources: dict[str,
     prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist()
     spec = {"prompt": prompt, "new_tokens": args.new_tokens, "threads": args.threads, "vocab_size": vocab}
     samples: dict[tuple[str, str], list[dict]] = {}
+    engines = args.decode_engines.split(",")
+    rows = {v if engines == ["auto"] else f"{v} [{e}]": (v, e) for v in variants for e in engines}
     start = loadavg()
     for repeat in range(args.repeats):
-        for engine, row in interleave(variants, ggufs, repeat):
+        for engine, row in interleave(list(rows), ggufs, repeat):
             if engine == "bitquilt":
-                s = worker("bitquilt", {"source": sources[row], **spec}, f"bitquilt {row} on {name}")
+                variant, decode_engine = rows[row]
+                s = worker("bitquilt", {"source": sources[variant], "engine": decode_engine, **spec},
+                           f"bitquilt {row} on {name}")
             else:
                 s = llamacpp.run_json_worker([args.llamacpp_python, str(Path(llamacpp.__file__).resolve()), "speed",
                                               json.dumps({"gguf": str(files[row]), **spec})],
@@ -344,13 +353,14 @@ def measure(name: str, variants: list[str], ggufs: list[str], sources: dict[str,
                   f"(CPU {s['decode_cpu_tokens_per_s']:.2f}); load {s['loadavg']}", file=sys.stderr, flush=True)
     end = loadavg()
     versions = next((s[0]["versions"] for (e, _), s in samples.items() if e == "llama.cpp"), {})
-    for engine, row in [("llama.cpp", g) for g in ggufs] + [("bitquilt", v) for v in variants]:
+    for engine, row in [("llama.cpp", g) for g in ggufs] + [("bitquilt", label) for label in rows]:
         rs = samples[engine, row]
         if engine == "bitquilt":
-            v = VARIANTS[row]
+            variant, decode_engine = rows[row]
+            v = VARIANTS[variant]
             about = {"format": v.format, "bits": v.bits, "group": v.group, "sym": v.sym, "head_bits": v.head_bits,
                      **{k: rs[0][k] for k in ("weights_mb", "kernel_layout_mb", "bits_per_weight")},
-                     "source": sources[row], "build_s": builds.get(row)}
+                     "source": sources[variant], "build_s": builds.get(variant), "decode_engine": decode_engine}
         else:
             about = {k: x for k, x in info[row].items() if k != "vocab_size"}
         records.append({"model": name, "engine": engine, "variant": row, **about, **summarize(rs),
