@@ -322,3 +322,34 @@ def test_fallback_when_the_extension_cannot_build(monkeypatch, caplog):
     with torch.no_grad():
         y = QuantLinear(fmt)(x)
     torch.testing.assert_close(y, x @ fmt.dequantize().T)
+
+
+# ---------------------------------------------------------------- 8-bit uniform GEMV (decode batches)
+@needs_ext
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 16])
+def test_uniform8_gemv_matches_the_reference(sym, tokens):
+    from bitquilt.kernels import uniform8
+
+    w, x = llm_like(80, 576, seed=tokens)  # 576 = 4 groups of 128 and a last one of 64
+    x = torch.cat([x] * 4)[:tokens]
+    fmt = make_uniform(w, 8, 128, sym=sym)
+    y = uniform8.matmul(fmt, x)
+    assert_fp32_accurate(y, fmt, x, tables=False)
+    assert kernels.kernel_layout_bytes(fmt) == 2 * 4 * 80 * 5  # fp32 scale and scale·zero per (row, group)
+
+
+@needs_ext
+def test_uniform8_runs_decode_batches_ahead_of_the_lookup_tables_and_declines_the_rest():
+    from bitquilt.kernels import uniform8
+
+    kernels.quant_matmul(make_uniform(torch.randn(8, 64), 8, 32, sym=True), torch.randn(1, 64))  # load builtins
+    assert kernels.kernels_for("uniform")[:2] == ["cpu_uniform8", "cpu_lut"]
+    w, x = llm_like(64, 256)
+    fmt = make_uniform(w, 8, 64, sym=False)
+    big = torch.randn(uniform8.MAX_TOKENS + 1, 256)
+    assert uniform8.matmul(fmt, big) is None  # the sgemm path of cpu_lut takes it
+    torch.testing.assert_close(kernels.quant_matmul(fmt, big), fmt.reference_matmul(big), rtol=1e-4, atol=1e-3)
+    assert uniform8.matmul(make_uniform(w, 4, 64, sym=False), x) is None  # 4 bits: the lookup tables
+    assert uniform8.matmul(make_uniform(w[:, :96], 8, 48, sym=False), x[:, :96]) is None  # group not a multiple of 32
+    assert uniform8.matmul(fmt, x, MatmulContext(slices=torch.ones(5, dtype=torch.long))) is None

@@ -74,6 +74,7 @@ def _load_builtin() -> None:
         import bitquilt.kernels.cpu  # noqa: F401  (registers on import; warns once if unavailable)
         import bitquilt.kernels.mosaic  # noqa: F401  (same extension; base + sparse residual in one kernel)
         import bitquilt.kernels.mxint  # noqa: F401  (same extension; registers on import)
+        import bitquilt.kernels.uniform8  # noqa: F401  (same extension; ahead of cpu_lut for 8-bit decode)
 
 
 def register_kernel(format_name: str, kernel_name: str, fn: KernelFn, before: str | None = None) -> None:

@@ -17,8 +17,8 @@ weights again); the format itself is unchanged. Calls with per-token context are
 (csrc/sparse_residual.h; the MosaicQuant kernels in `bitquilt.kernels.mosaic`).
 
 The same extension also holds the MXINT kernel (csrc/mxint_matmul.cpp), registered by
-`bitquilt.kernels.mxint`, and the MoBiRoute slice counts (csrc/slice_router.cpp, used by
-`bitquilt.kernels.router`).
+`bitquilt.kernels.mxint`, the 8-bit uniform GEMV (csrc/uniform8_gemv.cpp, `bitquilt.kernels.uniform8`)
+and the MoBiRoute slice counts (csrc/slice_router.cpp, used by `bitquilt.kernels.router`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 TILE = 32  # output rows per kernel tile
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("lut_matmul.cpp", "mxint_matmul.cpp", "slice_router.cpp")]
+            for name in ("lut_matmul.cpp", "mxint_matmul.cpp", "slice_router.cpp", "uniform8_gemv.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _ext: ModuleType | None = None
 _failed = False

@@ -362,6 +362,7 @@ void sparse_residual_add_(const at::Tensor& y, const at::Tensor& x, const std::v
 
 void register_mxint(pybind11::module& m);   // mxint_matmul.cpp
 void register_router(pybind11::module& m);  // slice_router.cpp
+void register_uniform8(pybind11::module& m);  // uniform8_gemv.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -377,4 +378,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("y"), py::arg("x"), py::arg("residual"));
   register_mxint(m);
   register_router(m);
+  register_uniform8(m);
 }

@@ -1,0 +1,113 @@
+// 8-bit uniform weights times a few tokens (decode), used by bitquilt.kernels.uniform8.
+//
+// W[r, c] = s[r, g] * (q[r, c] - z[r, g]) with q the uint8 code, g = c / group. Per row and token:
+//   y[t, r] = sum_g s[r, g] * <q[r, g-th group], x[t, g-th group]>  -  sum_g (s z)[r, g] * X[t, g],
+//   X[t, g] = sum of x[t] over group g (computed once per call).
+// The codes are read where the format keeps them (its int32 words hold 4 codes each, little-endian,
+// so the words' bytes are q row by row) and widened to fp32 in registers: 1 byte per weight read
+// against 8 planes' worth of lookups in the bit-plane kernel, which is what an 8-bit LM head needs.
+// Each group's dot product runs in independent fp32 accumulators (32 columns per step), scaled
+// into the row's total at the group's end; one horizontal sum per row and token. Exact up to fp32
+// summation order. Columns and groups must be multiples of 32 (the last group may be shorter).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int MAX_TOKENS = 4;  // tokens per pass over the weights
+
+inline __m256 widen(const uint8_t* q) {  // 8 codes -> 8 exact floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Rows r0 .. r1 - 1 for T tokens (x rows ldx apart, y rows ldy apart). U accumulators per token: enough
+// independent FMA chains in all (4 for one token, 2 each for two, 1 each from three) while T * U + 4 weight
+// vectors + T totals stay within the 16 ymm registers.
+template <int T, int U = (T == 1 ? 4 : T == 2 ? 2 : 1)>
+void rows(const uint8_t* q, const float* scale, const float* scale_zero, const float* x, const float* xsum, int64_t K,
+          int64_t G, int64_t group, int64_t ldx, int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* qr = q + r * K;
+    if (r + 1 < r1) _mm_prefetch(reinterpret_cast<const char*>(qr + K), _MM_HINT_T0);
+    __m256 total[T];
+    float offset[T];
+    for (int t = 0; t < T; ++t) total[t] = _mm256_setzero_ps(), offset[t] = 0.0f;
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 acc[T][U];
+      for (int t = 0; t < T; ++t)
+        for (int u = 0; u < U; ++u) acc[t][u] = _mm256_setzero_ps();
+      const int64_t c1 = std::min(K, (g + 1) * group);
+      for (int64_t c = g * group; c < c1; c += 32) {
+        const __m256 w[4] = {widen(qr + c), widen(qr + c + 8), widen(qr + c + 16), widen(qr + c + 24)};
+        for (int t = 0; t < T; ++t) {
+          const float* xt = x + t * ldx + c;
+          for (int u = 0; u < 4; ++u)
+            acc[t][u % U] = _mm256_fmadd_ps(w[u], _mm256_loadu_ps(xt + 8 * u), acc[t][u % U]);
+        }
+      }
+      const __m256 s = _mm256_set1_ps(scale[r * G + g]);
+      for (int t = 0; t < T; ++t) {
+        __m256 dot = acc[t][0];
+        for (int u = 1; u < U; ++u) dot = _mm256_add_ps(dot, acc[t][u]);
+        total[t] = _mm256_fmadd_ps(dot, s, total[t]);
+        offset[t] += scale_zero[r * G + g] * xsum[t * G + g];
+      }
+    }
+    for (int t = 0; t < T; ++t) y[t * ldy + r] = hsum(total[t]) - offset[t];
+  }
+}
+
+using RowsFn = void (*)(const uint8_t*, const float*, const float*, const float*, const float*, int64_t, int64_t,
+                        int64_t, int64_t, int64_t, int64_t, float*, int64_t);
+constexpr RowsFn ROWS[MAX_TOKENS] = {rows<1>, rows<2>, rows<3>, rows<4>};
+
+at::Tensor uniform8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                         const at::Tensor& scale_zero, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [T, K]");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "codes: contiguous uint8 [N, K]");
+  const int64_t T = x.size(0), K = x.size(1), N = codes.size(0), G = (K + group - 1) / group;
+  TORCH_CHECK(codes.size(1) == K, "codes have ", codes.size(1), " columns for ", K, " inputs");
+  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && group > 0, "columns and group size must be multiples of 32");
+  for (const auto* t : {&scale, &scale_zero})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == G,
+                "scale, scale * zero: contiguous fp32 [N, groups]");
+  auto y = at::empty({T, N}, x.options());
+  std::vector<float> xsum(T * G, 0.0f);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < K; ++c) xsum[t * G + c / group] += xp[t * K + c];
+  const uint8_t* qp = codes.data_ptr<uint8_t>();
+  const float *sp = scale.data_ptr<float>(), *zp = scale_zero.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(16, (1 << 16) / K);  // rows per task: ~64 KB of codes
+  at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t t0 = 0; t0 < T; t0 += MAX_TOKENS) {
+      const int64_t n = std::min<int64_t>(MAX_TOKENS, T - t0);
+      ROWS[n - 1](qp, sp, zp, xp + t0 * K, xsum.data() + t0 * G, K, G, group, K, r0, r1, yp + t0 * N, N);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+// Adds the 8-bit uniform GEMV to the extension module (called from its PYBIND11_MODULE).
+void register_uniform8(pybind11::module& m) {
+  m.def("uniform8_gemv", &uniform8_gemv, "y = x @ W^T for 8-bit uniform W, codes widened in registers (AVX2)");
+}

@@ -1,0 +1,67 @@
+"""8-bit `UniformFormat` at decode batch sizes: codes widened to fp32 in registers (csrc/uniform8_gemv.cpp).
+
+The bit-plane lookup-table kernel (`bitquilt.kernels.cpu`) costs time in proportion to the planes, so an
+8-bit weight (an 8-bit LM head, W8 linears) runs 8 planes' lookups; this kernel reads each code once (1 byte
+per weight, straight from the format's packed words, no extra layout) and multiplies it in fp32 FMAs. It
+takes calls of up to `MAX_TOKENS` tokens, registered as "cpu_uniform8" ahead of "cpu_lut"; larger batches go
+on to cpu_lut, whose dequantize + sgemm path serves them. Per format it keeps the fp32 scales and
+scale × zero per (row, group) in a `LayoutCache` (8 bytes per group). Exact up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from bitquilt.formats.base import MatmulContext, WeightFormat
+from bitquilt.formats.uniform import UniformFormat, resolve_group_size
+from bitquilt.kernels import LayoutCache, cpu, kernels_for, register_kernel
+
+MAX_TOKENS = 16  # from here on the sgemm path of cpu_lut is as fast (4-token passes over the codes)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Per (row, group) fp32 scale and scale × zero of an 8-bit uniform format."""
+
+    scale: torch.Tensor
+    scale_zero: torch.Tensor
+    group: int
+
+    def nbytes(self) -> int:
+        return self.scale.nbytes + self.scale_zero.nbytes
+
+
+def _groups(fmt: WeightFormat) -> Groups | None:
+    if not isinstance(fmt, UniformFormat) or fmt.bits != 8 or fmt.g_idx is not None or sys.byteorder != "little":
+        return None
+    group = resolve_group_size(fmt.group_size, fmt.in_features)
+    if fmt.in_features % 32 or group % 32:
+        return None
+    scale, zero = fmt.scale_zero()
+    return Groups(scale.contiguous(), (scale * zero).contiguous(), group)
+
+
+_LAYOUTS: LayoutCache[Groups] = LayoutCache(_groups)
+
+
+def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
+    """x [T, in] @ Ŵᵀ for an 8-bit `UniformFormat` and T ≤ MAX_TOKENS; None to decline."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > MAX_TOKENS:
+        return None
+    if x.requires_grad and torch.is_grad_enabled():
+        return None
+    if (ctx is not None and ctx.per_token()) or cpu.extension() is None:
+        return None
+    groups = _LAYOUTS.get(fmt)
+    if groups is None:
+        return None
+    codes = fmt.qweight.contiguous().view(torch.uint8)  # 4 codes per little-endian int32 word: the bytes are q row by row
+    y = cpu.extension().uniform8_gemv(x.float().contiguous(), codes, groups.scale, groups.scale_zero, groups.group)
+    return y.to(x.dtype)
+
+
+if cpu.extension() is not None and "cpu_uniform8" not in kernels_for("uniform"):
+    register_kernel("uniform", "cpu_uniform8", matmul, before="cpu_lut")
