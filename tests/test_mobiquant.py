@@ -53,6 +53,27 @@ def test_composite_kernel_matches_the_reference_per_token_and_whole(perm):
         composite.matmul(fmt, x, MatmulContext(slices=torch.full((37,), 9)))
 
 
+@pytest.mark.skipif(cpu.extension() is None, reason="CPU extension unavailable (no AVX2 or build failed)")
+@pytest.mark.parametrize("perm", [False, True])
+def test_one_token_runs_its_slices_in_one_lookup_table_call(perm, monkeypatch):
+    fmt = _sliced(perm=perm)
+    x = torch.randn(1, 128)
+    calls = []
+    real = composite.part_matmul
+    monkeypatch.setattr(composite, "part_matmul", lambda p, x: calls.append(x.shape[0]) or real(p, x))
+    for k in range(1, len(fmt.parts) + 1):
+        ctx = MatmulContext(slices=torch.tensor([k]))
+        y = composite.matmul(fmt, x, ctx)
+        torch.testing.assert_close(y, fmt.reference_matmul(x, ctx), rtol=1e-4, atol=1e-4)
+        separate = sum(cpu.packed(p).lut(x[:, fmt.perm.long()] if perm else x) for p in list(fmt.parts.values())[:k])
+        torch.testing.assert_close(y, separate, rtol=1e-5, atol=1e-5)  # the same terms, summed in one kernel
+    assert calls == []  # no per-part calls
+    two = composite.matmul(fmt, torch.randn(2, 128), MatmulContext(slices=torch.tensor([3, 3])))
+    assert two.shape == (2, 48) and calls == [2, 2, 2]  # several tokens: part by part, as before
+    other_group = next(iter(_sliced(group=64).parts.values()))
+    assert cpu.matmul_parts([*fmt.parts.values(), other_group], x) is None  # parts that pack apart: declined
+
+
 def test_a_token_pays_only_for_the_slices_it_uses(monkeypatch):
     fmt = _sliced()
     calls = []

@@ -8,7 +8,9 @@ with k_t = `ctx.slices[t]` (every part without a per-token context). Tokens are 
 descending once, so the tokens that use part e are a leading run of the sorted batch: part e is
 one call of its own kernel (e.g. the bit-plane LUT kernel for MoBiQuant slices) on the first
 n_e = #{t : k_t ≥ e} rows, and a token costs only the bits of the slices it uses. A part no
-kernel takes runs its format's torch reference. Tested against `CompositeFormat.reference_matmul`.
+kernel takes runs its format's torch reference. A single token (batch-1 decode) runs its k_t
+slices as one lookup-table call (`cpu.matmul_parts`: one set of activation tables, one Python
+round trip) when they pack alike. Tested against `CompositeFormat.reference_matmul`.
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None)
         x = x[:, fmt.perm.long()]
     parts = [functools.partial(part_matmul, p) for p in fmt.parts.values()]
     counts = torch.full((x.shape[0],), len(parts)) if ctx is None or ctx.slices is None else ctx.slices
+    if counts.numel() == 1 and kernels.kernels_enabled():  # batch-1 decode: the token's slices in one call
+        from bitquilt.kernels import cpu  # builds the extension on first use, like every kernel
+
+        y = cpu.matmul_parts(list(fmt.parts.values())[: int(counts)], x)
+        if y is not None:
+            return y
     return grouped_matmul(x, counts, parts, fmt.out_features)
 
 

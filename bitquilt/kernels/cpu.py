@@ -213,6 +213,29 @@ def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None)
     return None if p is None else p.matmul(x.float().contiguous()).to(x.dtype)
 
 
+FUSED_PARTS_TOKENS = 16  # up to here a sum of parts runs as one lookup-table call (decode batches)
+
+
+def matmul_parts(fmts: list[WeightFormat], x: torch.Tensor) -> torch.Tensor | None:
+    """x [T, in] @ (Σ_p Ŵ_p)ᵀ for parts of one shape, block and group (MoBiQuant's slices up to a prefix) in one
+    lookup-table call: one set of activation tables and one Python round trip instead of one per part. None to
+    decline (a part the kernel cannot pack, differing blocks or groups, more than FUSED_PARTS_TOKENS tokens)."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > FUSED_PARTS_TOKENS or not fmts:
+        return None
+    if x.requires_grad and torch.is_grad_enabled():
+        return None
+    layouts = [packed(f) for f in fmts]
+    if any(p is None for p in layouts):
+        return None
+    first = layouts[0]
+    if any((p.out_features, p.block, p.group) != (first.out_features, first.block, first.group) for p in layouts):
+        return None
+    y = _ext.lut_matmul_parts(x.float().contiguous(), [p.planes for p in layouts], [p.coeffs for p in layouts],
+                              [p.bits for p in layouts], [p.uniform for p in layouts], first.out_features,
+                              first.block, first.group)
+    return y.to(x.dtype)
+
+
 def register() -> bool:
     """Register the kernels if the extension loads; False (torch reference path) otherwise."""
     if extension() is None:

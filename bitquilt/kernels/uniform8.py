@@ -58,7 +58,7 @@ def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None)
     groups = _LAYOUTS.get(fmt)
     if groups is None:
         return None
-    codes = fmt.qweight.contiguous().view(torch.uint8)  # 4 codes per little-endian int32 word: the bytes are q row by row
+    codes = fmt.qweight.contiguous().view(torch.uint8)  # 4 codes per little-endian int32 word: q row by row
     y = cpu.extension().uniform8_gemv(x.float().contiguous(), codes, groups.scale, groups.scale_zero, groups.group)
     return y.to(x.dtype)
 

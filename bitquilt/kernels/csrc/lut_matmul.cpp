@@ -216,12 +216,27 @@ Shape check(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, in
   return s;
 }
 
-// y [T, N] = x [T, K] @ (W + S)^T for W in the packed bit-plane layout, S the residual (none if empty).
-at::Tensor lut_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k,
-                      int64_t block, int64_t group, bool uniform, const std::vector<at::Tensor>& residual) {
+// One weight of a sum: packed planes, coefficients and shape (all parts of a call share K, N, block, group).
+struct Part {
+  const uint8_t* w;
+  const char* coef;
+  Shape s;
+  int64_t coef_group;  // bytes of coefficients per (tile, group)
+  bool uniform;
+};
+
+Part make_part(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k, int64_t block,
+               int64_t group, bool uniform) {
   const Shape s = check(x, w, coef, N, k, block, group, uniform);
-  const Residual res = check_residual(residual, N, s.K);
-  const int64_t T = x.size(0), ntiles = s.tiles();
+  return {w.data_ptr<uint8_t>(), static_cast<const char*>(coef.data_ptr()), s,
+          (uniform ? 2 : k + 1) * TILE * coef.element_size(), uniform};
+}
+
+// y [T, N] = x [T, K] @ (sum_p W_p + S)^T for the parts W_p in the packed bit-plane layout, S the residual (none
+// if empty). The activation tables are built once and serve every part.
+at::Tensor lut_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t N, const Residual& res) {
+  const Shape& s = parts.front().s;
+  const int64_t T = x.size(0), ntiles = s.tiles(), block = s.block;
   std::vector<uint8_t> tab(T * s.tab_bytes());
   std::vector<float> scale(T * s.blocks()), sums(T * s.blocks());
   const float* xp = x.data_ptr<float>();
@@ -231,10 +246,7 @@ at::Tensor lut_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   });
   auto y = at::empty({T, N}, x.options());
   float* yp = y.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const char* cp = static_cast<const char*>(coef.data_ptr());
-  const int64_t coef_group = (uniform ? 2 : k + 1) * TILE * coef.element_size();
-  const int64_t per_group = group / block, plane_bytes = block * 4;
+  const int64_t per_group = s.group / block, plane_bytes = block * 4;
   // Per tile, blocks outer and tokens inner: a block's weights (k * block * 4 bytes) stay in L1
   // while every token's table slice for that block (12 bytes per column) passes over them. With
   // several tokens, a few tiles share each slice while it is in L1.
@@ -249,13 +261,15 @@ at::Tensor lut_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor
           const uint8_t* tb = tab.data() + (b * T + t) * block * 12;
           const int64_t j = b * T + t;
           for (int64_t i = first; i < last; ++i) {
-            const uint8_t* wb = wp + i * s.tile_bytes() + b * s.k * plane_bytes;
-            const void* cb = cp + (i * s.groups() + b / per_group) * coef_group;
             float* out = acc.data() + ((i - first) * T + t) * TILE;
-            if (uniform)
-              tile_block<true>(wb, cb, tb, scale[j], sums[j], s, out);
-            else
-              tile_block<false>(wb, cb, tb, scale[j], sums[j], s, out);
+            for (const Part& p : parts) {
+              const uint8_t* wb = p.w + i * p.s.tile_bytes() + b * p.s.k * plane_bytes;
+              const void* cb = p.coef + (i * s.groups() + b / per_group) * p.coef_group;
+              if (p.uniform)
+                tile_block<true>(wb, cb, tb, scale[j], sums[j], p.s, out);
+              else
+                tile_block<false>(wb, cb, tb, scale[j], sums[j], p.s, out);
+            }
           }
         }
       if (!res.empty())  // the tiles' residual segments, every token, while the accumulators are hot
@@ -269,6 +283,26 @@ at::Tensor lut_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor
     }
   });
   return y;
+}
+
+// y [T, N] = x [T, K] @ (W + S)^T for W in the packed bit-plane layout, S the residual (none if empty).
+at::Tensor lut_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k,
+                      int64_t block, int64_t group, bool uniform, const std::vector<at::Tensor>& residual) {
+  const Part part = make_part(x, w, coef, N, k, block, group, uniform);
+  return lut_parts(x, {part}, N, check_residual(residual, N, part.s.K));
+}
+
+// y = x @ (sum_p W_p)^T for several packed weights of one shape, block and group (MoBiQuant's slices up to a
+// prefix): one call, one set of activation tables.
+at::Tensor lut_matmul_parts(const at::Tensor& x, const std::vector<at::Tensor>& ws,
+                            const std::vector<at::Tensor>& coefs, const std::vector<int64_t>& ks,
+                            const std::vector<bool>& uniforms, int64_t N, int64_t block, int64_t group) {
+  TORCH_CHECK(!ws.empty() && coefs.size() == ws.size() && ks.size() == ws.size() && uniforms.size() == ws.size(),
+              "one coefficient tensor, plane count and uniform flag per part");
+  std::vector<Part> parts;
+  for (size_t p = 0; p < ws.size(); ++p)
+    parts.push_back(make_part(x, ws[p], coefs[p], N, ks[p], block, group, uniforms[p]));
+  return lut_parts(x, parts, N, {});
 }
 
 // Rows of one tile dequantized to fp32 row-major: out[r * K + c] = C0 + sum_i C_i B_i[r, c].
@@ -370,6 +404,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut_matmul", &lut_matmul, "y = x @ (W + S)^T for bit-plane packed W (AVX2 lookup tables), S a residual",
         py::arg("x"), py::arg("w"), py::arg("coef"), py::arg("N"), py::arg("k"), py::arg("block"), py::arg("group"),
         py::arg("uniform"), py::arg("residual") = none);
+  m.def("lut_matmul_parts", &lut_matmul_parts, "y = x @ (sum_p W_p)^T for bit-plane packed parts of one shape",
+        py::arg("x"), py::arg("ws"), py::arg("coefs"), py::arg("ks"), py::arg("uniforms"), py::arg("N"),
+        py::arg("block"), py::arg("group"));
   m.def("dequant_matmul", &dequant_matmul,
         "y = x @ (W + S)^T through dequantized fp32 row chunks and at::mm, S a residual", py::arg("x"), py::arg("w"),
         py::arg("coef"), py::arg("N"), py::arg("k"), py::arg("block"), py::arg("group"), py::arg("uniform"),
