@@ -77,6 +77,23 @@ def _load_builtin() -> None:
         import bitquilt.kernels.uniform8  # noqa: F401  (same extension; ahead of cpu_lut for 8-bit decode)
 
 
+def takes(x: torch.Tensor, ctx: MatmulContext | None = None) -> bool:
+    """Whether a CPU kernel may take x: a 2-D CPU tensor, no gradient wanted, no per-token context (the
+    checks every kernel makes first; cheap attribute reads, since they run on every call)."""
+    return x.is_cpu and x.dim() == 2 and not (x.requires_grad and torch.is_grad_enabled()) \
+        and (ctx is None or not ctx.per_token())
+
+
+def fp32_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as contiguous fp32 (x itself when it already is), the layout the compiled kernels read."""
+    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+
+
+def like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A kernel's fp32 result y in x's dtype (y itself when they match)."""
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
 def register_kernel(format_name: str, kernel_name: str, fn: KernelFn, before: str | None = None) -> None:
     """Add a kernel for `format_name`, tried after those already registered; or, with `before`, ahead of
     that kernel if it is registered (a specialised kernel ahead of a generic one whatever the import order)."""

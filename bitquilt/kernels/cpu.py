@@ -37,7 +37,7 @@ from bitquilt import cache
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.bitplane import BitplaneFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
-from bitquilt.kernels import LayoutCache, kernels_for, register_kernel
+from bitquilt.kernels import LayoutCache, fp32_rows, kernels_for, like, register_kernel, takes
 
 log = logging.getLogger(__name__)
 
@@ -205,12 +205,10 @@ def packed(fmt: WeightFormat) -> Packed | None:
 
 def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
     """x [T, in] @ Ŵᵀ for a `BitplaneFormat` or a `UniformFormat` without act-order; None to decline."""
-    if x.device.type != "cpu" or x.dim() != 2 or (x.requires_grad and torch.is_grad_enabled()):
-        return None
-    if ctx is not None and ctx.per_token():
+    if not takes(x, ctx):
         return None
     p = packed(fmt)
-    return None if p is None else p.matmul(x.float().contiguous()).to(x.dtype)
+    return None if p is None else like(p.matmul(fp32_rows(x)), x)
 
 
 FUSED_PARTS_TOKENS = 16  # up to here a sum of parts runs as one lookup-table call (decode batches)
@@ -220,9 +218,7 @@ def matmul_parts(fmts: list[WeightFormat], x: torch.Tensor) -> torch.Tensor | No
     """x [T, in] @ (Σ_p Ŵ_p)ᵀ for parts of one shape, block and group (MoBiQuant's slices up to a prefix) in one
     lookup-table call: one set of activation tables and one Python round trip instead of one per part. None to
     decline (a part the kernel cannot pack, differing blocks or groups, more than FUSED_PARTS_TOKENS tokens)."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > FUSED_PARTS_TOKENS or not fmts:
-        return None
-    if x.requires_grad and torch.is_grad_enabled():
+    if not fmts or not takes(x) or x.shape[0] > FUSED_PARTS_TOKENS:
         return None
     layouts = [packed(f) for f in fmts]
     if any(p is None for p in layouts):
@@ -230,10 +226,10 @@ def matmul_parts(fmts: list[WeightFormat], x: torch.Tensor) -> torch.Tensor | No
     first = layouts[0]
     if any((p.out_features, p.block, p.group) != (first.out_features, first.block, first.group) for p in layouts):
         return None
-    y = _ext.lut_matmul_parts(x.float().contiguous(), [p.planes for p in layouts], [p.coeffs for p in layouts],
+    y = _ext.lut_matmul_parts(fp32_rows(x), [p.planes for p in layouts], [p.coeffs for p in layouts],
                               [p.bits for p in layouts], [p.uniform for p in layouts], first.out_features,
                               first.block, first.group)
-    return y.to(x.dtype)
+    return like(y, x)
 
 
 def register() -> bool:

@@ -40,7 +40,7 @@ import torch
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.composite import CompositeFormat
 from bitquilt.formats.sparse_blocks import QMIN, SparseBlockFormat
-from bitquilt.kernels import LayoutCache, cpu, kernels_for, register_kernel
+from bitquilt.kernels import LayoutCache, cpu, fp32_rows, kernels_for, like, register_kernel, takes
 
 SEGMENT = 32  # columns per residual segment
 PARTS = ("base", "residual")
@@ -102,11 +102,6 @@ def segments(fmt: WeightFormat) -> Segments | None:
     return None if cpu.extension() is None else _SEGMENTS.get(fmt)
 
 
-def _accepts(x: torch.Tensor, ctx: MatmulContext | None) -> bool:
-    return (x.device.type == "cpu" and x.dim() == 2 and x.is_floating_point()
-            and not (x.requires_grad and torch.is_grad_enabled()) and (ctx is None or not ctx.per_token()))
-
-
 def _parts(fmt: WeightFormat) -> tuple[cpu.Packed, Segments] | None:
     """The base's packed layout and the residual's segments of a MosaicQuant composite, else None."""
     if not isinstance(fmt, CompositeFormat) or fmt.perm is not None or sorted(fmt.parts) != sorted(PARTS):
@@ -121,26 +116,26 @@ def _parts(fmt: WeightFormat) -> tuple[cpu.Packed, Segments] | None:
 
 def sparse_matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
     """x [T, in] @ Sᵀ for a `SparseBlockFormat` with c % 32 == 0; None to decline."""
-    if not _accepts(x, ctx):
+    if not (takes(x, ctx) and x.is_floating_point()):
         return None
     s = segments(fmt)
     if s is None:
         return None
-    xf = x.float().contiguous()
+    xf = fp32_rows(x)
     y = xf.new_zeros(x.shape[0], fmt.out_features)
     cpu.extension().sparse_residual_add_(y, xf, s.segments())
-    return y.to(x.dtype)
+    return like(y, x)
 
 
 def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
     """x [T, in] @ (B + S)ᵀ of a MosaicQuant composite in one fused kernel; None to decline."""
-    if not _accepts(x, ctx):
+    if not (takes(x, ctx) and x.is_floating_point()):
         return None
     parts = _parts(fmt)
     if parts is None:
         return None
     p, s = parts
-    return p.matmul(x.float().contiguous(), s).to(x.dtype)
+    return like(p.matmul(fp32_rows(x), s), x)
 
 
 def _require(fmt: WeightFormat) -> tuple[cpu.Packed, Segments]:

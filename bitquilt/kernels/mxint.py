@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.mxint import BLOCK, EXP_BIAS, MXIntFormat
-from bitquilt.kernels import LayoutCache, cpu, kernels_for, register_kernel
+from bitquilt.kernels import LayoutCache, cpu, fp32_rows, kernels_for, like, register_kernel, takes
 
 log = logging.getLogger(__name__)
 
@@ -183,12 +183,10 @@ def layout(fmt: WeightFormat) -> MXLayout | None:
 def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None,
            isa: str | None = None) -> torch.Tensor | None:
     """x [T, in] @ Ŵᵀ for an `MXIntFormat`; None to decline (not CPU, not 2-D, autograd, per-token context)."""
-    if x.device.type != "cpu" or x.dim() != 2 or (x.requires_grad and torch.is_grad_enabled()):
-        return None
-    if (ctx is not None and ctx.per_token()) or x.shape[1] != getattr(fmt, "in_features", None):
+    if not takes(x, ctx) or x.shape[1] != getattr(fmt, "in_features", None):
         return None
     lay = layout(fmt)
-    return None if lay is None else lay.matmul(x.float().contiguous(), isa).to(x.dtype)
+    return None if lay is None else like(lay.matmul(fp32_rows(x), isa), x)
 
 
 def register() -> bool:

@@ -11,12 +11,13 @@ import torch
 from torch import nn
 
 from bitquilt import kernels
+from bitquilt.kernels import fp32_rows
 
 
 def slice_counts(x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, threshold: float) -> torch.Tensor | None:
     """k_t for the rows of x [T, in] (1 + number of logits above `threshold`); None to decline
     (kernels disabled, extension unavailable, or not a CPU tensor)."""
-    if not kernels.kernels_enabled() or x.device.type != "cpu" or x.dim() != 2:
+    if not kernels.kernels_enabled() or not x.is_cpu or x.dim() != 2:
         return None
     from bitquilt.kernels import cpu  # builds the extension on first use, like every kernel
 
@@ -24,6 +25,5 @@ def slice_counts(x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, threshold: flo
     if ext is None:
         return None
     with torch.no_grad():
-        return ext.slice_router_counts(x.float().contiguous(), fc1.weight.float().contiguous(),
-                                       fc1.bias.float().contiguous(), fc2.weight.float().contiguous(),
-                                       fc2.bias.float().contiguous(), threshold)
+        return ext.slice_router_counts(fp32_rows(x), fp32_rows(fc1.weight), fp32_rows(fc1.bias),
+                                       fp32_rows(fc2.weight), fp32_rows(fc2.bias), threshold)

@@ -17,7 +17,7 @@ import torch
 
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
-from bitquilt.kernels import LayoutCache, cpu, kernels_for, register_kernel
+from bitquilt.kernels import LayoutCache, cpu, fp32_rows, kernels_for, like, register_kernel, takes
 
 MAX_TOKENS = 16  # from here on the sgemm path of cpu_lut is as fast (4-token passes over the codes)
 
@@ -49,18 +49,13 @@ _LAYOUTS: LayoutCache[Groups] = LayoutCache(_groups)
 
 def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
     """x [T, in] @ Ŵᵀ for an 8-bit `UniformFormat` and T ≤ MAX_TOKENS; None to decline."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > MAX_TOKENS:
-        return None
-    if x.requires_grad and torch.is_grad_enabled():
-        return None
-    if (ctx is not None and ctx.per_token()) or cpu.extension() is None:
-        return None
+    if getattr(fmt, "bits", None) != 8 or not takes(x, ctx) or x.shape[0] > MAX_TOKENS or cpu.extension() is None:
+        return None  # the bits first: this kernel sits ahead of cpu_lut on every uniform call
     groups = _LAYOUTS.get(fmt)
     if groups is None:
         return None
     codes = fmt.qweight.contiguous().view(torch.uint8)  # 4 codes per little-endian int32 word: q row by row
-    y = cpu.extension().uniform8_gemv(x.float().contiguous(), codes, groups.scale, groups.scale_zero, groups.group)
-    return y.to(x.dtype)
+    return like(cpu.extension().uniform8_gemv(fp32_rows(x), codes, groups.scale, groups.scale_zero, groups.group), x)
 
 
 if cpu.extension() is not None and "cpu_uniform8" not in kernels_for("uniform"):
