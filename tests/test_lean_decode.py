@@ -36,8 +36,9 @@ def test_lean_steps_give_the_transformers_logits(model_type):
 
 
 @pytest.mark.parametrize("recipe", [Recipe("rtn", w_bits=4, group_size=64),
+                                    Recipe("rtn", w_bits=4, group_size=64, head_bits=8),
                                     Recipe("quarot+rtn", w_bits=4, group_size=32, a_bits=4, kv_bits=4, a_clip=None)],
-                         ids=["w4", "quarot-w4a4kv4"])
+                         ids=["w4", "w4-head8", "quarot-w4a4kv4"])
 def test_lean_steps_run_quantized_linears_and_online_modules_as_transformers_does(recipe):
     model = make_tiny("llama")
     quantize(model, recipe, _ids(64, seed=2).view(2, 32))
