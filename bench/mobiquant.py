@@ -281,13 +281,15 @@ def main() -> None:
                   **model_summary(model), **times})
         del model
     if "speed" in parts:
-        from bitquilt.eval.speed import measure_speed
+        from bitquilt.eval.speed import decode, measure_speed
 
+        probe = torch.randint(0, mobi.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
         for kind, bits in precisions:
             if wanted("speed", "mobiquant", f"{kind} {bits:g}"):
                 apply(kind, bits)
-                with realised_bits(mobi) as used:
-                    s = measure_speed(mobi, mobi.config.vocab_size)
+                with realised_bits(mobi) as used:  # bits on a short decode apart: the hook would be timed too
+                    decode(mobi, probe, 16)
+                s = measure_speed(mobi, mobi.config.vocab_size)
                 keep({"kind": "speed", "label": "mobiquant", "precision": f"{kind} {bits:g}", "bits": used["avg_bits"],
                       "decode_tps": s.decode_tokens_per_s, "prefill_tps": s.prefill_tokens_per_s})
                 print(f"speed {kind} {bits:g}: decode {s.decode_tokens_per_s:.1f} tok/s", flush=True)
