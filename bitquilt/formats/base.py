@@ -87,6 +87,8 @@ class MatmulContext:
 
     def flat(self) -> MatmulContext:
         """This context with every per-token field flattened to one entry per row of x.reshape(-1, in)."""
+        if self.slices is None or self.slices.dim() == 1:  # already flat (the only field): no copy
+            return self
         given = {f.name: getattr(self, f.name) for f in fields(self)}
         return replace(self, **{name: v.reshape(-1) for name, v in given.items() if v is not None})
 

@@ -63,15 +63,15 @@ def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None)
         return None
     if fmt.perm is not None:
         x = x[:, fmt.perm.long()]
-    parts = [functools.partial(part_matmul, p) for p in fmt.parts.values()]
-    counts = torch.full((x.shape[0],), len(parts)) if ctx is None or ctx.slices is None else ctx.slices
+    formats = list(fmt.parts.values())
+    counts = torch.full((x.shape[0],), len(formats)) if ctx is None or ctx.slices is None else ctx.slices
     if counts.numel() == 1 and kernels.kernels_enabled():  # batch-1 decode: the token's slices in one call
         from bitquilt.kernels import cpu  # builds the extension on first use, like every kernel
 
-        y = cpu.matmul_parts(list(fmt.parts.values())[: int(counts)], x)
+        y = cpu.matmul_parts(formats[: int(counts)], x)
         if y is not None:
             return y
-    return grouped_matmul(x, counts, parts, fmt.out_features)
+    return grouped_matmul(x, counts, [functools.partial(part_matmul, p) for p in formats], fmt.out_features)
 
 
 kernels.register_kernel("composite", "by_parts", matmul)

@@ -75,18 +75,19 @@ class SliceRouter(nn.Module):
     def counts(self, x: torch.Tensor) -> torch.Tensor:
         """k_t int64 [...]: slices each token uses at the current threshold (one compiled call when
         the CPU kernels load, else the reference below)."""
-        fast = router_kernel.slice_counts(x.reshape(-1, self.in_features), self.fc1, self.fc2, float(self.threshold))
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        fast = router_kernel.slice_counts(rows, self.fc1, self.fc2, self.threshold.item())
         if fast is not None:
-            return fast.reshape(x.shape[:-1])
-        return 1 + (self.logits(x) > self.threshold).sum(-1)
+            return fast if rows is x else fast.reshape(x.shape[:-1])
+        with torch.no_grad():
+            return 1 + (self.logits(x) > self.threshold).sum(-1)
 
     def bits_of(self, counts: torch.Tensor) -> torch.Tensor:
         """b₁ + … + b_k for slice counts k."""
         return prefix_bits(self.slice_bits).to(counts.device)[counts].float()
 
     def forward(self, x: torch.Tensor) -> MatmulContext:
-        with torch.no_grad():
-            return MatmulContext(slices=self.counts(x))
+        return MatmulContext(slices=self.counts(x))
 
     def to_dict(self) -> dict[str, Any]:
         return {"in_features": self.in_features, "slice_bits": list(self.slice_bits), "hidden": self.hidden}
