@@ -769,6 +769,13 @@ def cmd_bench(args) -> int:
 
 
 # ---------------------------------------------------------------- parser
+def _add_engine(s: argparse.ArgumentParser) -> None:
+    """--engine of the decoding commands (generate, bench)."""
+    s.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="decode loop: lean (static KV cache, the model's modules without transformers' per-layer "
+                   "glue; llama/mistral/qwen2/qwen3), transformers, or auto (lean where supported; default)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bitquilt", description="Post-training quantization of LLMs.")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
@@ -881,9 +888,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
-    s.add_argument("--engine", choices=ENGINES, default="auto",
-                   help="decode loop: lean (static KV cache, the model's modules without transformers' per-layer "
-                   "glue; llama/mistral/qwen2/qwen3), transformers, or auto (lean where supported; default)")
+    _add_engine(s)
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_generate)
@@ -894,9 +899,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for prefill (default 128)")
     s.add_argument("--new-tokens", type=int, default=32, help="decode steps per run (default 32)")
     s.add_argument("--repeats", type=int, default=3, help="runs per model; the median is reported (default 3)")
-    s.add_argument("--engine", choices=ENGINES, default="auto",
-                   help="decode loop: lean (static KV cache, the model's modules without transformers' per-layer "
-                   "glue; llama/mistral/qwen2/qwen3), transformers, or auto (lean where supported; default)")
+    _add_engine(s)
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_bench)

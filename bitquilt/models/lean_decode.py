@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from bitquilt.nn.online import run_site
+from bitquilt.nn.online import run_site, slots_at
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -90,8 +90,8 @@ class LeanDecoder:
         self.input_norms = [_norm_fn(layer.input_layernorm) for layer in self.layers]
         self.mlp_norms = [_norm_fn(layer.post_attention_layernorm) for layer in self.layers]
         self.final_norm = _norm_fn(body.norm)
-        self.has_site = [bool(a._modules.keys() & {"qk_rotation", "kv_quant"})
-                         for a in (layer.self_attn for layer in self.layers)]
+        attention_slots = set(slots_at("attention"))
+        self.has_site = [bool(layer.self_attn._modules.keys() & attention_slots) for layer in self.layers]
 
     def _attention(self, index: int, layer: nn.Module, h: torch.Tensor, start: int) -> torch.Tensor:
         attn, t = layer.self_attn, h.shape[1]

@@ -40,10 +40,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "avx2_hsum.h"
 #include "sparse_residual.h"
 
 namespace {
 
+using bitquilt_simd::hsum8;
 using bitquilt_sparse::check_residual;
 using bitquilt_sparse::Residual;
 
@@ -60,12 +62,6 @@ struct Shape {
   int64_t tab_bytes() const { return K / 4 * 48; }  // per token
   int64_t tile_bytes() const { return K / 8 * TILE * k; }
 };
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 inline __m256 half8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -109,7 +105,7 @@ void build_tables(const float* x, const Shape& s, int64_t T, uint8_t* tab, float
     }
     const float mx = hmax(vmax);
     scale[b * T] = mx / VMAX;
-    sums[b * T] = hsum(vsum);
+    sums[b * T] = hsum8(vsum);
     const __m256 inv = _mm256_set1_ps(mx > 0.f ? VMAX / mx : 0.f);
     uint8_t* tb = tab + b * T * s.block * 12;
     for (int64_t q = 0; q < nq; ++q) {

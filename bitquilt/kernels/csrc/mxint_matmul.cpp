@@ -32,6 +32,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "avx2_hsum.h"
+
 namespace {
 
 constexpr int64_t BLOCK = 32;
@@ -76,11 +78,7 @@ struct V {
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
-  static float hsum(F v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
+  static float hsum(F v) { return bitquilt_simd::hsum8(v); }
 };
 
 // Words 0..7 then 8..15 of the group: 8 lanes, nibble j sign-extended by shifting it to the top and back.

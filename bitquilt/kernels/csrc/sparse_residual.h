@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "avx2_hsum.h"
+
 namespace bitquilt_sparse {
 
 constexpr int64_t SEG = 32;        // columns per segment
@@ -65,12 +67,6 @@ inline void decode_segment(const uint8_t* code, __m256 w[4]) {
   w[3] = to_float(_mm256_srli_epi32(b1, 4));
 }
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // out[t * ld_out] += scale * sum_j q_j * x[t * ld_x + j] for t < T: one segment, every token, the
 // codes decoded once. x points at the segment's first column of token 0, out at its row of token 0.
 inline void segment_matvec(const uint8_t* code, float scale, const float* x, int64_t ld_x, int64_t T,
@@ -83,7 +79,7 @@ inline void segment_matvec(const uint8_t* code, float scale, const float* x, int
     __m256 b = _mm256_mul_ps(w[1], _mm256_loadu_ps(xt + 8));
     a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), a);
     b = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), b);
-    out[t * ld_out] += scale * hsum8(_mm256_add_ps(a, b));
+    out[t * ld_out] += scale * bitquilt_simd::hsum8(_mm256_add_ps(a, b));
   }
 }
 

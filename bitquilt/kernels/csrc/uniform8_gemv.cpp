@@ -20,18 +20,14 @@
 #include <cstdint>
 #include <vector>
 
+#include "avx2_hsum.h"
+
 namespace {
 
 constexpr int MAX_TOKENS = 4;  // tokens per pass over the weights
 
 inline __m256 widen(const uint8_t* q) {  // 8 codes -> 8 exact floats
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 // Rows r0 .. r1 - 1 for T tokens (x rows ldx apart, y rows ldy apart). U accumulators per token: enough
@@ -67,7 +63,7 @@ void rows(const uint8_t* q, const float* scale, const float* scale_zero, const f
         offset[t] += scale_zero[r * G + g] * xsum[t * G + g];
       }
     }
-    for (int t = 0; t < T; ++t) y[t * ldy + r] = hsum(total[t]) - offset[t];
+    for (int t = 0; t < T; ++t) y[t * ldy + r] = bitquilt_simd::hsum8(total[t]) - offset[t];
   }
 }
 
