@@ -773,7 +773,9 @@ def _add_engine(s: argparse.ArgumentParser) -> None:
     """--engine of the decoding commands (generate, bench)."""
     s.add_argument("--engine", choices=ENGINES, default="auto",
                    help="decode loop: lean (static KV cache, the model's modules without transformers' per-layer "
-                   "glue; llama/mistral/qwen2/qwen3), transformers, or auto (lean where supported; default)")
+                   "glue; llama/mistral/qwen2/qwen3), fused (lean, with every decoder layer of a one-token step in "
+                   "one compiled call: weight-only models), transformers, or auto (the first of fused, lean, "
+                   "transformers that runs the model; default)")
 
 
 def build_parser() -> argparse.ArgumentParser:

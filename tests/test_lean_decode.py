@@ -4,9 +4,11 @@ import pytest
 import torch
 from conftest import make_tiny
 
+from bitquilt import kernels
 from bitquilt.api import quantize
 from bitquilt.eval.speed import decode, measure_speed, stepper
 from bitquilt.models.lean_decode import LeanDecoder, unsupported_reason
+from bitquilt.nn.quant_linear import set_slices
 from bitquilt.recipes import Recipe
 
 
@@ -15,9 +17,10 @@ def transformers_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids, use_cache=False).logits[0]
 
 
-def lean_logits(model, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+def lean_logits(model, ids: torch.Tensor, prompt: int, fuse: bool = False) -> torch.Tensor:
     """Logits at positions prompt − 1 … T − 1: the prompt in one call, then one token per step."""
-    decoder = LeanDecoder(model, ids.shape[1])
+    decoder = LeanDecoder(model, ids.shape[1], fuse=fuse)
+    assert (decoder.fused is not None) == fuse, decoder.fused_reason
     rows = [decoder.forward(ids[:, :prompt])]
     rows += [decoder.forward(ids[:, t:t + 1]) for t in range(prompt, ids.shape[1])]
     return torch.stack(rows)
@@ -81,3 +84,51 @@ def test_lean_decoder_refuses_inputs_it_cannot_place():
         decoder.forward(_ids(2)[:, :1])
     decoder.reset()
     assert decoder.forward(_ids(8)).shape == (320,)
+
+
+FUSED_RECIPES = [None, Recipe("rtn", w_bits=4, group_size=64), Recipe("rtn", w_bits=4, group_size=64, head_bits=8),
+                 Recipe("bpdq", w_bits=2, group_size=64),
+                 Recipe("mobislice", w_bits=4, group_size=32, options={"slices": (2, 1, 1)})]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("recipe", FUSED_RECIPES, ids=["fp32", "w4", "w4-head8", "bpdq-w2", "slices"])
+def test_fused_layers_give_the_module_by_module_logits(model_type, recipe):
+    """One compiled call per step (norms, biases, q/k norms, RoPE, GQA attention over the cache, MLP) equals the
+    eager modules: dense fp32, uniform and bit-plane packed weights, and a sliced weight's static prefix."""
+    model = make_tiny(model_type)
+    if recipe is not None:
+        quantize(model, recipe, _ids(64, seed=2).view(2, 32), progress=False)
+    if recipe is not None and recipe.method == "mobislice":
+        set_slices(model, 2)
+    ids = _ids()
+    ref = transformers_logits(model, ids)[8:]
+    fused = lean_logits(model, ids, 9, fuse=True)
+    assert torch.allclose(fused, lean_logits(model, ids, 9), atol=2e-5)
+    assert torch.allclose(fused, ref, atol=1e-4)
+
+
+def test_fused_layers_step_aside_for_what_they_do_not_run():
+    model = make_tiny("llama")
+    quantize(model, Recipe("quarot+rtn", w_bits=4, group_size=32, a_bits=4, kv_bits=4, a_clip=None),
+             _ids(64, seed=2).view(2, 32), progress=False)
+    decoder = LeanDecoder(model, 16)
+    assert decoder.fused is None and "attention site" in decoder.fused_reason
+    with pytest.raises(ValueError, match="fused decoding does not support this model: modules at the attention"):
+        stepper(model, 16, "fused")
+    assert isinstance(stepper(model, 16).__self__, LeanDecoder)  # auto: module by module
+    plain = make_tiny("llama")
+    handle = plain.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)
+    assert LeanDecoder(plain, 16).fused_reason == "layer 1 down_proj has hooks"
+    handle.remove()
+    prompt = _ids(6)
+    fused = decode(plain, prompt, 6, engine="fused").new_ids
+    assert fused == decode(plain, prompt, 6, engine="lean").new_ids == decode(plain, prompt, 6).new_ids
+    kernels.set_kernels_enabled(False)  # the oracle switch turns the compiled step off too
+    try:
+        decoder = LeanDecoder(plain, 8)
+        decoder.forward(prompt)
+        eager = lean_logits(plain, torch.cat([prompt, prompt[:, :1]], 1), 6)[-1]
+        assert torch.allclose(decoder.forward(prompt[:, :1]), eager, atol=1e-5)
+    finally:
+        kernels.set_kernels_enabled(True)

@@ -51,22 +51,27 @@ def _next_token(logits: torch.Tensor, temperature: float, generator: torch.Gener
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-ENGINES = ("auto", "lean", "transformers")
+ENGINES = ("auto", "fused", "lean", "transformers")
 
 
 def stepper(model: nn.Module, max_len: int, engine: str = "auto") -> Callable[[torch.Tensor], torch.Tensor]:
     """A function from the next input ids [1, T] to the logits [vocab] of their last position, the
-    sequence's KV cache kept between calls: `LeanDecoder` (bitquilt.models.lean_decode) for "lean",
-    and for "auto" where it supports the model; the transformers forward with its cache otherwise."""
+    sequence's KV cache kept between calls. Engines: "lean" is `LeanDecoder` (bitquilt.models.lean_decode:
+    static KV cache, the model's own modules), "fused" the same with every decoder layer of a one-token
+    step in one compiled call, "transformers" the transformers forward with its cache; "auto" takes the
+    first of fused, lean, transformers that supports the model."""
     from bitquilt.models.lean_decode import LeanDecoder, unsupported_reason
 
     if engine not in ENGINES:
         raise ValueError(f"unknown decode engine {engine!r}; engines: {', '.join(ENGINES)}")
     reason = unsupported_reason(model, max_len) if engine != "transformers" else "transformers requested"
     if reason is None:
-        return LeanDecoder(model, max_len).forward
-    if engine == "lean":
-        raise ValueError(f"lean decoding does not support this model: {reason}")
+        decoder = LeanDecoder(model, max_len, fuse=engine in ("auto", "fused"))
+        if engine == "fused" and decoder.fused is None:
+            raise ValueError(f"fused decoding does not support this model: {decoder.fused_reason}")
+        return decoder.forward
+    if engine in ("lean", "fused"):
+        raise ValueError(f"{engine} decoding does not support this model: {reason}")
     state: dict[str, Any] = {}
 
     def step(ids: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ weights again); the format itself is unchanged. Calls with per-token context are
 (csrc/sparse_residual.h; the MosaicQuant kernels in `bitquilt.kernels.mosaic`).
 
 The same extension also holds the MXINT kernel (csrc/mxint_matmul.cpp), registered by
-`bitquilt.kernels.mxint`, the 8-bit uniform GEMV (csrc/uniform8_gemv.cpp, `bitquilt.kernels.uniform8`)
-and the MoBiRoute slice counts (csrc/slice_router.cpp, used by `bitquilt.kernels.router`).
+`bitquilt.kernels.mxint`, the 8-bit uniform GEMV (csrc/uniform8_gemv.cpp, `bitquilt.kernels.uniform8`),
+the MoBiRoute slice counts (csrc/slice_router.cpp, used by `bitquilt.kernels.router`) and the fused
+decoder layers of a batch-1 decode step (csrc/decode_step.cpp, `bitquilt.kernels.decode_step`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ log = logging.getLogger(__name__)
 
 TILE = 32  # output rows per kernel tile
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("lut_matmul.cpp", "mxint_matmul.cpp", "slice_router.cpp", "uniform8_gemv.cpp")]
+            for name in ("lut_matmul.cpp", "mxint_matmul.cpp", "slice_router.cpp", "uniform8_gemv.cpp",
+                         "decode_step.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _ext: ModuleType | None = None
 _failed = False
@@ -214,18 +216,28 @@ def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None)
 FUSED_PARTS_TOKENS = 16  # up to here a sum of parts runs as one lookup-table call (decode batches)
 
 
+def packed_alike(fmts: list[WeightFormat]) -> list[Packed] | None:
+    """The kernel layouts of parts that one lookup-table call can sum (same rows, block and group); None if a
+    part does not pack or they differ."""
+    layouts = [packed(f) for f in fmts]
+    if not layouts or any(p is None for p in layouts):
+        return None
+    first = layouts[0]
+    if any((p.out_features, p.block, p.group) != (first.out_features, first.block, first.group) for p in layouts):
+        return None
+    return layouts
+
+
 def matmul_parts(fmts: list[WeightFormat], x: torch.Tensor) -> torch.Tensor | None:
     """x [T, in] @ (Σ_p Ŵ_p)ᵀ for parts of one shape, block and group (MoBiQuant's slices up to a prefix) in one
     lookup-table call: one set of activation tables and one Python round trip instead of one per part. None to
     decline (a part the kernel cannot pack, differing blocks or groups, more than FUSED_PARTS_TOKENS tokens)."""
     if not fmts or not takes(x) or x.shape[0] > FUSED_PARTS_TOKENS:
         return None
-    layouts = [packed(f) for f in fmts]
-    if any(p is None for p in layouts):
+    layouts = packed_alike(fmts)
+    if layouts is None:
         return None
     first = layouts[0]
-    if any((p.out_features, p.block, p.group) != (first.out_features, first.block, first.group) for p in layouts):
-        return None
     y = _ext.lut_matmul_parts(fp32_rows(x), [p.planes for p in layouts], [p.coeffs for p in layouts],
                               [p.bits for p in layouts], [p.uniform for p in layouts], first.out_features,
                               first.block, first.group)

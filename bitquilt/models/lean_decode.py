@@ -14,7 +14,12 @@ output dataclasses. `LeanDecoder` runs the model's own modules for one sequence:
   for the prompt, over the cache's filled prefix for a new token; the attention site's online
   modules (KV quantizers, q/k rotations) see q, k, v there as they do in transformers (after
   RoPE, keys and values the whole filled cache);
-- an RMSNorm without hooks runs as one fused `rms_norm` call.
+- an RMSNorm without hooks runs as one fused `rms_norm` call;
+- with `fuse=True`, a one-token step runs every decoder layer in one compiled call
+  (`bitquilt.kernels.decode_step`) when every layer qualifies: plain RMSNorms, no attention-site
+  modules, no hooks, fp32, and linears that are `nn.Linear` or `QuantLinear` without online modules
+  whose weight the lookup-table kernel packs (bitplane, uniform, the static slices of a MoBiQuant
+  checkpoint); `fused_reason` says why not otherwise, and those steps run module by module.
 
 Families: llama, mistral (without a sliding window shorter than the run), qwen2 (without sliding
 window), qwen3 (q/k norms); `unsupported_reason` says why another model stays on transformers.
@@ -25,12 +30,19 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from bitquilt import kernels
+from bitquilt.formats.composite import CompositeFormat
 from bitquilt.nn.online import run_site, slots_at
+from bitquilt.nn.quant_linear import QuantLinear
+
+if TYPE_CHECKING:  # importing the kernels builds the extension: done on first use instead
+    from bitquilt.kernels.decode_step import FusedLayers
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -54,21 +66,91 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
     return None
 
 
-def _norm_fn(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The norm as one fused call when it is a plain RMSNorm (no hooks, no online modules), else the module."""
+def _rms_eps(norm: nn.Module) -> float | None:
+    """The epsilon of a plain RMSNorm (no hooks, no online modules); None for anything else."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     plain = type(norm).__name__.endswith("RMSNorm") and eps is not None and not norm._forward_hooks \
         and not norm._forward_pre_hooks and not norm._modules
-    if not plain:
+    return eps if plain else None
+
+
+def _norm_fn(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The norm as one fused call when it is a plain RMSNorm (no hooks, no online modules), else the module."""
+    eps = _rms_eps(norm)
+    if eps is None:
         return norm
     weight = norm.weight
     return lambda x: F.rms_norm(x, weight.shape, weight, eps)
 
 
+LinearSpec = tuple[list | None, "torch.Tensor | None", "torch.Tensor | None"]  # packed parts, dense weight, bias
+
+
+def _linear_spec(name: str, linear: nn.Module) -> LinearSpec | str:
+    """What a fused layer needs of a linear (packed parts or its dense fp32 weight, and its bias), or why it cannot."""
+    if linear._forward_hooks or linear._forward_pre_hooks:
+        return f"{name} has hooks"
+    bias = linear._parameters.get("bias")
+    bias = None if bias is None else bias.detach()
+    if isinstance(linear, QuantLinear):
+        if linear._modules:
+            return f"{name} has online modules ({', '.join(linear._modules)})"
+        fmt = linear.fmt
+        if isinstance(fmt, CompositeFormat):
+            if fmt.perm is not None:
+                return f"{name} permutes its input columns"
+            return list(fmt.parts.values())[: linear.slices], None, bias
+        return [fmt], None, bias
+    if type(linear) is nn.Linear and linear.weight.dtype == torch.float32:
+        return None, linear.weight.detach().contiguous(), bias
+    return f"{name} is a {type(linear).__name__}"
+
+
+def fuse_layers(decoder: LeanDecoder) -> tuple[FusedLayers | None, str | None]:
+    """The decoder's layers in one compiled step (`bitquilt.kernels.decode_step.FusedLayers`), or None and why not."""
+    from bitquilt.kernels.decode_step import FusedLayers
+
+    if decoder.keys[0].dtype != torch.float32:
+        return None, f"dtype {decoder.keys[0].dtype} (fused layers run fp32)"
+    if any(decoder.has_site):
+        return None, "modules at the attention site (KV quantizers or rotations)"
+    config, first = decoder.model.config, decoder.layers[0]
+    norms = {_rms_eps(m) for layer in decoder.layers for m in layer.modules() if type(m).__name__.endswith("Norm")}
+    if None in norms or len(norms) != 1:
+        return None, "norms that are not plain RMSNorms with one epsilon"
+    mlp = first.mlp
+    try:
+        fused = FusedLayers(config.hidden_size, decoder.heads, decoder.kv_heads, decoder.head_dim,
+                            mlp.gate_proj.out_features, norms.pop(), first.self_attn.scaling, decoder.cos[0],
+                            decoder.sin[0])
+    except RuntimeError as e:
+        return None, str(e)
+    for i, layer in enumerate(decoder.layers):
+        if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, layer.self_attn, layer.mlp)):
+            return None, f"layer {i} has hooks"
+        attn, mlp = layer.self_attn, layer.mlp
+        indices = []
+        for name, linear in (("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("v_proj", attn.v_proj),
+                             ("o_proj", attn.o_proj), ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj),
+                             ("down_proj", mlp.down_proj)):
+            spec = _linear_spec(f"layer {i} {name}", linear)
+            if isinstance(spec, str):
+                return None, spec
+            index = fused.add_linear(*spec, linear.out_features, linear.in_features)
+            if index is None:
+                return None, f"layer {i} {name}: a weight the lookup-table kernel does not pack"
+            indices.append(index)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        fused.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                        indices, decoder.keys[i][0], decoder.values[i][0])
+    return fused, None
+
+
 class LeanDecoder:
     """Prompt and one-token steps of a Llama-like causal LM with a static KV cache (module docstring)."""
 
-    def __init__(self, model: nn.Module, max_len: int):
+    def __init__(self, model: nn.Module, max_len: int, fuse: bool = True):
         reason = unsupported_reason(model, max_len)
         if reason is not None:
             raise ValueError(f"lean decoding does not support this model: {reason}")
@@ -92,6 +174,7 @@ class LeanDecoder:
         self.final_norm = _norm_fn(body.norm)
         attention_slots = set(slots_at("attention"))
         self.has_site = [bool(layer.self_attn._modules.keys() & attention_slots) for layer in self.layers]
+        self.fused, self.fused_reason = fuse_layers(self) if fuse else (None, "not requested")
 
     def _attention(self, index: int, layer: nn.Module, h: torch.Tensor, start: int) -> torch.Tensor:
         attn, t = layer.self_attn, h.shape[1]
@@ -125,6 +208,10 @@ class LeanDecoder:
         if start + t > self.max_len:
             raise ValueError(f"position {start + t} is past the cache's {self.max_len} positions")
         x = self.model.model.embed_tokens(ids)
+        if t == 1 and self.fused is not None and kernels.kernels_enabled():
+            self.pos = start + 1
+            x = self.fused.step(x, start).view(1, 1, -1)
+            return self.model.lm_head(self.final_norm(x))[0, -1]
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer, self.input_norms[i](x), start)
             mlp = layer.mlp

@@ -40,8 +40,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "avx2_hsum.h"
+#include "avx2_simd.h"
+#include "lut_parts.h"
 #include "sparse_residual.h"
+
+namespace bitquilt_lut {
 
 namespace {
 
@@ -49,19 +52,9 @@ using bitquilt_simd::hsum8;
 using bitquilt_sparse::check_residual;
 using bitquilt_sparse::Residual;
 
-constexpr int64_t TILE = 32;
 constexpr int64_t MAX_BLOCK = 128;  // int16 accumulators hold <= 16 pair sums of each limb
 constexpr float VMAX = (1 << 20) - 1;  // largest table entry
 constexpr int64_t PREFETCH = 2048;  // bytes ahead in the weight stream
-
-struct Shape {
-  int64_t K, N, k, block, group;
-  int64_t tiles() const { return (N + TILE - 1) / TILE; }
-  int64_t blocks() const { return K / block; }
-  int64_t groups() const { return (K + group - 1) / group; }  // the last group may be shorter
-  int64_t tab_bytes() const { return K / 4 * 48; }  // per token
-  int64_t tile_bytes() const { return K / 8 * TILE * k; }
-};
 
 inline __m256 half8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -196,10 +189,15 @@ inline void tile_block(const uint8_t* w, const void* coef, const uint8_t* tab, f
   }
 }
 
-Shape check(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, int64_t N,
-            int64_t k, int64_t block, int64_t group, bool uniform) {
+void check_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [T, K]");
-  const Shape s{x.size(1), N, k, block, group};
+}
+
+}  // namespace
+
+Shape check_packed(int64_t K, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k, int64_t block,
+                   int64_t group, bool uniform) {
+  const Shape s{K, N, k, block, group};
   TORCH_CHECK(k >= 1 && k <= 8, "1 to 8 planes");
   TORCH_CHECK(block == 32 || block == 64 || block == MAX_BLOCK, "block must be 32, 64 or 128");
   TORCH_CHECK(s.K % block == 0 && group % block == 0, "block must divide K and the group size");
@@ -212,36 +210,25 @@ Shape check(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, in
   return s;
 }
 
-// One weight of a sum: packed planes, coefficients and shape (all parts of a call share K, N, block, group).
-struct Part {
-  const uint8_t* w;
-  const char* coef;
-  Shape s;
-  int64_t coef_group;  // bytes of coefficients per (tile, group)
-  bool uniform;
-};
-
-Part make_part(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k, int64_t block,
+Part make_part(int64_t K, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k, int64_t block,
                int64_t group, bool uniform) {
-  const Shape s = check(x, w, coef, N, k, block, group, uniform);
+  const Shape s = check_packed(K, w, coef, N, k, block, group, uniform);
   return {w.data_ptr<uint8_t>(), static_cast<const char*>(coef.data_ptr()), s,
           (uniform ? 2 : k + 1) * TILE * coef.element_size(), uniform};
 }
 
 // y [T, N] = x [T, K] @ (sum_p W_p + S)^T for the parts W_p in the packed bit-plane layout, S the residual (none
 // if empty). The activation tables are built once and serve every part.
-at::Tensor lut_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t N, const Residual& res) {
+void lut_parts_into(const float* xp, int64_t T, const std::vector<Part>& parts, int64_t N, const Residual& res,
+                    float* yp) {
   const Shape& s = parts.front().s;
-  const int64_t T = x.size(0), ntiles = s.tiles(), block = s.block;
+  const int64_t ntiles = s.tiles(), block = s.block;
   std::vector<uint8_t> tab(T * s.tab_bytes());
   std::vector<float> scale(T * s.blocks()), sums(T * s.blocks());
-  const float* xp = x.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       build_tables(xp + t * s.K, s, T, tab.data() + t * s.block * 12, scale.data() + t, sums.data() + t);
   });
-  auto y = at::empty({T, N}, x.options());
-  float* yp = y.data_ptr<float>();
   const int64_t per_group = s.group / block, plane_bytes = block * 4;
   // Per tile, blocks outer and tokens inner: a block's weights (k * block * 4 bytes) stay in L1
   // while every token's table slice for that block (12 bytes per column) passes over them. With
@@ -278,13 +265,21 @@ at::Tensor lut_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_
       }
     }
   });
+}
+
+namespace {
+
+at::Tensor lut_parts(const at::Tensor& x, const std::vector<Part>& parts, int64_t N, const Residual& res) {
+  auto y = at::empty({x.size(0), N}, x.options());
+  lut_parts_into(x.data_ptr<float>(), x.size(0), parts, N, res, y.data_ptr<float>());
   return y;
 }
 
 // y [T, N] = x [T, K] @ (W + S)^T for W in the packed bit-plane layout, S the residual (none if empty).
 at::Tensor lut_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k,
                       int64_t block, int64_t group, bool uniform, const std::vector<at::Tensor>& residual) {
-  const Part part = make_part(x, w, coef, N, k, block, group, uniform);
+  check_rows(x);
+  const Part part = make_part(x.size(1), w, coef, N, k, block, group, uniform);
   return lut_parts(x, {part}, N, check_residual(residual, N, part.s.K));
 }
 
@@ -295,9 +290,10 @@ at::Tensor lut_matmul_parts(const at::Tensor& x, const std::vector<at::Tensor>& 
                             const std::vector<bool>& uniforms, int64_t N, int64_t block, int64_t group) {
   TORCH_CHECK(!ws.empty() && coefs.size() == ws.size() && ks.size() == ws.size() && uniforms.size() == ws.size(),
               "one coefficient tensor, plane count and uniform flag per part");
+  check_rows(x);
   std::vector<Part> parts;
   for (size_t p = 0; p < ws.size(); ++p)
-    parts.push_back(make_part(x, ws[p], coefs[p], N, ks[p], block, group, uniforms[p]));
+    parts.push_back(make_part(x.size(1), ws[p], coefs[p], N, ks[p], block, group, uniforms[p]));
   return lut_parts(x, parts, N, {});
 }
 
@@ -344,7 +340,8 @@ void dequant_tile(const uint8_t* w, const char* coef, int64_t coef_group, bool u
 at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k,
                           int64_t block, int64_t group, bool uniform, const std::vector<int64_t>& byte_of_row,
                           const std::vector<at::Tensor>& residual) {
-  const Shape s = check(x, w, coef, N, k, block, group, uniform);
+  check_rows(x);
+  const Shape s = check_packed(x.size(1), w, coef, N, k, block, group, uniform);
   const Residual res = check_residual(residual, N, s.K);
   TORCH_CHECK(byte_of_row.size() == TILE, "byte_of_row needs one entry per tile row");
   uint8_t bor[TILE];
@@ -390,12 +387,17 @@ void sparse_residual_add_(const at::Tensor& y, const at::Tensor& x, const std::v
 
 }  // namespace
 
+}  // namespace bitquilt_lut
+
 void register_mxint(pybind11::module& m);   // mxint_matmul.cpp
 void register_router(pybind11::module& m);  // slice_router.cpp
 void register_uniform8(pybind11::module& m);  // uniform8_gemv.cpp
 
+void register_decode_step(pybind11::module& m);  // decode_step.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
+  using namespace bitquilt_lut;
   const std::vector<at::Tensor> none;
   m.def("lut_matmul", &lut_matmul, "y = x @ (W + S)^T for bit-plane packed W (AVX2 lookup tables), S a residual",
         py::arg("x"), py::arg("w"), py::arg("coef"), py::arg("N"), py::arg("k"), py::arg("block"), py::arg("group"),
@@ -412,4 +414,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_mxint(m);
   register_router(m);
   register_uniform8(m);
+  register_decode_step(m);
 }

@@ -32,7 +32,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "avx2_hsum.h"
+#include "avx2_simd.h"
 
 namespace {
 

@@ -18,18 +18,11 @@
 #include <cmath>
 #include <vector>
 
-#include "avx2_hsum.h"
+#include "avx2_simd.h"
 
 namespace {
 
-float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float total = bitquilt_simd::hsum8(acc);
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
+using bitquilt_simd::dot;
 
 float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }  // torch's threshold 20
 

@@ -26,7 +26,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "avx2_hsum.h"
+#include "avx2_simd.h"
 
 namespace bitquilt_sparse {
 

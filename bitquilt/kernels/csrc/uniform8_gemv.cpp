@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "avx2_hsum.h"
+#include "avx2_simd.h"
 
 namespace {
 

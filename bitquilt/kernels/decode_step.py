@@ -1,0 +1,53 @@
+"""Every decoder layer of a batch-1 decode step in one compiled call (csrc/decode_step.cpp).
+
+`FusedLayers` holds, per layer, the norms' weights, the seven linears (bit-plane packed parts run by the
+lookup-table kernel, or dense fp32 matrices), optional q/k norms and the layer's static KV cache, and
+`step(x, pos)` runs the token's hidden state through all of them: norms, projections, biases, RoPE,
+attention over the cache, SiLU-gated MLP and residuals, without a Python call per op. The model side
+(which modules qualify) is `bitquilt.models.lean_decode`; the math is the eager modules' in another
+fp32 order, tested against them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bitquilt.formats.base import WeightFormat
+from bitquilt.kernels import cpu
+
+
+class FusedLayers:
+    """A Llama-like decoder stack for one sequence in the extension's `FusedDecoder` (module docstring)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                 scaling: float, cos: torch.Tensor, sin: torch.Tensor):
+        ext = cpu.extension()
+        if ext is None:
+            raise RuntimeError("the CPU kernels are unavailable")
+        self._decoder = ext.FusedDecoder(hidden, heads, kv_heads, head_dim, intermediate, eps, scaling,
+                                         cos.float().contiguous(), sin.float().contiguous())
+
+    def add_linear(self, fmts: list[WeightFormat] | None, dense: torch.Tensor | None, bias: torch.Tensor | None,
+                   out_features: int, in_features: int) -> int | None:
+        """Index of a linear y = x (Σ Ŵ_p)ᵀ + b over packed parts `fmts`, or y = x Wᵀ + b for `dense` (fp32); None if
+        the parts do not pack alike."""
+        kwargs = {"block": 32, "group": 32}
+        if fmts:
+            layouts = cpu.packed_alike(fmts)
+            if layouts is None:
+                return None
+            kwargs = {"block": layouts[0].block, "group": layouts[0].group}
+        else:
+            layouts = []
+        return self._decoder.add_linear([p.planes for p in layouts], [p.coeffs for p in layouts],
+                                        [p.bits for p in layouts], [p.uniform for p in layouts], N=out_features,
+                                        K=in_features, dense=dense, bias=bias, **kwargs)
+
+    def add_layer(self, in_norm: torch.Tensor, post_norm: torch.Tensor, q_norm: torch.Tensor | None,
+                  k_norm: torch.Tensor | None, linears: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A layer: norm weights, the indices of its q, k, v, o, gate, up, down linears, its caches [kv, len, hd]."""
+        self._decoder.add_layer(in_norm, post_norm, q_norm, k_norm, linears, keys, values)
+
+    def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """The hidden state [D] of the token at `pos` after every layer (its keys and values cached)."""
+        return self._decoder.step(x, pos)
