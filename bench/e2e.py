@@ -22,7 +22,8 @@ turn), so both see the same machine load; a row's figures are the medians over i
 `llamacpp.speed` says) and CPU time (the worker's user + system CPU seconds over the same span, all threads; less
 sensitive to other load on the machine). Peak RSS: the worker's whole run (both map their weight files). Load
 average: at the start and end of each model, and after every measurement (in the JSON). Ratios are against
-llama.cpp's original GGUF in the same run. Results: bench/results/e2e.{json,md} (--results elsewhere).
+llama.cpp's original GGUF in the same run. Results: bench/results/e2e.{json,md} (--results elsewhere); a run
+replaces the records of its models and keeps the others'.
 
     .venv/bin/python bench/e2e.py --models smollm2-135m,qwen2.5-1.5b --threads 1
 """
@@ -83,7 +84,9 @@ class Variant:
 
 VARIANTS = {v.name: v for v in [Variant("fp32"),
                                 *(Variant(f, b, g) for b, g in CONFIGS for f in ("uniform", "bitplane")),
-                                Variant("uniform", 4, 128, head_bits=8), Variant("uniform", 4, 32, sym=True)]}
+                                Variant("uniform", 4, 128, head_bits=8), Variant("uniform", 4, 128, head_bits=4),
+                                Variant("uniform", 2, 64, head_bits=8), Variant("uniform", 2, 64, head_bits=4),
+                                Variant("uniform", 4, 32, sym=True)]}
 Q4_0_GRID = Variant("uniform", 4, 32, sym=True)  # the bitquilt grid exported as the q4_0 GGUF
 GGUFS = {"original": "the packaged model's own GGUF",
          "q4_0": f"Q4_0 GGUF exported by bitquilt from {Q4_0_GRID.name} (RTN), F32 embeddings and LM head"}
@@ -122,6 +125,8 @@ def bitquilt_worker(source: str, prompt: list[int], new_tokens: int, threads: in
     from bitquilt import kernels
 
     torch.set_num_threads(threads)
+    engine, _, option = engine.partition("+")
+    kernels.set_int8_activations(option == "int8")
     t0 = time.perf_counter()
     model, _ = load(source)
     setup_s = time.perf_counter() - t0
@@ -210,7 +215,8 @@ def render(records: list[dict]) -> str:
              "embeddings and LM head fp32 except in *head8* (8-bit RTN, `Recipe.head_bits`); bitquilt decodes with "
              "`bitquilt.eval.speed.decode`'s default engine (*auto*: *fused*, every decoder layer of a one-token step "
              "in one compiled call, for weight-only models of a supported family; else *lean*, the static KV cache and "
-             "the model's own modules; a row named *[engine]* runs that engine). llama.cpp "
+             "the model's own modules; a row named *[engine]* runs that engine, *+int8* with int8 activations for "
+             "the 4-bit linears, `--int8-activations`; the others exact). llama.cpp "
              "(xllamacpp CPU wheel, default settings): *original* the packaged model's own GGUF; *q4_0* bitquilt's "
              "GGUF export of the *uniform w4 g32 sym* row (the same weights bit for bit, F32 embeddings and LM head). "
              "bits/weight as `model_summary` counts it: the linears, plus embeddings and LM head when quantized. "
@@ -289,7 +295,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch and llama.cpp threads")
     p.add_argument("--decode-engines", default="auto",
-                   help=f"bitquilt's decode loops, comma-separated ({', '.join(ENGINES)}); several: each bitquilt "
+                   help=f"bitquilt's decode loops, comma-separated ({', '.join(ENGINES)}), each optionally with "
+                        "'+int8' (int8 activations for 4-bit linears, `--int8-activations`); several: each bitquilt "
                         "row once per engine, named 'variant [engine]'")
     p.add_argument("--results", default=str(RESULTS), help="folder for e2e.json and e2e.md")
     p.add_argument("--workdir", default=str(llamacpp.ROOT / "out" / "e2e"),
@@ -300,7 +307,7 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v]
     ggufs = [g for g in args.ggufs.split(",") if g]
     unknown = [v for v in variants if v not in VARIANTS] + [g for g in ggufs if g not in GGUFS] + \
-        [e for e in args.decode_engines.split(",") if e not in ENGINES]
+        [e for e in args.decode_engines.split(",") if e.removesuffix("+int8") not in ENGINES]
     if unknown:
         raise UserError(f"unknown rows or engines {unknown}; bitquilt: {', '.join(VARIANTS)}; llama.cpp: "
                         f"{', '.join(GGUFS)}; decode engines: {', '.join(ENGINES)}")
@@ -309,8 +316,12 @@ def main() -> None:
     if ggufs:
         args.llamacpp_python = str(llamacpp.check_python(args.llamacpp_python))
     torch.set_num_threads(args.threads)
-    results, work, records = Path(args.results), Path(args.workdir), []
-    for name in args.models.split(","):
+    results, work = Path(args.results), Path(args.workdir)
+    models = args.models.split(",")
+    stored = results / "e2e.json"  # a run replaces its models' records and keeps the others'
+    records = [r for r in json.loads(stored.read_text())["records"] if r["model"] not in models] \
+        if stored.exists() else []
+    for name in models:
         sources, builds, files = prepare(name, variants, ggufs, work / name)
         try:
             records += measure(name, variants, ggufs, sources, builds, files, args)

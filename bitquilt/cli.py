@@ -465,14 +465,15 @@ def cmd_eval(args) -> int:
     if tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files; cannot evaluate")
     rows = []
+    cache_key = source_fingerprint(args.model) + ("|int8-activations" if args.int8_activations else "")
     for label, apply in _precision_settings(model, args):
         row = {"model": resolve_model_name(args.model), **model_summary(model)}
         if apply is None:
-            row.update(_evaluate(model, tokenizer, args, cache_key=source_fingerprint(args.model)))
+            row.update(_evaluate(model, tokenizer, args, cache_key=cache_key))
         else:
             apply(model)
             with realised_bits(model) as used:
-                row.update(_evaluate(model, tokenizer, args, cache_key=source_fingerprint(args.model)))
+                row.update(_evaluate(model, tokenizer, args, cache_key=cache_key))
             row = {"precision": label, "realised_bits": used["avg_bits"], **row}
         rows.append(row)
     non_finite = _flag_non_finite(rows, [r.get("precision") or r["model"] for r in rows])
@@ -769,6 +770,13 @@ def cmd_bench(args) -> int:
 
 
 # ---------------------------------------------------------------- parser
+def _add_int8_activations(s: argparse.ArgumentParser) -> None:
+    """--int8-activations of the commands that run a model (eval, generate, bench)."""
+    s.add_argument("--int8-activations", action="store_true",
+                   help="let 4-bit uniform linears round their input to int8 per block of 32 (faster on CPU, "
+                   "llama.cpp's Q8 activations; not exact: the perplexity cost is in docs/benchmarks.md)")
+
+
 def _add_engine(s: argparse.ArgumentParser) -> None:
     """--engine of the decoding commands (generate, bench)."""
     s.add_argument("--engine", choices=ENGINES, default="auto",
@@ -815,6 +823,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", help=model_help)
     s.add_argument("--json", action="store_true")
     _add_eval_args(s, ppl_flag=True)
+    _add_int8_activations(s)
     s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser("compare", help="quantize with several methods/bit widths and tabulate the results")
@@ -891,6 +900,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
     _add_engine(s)
+    _add_int8_activations(s)
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_generate)
@@ -902,6 +912,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--new-tokens", type=int, default=32, help="decode steps per run (default 32)")
     s.add_argument("--repeats", type=int, default=3, help="runs per model; the median is reported (default 3)")
     _add_engine(s)
+    _add_int8_activations(s)
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_bench)
@@ -914,6 +925,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         _check_minimums(args)
+        if getattr(args, "int8_activations", False):
+            from bitquilt import kernels
+
+            kernels.set_int8_activations(True)
         return args.fn(args)
     except USER_ERRORS as e:
         if args.debug:

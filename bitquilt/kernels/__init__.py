@@ -23,6 +23,7 @@ from bitquilt.formats.base import MatmulContext, WeightFormat
 KernelFn = Callable[[WeightFormat, torch.Tensor, "MatmulContext | None"], "torch.Tensor | None"]
 _KERNELS: dict[str, list[tuple[str, KernelFn]]] = {}
 _enabled = True
+_int8_activations = False
 _builtin_loaded = False
 
 
@@ -74,6 +75,7 @@ def _load_builtin() -> None:
         import bitquilt.kernels.cpu  # noqa: F401  (registers on import; warns once if unavailable)
         import bitquilt.kernels.mosaic  # noqa: F401  (same extension; base + sparse residual in one kernel)
         import bitquilt.kernels.mxint  # noqa: F401  (same extension; registers on import)
+        import bitquilt.kernels.q4_int8  # noqa: F401  (same extension; ahead of cpu_lut, with int8 activations)
         import bitquilt.kernels.uniform8  # noqa: F401  (same extension; ahead of cpu_lut for 8-bit decode)
 
 
@@ -111,6 +113,17 @@ def set_kernels_enabled(enabled: bool) -> None:
 def kernels_enabled() -> bool:
     """False while `set_kernels_enabled(False)` forces the torch reference."""
     return _enabled
+
+
+def set_int8_activations(enabled: bool) -> None:
+    """Let kernels that round activations to int8 (faster, not exact: `bitquilt.kernels.q4_int8`) take calls."""
+    global _int8_activations
+    _int8_activations = enabled
+
+
+def int8_activations() -> bool:
+    """Whether kernels may round activations to int8 (`set_int8_activations`); off by default."""
+    return _int8_activations
 
 
 def kernels_for(format_name: str) -> list[str]:

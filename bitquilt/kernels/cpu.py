@@ -18,8 +18,9 @@ weights again); the format itself is unchanged. Calls with per-token context are
 
 The same extension also holds the MXINT kernel (csrc/mxint_matmul.cpp), registered by
 `bitquilt.kernels.mxint`, the 8-bit uniform GEMV (csrc/uniform8_gemv.cpp, `bitquilt.kernels.uniform8`),
-the MoBiRoute slice counts (csrc/slice_router.cpp, used by `bitquilt.kernels.router`) and the fused
-decoder layers of a batch-1 decode step (csrc/decode_step.cpp, `bitquilt.kernels.decode_step`).
+the MoBiRoute slice counts (csrc/slice_router.cpp, used by `bitquilt.kernels.router`), the fused
+decoder layers of a batch-1 decode step (csrc/decode_step.cpp, `bitquilt.kernels.decode_step`) and the
+4-bit × int8-activation matmul (csrc/q4_int8.cpp, `bitquilt.kernels.q4_int8`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 TILE = 32  # output rows per kernel tile
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("lut_matmul.cpp", "mxint_matmul.cpp", "slice_router.cpp", "uniform8_gemv.cpp",
-                         "decode_step.cpp")]
+                         "decode_step.cpp", "q4_int8.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _ext: ModuleType | None = None
 _failed = False

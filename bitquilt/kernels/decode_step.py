@@ -1,7 +1,8 @@
 """Every decoder layer of a batch-1 decode step in one compiled call (csrc/decode_step.cpp).
 
 `FusedLayers` holds, per layer, the norms' weights, the seven linears (bit-plane packed parts run by the
-lookup-table kernel, or dense fp32 matrices), optional q/k norms and the layer's static KV cache, and
+lookup-table kernel, 4-bit uniform weights on int8 activations while `set_int8_activations` is on when the
+layers are built, or dense fp32 matrices), optional q/k norms and the layer's static KV cache, and
 `step(x, pos)` runs the token's hidden state through all of them: norms, projections, biases, RoPE,
 attention over the cache, SiLU-gated MLP and residuals, without a Python call per op. The model side
 (which modules qualify) is `bitquilt.models.lean_decode`; the math is the eager modules' in another
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from bitquilt.formats.base import WeightFormat
-from bitquilt.kernels import cpu
+from bitquilt.kernels import cpu, int8_activations, q4_int8
 
 
 class FusedLayers:
@@ -30,7 +31,10 @@ class FusedLayers:
     def add_linear(self, fmts: list[WeightFormat] | None, dense: torch.Tensor | None, bias: torch.Tensor | None,
                    out_features: int, in_features: int) -> int | None:
         """Index of a linear y = x (Σ Ŵ_p)ᵀ + b over packed parts `fmts`, or y = x Wᵀ + b for `dense` (fp32); None if
-        the parts do not pack alike."""
+        the parts do not pack alike. A single 4-bit uniform part runs on int8 activations while those are enabled
+        (`bitquilt.kernels.q4_int8`), as it would module by module."""
+        if fmts and len(fmts) == 1 and int8_activations() and (q4 := q4_int8.layout(fmts[0])) is not None:
+            return self._decoder.add_q4_linear(q4.codes, q4.scales, q4.group, out_features, in_features, bias)
         kwargs = {"block": 32, "group": 32}
         if fmts:
             layouts = cpu.packed_alike(fmts)

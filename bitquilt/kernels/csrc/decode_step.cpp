@@ -16,9 +16,10 @@
 //   h = RMSNorm(x) * w_post
 //   x = x + W_down (silu(W_gate h) * (W_up h))
 //
-// Every W is either a sum of bit-plane packed parts run by the lookup-table kernel (lut_parts.h: one
-// part for a bitplane or uniform format, the first k slices for a MoBiQuant checkpoint in static mode)
-// or a dense fp32 matrix (at::mv). The same math as the eager modules in another fp32 order; tested
+// Every W is a sum of bit-plane packed parts run by the lookup-table kernel (lut_parts.h: one part for a
+// bitplane or uniform format, the first k slices for a MoBiQuant checkpoint in static mode), a 4-bit
+// uniform weight run on int8-rounded activations (q4_int8.h, when int8 activations are enabled), or a
+// dense fp32 matrix (at::mv). The same math as the eager modules in another fp32 order; tested
 // against them (tests/test_lean_decode.py).
 
 #include <ATen/core/Tensor.h>
@@ -35,13 +36,15 @@
 
 #include "avx2_simd.h"
 #include "lut_parts.h"
+#include "q4_int8.h"
 
 namespace {
 
 using bitquilt_simd::dot;
 
 struct Linear {
-  std::vector<bitquilt_lut::Part> parts;  // packed parts summed; empty: dense
+  std::optional<bitquilt_q4::Weight> q4;  // 4-bit codes times int8 activations, or:
+  std::vector<bitquilt_lut::Part> parts;  // packed parts summed; if neither: dense
   std::vector<at::Tensor> keep;           // the tensors the parts point into
   at::Tensor dense;                       // fp32 [N, K] when there are no parts
   at::Tensor bias;                        // fp32 [N] or undefined
@@ -49,7 +52,9 @@ struct Linear {
 
   // y [N] = W x (+ b)
   void run(const float* x, float* y) const {
-    if (parts.empty()) {
+    if (q4) {
+      bitquilt_q4::matmul_into(x, 1, *q4, y);
+    } else if (parts.empty()) {
       const auto opts = at::TensorOptions().dtype(at::kFloat);
       auto out = at::from_blob(y, {N}, opts);
       at::mv_out(out, dense, at::from_blob(const_cast<float*>(x), {K}, opts));
@@ -124,9 +129,18 @@ class FusedDecoder {
                   "a linear without packed parts needs a contiguous fp32 [N, K] weight");
       lin.dense = *dense;
     }
-    if (bias.has_value()) lin.bias = fp32_vector(*bias, N, "bias");
-    linears_.push_back(std::move(lin));
-    return static_cast<int64_t>(linears_.size()) - 1;
+    return push(std::move(lin), bias);
+  }
+
+  // A 4-bit uniform linear in the int8-activation kernel's layout (q4_int8.h); an optional fp32 bias.
+  int64_t add_q4_linear(const at::Tensor& w, const at::Tensor& sz, int64_t group, int64_t N, int64_t K,
+                        const std::optional<at::Tensor>& bias) {
+    Linear lin;
+    lin.N = N;
+    lin.K = K;
+    lin.q4 = bitquilt_q4::make_weight(w, sz, N, K, group);
+    lin.keep = {w, sz};
+    return push(std::move(lin), bias);
   }
 
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, const std::optional<at::Tensor>& q_norm,
@@ -175,6 +189,12 @@ class FusedDecoder {
   }
 
  private:
+  int64_t push(Linear lin, const std::optional<at::Tensor>& bias) {
+    if (bias.has_value()) lin.bias = fp32_vector(*bias, lin.N, "bias");
+    linears_.push_back(std::move(lin));
+    return static_cast<int64_t>(linears_.size()) - 1;
+  }
+
   // u [hd] rotated in place by the tables' row pos
   void rope(float* u, int64_t pos) const {
     const float* c = cos_.data_ptr<float>() + pos * hd_;
@@ -243,6 +263,8 @@ void register_decode_step(pybind11::module& m) {
       .def("add_linear", &FusedDecoder::add_linear, py::arg("planes"), py::arg("coefs"), py::arg("ks"),
            py::arg("uniforms"), py::arg("block"), py::arg("group"), py::arg("N"), py::arg("K"),
            py::arg("dense") = py::none(), py::arg("bias") = py::none())
+      .def("add_q4_linear", &FusedDecoder::add_q4_linear, py::arg("w"), py::arg("sz"), py::arg("group"), py::arg("N"),
+           py::arg("K"), py::arg("bias") = py::none())
       .def("add_layer", &FusedDecoder::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("q_norm"),
            py::arg("k_norm"), py::arg("linears"), py::arg("keys"), py::arg("values"))
       .def("step", &FusedDecoder::step, py::arg("x"), py::arg("pos"));

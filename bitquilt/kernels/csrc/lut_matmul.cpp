@@ -394,6 +394,7 @@ void register_router(pybind11::module& m);  // slice_router.cpp
 void register_uniform8(pybind11::module& m);  // uniform8_gemv.cpp
 
 void register_decode_step(pybind11::module& m);  // decode_step.cpp
+void register_q4_int8(pybind11::module& m);  // q4_int8.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -415,4 +416,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_router(m);
   register_uniform8(m);
   register_decode_step(m);
+  register_q4_int8(m);
 }

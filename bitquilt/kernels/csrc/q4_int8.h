@@ -1,0 +1,33 @@
+// 4-bit uniform weights times int8-quantized activations (q4_int8.cpp), for the other kernels of the
+// extension that run whole weights themselves (decode_step.cpp).
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace bitquilt_q4 {
+
+constexpr int64_t ROWS = 4;    // output rows per tile
+constexpr int64_t BLOCK = 32;  // columns per activation scale and per packed 16-byte row chunk
+
+// A [N, K] weight W[r, c] = s[r, g] * (q[r, c] - z[r, g]), g = c / group, in the kernel's layout:
+//   w  uint8 [tiles][K / 32][4 rows][16]: byte j of a row's chunk holds q[c0 + j] (low nibble) and q[c0 + 16 + j]
+//   sz fp32  [tiles][groups][2][4 rows]: s and s * z of the tile's rows
+struct Weight {
+  const uint8_t* w;
+  const float* sz;
+  int64_t N, K, group;
+  int64_t tiles() const { return (N + ROWS - 1) / ROWS; }
+  int64_t groups() const { return (K + group - 1) / group; }
+};
+
+// The layout's tensors checked against the shape (TORCH_CHECK otherwise).
+Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t K, int64_t group);
+
+// y [T, N] = x [T, K] @ W^T with each token's activations rounded to int8 per block of 32 (scale max|x| / 127),
+// rows contiguous.
+void matmul_into(const float* x, int64_t T, const Weight& W, float* y);
+
+}  // namespace bitquilt_q4

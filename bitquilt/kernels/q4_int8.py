@@ -1,0 +1,82 @@
+"""4-bit `UniformFormat` times int8-rounded activations (csrc/q4_int8.cpp), when int8 activations are enabled.
+
+The lookup-table kernel (`bitquilt.kernels.cpu`) keeps activations exact to 2^-21; this kernel rounds each
+token's activations to int8 per block of 32 columns (scale max|x| / 127, as llama.cpp's Q8 activations) and
+multiplies the 4-bit codes with them in vpmaddubsw, one pass over the codes for decode and a widened int8
+copy of each 4-row tile shared by every token for prefill. The result is exactly x̂ @ Ŵᵀ for the rounded x̂,
+so the only error is the activations' rounding (≤ d/2 per value); that trade is opt-in,
+`bitquilt.kernels.set_int8_activations(True)` (CLI `--int8-activations`), and its perplexity cost is
+measured in docs/benchmarks.md. Registered as "cpu_q4_int8" ahead of cpu_lut (the 8-bit kernel takes no
+4-bit call); it declines every call while the switch is off, and formats with act-order (g_idx) or
+widths/groups not multiples of 32.
+Per format it keeps its own layout in a `LayoutCache` (the codes two per byte, fp32 s and s·z per row group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bitquilt.formats.base import MatmulContext, WeightFormat
+from bitquilt.formats.uniform import UniformFormat, resolve_group_size
+from bitquilt.kernels import LayoutCache, cpu, fp32_rows, int8_activations, kernels_for, like, register_kernel, takes
+
+ROWS, BLOCK = 4, 32  # output rows per tile, columns per activation scale (csrc/q4_int8.h)
+
+
+@dataclass(frozen=True)
+class Q4Layout:
+    """Codes uint8 [tiles, K/32, 4, 16] (a row's 32 codes of a block: low nibbles the first 16 columns, high
+    nibbles the next 16) and fp32 [tiles, groups, 2, 4] (s and s·z of the tile's rows)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    group: int
+
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+def _rows_to_tiles(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [tiles, 4, ...], zero rows appended."""
+    pad = -t.shape[0] % ROWS
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.view(-1, ROWS, *t.shape[1:])
+
+
+def _layout(fmt: WeightFormat) -> Q4Layout | None:
+    if not isinstance(fmt, UniformFormat) or fmt.bits != 4 or fmt.g_idx is not None:
+        return None
+    group = resolve_group_size(fmt.group_size, fmt.in_features)
+    if fmt.in_features % BLOCK or group % BLOCK:
+        return None
+    q = _rows_to_tiles(fmt.codes().to(torch.uint8))  # [tiles, 4, K]
+    q = q.view(q.shape[0], ROWS, -1, 2, BLOCK // 2)
+    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
+    scale, zero = fmt.scale_zero()
+    scales = torch.stack([_rows_to_tiles(scale.float()), _rows_to_tiles((scale * zero).float())], dim=2)
+    return Q4Layout(packed, scales.permute(0, 3, 2, 1).contiguous(), group)
+
+
+_LAYOUTS: LayoutCache[Q4Layout] = LayoutCache(_layout)
+
+
+def layout(fmt: WeightFormat) -> Q4Layout | None:
+    """The kernel layout of a 4-bit uniform format, None if it does not qualify or the extension is unavailable."""
+    return None if cpu.extension() is None else _LAYOUTS.get(fmt)
+
+
+def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
+    """x̂ [T, in] @ Ŵᵀ for a 4-bit `UniformFormat` while int8 activations are on; None to decline."""
+    if not int8_activations() or getattr(fmt, "bits", None) != 4 or not takes(x, ctx):
+        return None
+    lay = layout(fmt)
+    if lay is None:
+        return None
+    return like(cpu.extension().q4_int8_matmul(fp32_rows(x), lay.codes, lay.scales, fmt.out_features, lay.group), x)
+
+
+if cpu.extension() is not None and "cpu_q4_int8" not in kernels_for("uniform"):
+    register_kernel("uniform", "cpu_q4_int8", matmul, before="cpu_lut")  # cpu_lut is registered by importing cpu

@@ -1,0 +1,97 @@
+"""4-bit uniform weights times int8-rounded activations (bitquilt.kernels.q4_int8) against the torch reference."""
+
+import pytest
+import torch
+from conftest import make_tiny
+from test_kernels import llm_like, make_uniform, needs_ext, term_magnitudes
+
+from bitquilt import kernels
+from bitquilt.api import quantize
+from bitquilt.cli import main
+from bitquilt.eval.speed import decode
+from bitquilt.kernels import cpu, q4_int8
+from bitquilt.models.lean_decode import LeanDecoder
+from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.recipes import Recipe
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """x with every block of 32 values rounded to int8 steps of max|x_b| / 127 (the kernel's x̂)."""
+    tokens, k = x.shape
+    blocks = x.view(tokens, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    codes = (blocks * torch.where(amax > 0, 127 / amax, 0)).round()
+    return (codes * (amax / 127)).view(tokens, k)
+
+
+@pytest.fixture
+def int8_on():
+    kernels.set_int8_activations(True)
+    yield
+    kernels.set_int8_activations(False)
+
+
+@needs_ext
+@pytest.mark.parametrize(("n", "k", "group", "tokens"),
+                         [(70, 256, 128, 1), (64, 96, 32, 3), (33, 512, 64, 17), (5, 128, -1, 2), (4, 64, 64, 80)])
+def test_kernel_is_the_exact_product_with_the_rounded_activations(n, k, group, tokens):
+    w, x = llm_like(n, k)
+    x = torch.cat([x, torch.randn(tokens, k)])[:tokens].contiguous()
+    x[0, :32] = 0  # an all-zero block: scale 0, no division by zero
+    fmt = make_uniform(w, 4, group, sym=False)
+    lay = q4_int8.layout(fmt)
+    y = cpu.extension().q4_int8_matmul(x, lay.codes, lay.scales, n, lay.group)
+    w_hat = fmt.dequantize().double()
+    ref = rounded(x).double() @ w_hat.T
+    fp32_scale = (x.double().abs() @ term_magnitudes(fmt).double().abs().T) * 2**-19  # fp32 sums of |terms|
+    assert ((y.double() - ref).abs() <= fp32_scale + 1e-6).all()
+    # the rounding is the only error: ≤ half a step per activation, weighted by |Ŵ|
+    step = x.view(tokens, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(tokens, k) / 127
+    bound = (step.double() / 2) @ w_hat.abs().T + fp32_scale + 1e-6
+    exact = x.double() @ w_hat.T
+    assert ((y.double() - exact).abs() <= bound).all()
+    assert (y.double() - exact).abs().max() > 0  # it really rounds
+
+
+@needs_ext
+def test_quant_linear_takes_the_int8_kernel_only_when_switched_on(int8_on):
+    w, x = llm_like(96, 256)
+    linear = QuantLinear(make_uniform(w, 4, 128, sym=False))
+    ref = x @ linear.fmt.dequantize().T
+    on = linear(x)
+    assert torch.allclose(on, rounded(x) @ linear.fmt.dequantize().T, rtol=1e-5, atol=1e-4)
+    kernels.set_int8_activations(False)
+    off = linear(x)  # the exact kernels (21-bit activation tables)
+    assert (on - ref).abs().max() > 100 * (off - ref).abs().max()
+    kernels.set_int8_activations(True)
+    three_bit = QuantLinear(make_uniform(w, 3, 128, sym=False))  # other widths keep their exact kernels
+    assert torch.allclose(three_bit(x), x @ three_bit.fmt.dequantize().T, rtol=1e-4, atol=1e-3)
+
+
+@needs_ext
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_fused_decode_with_int8_activations_matches_module_by_module(model_type, int8_on):
+    model = make_tiny(model_type)
+    quantize(model, Recipe("rtn", w_bits=4, group_size=64), torch.randint(0, 320, (2, 32)), progress=False)
+    ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(1))
+    fused, eager = LeanDecoder(model, 12), LeanDecoder(model, 12, fuse=False)
+    assert fused.fused is not None
+    rows = [(fused.forward(ids[:, :8]), eager.forward(ids[:, :8]))]
+    rows += [(fused.forward(ids[:, t:t + 1]), eager.forward(ids[:, t:t + 1])) for t in range(8, 12)]
+    for a, b in rows:
+        assert torch.allclose(a, b, atol=1e-4)
+    assert decode(model, ids[:, :6], 5, engine="fused").new_ids == decode(model, ids[:, :6], 5, engine="lean").new_ids
+
+
+@needs_ext
+def test_cli_flag_switches_int8_activations_on(tmp_path, capsys):
+    model = make_tiny("llama")
+    quantize(model, Recipe("rtn", w_bits=4, group_size=64), torch.randint(0, 320, (2, 32)), progress=False)
+    from bitquilt.io import save
+
+    save(model, tmp_path / "m")
+    assert main(["bench", str(tmp_path / "m"), "--prompt-tokens", "8", "--new-tokens", "3", "--repeats", "1",
+                 "--int8-activations", "--json"]) == 0
+    assert kernels.int8_activations()
+    kernels.set_int8_activations(False)
+    assert '"decode_tokens_per_s"' in capsys.readouterr().out
