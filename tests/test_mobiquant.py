@@ -351,3 +351,24 @@ def test_routing_beats_static_slices_at_equal_average_bits_on_the_default_model(
     assert all(refit[k] < routers_only[k] for k in better), {k: (refit[k], routers_only[k]) for k in refit}
     assert refit["routed 4.0"] < 1.05 * routers_only["routed 4.0"]
     assert all(b < a for a, b in zip(list(refit.values())[:4], list(refit.values())[1:4]))
+
+
+def test_fused_decode_routes_each_token_as_the_modules_do(routed_tiny):
+    """The compiled decode step counts each token's slices with the same routers (threshold read at every step, so
+    `set_precision` after the decoder is built applies) and gives the module-by-module logits."""
+    from bitquilt.models.lean_decode import LeanDecoder
+
+    model, _ = routed_tiny
+    set_slices(model, None)
+    ids = IDS[:1, :12]
+    last = []
+    for target in (2.5, 4.0):
+        fused, eager = LeanDecoder(model, 12), LeanDecoder(model, 12, fuse=False)
+        assert fused.fused is not None, fused.fused_reason
+        set_precision(model, target)
+        assert torch.allclose(fused.forward(ids[:, :6]), eager.forward(ids[:, :6]), atol=1e-4)
+        for t in range(6, 12):
+            logits = fused.forward(ids[:, t:t + 1])
+            assert torch.allclose(logits, eager.forward(ids[:, t:t + 1]), atol=1e-4)
+        last.append(logits)
+    assert not torch.allclose(last[0], last[1], atol=1e-3)  # the precision really changed the routing

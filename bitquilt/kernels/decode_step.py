@@ -2,7 +2,8 @@
 
 `FusedLayers` holds, per layer, the norms' weights, the seven linears (bit-plane packed parts run by the
 lookup-table kernel, 4-bit uniform weights on int8 activations while `set_int8_activations` is on when the
-layers are built, or dense fp32 matrices), optional q/k norms and the layer's static KV cache, and
+layers are built, or dense fp32 matrices; the slices of a MoBiQuant weight as a static prefix or routed per
+token by its router), optional q/k norms and the layer's static KV cache, and
 `step(x, pos)` runs the token's hidden state through all of them: norms, projections, biases, RoPE,
 attention over the cache, SiLU-gated MLP and residuals, without a Python call per op. The model side
 (which modules qualify) is `bitquilt.models.lean_decode`; the math is the eager modules' in another
@@ -46,6 +47,13 @@ class FusedLayers:
         return self._decoder.add_linear([p.planes for p in layouts], [p.coeffs for p in layouts],
                                         [p.bits for p in layouts], [p.uniform for p in layouts], N=out_features,
                                         K=in_features, dense=dense, bias=bias, **kwargs)
+
+    def route(self, index: int, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor, fc2_weight: torch.Tensor,
+              fc2_bias: torch.Tensor, threshold: torch.Tensor) -> None:
+        """Give linear `index` (several parts) a MoBiRoute router: per token, its first k parts, k from the router's
+        two layers and `threshold` (read at every step, so a later `set_precision` applies)."""
+        self._decoder.set_router(index, fc1_weight.detach().contiguous(), fc1_bias.detach().contiguous(),
+                                 fc2_weight.detach().contiguous(), fc2_bias.detach().contiguous(), threshold)
 
     def add_layer(self, in_norm: torch.Tensor, post_norm: torch.Tensor, q_norm: torch.Tensor | None,
                   k_norm: torch.Tensor | None, linears: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:

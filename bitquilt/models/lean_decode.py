@@ -18,8 +18,9 @@ output dataclasses. `LeanDecoder` runs the model's own modules for one sequence:
 - with `fuse=True`, a one-token step runs every decoder layer in one compiled call
   (`bitquilt.kernels.decode_step`) when every layer qualifies: plain RMSNorms, no attention-site
   modules, no hooks, fp32, and linears that are `nn.Linear` or `QuantLinear` without online modules
-  whose weight the lookup-table kernel packs (bitplane, uniform, the static slices of a MoBiQuant
-  checkpoint); `fused_reason` says why not otherwise, and those steps run module by module.
+  (a slice router excepted) whose weight the lookup-table kernel packs (bitplane, uniform, the slices
+  of a MoBiQuant checkpoint, static or routed per token); `fused_reason` says why not otherwise, and
+  those steps run module by module.
 
 Families: llama, mistral (without a sliding window shorter than the run), qwen2 (without sliding
 window), qwen3 (q/k norms); `unsupported_reason` says why another model stays on transformers.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from bitquilt import kernels
+from bitquilt.formats.base import WeightFormat
 from bitquilt.formats.composite import CompositeFormat
 from bitquilt.nn.online import run_site, slots_at
 from bitquilt.nn.quant_linear import QuantLinear
@@ -83,26 +86,35 @@ def _norm_fn(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: F.rms_norm(x, weight.shape, weight, eps)
 
 
-LinearSpec = tuple[list | None, "torch.Tensor | None", "torch.Tensor | None"]  # packed parts, dense weight, bias
+@dataclass(frozen=True)
+class LinearSpec:
+    """What a fused layer needs of a linear: packed parts or a dense fp32 weight, its bias, and its slice router."""
+
+    fmts: list[WeightFormat] | None
+    dense: torch.Tensor | None
+    bias: torch.Tensor | None
+    router: nn.Module | None = None
 
 
 def _linear_spec(name: str, linear: nn.Module) -> LinearSpec | str:
-    """What a fused layer needs of a linear (packed parts or its dense fp32 weight, and its bias), or why it cannot."""
+    """The linear as a fused layer runs it, or why it cannot."""
     if linear._forward_hooks or linear._forward_pre_hooks:
         return f"{name} has hooks"
     bias = linear._parameters.get("bias")
     bias = None if bias is None else bias.detach()
     if isinstance(linear, QuantLinear):
-        if linear._modules:
-            return f"{name} has online modules ({', '.join(linear._modules)})"
+        online = set(linear._modules) - {"router"}
+        if online:
+            return f"{name} has online modules ({', '.join(sorted(online))})"
         fmt = linear.fmt
-        if isinstance(fmt, CompositeFormat):
-            if fmt.perm is not None:
-                return f"{name} permutes its input columns"
-            return list(fmt.parts.values())[: linear.slices], None, bias
-        return [fmt], None, bias
+        if not isinstance(fmt, CompositeFormat):
+            return LinearSpec([fmt], None, bias)
+        if fmt.perm is not None:
+            return f"{name} permutes its input columns"
+        router = linear._modules.get("router") if linear.slices is None else None  # a static count overrides it
+        return LinearSpec(list(fmt.parts.values())[: linear.slices], None, bias, router)
     if type(linear) is nn.Linear and linear.weight.dtype == torch.float32:
-        return None, linear.weight.detach().contiguous(), bias
+        return LinearSpec(None, linear.weight.detach().contiguous(), bias)
     return f"{name} is a {type(linear).__name__}"
 
 
@@ -136,9 +148,12 @@ def fuse_layers(decoder: LeanDecoder) -> tuple[FusedLayers | None, str | None]:
             spec = _linear_spec(f"layer {i} {name}", linear)
             if isinstance(spec, str):
                 return None, spec
-            index = fused.add_linear(*spec, linear.out_features, linear.in_features)
+            index = fused.add_linear(spec.fmts, spec.dense, spec.bias, linear.out_features, linear.in_features)
             if index is None:
                 return None, f"layer {i} {name}: a weight the lookup-table kernel does not pack"
+            if spec.router is not None:
+                r = spec.router
+                fused.route(index, r.fc1.weight, r.fc1.bias, r.fc2.weight, r.fc2.bias, r.threshold)
             indices.append(index)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         fused.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,

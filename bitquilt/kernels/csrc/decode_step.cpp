@@ -19,7 +19,8 @@
 // Every W is a sum of bit-plane packed parts run by the lookup-table kernel (lut_parts.h: one part for a
 // bitplane or uniform format, the first k slices for a MoBiQuant checkpoint in static mode), a 4-bit
 // uniform weight run on int8-rounded activations (q4_int8.h, when int8 activations are enabled), or a
-// dense fp32 matrix (at::mv). The same math as the eager modules in another fp32 order; tested
+// dense fp32 matrix (at::mv). A routed MoBiQuant linear first counts the token's slices with its router
+// (slice_router.h) and runs that prefix of its parts. The same math as the eager modules in another fp32 order; tested
 // against them (tests/test_lean_decode.py).
 
 #include <ATen/core/Tensor.h>
@@ -37,6 +38,7 @@
 #include "avx2_simd.h"
 #include "lut_parts.h"
 #include "q4_int8.h"
+#include "slice_router.h"
 
 namespace {
 
@@ -48,11 +50,18 @@ struct Linear {
   std::vector<at::Tensor> keep;           // the tensors the parts point into
   at::Tensor dense;                       // fp32 [N, K] when there are no parts
   at::Tensor bias;                        // fp32 [N] or undefined
+  std::optional<bitquilt_router::Router> router;  // per-token slice count over the parts (MoBiQuant)
+  std::vector<std::vector<bitquilt_lut::Part>> prefixes;  // prefixes[k]: the first k parts
+  at::Tensor tau;                         // the router's threshold (fp32 scalar, read at every call)
+  mutable std::vector<float> hidden;      // the router's scratch
   int64_t N = 0, K = 0;
 
   // y [N] = W x (+ b)
   void run(const float* x, float* y) const {
-    if (q4) {
+    if (router) {
+      const int64_t k = bitquilt_router::count(x, *router, *tau.data_ptr<float>(), hidden.data());
+      bitquilt_lut::lut_parts_into(x, 1, prefixes[k], N, {}, y);
+    } else if (q4) {
       bitquilt_q4::matmul_into(x, 1, *q4, y);
     } else if (parts.empty()) {
       const auto opts = at::TensorOptions().dtype(at::kFloat);
@@ -141,6 +150,27 @@ class FusedDecoder {
     lin.q4 = bitquilt_q4::make_weight(w, sz, N, K, group);
     lin.keep = {w, sz};
     return push(std::move(lin), bias);
+  }
+
+  // Route linear `index`'s tokens over its parts: a MoBiRoute router's fc1 [H, K + 1] (+ [H]), fc2 [E - 1, H]
+  // (+ [E - 1]) and threshold (a one-value tensor, read at every step so set_precision applies at once).
+  void set_router(int64_t index, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
+                  const at::Tensor& tau) {
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "unknown linear ", index);
+    Linear& lin = linears_[index];
+    const int64_t H = w1.size(0), E1 = w2.size(0);
+    TORCH_CHECK(w1.dim() == 2 && w1.size(1) == lin.K + 1 && w2.dim() == 2 && w2.size(1) == H && b1.numel() == H &&
+                    b2.numel() == E1 && E1 + 1 == static_cast<int64_t>(lin.parts.size()) && tau.numel() == 1,
+                "a router needs fc1 [H, K + 1], fc2 [parts - 1, H], their biases and one threshold");
+    for (const at::Tensor* t : {&w1, &b1, &w2, &b2, &tau})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "router tensors: contiguous fp32");
+    lin.router = bitquilt_router::Router{w1.data_ptr<float>(), b1.data_ptr<float>(), w2.data_ptr<float>(),
+                                         b2.data_ptr<float>(), lin.K, H, E1};
+    lin.keep.insert(lin.keep.end(), {w1, b1, w2, b2});
+    lin.tau = tau;
+    lin.hidden.resize(H);
+    lin.prefixes.clear();
+    for (size_t k = 0; k <= lin.parts.size(); ++k) lin.prefixes.emplace_back(lin.parts.begin(), lin.parts.begin() + k);
   }
 
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, const std::optional<at::Tensor>& q_norm,
@@ -265,6 +295,8 @@ void register_decode_step(pybind11::module& m) {
            py::arg("dense") = py::none(), py::arg("bias") = py::none())
       .def("add_q4_linear", &FusedDecoder::add_q4_linear, py::arg("w"), py::arg("sz"), py::arg("group"), py::arg("N"),
            py::arg("K"), py::arg("bias") = py::none())
+      .def("set_router", &FusedDecoder::set_router, py::arg("index"), py::arg("w1"), py::arg("b1"), py::arg("w2"),
+           py::arg("b2"), py::arg("tau"))
       .def("add_layer", &FusedDecoder::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("q_norm"),
            py::arg("k_norm"), py::arg("linears"), py::arg("keys"), py::arg("values"))
       .def("step", &FusedDecoder::step, py::arg("x"), py::arg("pos"));

@@ -15,16 +15,41 @@
 #include <immintrin.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "avx2_simd.h"
+#include "slice_router.h"
 
 namespace {
 
 using bitquilt_simd::dot;
 
 float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }  // torch's threshold 20
+
+}  // namespace
+
+int64_t bitquilt_router::count(const float* xt, const Router& r, float tau, float* u) {
+  const int64_t K = r.K, H = r.H;
+  const float rms = std::sqrt(dot(xt, xt, K) / static_cast<float>(K) + 1e-12f);
+  const float inv = 1.0f / rms, log_rms = std::log(rms);
+  for (int64_t h = 0; h < H; ++h) {
+    const float* row = r.w1 + h * (K + 1);
+    u[h] = std::max(0.0f, dot(row, xt, K) * inv + row[K] * log_rms + r.b1[h]);
+  }
+  int64_t count = 1;
+  float logit = 0.0f;
+  for (int64_t j = 0; j < r.E1; ++j) {
+    const float v = dot(r.w2 + j * H, u, H) + r.b2[j];
+    logit = j == 0 ? v : logit - softplus(v);
+    if (logit <= tau) break;  // logits fall with j: no later slice is on either
+    ++count;
+  }
+  return count;
+}
+
+namespace {
 
 at::Tensor slice_router_counts(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                                const at::Tensor& b2, double tau) {
@@ -38,31 +63,15 @@ at::Tensor slice_router_counts(const at::Tensor& x, const at::Tensor& w1, const 
                   b2.scalar_type() == at::kFloat && b1.is_contiguous() && b2.is_contiguous(),
               "biases: contiguous fp32 [H] and [E - 1]");
   auto out = at::empty({T}, x.options().dtype(at::kLong));
-  const float *xp = x.data_ptr<float>(), *w1p = w1.data_ptr<float>(), *b1p = b1.data_ptr<float>();
-  const float *w2p = w2.data_ptr<float>(), *b2p = b2.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const bitquilt_router::Router r{w1.data_ptr<float>(), b1.data_ptr<float>(), w2.data_ptr<float>(),
+                                  b2.data_ptr<float>(), K, H, E1};
   int64_t* op = out.data_ptr<int64_t>();
   const float threshold = static_cast<float>(tau);
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(H * (K + 1), 1));
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> u(H);
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* xt = xp + t * K;
-      const float rms = std::sqrt(dot(xt, xt, K) / static_cast<float>(K) + 1e-12f);
-      const float inv = 1.0f / rms, log_rms = std::log(rms);
-      for (int64_t h = 0; h < H; ++h) {
-        const float* row = w1p + h * (K + 1);
-        u[h] = std::max(0.0f, dot(row, xt, K) * inv + row[K] * log_rms + b1p[h]);
-      }
-      int64_t count = 1;
-      float logit = 0.0f;
-      for (int64_t j = 0; j < E1; ++j) {
-        const float v = dot(w2p + j * H, u.data(), H) + b2p[j];
-        logit = j == 0 ? v : logit - softplus(v);
-        if (logit <= threshold) break;  // logits fall with j: no later slice is on either
-        ++count;
-      }
-      op[t] = count;
-    }
+    for (int64_t t = t0; t < t1; ++t) op[t] = bitquilt_router::count(xp + t * K, r, threshold, u.data());
   });
   return out;
 }
