@@ -1,0 +1,90 @@
+"""What int8 activations cost in perplexity: 4-bit models with exact kernels vs `--int8-activations`.
+
+    python bench/int8_activations.py --model smollm2-135m --threads 1
+
+Each 4-bit configuration is quantized once and evaluated twice on the same windows: with the exact kernels
+(activations to 2^-21) and with `bitquilt.kernels.set_int8_activations(True)`, where every 4-bit uniform
+linear rounds its input to int8 per block of 32 columns (scale max|x| / 127) before the vpmaddubsw kernel
+(llama.cpp's Q8 activations). The LM head and embeddings follow their own format (fp32, or 4-bit in *head4*,
+which then runs on int8 activations too). Results: bench/results/int8_activations.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from common import (
+    GPTQ_PLAIN,
+    add_protocol_args,
+    by_setting,
+    command_line,
+    fmt_ppl,
+    machine,
+    protocol_settings,
+    run,
+    setting_header,
+    store,
+    stored_record,
+)
+
+from bitquilt import kernels
+from bitquilt.api import calibration_ids, load, model_summary, quantize
+from bitquilt.eval import perplexity
+from bitquilt.recipes import Recipe
+
+CONFIGS = {"rtn w4 g128": Recipe("rtn", w_bits=4, group_size=128),
+           "rtn w4 g128 head4": Recipe("rtn", w_bits=4, group_size=128, head_bits=4),
+           "gptq w4 g128": Recipe("gptq", w_bits=4, group_size=128, options=GPTQ_PLAIN)}
+KEY = ("model", "config", "activations")
+
+
+def render(records: list[dict]) -> str:
+    lines = ["# Int8 activations: perplexity cost", "", __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), ""]
+    for model, settings, rows in by_setting(records):
+        lines += setting_header(model, settings, rows)
+        lines += ["| configuration | bits/weight | exact kernels | int8 activations | change |",
+                  "|---|---:|---:|---:|---:|"]
+        for config in dict.fromkeys(r["config"] for r in rows):
+            exact = next((r for r in rows if r["config"] == config and r["activations"] == "exact"), None)
+            int8 = next((r for r in rows if r["config"] == config and r["activations"] == "int8"), None)
+            change = f"{100 * (int8['ppl'] / exact['ppl'] - 1):+.2f}%" if exact and int8 else ""
+            bits = (exact or int8)["bits_per_weight"]
+            lines.append(f"| {config} | {bits:.3f} | {fmt_ppl(exact and exact['ppl'])} | "
+                         f"{fmt_ppl(int8 and int8['ppl'])} | {change} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of: {', '.join(CONFIGS)}")
+    add_protocol_args(p, calib_samples=32, ppl_windows=40)
+    args = p.parse_args()
+    calib, settings = protocol_settings(args)
+    command = command_line()
+    for config in args.configs.split(","):
+        wanted = {"model": args.model, "config": config, "settings": settings}
+        todo = [a for a in ("exact", "int8")
+                if (stored_record("int8_activations", {**wanted, "activations": a}, KEY) is None) != args.recheck]
+        if not todo:
+            continue
+        model, tokenizer = load(args.model)
+        t0 = time.perf_counter()
+        quantize(model, CONFIGS[config], calibration_ids(tokenizer, calib), progress=False)
+        quant_time = time.perf_counter() - t0
+        for activations in todo:
+            kernels.set_int8_activations(activations == "int8")
+            t0 = time.perf_counter()
+            ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl
+            record = {"model": args.model, "config": config, "activations": activations, "settings": settings,
+                      "ppl": ppl, "eval_s": time.perf_counter() - t0, "quant_time_s": quant_time,
+                      **model_summary(model), "machine": machine(), "command": command}
+            print(f"{config:20s} {activations:5s} ppl {ppl:.3f}", flush=True)
+            store("int8_activations", record, KEY, render, args.recheck)
+        kernels.set_int8_activations(False)
+
+
+if __name__ == "__main__":
+    run(main)
