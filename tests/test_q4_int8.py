@@ -33,7 +33,7 @@ def int8_on():
 
 @needs_ext
 @pytest.mark.parametrize(("n", "k", "group", "tokens"),
-                         [(70, 256, 128, 1), (64, 96, 32, 3), (33, 512, 64, 17), (5, 128, -1, 2), (4, 64, 64, 80)])
+                         [(70, 256, 128, 1), (64, 192, 64, 3), (33, 512, 64, 17), (5, 128, -1, 2), (4, 64, 64, 80)])
 def test_kernel_is_the_exact_product_with_the_rounded_activations(n, k, group, tokens):
     w, x = llm_like(n, k)
     x = torch.cat([x, torch.randn(tokens, k)])[:tokens].contiguous()
@@ -64,6 +64,7 @@ def test_quant_linear_takes_the_int8_kernel_only_when_switched_on(int8_on):
     off = linear(x)  # the exact kernels (21-bit activation tables)
     assert (on - ref).abs().max() > 100 * (off - ref).abs().max()
     kernels.set_int8_activations(True)
+    assert q4_int8.layout(make_uniform(w, 4, 32, sym=False)) is None  # groups of 32: the exact kernels take it
     three_bit = QuantLinear(make_uniform(w, 3, 128, sym=False))  # other widths keep their exact kernels
     assert torch.allclose(three_bit(x), x @ three_bit.fmt.dequantize().T, rtol=1e-4, atol=1e-3)
 

@@ -8,7 +8,7 @@ so the only error is the activations' rounding (≤ d/2 per value); that trade i
 `bitquilt.kernels.set_int8_activations(True)` (CLI `--int8-activations`), and its perplexity cost is
 measured in docs/benchmarks.md. Registered as "cpu_q4_int8" ahead of cpu_lut (the 8-bit kernel takes no
 4-bit call); it declines every call while the switch is off, and formats with act-order (g_idx) or
-widths/groups not multiples of 32.
+widths/groups not multiples of 64.
 Per format it keeps its own layout in a `LayoutCache` (the codes two per byte, fp32 s and s·z per row group).
 """
 
@@ -22,13 +22,14 @@ from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
 from bitquilt.kernels import LayoutCache, cpu, fp32_rows, int8_activations, kernels_for, like, register_kernel, takes
 
-ROWS, BLOCK = 4, 32  # output rows per tile, columns per activation scale (csrc/q4_int8.h)
+ROWS, PAIR = 4, 64  # output rows per tile, columns per packed row chunk (csrc/q4_int8.h)
 
 
 @dataclass(frozen=True)
 class Q4Layout:
-    """Codes uint8 [tiles, K/32, 4, 16] (a row's 32 codes of a block: low nibbles the first 16 columns, high
-    nibbles the next 16) and fp32 [tiles, groups, 2, 4] (s and s·z of the tile's rows)."""
+    """Codes uint8 [tiles, K/64, 4, 32] (a row's 64 codes of two blocks: byte j < 16 holds columns j and 16 + j,
+    byte 16 + j columns 32 + j and 48 + j, low nibble first) and fp32 [tiles, groups, 2, 4] (s and s·z of the
+    tile's rows)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -50,11 +51,12 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
     if not isinstance(fmt, UniformFormat) or fmt.bits != 4 or fmt.g_idx is not None:
         return None
     group = resolve_group_size(fmt.group_size, fmt.in_features)
-    if fmt.in_features % BLOCK or group % BLOCK:
+    if fmt.in_features % PAIR or group % PAIR:
         return None
     q = _rows_to_tiles(fmt.codes().to(torch.uint8))  # [tiles, 4, K]
-    q = q.view(q.shape[0], ROWS, -1, 2, BLOCK // 2)
-    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
+    q = q.view(q.shape[0], ROWS, -1, 4, 16)  # the quarters of each 64-column chunk
+    chunks = torch.cat([q[..., 0, :] | (q[..., 1, :] << 4), q[..., 2, :] | (q[..., 3, :] << 4)], dim=-1)
+    packed = chunks.permute(0, 2, 1, 3).contiguous()
     scale, zero = fmt.scale_zero()
     scales = torch.stack([_rows_to_tiles(scale.float()), _rows_to_tiles((scale * zero).float())], dim=2)
     return Q4Layout(packed, scales.permute(0, 3, 2, 1).contiguous(), group)

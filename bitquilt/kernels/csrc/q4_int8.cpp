@@ -9,10 +9,12 @@
 //   X_g  = sum_{b in g} d_b * sum_{c in b} i_c
 //
 // which is exactly x_hat @ W^T for the rounded activations x_hat (the only error: |x - x_hat| <= d_b / 2 per
-// value). <q, i> is exact in int32 (|15 * 127 * 2| fits int16 per pair). One 16-byte chunk per row and block
-// holds the 32 codes (low nibbles: the first 16 columns, high nibbles: the next 16), widened with one shift
-// and mask; four rows share each activation block load. Several tokens (prefill) widen each tile's codes
-// once into an int8 buffer and run every token over it.
+// value). <q, i> is exact in int32 (|15 * 127 * 2| fits int16 per pair). A row's 64 codes of two blocks are one
+// 32-byte chunk: one mask gives the codes of columns 0-15 and 32-47, one shift and mask those of 16-31 and
+// 48-63, and the token's int8 activations are stored in that order (64 per chunk: 0-15, 32-47, 16-31, 48-63),
+// so two vpmaddubsw cover both blocks, the int32 lanes 0-3 summing block 2p and lanes 4-7 block 2p + 1, scaled
+// by [d_2p x 4, d_2p+1 x 4] in one FMA. Four rows share each activation load. Several tokens (prefill) widen
+// each tile's codes once into an int8 buffer and run every token over it.
 
 #include "q4_int8.h"
 
@@ -33,9 +35,11 @@ namespace {
 
 using bitquilt_simd::hsum8;
 
-// Token x [K] as int8 codes [K], block scales d [K / 32] and group sums X [groups] (module comment).
-void round_token(const float* x, int64_t K, int64_t group, int8_t* codes, float* d, float* X) {
+// Token x [K] as int8 codes [K] in chunk order (module comment), per-chunk block scales [K / 64][8] (d_2p four
+// times, then d_2p+1) and group sums X [groups].
+void round_token(const float* x, int64_t K, int64_t group, int8_t* codes, float* dpair, float* X) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   std::fill_n(X, (K + group - 1) / group, 0.0f);
   for (int64_t b = 0; b < K / BLOCK; ++b) {
     const float* xb = x + b * BLOCK;
@@ -44,7 +48,8 @@ void round_token(const float* x, int64_t K, int64_t group, int8_t* codes, float*
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-    d[b] = amax / 127.0f;
+    const float d = amax / 127.0f;
+    std::fill_n(dpair + b / 2 * 8 + b % 2 * 4, 4, d);
     const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
     __m256i sum = _mm256_setzero_si256();
     __m256i v[4];
@@ -52,40 +57,52 @@ void round_token(const float* x, int64_t K, int64_t group, int8_t* codes, float*
       v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), inv));  // round to nearest even
       sum = _mm256_add_epi32(sum, v[j]);
     }
-    // 32 int32 -> 32 int8 in column order (packs interleave 128-bit lanes; the permute undoes it)
-    const __m256i w16a = _mm256_packs_epi32(v[0], v[1]), w16b = _mm256_packs_epi32(v[2], v[3]);
-    const __m256i w8 = _mm256_packs_epi16(w16a, w16b);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * BLOCK),
-                        _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    X[b * BLOCK / group] += d[b] * hsum8(_mm256_cvtepi32_ps(sum));
+    // 32 int32 -> 32 int8 in column order (packs interleave 128-bit lanes; the permute undoes it), then the
+    // block's two halves to their places in the chunk: columns 0-15 at 16 * (b % 2), 16-31 at 32 + 16 * (b % 2)
+    const __m256i w8 = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])), order);
+    int8_t* chunk = codes + b / 2 * PAIR + b % 2 * 16;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk), _mm256_castsi256_si128(w8));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 32), _mm256_extracti128_si256(w8, 1));
+    X[b * BLOCK / group] += d * hsum8(_mm256_cvtepi32_ps(sum));
   }
 }
 
-inline __m256i widen(const uint8_t* p) {  // 16 bytes -> 32 codes in column order
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i nib = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
+// A row's chunk as two vectors of 32 codes: lo (columns 0-15, 32-47), hi (16-31, 48-63).
+struct Codes {
+  __m256i lo, hi;
+};
+
+inline Codes widen(const uint8_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib)};
 }
 
-inline __m256 block_dot(__m256i q, __m256i x) {  // 8 lanes whose sum is <q, x>, as floats
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)));
+// 8 lanes: 0-3 sum to <q, i> over the chunk's first block, 4-7 over its second, as floats
+inline __m256 chunk_dot(const Codes& q, __m256i xl, __m256i xh) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(q.lo, xl), ones);
+  const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(q.hi, xh), ones);
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
 }
 
-// The tile's 4 rows for one token; `codes` gives a row's 32 codes of block b (packed chunk or widened buffer).
-template <typename Codes>
-inline void tile_token(const Codes& codes, const float* sz, const Weight& W, const int8_t* xi, const float* d,
+// The tile's 4 rows for one token; `codes(p, r)` gives row r's chunk p (packed, or widened in a buffer).
+template <typename CodesOf>
+inline void tile_token(const CodesOf& codes, const float* sz, const Weight& W, const int8_t* xi, const float* dpair,
                        const float* X, float* out) {
   __m256 total[ROWS];
   float offset[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int r = 0; r < ROWS; ++r) total[r] = _mm256_setzero_ps();
-  const int64_t per_group = W.group / BLOCK, blocks = W.K / BLOCK;
+  const int64_t per_group = W.group / PAIR;
   for (int64_t g = 0; g < W.groups(); ++g) {
     __m256 acc[ROWS];
     for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = g * per_group; b < std::min(blocks, (g + 1) * per_group); ++b) {
-      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + b * BLOCK));
-      const __m256 db = _mm256_set1_ps(d[b]);
-      for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_fmadd_ps(block_dot(codes(b, r), xb), db, acc[r]);
+    for (int64_t p = g * per_group; p < std::min(W.K / PAIR, (g + 1) * per_group); ++p) {
+      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + p * PAIR));
+      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + p * PAIR + 32));
+      const __m256 d = _mm256_loadu_ps(dpair + p * 8);
+      for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_fmadd_ps(chunk_dot(codes(p, r), xl, xh), d, acc[r]);
     }
     const float* s = sz + g * 2 * ROWS;
     for (int r = 0; r < ROWS; ++r) {
@@ -99,7 +116,7 @@ inline void tile_token(const Codes& codes, const float* sz, const Weight& W, con
 }  // namespace
 
 Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t K, int64_t group) {
-  TORCH_CHECK(K % BLOCK == 0 && group % BLOCK == 0 && group > 0, "columns and group size must be multiples of 32");
+  TORCH_CHECK(K % PAIR == 0 && group % PAIR == 0 && group > 0, "columns and group size must be multiples of 64");
   const Weight W{nullptr, nullptr, N, K, group};
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == W.tiles() * ROWS * K / 2,
               "packed codes do not match the shape");
@@ -109,37 +126,32 @@ Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t
 }
 
 void matmul_into(const float* x, int64_t T, const Weight& W, float* y) {
-  const int64_t K = W.K, G = W.groups(), blocks = K / BLOCK, tile_bytes = ROWS * K / 2;
+  const int64_t K = W.K, G = W.groups(), pairs = K / PAIR, tile_bytes = ROWS * K / 2;
   std::vector<int8_t> xi(T * K);
-  std::vector<float> d(T * blocks), X(T * G);
+  std::vector<float> d(T * pairs * 8), X(T * G);
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      round_token(x + t * K, K, W.group, xi.data() + t * K, d.data() + t * blocks, X.data() + t * G);
+      round_token(x + t * K, K, W.group, xi.data() + t * K, d.data() + t * pairs * 8, X.data() + t * G);
   });
   const int64_t grain = std::max<int64_t>(4, (1 << 15) / tile_bytes);  // tiles per task: ~32 KB of codes
   at::parallel_for(0, W.tiles(), grain, [&](int64_t i0, int64_t i1) {
-    std::vector<int8_t> widened(T > 1 ? ROWS * K : 0);
+    std::vector<Codes> widened(T > 1 ? pairs * ROWS : 0);
     float out[ROWS];
     for (int64_t i = i0; i < i1; ++i) {
       const uint8_t* wt = W.w + i * tile_bytes;
       const float* sz = W.sz + i * G * 2 * ROWS;
       const int64_t rows = std::min(ROWS, W.N - i * ROWS);
       if (T == 1) {
-        const auto packed = [wt](int64_t b, int r) { return widen(wt + (b * ROWS + r) * 16); };
+        const auto packed = [wt](int64_t p, int r) { return widen(wt + (p * ROWS + r) * 32); };
         tile_token(packed, sz, W, xi.data(), d.data(), X.data(), out);
         std::copy_n(out, rows, y + i * ROWS);
         continue;
       }
-      for (int64_t b = 0; b < blocks; ++b)  // widen the tile once, then every token over it
-        for (int r = 0; r < ROWS; ++r)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(widened.data() + (b * ROWS + r) * BLOCK),
-                              widen(wt + (b * ROWS + r) * 16));
-      const int8_t* wd = widened.data();
-      const auto buffered = [wd](int64_t b, int r) {
-        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + (b * ROWS + r) * BLOCK));
-      };
+      for (int64_t p = 0; p < pairs * ROWS; ++p) widened[p] = widen(wt + p * 32);  // once, then every token
+      const Codes* wd = widened.data();
+      const auto buffered = [wd](int64_t p, int r) { return wd[p * ROWS + r]; };
       for (int64_t t = 0; t < T; ++t) {
-        tile_token(buffered, sz, W, xi.data() + t * K, d.data() + t * blocks, X.data() + t * G, out);
+        tile_token(buffered, sz, W, xi.data() + t * K, d.data() + t * pairs * 8, X.data() + t * G, out);
         std::copy_n(out, rows, y + t * W.N + i * ROWS);
       }
     }
