@@ -1,11 +1,12 @@
 """Every decoder layer of a batch-1 decode step in one compiled call (csrc/decode_step.cpp).
 
-`FusedLayers` holds, per layer, the norms' weights, the seven linears (bit-plane packed parts run by the
-lookup-table kernel, 4-bit uniform weights on int8 activations while `set_int8_activations` is on when the
-layers are built, or dense fp32 matrices; the slices of a MoBiQuant weight as a static prefix or routed per
-token by its router), optional q/k norms and the layer's static KV cache, and
-`step(x, pos)` runs the token's hidden state through all of them: norms, projections, biases, RoPE,
-attention over the cache, SiLU-gated MLP and residuals, without a Python call per op. The model side
+`FusedLayers` holds, per layer, the norms' weights, the seven linears, optional q/k norms and the layer's
+static KV cache, and `step(x, pos)` runs the token's hidden state through all of them: norms, projections,
+biases, RoPE, attention over the cache, SiLU-gated MLP and residuals, without a Python call per op. A
+linear is bit-plane packed parts run by the lookup-table kernel (the slices of a MoBiQuant weight as a
+static prefix, or routed per token by its router), an 8-bit uniform weight run by the 8-bit GEMV, a
+4-bit uniform weight on int8 activations (while `set_int8_activations` is on when the layers are
+built), or a dense fp32 matrix: the kernel each would run module by module. The model side
 (which modules qualify) is `bitquilt.models.lean_decode`; the math is the eager modules' in another
 fp32 order, tested against them.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from bitquilt.formats.base import WeightFormat
-from bitquilt.kernels import cpu, int8_activations, q4_int8
+from bitquilt.kernels import cpu, int8_activations, q4_int8, uniform8
 
 
 class FusedLayers:
@@ -36,6 +37,10 @@ class FusedLayers:
         (`bitquilt.kernels.q4_int8`), as it would module by module."""
         if fmts and len(fmts) == 1 and int8_activations() and (q4 := q4_int8.layout(fmts[0])) is not None:
             return self._decoder.add_q4_linear(q4.codes, q4.scales, q4.group, out_features, in_features, bias)
+        if fmts and len(fmts) == 1 and (u8 := uniform8.operands(fmts[0])) is not None:  # as module by module
+            codes, groups = u8
+            return self._decoder.add_u8_linear(codes, groups.scale, groups.scale_zero, groups.group, out_features,
+                                               in_features, bias)
         kwargs = {"block": 32, "group": 32}
         if fmts:
             layouts = cpu.packed_alike(fmts)

@@ -47,14 +47,25 @@ def _groups(fmt: WeightFormat) -> Groups | None:
 _LAYOUTS: LayoutCache[Groups] = LayoutCache(_groups)
 
 
-def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
-    """x [T, in] @ Ŵᵀ for an 8-bit `UniformFormat` and T ≤ MAX_TOKENS; None to decline."""
-    if getattr(fmt, "bits", None) != 8 or not takes(x, ctx) or x.shape[0] > MAX_TOKENS or cpu.extension() is None:
-        return None  # the bits first: this kernel sits ahead of cpu_lut on every uniform call
+def operands(fmt: WeightFormat) -> tuple[torch.Tensor, Groups] | None:
+    """The kernel's codes uint8 [N, K] (the format's own words, no copy) and per-group terms of an 8-bit uniform
+    format; None if it does not qualify or the extension is unavailable."""
+    if getattr(fmt, "bits", None) != 8 or cpu.extension() is None:
+        return None
     groups = _LAYOUTS.get(fmt)
     if groups is None:
         return None
-    codes = fmt.qweight.contiguous().view(torch.uint8)  # 4 codes per little-endian int32 word: q row by row
+    return fmt.qweight.contiguous().view(torch.uint8), groups  # 4 codes per little-endian int32 word: row by row
+
+
+def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
+    """x [T, in] @ Ŵᵀ for an 8-bit `UniformFormat` and T ≤ MAX_TOKENS; None to decline."""
+    if getattr(fmt, "bits", None) != 8 or not takes(x, ctx) or x.shape[0] > MAX_TOKENS:
+        return None  # the bits first: this kernel sits ahead of cpu_lut on every uniform call
+    found = operands(fmt)
+    if found is None:
+        return None
+    codes, groups = found
     return like(cpu.extension().uniform8_gemv(fp32_rows(x), codes, groups.scale, groups.scale_zero, groups.group), x)
 
 

@@ -18,8 +18,8 @@
 //
 // Every W is a sum of bit-plane packed parts run by the lookup-table kernel (lut_parts.h: one part for a
 // bitplane or uniform format, the first k slices for a MoBiQuant checkpoint in static mode), a 4-bit
-// uniform weight run on int8-rounded activations (q4_int8.h, when int8 activations are enabled), or a
-// dense fp32 matrix (at::mv). A routed MoBiQuant linear first counts the token's slices with its router
+// uniform weight run on int8-rounded activations (q4_int8.h, when int8 activations are enabled), an 8-bit
+// uniform weight run by the 8-bit GEMV (uniform8.h), or a dense fp32 matrix (at::mv). A routed MoBiQuant linear first counts the token's slices with its router
 // (slice_router.h) and runs that prefix of its parts. The same math as the eager modules in another fp32 order; tested
 // against them (tests/test_lean_decode.py).
 
@@ -39,6 +39,7 @@
 #include "lut_parts.h"
 #include "q4_int8.h"
 #include "slice_router.h"
+#include "uniform8.h"
 
 namespace {
 
@@ -46,6 +47,7 @@ using bitquilt_simd::dot;
 
 struct Linear {
   std::optional<bitquilt_q4::Weight> q4;  // 4-bit codes times int8 activations, or:
+  std::optional<bitquilt_u8::Weight> u8;  // 8-bit codes widened in registers, or:
   std::vector<bitquilt_lut::Part> parts;  // packed parts summed; if neither: dense
   std::vector<at::Tensor> keep;           // the tensors the parts point into
   at::Tensor dense;                       // fp32 [N, K] when there are no parts
@@ -63,6 +65,8 @@ struct Linear {
       bitquilt_lut::lut_parts_into(x, 1, prefixes[k], N, {}, y);
     } else if (q4) {
       bitquilt_q4::matmul_into(x, 1, *q4, y);
+    } else if (u8) {
+      bitquilt_u8::gemv_into(x, 1, *u8, y);
     } else if (parts.empty()) {
       const auto opts = at::TensorOptions().dtype(at::kFloat);
       auto out = at::from_blob(y, {N}, opts);
@@ -149,6 +153,18 @@ class FusedDecoder {
     lin.K = K;
     lin.q4 = bitquilt_q4::make_weight(w, sz, N, K, group);
     lin.keep = {w, sz};
+    return push(std::move(lin), bias);
+  }
+
+  // An 8-bit uniform linear for the 8-bit GEMV (uniform8.h): codes [N, K], s and s * z [N, groups].
+  int64_t add_u8_linear(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& scale_zero, int64_t group,
+                        int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
+    Linear lin;
+    lin.N = N;
+    lin.K = K;
+    lin.u8 = bitquilt_u8::make_weight(codes, scale, scale_zero, K, group);
+    TORCH_CHECK(lin.u8->N == N, "codes have ", lin.u8->N, " rows for ", N, " outputs");
+    lin.keep = {codes, scale, scale_zero};
     return push(std::move(lin), bias);
   }
 
@@ -295,6 +311,8 @@ void register_decode_step(pybind11::module& m) {
            py::arg("dense") = py::none(), py::arg("bias") = py::none())
       .def("add_q4_linear", &FusedDecoder::add_q4_linear, py::arg("w"), py::arg("sz"), py::arg("group"), py::arg("N"),
            py::arg("K"), py::arg("bias") = py::none())
+      .def("add_u8_linear", &FusedDecoder::add_u8_linear, py::arg("codes"), py::arg("scale"), py::arg("scale_zero"),
+           py::arg("group"), py::arg("N"), py::arg("K"), py::arg("bias") = py::none())
       .def("set_router", &FusedDecoder::set_router, py::arg("index"), py::arg("w1"), py::arg("b1"), py::arg("w2"),
            py::arg("b2"), py::arg("tau"))
       .def("add_layer", &FusedDecoder::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("q_norm"),

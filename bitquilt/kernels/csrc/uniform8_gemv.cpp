@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "avx2_simd.h"
+#include "uniform8.h"
 
 namespace {
 
@@ -74,34 +75,41 @@ constexpr RowsFn ROWS[MAX_TOKENS] = {rows<1>, rows<2>, rows<3>, rows<4>};
 at::Tensor uniform8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                          const at::Tensor& scale_zero, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [T, K]");
+  const bitquilt_u8::Weight W = bitquilt_u8::make_weight(codes, scale, scale_zero, x.size(1), group);
+  auto y = at::empty({x.size(0), W.N}, x.options());
+  bitquilt_u8::gemv_into(x.data_ptr<float>(), x.size(0), W, y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace
+
+bitquilt_u8::Weight bitquilt_u8::make_weight(const at::Tensor& codes, const at::Tensor& scale,
+                                             const at::Tensor& scale_zero, int64_t K, int64_t group) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "codes: contiguous uint8 [N, K]");
-  const int64_t T = x.size(0), K = x.size(1), N = codes.size(0), G = (K + group - 1) / group;
+  const int64_t N = codes.size(0), G = (K + group - 1) / group;
   TORCH_CHECK(codes.size(1) == K, "codes have ", codes.size(1), " columns for ", K, " inputs");
   TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && group > 0, "columns and group size must be multiples of 32");
   for (const auto* t : {&scale, &scale_zero})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
                     t->size(1) == G,
                 "scale, scale * zero: contiguous fp32 [N, groups]");
-  auto y = at::empty({T, N}, x.options());
+  return {codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), scale_zero.data_ptr<float>(), N, K, group};
+}
+
+void bitquilt_u8::gemv_into(const float* xp, int64_t T, const Weight& W, float* yp) {
+  const int64_t K = W.K, G = W.groups(), N = W.N, group = W.group;
   std::vector<float> xsum(T * G, 0.0f);
-  const float* xp = x.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t)
     for (int64_t c = 0; c < K; ++c) xsum[t * G + c / group] += xp[t * K + c];
-  const uint8_t* qp = codes.data_ptr<uint8_t>();
-  const float *sp = scale.data_ptr<float>(), *zp = scale_zero.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(16, (1 << 16) / K);  // rows per task: ~64 KB of codes
   at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t t0 = 0; t0 < T; t0 += MAX_TOKENS) {
       const int64_t n = std::min<int64_t>(MAX_TOKENS, T - t0);
-      ROWS[n - 1](qp, sp, zp, xp + t0 * K, xsum.data() + t0 * G, K, G, group, K, r0, r1, yp + t0 * N, N);
+      ROWS[n - 1](W.q, W.s, W.sz, xp + t0 * K, xsum.data() + t0 * G, K, G, group, K, r0, r1, yp + t0 * N, N);
     }
   });
-  return y;
 }
-
-}  // namespace
 
 // Adds the 8-bit uniform GEMV to the extension module (called from its PYBIND11_MODULE).
 void register_uniform8(pybind11::module& m) {
