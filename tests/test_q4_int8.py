@@ -54,6 +54,23 @@ def test_kernel_is_the_exact_product_with_the_rounded_activations(n, k, group, t
 
 
 @needs_ext
+@pytest.mark.parametrize(("sym", "tokens"), [(True, 1), (False, 3), (True, 16)])
+def test_8bit_gemv_on_int8_activations_is_the_exact_product_with_the_rounded_activations(sym, tokens, int8_on):
+    from bitquilt.kernels import uniform8
+
+    w, x = llm_like(48, 256)
+    x = torch.cat([x] * 4)[:tokens].contiguous()
+    fmt = make_uniform(w, 8, 64, sym=sym)
+    y = uniform8.matmul(fmt, x)
+    w_hat = fmt.dequantize().double()
+    fp32_scale = (x.double().abs() @ term_magnitudes(fmt).double().abs().T) * 2**-19
+    assert ((y.double() - rounded(x).double() @ w_hat.T).abs() <= fp32_scale + 1e-6).all()
+    kernels.set_int8_activations(False)
+    exact = uniform8.matmul(fmt, x)
+    assert (y - exact).abs().max() > 10 * (exact.double() - x.double() @ w_hat.T).abs().max()  # it really rounds
+
+
+@needs_ext
 def test_quant_linear_takes_the_int8_kernel_only_when_switched_on(int8_on):
     w, x = llm_like(96, 256)
     linear = QuantLinear(make_uniform(w, 4, 128, sym=False))
@@ -73,7 +90,8 @@ def test_quant_linear_takes_the_int8_kernel_only_when_switched_on(int8_on):
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_fused_decode_with_int8_activations_matches_module_by_module(model_type, int8_on):
     model = make_tiny(model_type)
-    quantize(model, Recipe("rtn", w_bits=4, group_size=64), torch.randint(0, 320, (2, 32)), progress=False)
+    quantize(model, Recipe("rtn", w_bits=4, group_size=64, head_bits=8), torch.randint(0, 320, (2, 32)),
+             progress=False)
     ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(1))
     fused, eager = LeanDecoder(model, 12), LeanDecoder(model, 12, fuse=False)
     assert fused.fused is not None

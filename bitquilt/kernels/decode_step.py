@@ -4,11 +4,11 @@
 static KV cache, and `step(x, pos)` runs the token's hidden state through all of them: norms, projections,
 biases, RoPE, attention over the cache, SiLU-gated MLP and residuals, without a Python call per op. A
 linear is bit-plane packed parts run by the lookup-table kernel (the slices of a MoBiQuant weight as a
-static prefix, or routed per token by its router), an 8-bit uniform weight run by the 8-bit GEMV, a
-4-bit uniform weight on int8 activations (while `set_int8_activations` is on when the layers are
-built), or a dense fp32 matrix: the kernel each would run module by module. The model side
-(which modules qualify) is `bitquilt.models.lean_decode`; the math is the eager modules' in another
-fp32 order, tested against them.
+static prefix, or routed per token by its router), an 8-bit uniform weight run by the 8-bit GEMV, or a
+dense fp32 matrix: the kernel each would run module by module. While `set_int8_activations` is on as the
+layers are built, 4-bit uniform weights run the 4-bit × int8 kernel and 8-bit ones the GEMV's int8 path,
+as module by module too. The model side (which modules qualify) is `bitquilt.models.lean_decode`; the
+math is the eager modules' in another fp32 order, tested against them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class FusedLayers:
         if fmts and len(fmts) == 1 and (u8 := uniform8.operands(fmts[0])) is not None:  # as module by module
             codes, groups = u8
             return self._decoder.add_u8_linear(codes, groups.scale, groups.scale_zero, groups.group, out_features,
-                                               in_features, bias)
+                                               in_features, int8_activations(), bias)
         kwargs = {"block": 32, "group": 32}
         if fmts:
             layouts = cpu.packed_alike(fmts)

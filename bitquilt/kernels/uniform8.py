@@ -5,7 +5,9 @@ The bit-plane lookup-table kernel (`bitquilt.kernels.cpu`) costs time in proport
 per weight, straight from the format's packed words, no extra layout) and multiplies it in fp32 FMAs. It
 takes calls of up to `MAX_TOKENS` tokens, registered as "cpu_uniform8" ahead of "cpu_lut"; larger batches go
 on to cpu_lut, whose dequantize + sgemm path serves them. Per format it keeps the fp32 scales and
-scale × zero per (row, group) in a `LayoutCache` (8 bytes per group). Exact up to fp32 summation order.
+scale × zero per (row, group) in a `LayoutCache` (8 bytes per group). Exact up to fp32 summation order;
+with `set_int8_activations(True)` it rounds each token to int8 per block of 32 and multiplies in integer
+instructions (vpmaddubsw on the codes shifted to signed), exactly x̂ @ Ŵᵀ for the rounded x̂.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
-from bitquilt.kernels import LayoutCache, cpu, fp32_rows, kernels_for, like, register_kernel, takes
+from bitquilt.kernels import LayoutCache, cpu, fp32_rows, int8_activations, kernels_for, like, register_kernel, takes
 
 MAX_TOKENS = 16  # measured up to here (bench/kernels.py --uniform8: at 16 tokens 2.0–2.8× the tables); beyond: cpu_lut
 
@@ -66,7 +68,9 @@ def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None)
     if found is None:
         return None
     codes, groups = found
-    return like(cpu.extension().uniform8_gemv(fp32_rows(x), codes, groups.scale, groups.scale_zero, groups.group), x)
+    y = cpu.extension().uniform8_gemv(fp32_rows(x), codes, groups.scale, groups.scale_zero, groups.group,
+                                      int8=int8_activations())
+    return like(y, x)
 
 
 if cpu.extension() is not None and "cpu_uniform8" not in kernels_for("uniform"):

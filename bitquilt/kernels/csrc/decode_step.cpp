@@ -47,7 +47,8 @@ using bitquilt_simd::dot;
 
 struct Linear {
   std::optional<bitquilt_q4::Weight> q4;  // 4-bit codes times int8 activations, or:
-  std::optional<bitquilt_u8::Weight> u8;  // 8-bit codes widened in registers, or:
+  std::optional<bitquilt_u8::Weight> u8;  // 8-bit codes widened in registers (u8_int8: on int8 activations), or:
+  bool u8_int8 = false;
   std::vector<bitquilt_lut::Part> parts;  // packed parts summed; if neither: dense
   std::vector<at::Tensor> keep;           // the tensors the parts point into
   at::Tensor dense;                       // fp32 [N, K] when there are no parts
@@ -66,7 +67,7 @@ struct Linear {
     } else if (q4) {
       bitquilt_q4::matmul_into(x, 1, *q4, y);
     } else if (u8) {
-      bitquilt_u8::gemv_into(x, 1, *u8, y);
+      (u8_int8 ? bitquilt_u8::gemv_int8_into : bitquilt_u8::gemv_into)(x, 1, *u8, y);
     } else if (parts.empty()) {
       const auto opts = at::TensorOptions().dtype(at::kFloat);
       auto out = at::from_blob(y, {N}, opts);
@@ -156,13 +157,15 @@ class FusedDecoder {
     return push(std::move(lin), bias);
   }
 
-  // An 8-bit uniform linear for the 8-bit GEMV (uniform8.h): codes [N, K], s and s * z [N, groups].
+  // An 8-bit uniform linear for the 8-bit GEMV (uniform8.h): codes [N, K], s and s * z [N, groups]; with int8,
+  // on int8-rounded activations.
   int64_t add_u8_linear(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& scale_zero, int64_t group,
-                        int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
+                        int64_t N, int64_t K, bool int8, const std::optional<at::Tensor>& bias) {
     Linear lin;
     lin.N = N;
     lin.K = K;
     lin.u8 = bitquilt_u8::make_weight(codes, scale, scale_zero, K, group);
+    lin.u8_int8 = int8;
     TORCH_CHECK(lin.u8->N == N, "codes have ", lin.u8->N, " rows for ", N, " outputs");
     lin.keep = {codes, scale, scale_zero};
     return push(std::move(lin), bias);
@@ -312,7 +315,7 @@ void register_decode_step(pybind11::module& m) {
       .def("add_q4_linear", &FusedDecoder::add_q4_linear, py::arg("w"), py::arg("sz"), py::arg("group"), py::arg("N"),
            py::arg("K"), py::arg("bias") = py::none())
       .def("add_u8_linear", &FusedDecoder::add_u8_linear, py::arg("codes"), py::arg("scale"), py::arg("scale_zero"),
-           py::arg("group"), py::arg("N"), py::arg("K"), py::arg("bias") = py::none())
+           py::arg("group"), py::arg("N"), py::arg("K"), py::arg("int8"), py::arg("bias") = py::none())
       .def("set_router", &FusedDecoder::set_router, py::arg("index"), py::arg("w1"), py::arg("b1"), py::arg("w2"),
            py::arg("b2"), py::arg("tau"))
       .def("add_layer", &FusedDecoder::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("q_norm"),

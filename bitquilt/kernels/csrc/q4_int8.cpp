@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "avx2_simd.h"
+#include "int8_round.h"
 
 namespace bitquilt_q4 {
 
@@ -38,33 +39,15 @@ using bitquilt_simd::hsum8;
 // Token x [K] as int8 codes [K] in chunk order (module comment), per-chunk block scales [K / 64][8] (d_2p four
 // times, then d_2p+1) and group sums X [groups].
 void round_token(const float* x, int64_t K, int64_t group, int8_t* codes, float* dpair, float* X) {
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   std::fill_n(X, (K + group - 1) / group, 0.0f);
   for (int64_t b = 0; b < K / BLOCK; ++b) {
-    const float* xb = x + b * BLOCK;
-    __m256 m = _mm256_setzero_ps();
-    for (int j = 0; j < BLOCK; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xb + j), absmask));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-    const float d = amax / 127.0f;
-    std::fill_n(dpair + b / 2 * 8 + b % 2 * 4, 4, d);
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    __m256i sum = _mm256_setzero_si256();
-    __m256i v[4];
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), inv));  // round to nearest even
-      sum = _mm256_add_epi32(sum, v[j]);
-    }
-    // 32 int32 -> 32 int8 in column order (packs interleave 128-bit lanes; the permute undoes it), then the
-    // block's two halves to their places in the chunk: columns 0-15 at 16 * (b % 2), 16-31 at 32 + 16 * (b % 2)
-    const __m256i w8 = _mm256_permutevar8x32_epi32(
-        _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])), order);
+    const bitquilt_int8::Rounded r = bitquilt_int8::round_block(x + b * BLOCK);
+    std::fill_n(dpair + b / 2 * 8 + b % 2 * 4, 4, r.d);
+    // the block's halves to their places in the chunk: columns 0-15 at 16 * (b % 2), 16-31 at 32 + 16 * (b % 2)
     int8_t* chunk = codes + b / 2 * PAIR + b % 2 * 16;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk), _mm256_castsi256_si128(w8));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 32), _mm256_extracti128_si256(w8, 1));
-    X[b * BLOCK / group] += d * hsum8(_mm256_cvtepi32_ps(sum));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk), _mm256_castsi256_si128(r.codes));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 32), _mm256_extracti128_si256(r.codes, 1));
+    X[b * BLOCK / group] += r.d * r.sum;
   }
 }
 

@@ -7,10 +7,12 @@
 
 #include <cstdint>
 
+#include "int8_round.h"
+
 namespace bitquilt_q4 {
 
 constexpr int64_t ROWS = 4;    // output rows per tile
-constexpr int64_t BLOCK = 32;  // columns per activation scale
+constexpr int64_t BLOCK = bitquilt_int8::BLOCK;  // columns per activation scale
 constexpr int64_t PAIR = 64;   // columns per packed 32-byte row chunk (two blocks)
 
 // A [N, K] weight W[r, c] = s[r, g] * (q[r, c] - z[r, g]), g = c / group, in the kernel's layout:

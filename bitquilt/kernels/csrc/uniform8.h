@@ -24,4 +24,7 @@ Weight make_weight(const at::Tensor& codes, const at::Tensor& scale, const at::T
 // y [T, N] = x [T, K] @ W^T, rows contiguous.
 void gemv_into(const float* x, int64_t T, const Weight& W, float* y);
 
+// The same with each token's activations rounded to int8 per block of 32 (int8_round.h): y = x_hat @ W^T.
+void gemv_int8_into(const float* x, int64_t T, const Weight& W, float* y);
+
 }  // namespace bitquilt_u8

@@ -9,6 +9,14 @@
 // Each group's dot product runs in independent fp32 accumulators (32 columns per step), scaled
 // into the row's total at the group's end; one horizontal sum per row and token. Exact up to fp32
 // summation order. Columns and groups must be multiples of 32 (the last group may be shorter).
+//
+// With int8 activations (gemv_int8_into), each block of 32 activations is rounded, x ~ d_b * i, and the codes
+// are shifted to signed q' = q - 128 (one xor) so that vpmaddubsw can take |q'| (unsigned, up to 128) against
+// sign(i, q') = i * sgn(q'):
+//   y[r] = sum_g s[r, g] * sum_{b in g} d_b * <q'[r, b], i_b>  +  sum_g (128 s - s z)[r, g] * X_g,
+//   X_g  = sum_{b in g} d_b * sum_{c in b} i_c,
+// exactly x_hat @ W^T; pair sums |128 * 127 * 2| fit int16. Six integer instructions per 32 weights instead of
+// twelve fp32 ones.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,6 +29,7 @@
 #include <vector>
 
 #include "avx2_simd.h"
+#include "int8_round.h"
 #include "uniform8.h"
 
 namespace {
@@ -68,16 +77,44 @@ void rows(const uint8_t* q, const float* scale, const float* scale_zero, const f
   }
 }
 
+// Rows r0 .. r1 - 1 for one token rounded to int8: codes i [K], block steps d [K / 32], group sums X [groups].
+void rows_int8(const uint8_t* q, const float* scale, const float* scale_zero, const int8_t* i, const float* d,
+               const float* X, int64_t K, int64_t G, int64_t group, int64_t r0, int64_t r1, float* y) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  const int64_t per_group = group / 32, blocks = K / 32;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* qr = q + r * K;
+    if (r + 1 < r1) _mm_prefetch(reinterpret_cast<const char*>(qr + K), _MM_HINT_T0);
+    __m256 total = _mm256_setzero_ps();
+    float offset = 0.0f;
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t b = g * per_group; b < std::min(blocks, (g + 1) * per_group); ++b) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(i + 32 * b));
+        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + 32 * b)), flip);
+        // |q'| as unsigned (abs(-128) = 0x80 = 128) against sign(i, q'): |i| <= 127, so nothing overflows
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), ones);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[b]), acc);
+      }
+      const float s = scale[r * G + g];
+      total = _mm256_fmadd_ps(acc, _mm256_set1_ps(s), total);
+      offset += (128.0f * s - scale_zero[r * G + g]) * X[g];
+    }
+    y[r] = bitquilt_simd::hsum8(total) + offset;
+  }
+}
+
 using RowsFn = void (*)(const uint8_t*, const float*, const float*, const float*, const float*, int64_t, int64_t,
                         int64_t, int64_t, int64_t, int64_t, float*, int64_t);
 constexpr RowsFn ROWS[MAX_TOKENS] = {rows<1>, rows<2>, rows<3>, rows<4>};
 
 at::Tensor uniform8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                         const at::Tensor& scale_zero, int64_t group) {
+                         const at::Tensor& scale_zero, int64_t group, bool int8) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [T, K]");
   const bitquilt_u8::Weight W = bitquilt_u8::make_weight(codes, scale, scale_zero, x.size(1), group);
   auto y = at::empty({x.size(0), W.N}, x.options());
-  bitquilt_u8::gemv_into(x.data_ptr<float>(), x.size(0), W, y.data_ptr<float>());
+  (int8 ? bitquilt_u8::gemv_int8_into : bitquilt_u8::gemv_into)(x.data_ptr<float>(), x.size(0), W,
+                                                                 y.data_ptr<float>());
   return y;
 }
 
@@ -111,7 +148,30 @@ void bitquilt_u8::gemv_into(const float* xp, int64_t T, const Weight& W, float* 
   });
 }
 
+void bitquilt_u8::gemv_int8_into(const float* xp, int64_t T, const Weight& W, float* yp) {
+  const int64_t K = W.K, G = W.groups(), N = W.N, group = W.group, blocks = K / 32;
+  std::vector<int8_t> codes(T * K);
+  std::vector<float> d(T * blocks), X(T * G, 0.0f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const bitquilt_int8::Rounded r = bitquilt_int8::round_block(xp + t * K + 32 * b);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes.data() + t * K + 32 * b), r.codes);
+      d[t * blocks + b] = r.d;
+      X[t * G + 32 * b / group] += r.d * r.sum;
+    }
+  const int64_t grain = std::max<int64_t>(16, (1 << 16) / K);  // rows per task: ~64 KB of codes
+  at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t t = 0; t < T; ++t)
+      rows_int8(W.q, W.s, W.sz, codes.data() + t * K, d.data() + t * blocks, X.data() + t * G, K, G, group, r0, r1,
+                yp + t * N);
+  });
+}
+
 // Adds the 8-bit uniform GEMV to the extension module (called from its PYBIND11_MODULE).
 void register_uniform8(pybind11::module& m) {
-  m.def("uniform8_gemv", &uniform8_gemv, "y = x @ W^T for 8-bit uniform W, codes widened in registers (AVX2)");
+  namespace py = pybind11;
+  m.def("uniform8_gemv", &uniform8_gemv,
+        "y = x @ W^T for 8-bit uniform W, codes widened in registers; with int8: x rounded to int8 per 32 (AVX2)",
+        py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("scale_zero"), py::arg("group"),
+        py::arg("int8") = false);
 }

@@ -1,0 +1,44 @@
+// Rounding a block of 32 fp32 activations to int8 (scale max|x| / 127), shared by the int8-activation kernels
+// (q4_int8.cpp, uniform8_gemv.cpp): llama.cpp's Q8 activation blocks.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "avx2_simd.h"
+
+namespace bitquilt_int8 {
+
+constexpr int64_t BLOCK = 32;  // activations per scale
+
+struct Rounded {
+  __m256i codes;  // 32 int8 in column order
+  float d;        // the step: x ~ d * code
+  float sum;      // sum of the codes (exact integer)
+};
+
+// i_c = round-to-nearest-even(x_c * 127 / max|x|) for the 32 values at x (all zero when they are).
+inline Rounded round_block(const float* x) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  for (int j = 0; j < BLOCK; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + j), absmask));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  __m256i sum = _mm256_setzero_si256();
+  __m256i v[4];
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), inv));
+    sum = _mm256_add_epi32(sum, v[j]);
+  }
+  // packs interleave 128-bit lanes; the permute restores column order
+  const __m256i w8 = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  return {w8, amax / 127.0f, bitquilt_simd::hsum8(_mm256_cvtepi32_ps(sum))};
+}
+
+}  // namespace bitquilt_int8
