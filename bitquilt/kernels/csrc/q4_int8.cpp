@@ -36,6 +36,8 @@ namespace {
 
 using bitquilt_simd::hsum8;
 
+constexpr int64_t PREFETCH = 2048;  // bytes ahead in the code stream (tiles are contiguous: runs into the next)
+
 // Token x [K] as int8 codes [K] in chunk order (module comment), per-chunk block scales [K / 64][8] (d_2p four
 // times, then d_2p+1) and group sums X [groups].
 void round_token(const float* x, int64_t K, int64_t group, int8_t* codes, float* dpair, float* X) {
@@ -125,7 +127,10 @@ void matmul_into(const float* x, int64_t T, const Weight& W, float* y) {
       const float* sz = W.sz + i * G * 2 * ROWS;
       const int64_t rows = std::min(ROWS, W.N - i * ROWS);
       if (T == 1) {
-        const auto packed = [wt](int64_t p, int r) { return widen(wt + (p * ROWS + r) * 32); };
+        const auto packed = [wt](int64_t p, int r) {
+          if (r == 0) _mm_prefetch(reinterpret_cast<const char*>(wt + p * ROWS * 32 + PREFETCH), _MM_HINT_T0);
+          return widen(wt + (p * ROWS + r) * 32);
+        };
         tile_token(packed, sz, W, xi.data(), d.data(), X.data(), out);
         std::copy_n(out, rows, y + i * ROWS);
         continue;
