@@ -33,7 +33,8 @@ def int8_on():
 
 @needs_ext
 @pytest.mark.parametrize(("n", "k", "group", "tokens"),
-                         [(70, 256, 128, 1), (64, 192, 64, 3), (33, 512, 64, 17), (5, 128, -1, 2), (4, 64, 64, 80)])
+                         [(70, 256, 128, 1), (64, 192, 64, 3), (33, 512, 64, 17), (5, 128, -1, 2), (4, 64, 64, 80),
+                          (4102, 64, 64, 2)])  # the last: more rows than the layout converts at a time
 def test_kernel_is_the_exact_product_with_the_rounded_activations(n, k, group, tokens):
     w, x = llm_like(n, k)
     x = torch.cat([x, torch.randn(tokens, k)])[:tokens].contiguous()

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from bitquilt.formats.base import MatmulContext, WeightFormat
-from bitquilt.formats.uniform import UniformFormat, resolve_group_size
+from bitquilt.formats.packing import unpack
+from bitquilt.formats.uniform import PLANE_ROWS, UniformFormat, resolve_group_size
 from bitquilt.kernels import LayoutCache, cpu, fp32_rows, int8_activations, kernels_for, like, register_kernel, takes
 
 ROWS, PAIR = 4, 64  # output rows per tile, columns per packed row chunk (csrc/q4_int8.h)
@@ -53,10 +54,13 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
     group = resolve_group_size(fmt.group_size, fmt.in_features)
     if fmt.in_features % PAIR or group % PAIR:
         return None
-    q = _rows_to_tiles(fmt.codes().to(torch.uint8))  # [tiles, 4, K]
-    q = q.view(q.shape[0], ROWS, -1, 4, 16)  # the quarters of each 64-column chunk
-    chunks = torch.cat([q[..., 0, :] | (q[..., 1, :] << 4), q[..., 2, :] | (q[..., 3, :] << 4)], dim=-1)
-    packed = chunks.permute(0, 2, 1, 3).contiguous()
+    n, k = fmt.out_features, fmt.in_features
+    packed = torch.empty(-(-n // ROWS), k // PAIR, ROWS, PAIR // 2, dtype=torch.uint8)
+    for r0 in range(0, n, PLANE_ROWS):  # rows at a time: unpacking holds 8 bytes per code on the way
+        q = _rows_to_tiles(unpack(fmt.qweight[r0:r0 + PLANE_ROWS], 4, k).to(torch.uint8))  # [tiles, 4, K]
+        q = q.view(q.shape[0], ROWS, -1, 4, 16)  # the quarters of each 64-column chunk
+        chunks = torch.cat([q[..., 0, :] | (q[..., 1, :] << 4), q[..., 2, :] | (q[..., 3, :] << 4)], dim=-1)
+        packed[r0 // ROWS:r0 // ROWS + q.shape[0]] = chunks.permute(0, 2, 1, 3)
     scale, zero = fmt.scale_zero()
     scales = torch.stack([_rows_to_tiles(scale.float()), _rows_to_tiles((scale * zero).float())], dim=2)
     return Q4Layout(packed, scales.permute(0, 3, 2, 1).contiguous(), group)
