@@ -18,7 +18,7 @@ output dataclasses. `LeanDecoder` runs the model's own modules for one sequence:
 - with `fuse=True`, a one-token step runs every decoder layer in one compiled call
   (`bitquilt.kernels.decode_step`) when every layer qualifies: plain RMSNorms, no attention-site
   modules, no hooks, fp32, and linears that are `nn.Linear` or `QuantLinear` without online modules
-  (a slice router excepted) whose weight the lookup-table kernel packs (bitplane, uniform, the slices
+  (a slice router excepted) whose weight a CPU kernel takes (bitplane, uniform at any width, the slices
   of a MoBiQuant checkpoint, static or routed per token); `fused_reason` says why not otherwise, and
   those steps run module by module.
 
@@ -150,7 +150,7 @@ def fuse_layers(decoder: LeanDecoder) -> tuple[FusedLayers | None, str | None]:
                 return None, spec
             index = fused.add_linear(spec.fmts, spec.dense, spec.bias, linear.out_features, linear.in_features)
             if index is None:
-                return None, f"layer {i} {name}: a weight the lookup-table kernel does not pack"
+                return None, f"layer {i} {name}: a weight no CPU kernel takes whole"
             if spec.router is not None:
                 r = spec.router
                 fused.route(index, r.fc1.weight, r.fc1.bias, r.fc2.weight, r.fc2.bias, r.threshold)
