@@ -88,10 +88,12 @@ def test_quant_linear_takes_the_int8_kernel_only_when_switched_on(int8_on):
 
 
 @needs_ext
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_fused_decode_with_int8_activations_matches_module_by_module(model_type, int8_on):
+@pytest.mark.parametrize(("model_type", "bits"), [("llama", 4), ("qwen2", 4), ("llama", 8)])
+def test_fused_decode_with_int8_activations_matches_module_by_module(model_type, bits, int8_on):
+    """4-bit linears on the 4-bit × int8 kernel, 8-bit ones on the GEMV's int8 path, in the fused step as module by
+    module (the 8-bit head runs the GEMV's int8 path in both)."""
     model = make_tiny(model_type)
-    quantize(model, Recipe("rtn", w_bits=4, group_size=64, head_bits=8), torch.randint(0, 320, (2, 32)),
+    quantize(model, Recipe("rtn", w_bits=bits, group_size=64, head_bits=8), torch.randint(0, 320, (2, 32)),
              progress=False)
     ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(1))
     fused, eager = LeanDecoder(model, 12), LeanDecoder(model, 12, fuse=False)
