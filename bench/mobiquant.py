@@ -193,7 +193,6 @@ def main() -> None:
     parts = args.parts.split(",")
     settings = {**settings, "group_size": args.group_size}
     checkpoint = checkpoint_name(slices, args.target_bits, args.route_steps, args.router_only)
-    done = measured("mobiquant", KEY)
     base = {"model": args.model, "settings": settings, "checkpoint": ""}
     tokenizer, ids = None, None
 
@@ -206,7 +205,7 @@ def main() -> None:
     def wanted(kind: str, label: str, precision: str) -> bool:
         ours = checkpoint if label.startswith("mobiquant") else ""
         record = {**base, "kind": kind, "label": label, "precision": precision, "checkpoint": ours}
-        return (record_key(record, KEY) in done) == args.recheck
+        return (record_key(record, KEY) in measured("mobiquant", KEY)) == args.recheck  # re-read: this run adds
 
     def ppl(model, tok) -> float:
         return perplexity(model, tok, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl
