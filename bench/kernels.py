@@ -69,6 +69,22 @@ def timed(fn, *args) -> tuple[float, float]:
     return (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
 
 
+def alternating_cpu_ms(rounds: list[dict[str, tuple]]) -> dict[str, float]:
+    """Median CPU ms of each named call over the rounds, the calls alternating within a round so all see the same
+    load; a round maps each name to its (function, *args), e.g. another cold copy of the weights each round."""
+    times: dict[str, list[float]] = {name: [] for name in rounds[0]}
+    for calls in rounds:
+        for name, (fn, *args) in calls.items():
+            times[name].append(timed(fn, *args)[1])
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def write_report(name: str, meta: dict, rows: list[dict], markdown_text: str) -> None:
+    """results/NAME.json ({"meta", "results"}) and results/NAME.md."""
+    write_atomic(RESULTS / f"{name}.json", json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
+    write_atomic(RESULTS / f"{name}.md", markdown_text)
+
+
 def bench_shape(n: int, k: int, batches, threads_list, formats, log) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     fp32 = [torch.randn(n, k, generator=gen) for _ in range(cold_copies(n * k * 4))]
@@ -354,12 +370,9 @@ def uniform8_main() -> None:
         fp32 = [torch.randn(n, k, generator=gen) for _ in range(cold_copies(n * k * 4))]
         for batch in U8_BATCHES:
             x = torch.randn(batch, k, generator=gen)
-            t = {"uniform8": [], "tables": [], "fp32": []}
-            for r in range(7):
-                t["uniform8"].append(timed(uniform8.matmul, fmts[r % len(fmts)], x)[1])
-                t["tables"].append(timed(tables[r % len(tables)].lut, x)[1])
-                t["fp32"].append(timed(torch.nn.functional.linear, x, fp32[r % len(fp32)])[1])
-            ms = {name: statistics.median(v) for name, v in t.items()}
+            ms = alternating_cpu_ms([{"uniform8": (uniform8.matmul, fmts[r % len(fmts)], x),
+                                      "tables": (tables[r % len(tables)].lut, x),
+                                      "fp32": (torch.nn.functional.linear, x, fp32[r % len(fp32)])} for r in range(7)])
             row = dict(N=n, K=k, batch=batch, **{f"{name}_cpu_ms": v for name, v in ms.items()},
                        GBps=n * k / ms["uniform8"] / 1e6)
             print(f"{n}x{k} batch {batch:2d}: uniform8 {ms['uniform8']:.2f} ms ({row['GBps']:.1f} GB/s), tables "
@@ -379,8 +392,7 @@ def uniform8_main() -> None:
                      f"{r['tables_cpu_ms']:.2f} | {r['fp32_cpu_ms']:.2f} | "
                      f"{r['tables_cpu_ms'] / r['uniform8_cpu_ms']:.2f}× | "
                      f"{r['fp32_cpu_ms'] / r['uniform8_cpu_ms']:.2f}× |")
-    write_atomic(RESULTS / "uniform8_kernel.json", json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
-    write_atomic(RESULTS / "uniform8_kernel.md", "\n".join(lines) + "\n")
+    write_report("uniform8_kernel", meta, rows, "\n".join(lines) + "\n")
     print(f"wrote {RESULTS / 'uniform8_kernel.md'}")
 
 
@@ -404,6 +416,7 @@ def int8_main() -> None:
     for n, k in I8_SHAPES:
         fmts = [random_uniform(n, k, 4, gen) for _ in range(cold_copies(n * k // 2))]
         layouts = [q4_int8.layout(f) for f in fmts]
+        int8_args = [(lay.codes, lay.scales, n, lay.group) for lay in layouts]
         exact = [cpu.packed(f) for f in fmts]
         nbytes = layouts[0].nbytes()
         buffers = [torch.randn(nbytes // 4, generator=gen) for _ in range(cold_copies(nbytes))]
@@ -412,13 +425,10 @@ def int8_main() -> None:
         for batch in I8_BATCHES:
             x = torch.randn(batch, k, generator=gen)
             reps = REPEATS[batch]
-            t = {"int8": [], "exact": [], "fp32": []}
-            for r in range(reps):
-                lay = layouts[r % len(layouts)]
-                t["int8"].append(timed(ext.q4_int8_matmul, x, lay.codes, lay.scales, n, lay.group)[1])
-                t["exact"].append(timed(exact[r % len(exact)].matmul, x)[1])
-                t["fp32"].append(timed(torch.nn.functional.linear, x, fp32[r % len(fp32)])[1])
-            ms = {name: statistics.median(v) for name, v in t.items()}
+            ms = alternating_cpu_ms([{"int8": (ext.q4_int8_matmul, x, *int8_args[r % len(int8_args)]),
+                                      "exact": (exact[r % len(exact)].matmul, x),
+                                      "fp32": (torch.nn.functional.linear, x, fp32[r % len(fp32)])}
+                                     for r in range(reps)])
             ceiling = nbytes / read_ceiling_ms(buffers, reps) / 1e6
             row = dict(N=n, K=k, batch=batch, **{f"{name}_cpu_ms": v for name, v in ms.items()},
                        GBps=nbytes / ms["int8"] / 1e6, ceiling_GBps=ceiling)
@@ -443,8 +453,7 @@ def int8_main() -> None:
         lines.append(f"| {r['N']}×{r['K']} | {r['batch']} | {r['int8_cpu_ms']:.3f} | {r['GBps']:.1f} | "
                      f"{r['ceiling_GBps']:.1f} | {share} | {r['exact_cpu_ms']:.3f} | {r['fp32_cpu_ms']:.2f} | "
                      f"{r['exact_cpu_ms'] / r['int8_cpu_ms']:.2f}× | {r['fp32_cpu_ms'] / r['int8_cpu_ms']:.2f}× |")
-    write_atomic(RESULTS / "int8_kernel.json", json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
-    write_atomic(RESULTS / "int8_kernel.md", "\n".join(lines) + "\n")
+    write_report("int8_kernel", meta, rows, "\n".join(lines) + "\n")
     print(f"wrote {RESULTS / 'int8_kernel.md'}")
 
 
@@ -492,8 +501,7 @@ def main() -> None:
     for n, k in shapes:
         rows += bench_shape(n, k, batches, threads, formats, log)
     meta["loadavg_end"] = loadavg()
-    write_atomic(RESULTS / "kernels.json", json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
-    write_atomic(RESULTS / "kernels.md", markdown(rows, meta))
+    write_report("kernels", meta, rows, markdown(rows, meta))
     print(f"wrote {RESULTS / 'kernels.json'} and {RESULTS / 'kernels.md'}")
 
 
