@@ -9,13 +9,14 @@
 //   X_g  = sum_{b in g} d_b * sum_{c in b} i_c
 //
 // which is exactly x_hat @ W^T for the rounded activations x_hat (the only error: |x - x_hat| <= d_b / 2 per
-// value). <q, i> is exact in int32 (|15 * 127 * 2| fits int16 per pair). A row's 64 codes of two blocks are one
-// 32-byte chunk: one mask gives the codes of columns 0-15 and 32-47, one shift and mask those of 16-31 and
-// 48-63, and the token's int8 activations are stored in that order (64 per chunk: 0-15, 32-47, 16-31, 48-63),
-// so two vpmaddubsw cover both blocks, the int32 lanes 0-3 summing block 2p and lanes 4-7 block 2p + 1, scaled
-// by [d_2p x 4, d_2p+1 x 4] in one FMA. Four rows share each activation load. Several tokens (prefill) widen
-// each tile's codes once into an int8 buffer and run every token over it. The code stream is sequential; a
-// software prefetch 2 or 8 KB ahead measured no faster than the hardware prefetcher alone (cold weights).
+// value). <q, i> is exact: a vpmaddubsw pair sum is at most 2 * 15 * 127, so two of them add in int16 before one
+// vpmaddwd widens to int32. A row's 64 codes of two blocks are one 32-byte chunk: one mask gives the codes of
+// columns 0-15 and 32-47, one shift and mask those of 16-31 and 48-63, and the token's int8 activations are
+// stored in that order (64 per chunk: 0-15, 32-47, 16-31, 48-63), so two vpmaddubsw cover both blocks, the int32
+// lanes 0-3 summing block 2p and lanes 4-7 block 2p + 1, scaled by [d_2p x 4, d_2p+1 x 4] in one FMA. Four rows
+// share each activation load. Several tokens (prefill) widen each tile's codes once into an int8 buffer and run
+// every token over it. The code stream is sequential; a software prefetch 2 or 8 KB ahead measured no faster
+// than the hardware prefetcher alone (cold weights).
 
 #include "q4_int8.h"
 
@@ -66,9 +67,9 @@ inline Codes widen(const uint8_t* p) {
 // 8 lanes: 0-3 sum to <q, i> over the chunk's first block, 4-7 over its second, as floats
 inline __m256 chunk_dot(const Codes& q, __m256i xl, __m256i xh) {
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(q.lo, xl), ones);
-  const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(q.hi, xh), ones);
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+  // each int16 pair sum is at most 2 * 15 * 127, so the two halves add exactly in int16 before one vpmaddwd
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(q.lo, xl), _mm256_maddubs_epi16(q.hi, xh));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
 }
 
 // The tile's 4 rows for one token; `codes(p, r)` gives row r's chunk p (packed, or widened in a buffer).
