@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from bitquilt import kernels
 from bitquilt.calib.stages import ModelContext
 from bitquilt.io import load_quantized, quantization_record, save
 from bitquilt.models.adapters import architecture_of, decoder_layers
@@ -19,6 +20,7 @@ from bitquilt.nn.hadamard import (
     odd_factor,
     paley_hadamard,
     random_signs,
+    reference_transform,
     sylvester,
 )
 from bitquilt.nn.kv_quant import KVQuantizer
@@ -29,6 +31,7 @@ from bitquilt.pipeline.engine import quantize_model
 from bitquilt.recipes import Recipe
 from bitquilt.transforms.rotation import QuaRotOptions, _rowwise_float64, fuse_norms, quarot
 from tests.conftest import attach_kv_quantizers, block_context, make_tiny
+from tests.test_kernels import needs_ext
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3_text"]
 PACKAGED_SIZES = [64, 128, 576, 896, 1536, 4864, 8960]  # head_dim, hidden and FFN widths of the packaged models
@@ -87,6 +90,37 @@ def test_rotating_a_large_matrix_in_row_chunks_is_exact():
     whole = hadamard_transform(w.double(), s).float()
     assert torch.equal(_rowwise_float64(w, lambda rows: hadamard_transform(rows, s), rows=5), whole)
     assert torch.equal(_rowwise_float64(w.T.contiguous().T, lambda rows: hadamard_transform(rows, s), rows=4), whole)
+
+
+@needs_ext
+@pytest.mark.parametrize("n", PACKAGED_SIZES + [1, 2, 4, 8, 12, 14, 3])
+@pytest.mark.parametrize("signed", [False, True])
+def test_compiled_transform_matches_the_torch_reference(n, signed):
+    """fp32 rows go through csrc/hadamard.cpp (in-register butterflies below 8, the odd factor four columns at a
+    time): it must give the torch butterflies' result and x M_n to fp32 rounding, for any leading shape."""
+    x = torch.randn(5, 3, n, generator=torch.Generator().manual_seed(n))
+    s = random_signs(n, 3) if signed else None
+    y = hadamard_transform(x, s)
+    reference = reference_transform(x, s)
+    exact = ((x.double() * (1 if s is None else s)) @ hadamard_matrix(n)).float() if n <= 1536 else reference
+    tol = 4e-7 * math.log2(2 * n) * x.abs().max()
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert (y - reference).abs().max() <= tol and (y - exact).abs().max() <= tol
+    kernels.set_kernels_enabled(False)
+    try:
+        assert torch.equal(hadamard_transform(x, s), reference)  # kernels off: the torch path itself
+    finally:
+        kernels.set_kernels_enabled(True)
+
+
+def test_compiled_transform_declines_gradients_and_other_dtypes():
+    """A gradient wanted, or float64/bf16 input, takes the torch path (which autograd and exact float64 need)."""
+    x = torch.randn(4, 576, requires_grad=True)
+    hadamard_transform(x).sum().backward()
+    assert torch.allclose(x.grad, hadamard_matrix(576).sum(1).float().expand(4, -1), atol=1e-5)
+    for dtype in (torch.float64, torch.bfloat16):
+        x = torch.randn(2, 64).to(dtype)
+        assert torch.equal(hadamard_transform(x), reference_transform(x))
 
 
 # ---------------------------------------------------------------- norm fusion and rotation

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 TILE = 32  # output rows per kernel tile
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("lut_matmul.cpp", "mxint_matmul.cpp", "slice_router.cpp", "uniform8_gemv.cpp",
-                         "decode_step.cpp", "q4_int8.cpp")]
+                         "decode_step.cpp", "q4_int8.cpp", "hadamard.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _ext: ModuleType | None = None
 _failed = False

@@ -23,6 +23,8 @@ from functools import cache
 
 import torch
 
+from bitquilt.kernels.hadamard import transform as kernel_transform
+
 
 def _is_prime(q: int) -> bool:
     return q > 1 and all(q % d for d in range(2, math.isqrt(q) + 1))
@@ -100,8 +102,25 @@ def _fwht(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(shape)
 
 
+@cache
+def _kernel_factor(n: int) -> torch.Tensor:
+    """F_p / √k in fp32, contiguous: what the compiled transform multiplies by."""
+    f = odd_factor(n)
+    return (f / math.sqrt(n // f.shape[0])).float().contiguous()
+
+
 def hadamard_transform(x: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
-    """(x ⊙ s) M_n along the last dimension of x (n = x.shape[-1]); s = 1 if `signs` is None."""
+    """(x ⊙ s) M_n along the last dimension of x (n = x.shape[-1]); s = 1 if `signs` is None.
+
+    fp32 CPU tensors without a gradient go through the compiled kernel (`bitquilt.kernels.hadamard`), the rest
+    through the butterflies below (the reference the kernel is tested against)."""
+    n = x.shape[-1]
+    fast = kernel_transform(x, signs, _kernel_factor(n))
+    return fast if fast is not None else reference_transform(x, signs)
+
+
+def reference_transform(x: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """`hadamard_transform` in torch: one butterfly pass per factor of two, then the odd factor as a matmul."""
     n = x.shape[-1]
     f = odd_factor(n)
     p, k = f.shape[0], n // f.shape[0]

@@ -395,6 +395,7 @@ void register_uniform8(pybind11::module& m);  // uniform8_gemv.cpp
 
 void register_decode_step(pybind11::module& m);  // decode_step.cpp
 void register_q4_int8(pybind11::module& m);  // q4_int8.cpp
+void register_hadamard(pybind11::module& m);  // hadamard.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -417,4 +418,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_uniform8(m);
   register_decode_step(m);
   register_q4_int8(m);
+  register_hadamard(m);
 }
