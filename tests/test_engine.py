@@ -129,3 +129,42 @@ def test_too_few_calibration_tokens_for_a_layer_warn_once(caplog):
     with caplog.at_level("WARNING", logger="bitquilt.pipeline.apply"):
         quantize_model(make_tiny("llama"), Recipe("gptq", w_bits=4, group_size=32), _ids(8), progress=False)
     assert not caplog.records
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text"])
+@pytest.mark.parametrize("recipe", [Recipe("gptq", w_bits=4, group_size=32),
+                                    Recipe("quarot+gptq", w_bits=4, group_size=32, a_bits=4, kv_bits=4),
+                                    Recipe("smoothquant+rtn", w_bits=4, group_size=32, a_bits=4, kv_bits=4,
+                                           a_clip=None),
+                                    Recipe("awq+gptq", w_bits=3, group_size=32)], ids=lambda r: r.label())
+def test_reusing_the_final_attention_is_bit_identical_and_skips_its_passes(model_type, recipe, monkeypatch):
+    """Once a block's attention linears are solved, the MLP groups' passes and the block's final pass reuse its
+    output (`attention_reused`): the quantized model must be the very same, with fewer attention computations."""
+    import contextlib
+
+    import bitquilt.pipeline.engine as engine
+
+    calls = [0]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    ids = _ids(4)
+    states, counts = [], []
+    for reuse in (False, True):
+        if not reuse:
+            monkeypatch.setattr(engine, "attention_reused", lambda *_: contextlib.nullcontext())
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+        model = make_tiny(model_type)
+        calls[0] = 0
+        quantize_model(model, recipe, ids, progress=False)
+        states.append(model.state_dict())
+        counts.append(calls[0])
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert counts[1] < counts[0], counts

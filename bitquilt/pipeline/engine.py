@@ -11,6 +11,7 @@ block's calibration activations are held at a time. What runs is the recipe's st
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import asdict
 from typing import Any, Protocol
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from bitquilt.calib.capture import capture_block_inputs, run_block
+from bitquilt.calib.capture import attention_reused, capture_block_inputs, run_block
 from bitquilt.calib.plan import Plan
 from bitquilt.calib.stages import SCOPES, BlockContext, ModelContext, Stage
 from bitquilt.formats.sparse_blocks import check_block_shape
@@ -133,6 +134,8 @@ def quantize_model(
     model.config.use_cache = False
     inputs, layer_kwargs = capture_block_inputs(model, arch, calib_ids) if needs_data else ([], [])
 
+    last_attention_group = max((j for j, g in enumerate(arch.shared_inputs)
+                                if any(n.startswith(f"{arch.attention}.") for n in g.linears)), default=None)
     bar = tqdm(range(len(layers)), desc=f"quantize {recipe.label()}", unit="block", disable=not progress)
     for i in bar:
         t_block = time.perf_counter()
@@ -142,16 +145,21 @@ def quantize_model(
                                  block=layers[i], inputs=inputs, kwargs=layer_kwargs[i] if needs_data else {})
         for stage, opts in by_scope["block"]:
             _record(report, stage, stage.fn(block_ctx, opts), block_ctx.prefix)
-        for shared in arch.shared_inputs:
-            block_ctx.linears = shared.linears
-            for stage, opts in by_scope["inputs"]:
+        with ExitStack() as reuse:
+            for j, shared in enumerate(arch.shared_inputs):
+                block_ctx.linears = shared.linears
+                for stage, opts in by_scope["inputs"]:
+                    _record(report, stage, stage.fn(block_ctx, opts), block_ctx.prefix)
+                if needs_data and j == last_attention_group:  # the attention is final until post-block stages
+                    reuse.enter_context(attention_reused(layers[i], arch.attention))
+            block_ctx.linears = ()
+            if by_scope["post_block"]:
+                reuse.close()
+            for stage, opts in by_scope["post_block"]:
                 _record(report, stage, stage.fn(block_ctx, opts), block_ctx.prefix)
-        block_ctx.linears = ()
-        for stage, opts in by_scope["post_block"]:
-            _record(report, stage, stage.fn(block_ctx, opts), block_ctx.prefix)
-        report.linears.extend(block_ctx.results)
-        if needs_data:
-            inputs = run_block(layers[i], inputs, block_ctx.kwargs)
+            report.linears.extend(block_ctx.results)
+            if needs_data:
+                inputs = run_block(layers[i], inputs, block_ctx.kwargs)
         if blocks is not None:
             blocks.release(i)
         report.block_seconds.append(time.perf_counter() - t_block)
