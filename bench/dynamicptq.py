@@ -93,6 +93,9 @@ def main() -> None:
     p.add_argument("--tasks", default="", help="zero-shot tasks, e.g. piqa,arc_easy,hellaswag (default: none); a row "
                    "measured without them is measured again with them")
     p.add_argument("--limit", type=int, default=200, help="zero-shot items per task")
+    p.add_argument("--tasks-rows", choices=("all", "headline"), default="all",
+                   help="rows scored on --tasks: every row, or only each backbone alone and at --compare-k by the "
+                   "Jump Ratio (zero-shot costs more than the quantization on the larger models)")
     add_protocol_args(p, calib_samples=32, ppl_windows=20)
     args = p.parse_args()
     calib, settings = protocol_settings(args)
@@ -110,8 +113,8 @@ def main() -> None:
     for backbone, k, select in configs:
         wanted = {"model": args.model, "backbone": backbone, "layers": k, "select": select, "settings": settings}
         stored = stored_record("dynamicptq", wanted, KEY)
-        done = stored is not None and (not args.tasks or (stored.get("tasks"), stored.get("limit")) ==
-                                       (args.tasks, args.limit))
+        tasks = args.tasks if args.tasks_rows == "all" or (k in (0, args.compare_k) and select == "jr") else ""
+        done = stored is not None and (not tasks or (stored.get("tasks"), stored.get("limit")) == (tasks, args.limit))
         if done != args.recheck:
             continue
         model, tokenizer = load(args.model)
@@ -132,12 +135,12 @@ def main() -> None:
             plot_phases(phases, RESULTS / f"dynamicptq_{args.model}.png", f"{args.model} after {backbone}'s "
                         "transform")
         ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False)
-        record = {**wanted, "tasks": args.tasks, "limit": args.limit if args.tasks else None, "ppl": ppl.ppl,
+        record = {**wanted, "tasks": tasks, "limit": args.limit if tasks else None, "ppl": ppl.ppl,
                   "chosen": decision.get("layers", []),
                   "a8_bytes_per_token": a8_bytes_per_token(model, decision.get("layers", [])),
                   **model_summary(model), "quant_time_s": quant_time, "machine": machine(), "command": command}
-        if args.tasks:
-            scores = evaluate_tasks(model, tokenizer, args.tasks.split(","), limit=args.limit, progress=False,
+        if tasks:
+            scores = evaluate_tasks(model, tokenizer, tasks.split(","), limit=args.limit, progress=False,
                                     cache_key=f"dynamicptq|{backbone}|{k}|{select}|{calib}")
             record["zeroshot"], record["zeroshot_avg"] = scores, average_accuracy(scores)
         print(f"{backbone:16s} K={k} {select:6s} {record['chosen']} ppl {ppl.ppl:9.2f} quant {quant_time:5.0f} s",
