@@ -7,6 +7,8 @@ Rows, most telling first (records resume where a run stopped):
   routed at each --avg-bits (one global threshold δ, the bits really used reported) and static
   (every token the same slices) at each width the slices reach, all from the one saved checkpoint;
 - GPTQ and AWQ calibrated separately at each --widths (groups of --group-size, as the slices);
+- "mobislice nested" / "mobislice lloyd" (`--parts slicing`): the slices alone, uncalibrated, on each
+  MoBiSlice grid, at each static width: what the grid gives before any training;
 - "gptq 3→4": the 3-bit GPTQ checkpoint's weights requantized on the 4-bit grid (RTN), the static
   checkpoint asked for a precision it was not calibrated at (the paper's generalisation failure);
 - batch-1 decode tokens/s of the mobiquant checkpoint at each static width and routed --avg-bits;
@@ -56,9 +58,10 @@ def _float_list(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
 
 
-def checkpoint_name(slices: tuple[int, ...], target_bits: float, steps: int, router_only: bool) -> str:
-    """How the mobiquant rows name their checkpoint (baseline rows have none)."""
-    return (f"slices {','.join(map(str, slices))}, {target_bits:g} bits, {steps} steps, "
+def checkpoint_name(slices: tuple[int, ...], grid: str, target_bits: float, steps: int, router_only: bool) -> str:
+    """How the mobiquant rows name their checkpoint (baseline rows have none). Checkpoints named without a grid
+    were cut on the lloyd grid, MoBiSlice's only one until 2026-12-02."""
+    return (f"slices {','.join(map(str, slices))}, {grid} grid, {target_bits:g} bits, {steps} steps, "
             f"{'router-only' if router_only else 'prefixes refit + re-cut'}")
 
 
@@ -85,8 +88,9 @@ def render(records: list[dict]) -> str:
     lines = ["# MoBiQuant benchmark", "", __doc__.split("\n\n", 2)[2].strip(), ""]
     for model, settings, rows in by_setting(records):
         lines += setting_header(model, settings, rows)
-        lines += [f"- Checkpoint '{c}' (g{settings['group_size']}): {MODES[mode_of(c)]}" for c in
-                  dict.fromkeys(r["checkpoint"] for r in rows if r["checkpoint"])]
+        lines += [f"- Checkpoint '{c}' (g{settings['group_size']}): {MODES[mode_of(c)]}"
+                  + ("" if " grid, " in c else " Slices on the lloyd grid.")
+                  for c in dict.fromkeys(r["checkpoint"] for r in rows if r["checkpoint"])]
         lines += ["", f"Baselines: groups of {settings['group_size']}, calibrated on the same windows.", ""]
         ppl_rows = sorted((r for r in rows if r["kind"] == "ppl"), key=lambda r: (name_of(r), r["bits"]))
         if ppl_rows:
@@ -134,7 +138,8 @@ def plot(records: list[dict], model: str) -> None:
               and r["precision"].startswith(kind), style, f"C{2 * i + j}")
              for i, c in enumerate(checkpoints) for j, (kind, style) in enumerate(kinds)]
     lines += [(label, lambda r, label=label: r["label"] == label, style, color)
-              for label, style, color in (("gptq", "^:", "C6"), ("awq", "v:", "C7"), ("gptq 3→4", "X", "C8"))]
+              for label, style, color in (("gptq", "^:", "C6"), ("awq", "v:", "C7"), ("gptq 3→4", "X", "C8"),
+                                          ("mobislice nested", "d-.", "C9"), ("mobislice lloyd", "d:", "C5"))]
     for name, selected, style, color in lines:
         pts = sorted((r["bits"], r["ppl"]) for r in rows if selected(r))
         if pts:
@@ -172,6 +177,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--slices", default="2,1,1,1,1,1,1")
+    p.add_argument("--grid", default="nested", choices=("nested", "lloyd"), help="MoBiSlice's grid for the checkpoint")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--target-bits", type=float, default=3.0)
     p.add_argument("--route-steps", type=int, default=30)
@@ -181,7 +187,7 @@ def main() -> None:
     p.add_argument("--static-bits", default="2,3,4,5,6")
     p.add_argument("--widths", default="2,3,4", help="widths of the separately calibrated GPTQ/AWQ rows")
     p.add_argument("--baselines", default="gptq,awq")
-    p.add_argument("--parts", default="ppl,generalise,speed,migration,baselines")
+    p.add_argument("--parts", default="ppl,slicing,generalise,speed,migration,baselines")
     p.add_argument("--migration-bits", default="2,3,4")
     p.add_argument("--migration-windows", type=int, default=4)
     p.add_argument("--save-dir", default=str(Path.home() / ".cache/bitquilt/bench-models"))
@@ -192,7 +198,7 @@ def main() -> None:
     slices = tuple(int(b) for b in args.slices.split(","))
     parts = args.parts.split(",")
     settings = {**settings, "group_size": args.group_size}
-    checkpoint = checkpoint_name(slices, args.target_bits, args.route_steps, args.router_only)
+    checkpoint = checkpoint_name(slices, args.grid, args.target_bits, args.route_steps, args.router_only)
     base = {"model": args.model, "settings": settings, "checkpoint": ""}
     tokenizer, ids = None, None
 
@@ -210,17 +216,21 @@ def main() -> None:
     def ppl(model, tok) -> float:
         return perplexity(model, tok, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl
 
+    if "slicing" in parts:
+        slicing_part(args, slices, ppl, keep, wanted)
+        if parts == ["slicing"]:
+            return
     # the mobiquant checkpoint, quantized once and kept
     trained = "-routeronly" if args.router_only else "-recut"
-    saved = Path(args.save_dir) / (f"{args.model}-mobiquant-{'-'.join(map(str, slices))}-g{args.group_size}-"
-                                   f"t{args.target_bits:g}-s{args.route_steps}{trained}-c{calib.n_samples}x{calib.seqlen}")
+    saved = Path(args.save_dir) / (f"{args.model}-mobiquant-{'-'.join(map(str, slices))}-{args.grid}-"
+                                   f"g{args.group_size}-t{args.target_bits:g}-s{args.route_steps}{trained}-c{calib.n_samples}x{calib.seqlen}")
     quant = {}
     if not is_quantized_dir(saved):
         model, tokenizer = load(args.model)
         ids = calibration_ids(tokenizer, calib)
         c0, t0 = time.process_time(), time.perf_counter()
         report = quantize(model, "mobiquant", ids, progress=False, w_bits=sum(slices), group_size=args.group_size,
-                          options={"slices": slices},
+                          options={"slices": slices, "grid": args.grid},
                           stage_options={"mobiroute": {"target_bits": args.target_bits, "steps": args.route_steps,
                                                        "train_slices": not args.router_only}})
         blocks = report.stages["mobiroute"].values()
@@ -294,6 +304,28 @@ def main() -> None:
                 print(f"speed {kind} {bits:g}: decode {s.decode_tokens_per_s:.1f} tok/s", flush=True)
     if "migration" in parts:
         migration_part(args, mobi, calib, keep, wanted)
+
+
+def slicing_part(args, slices: tuple[int, ...], ppl, keep, wanted) -> None:
+    """The slices alone on each grid, uncalibrated (`--method mobislice`), at each static width."""
+    for grid in ("nested", "lloyd"):
+        label = f"mobislice {grid}"
+        todo = [b for b in _float_list(args.static_bits) if wanted("ppl", label, f"static {b:g}")]
+        if not todo:
+            continue
+        model, tok = load(args.model)
+        c0, t0 = time.process_time(), time.perf_counter()
+        quantize(model, "mobislice", None, progress=False, w_bits=sum(slices), group_size=args.group_size,
+                 options={"slices": slices, "grid": grid})
+        times = {"quant_time_s": time.perf_counter() - t0, "quant_cpu_s": time.process_time() - c0}
+        static_k = slice_precisions(model)
+        for b in todo:
+            set_slices(model, static_k[b])
+            value = ppl(model, tok)
+            print(f"{label} static {b:g}: ppl {value:.2f}", flush=True)
+            keep({"kind": "ppl", "label": label, "precision": f"static {b:g}", "bits": b, "ppl": value,
+                  **model_summary(model), **times})
+        del model
 
 
 def migration_part(args, mobi, calib, keep, wanted) -> None:

@@ -142,15 +142,17 @@ def refit_count(slice_bits: list[int], target_bits: float) -> int:
 
 
 @torch.no_grad()
-def recut(original: CompositeFormat, refitted: list[BitplaneFormat], iters: int) -> CompositeFormat:
-    """The refitted first slices, then the rest of `original`'s slices (same widths and groups) cut again,
-    with MoBiSlice's `iters` refits, from what the refitted ones leave of W̃ = Σ_e W_e (module docstring)."""
+def recut(original: CompositeFormat, refitted: list[BitplaneFormat], grid: str = "nested",
+          iters: int = 3) -> CompositeFormat:
+    """The refitted first slices, then the rest of `original`'s slices (same widths and groups) cut again, on
+    MoBiSlice's `grid` (`iters` refits for lloyd), from what the refitted ones leave of W̃ = Σ_e W_e (module
+    docstring)."""
     names = list(original.parts)
     residual = original.dequantize() - sum(p.dequantize() for p in refitted)
     parts = dict(zip(names, refitted))
     for name in names[len(refitted):]:
         old = original.parts[name]
-        parts[name] = quantize_slice(residual, old.bits, old.group_size, iters)
+        parts[name] = quantize_slice(residual, old.bits, old.group_size, grid, iters)
         residual = residual - parts[name].dequantize()
     return CompositeFormat(parts)
 

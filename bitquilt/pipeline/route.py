@@ -103,7 +103,7 @@ def mobiroute(ctx: BlockContext, opts: RouteOptions) -> dict[str, Any] | None:
         stand_in.slices.requires_grad_(False)
         stand_in.slices[:refit].requires_grad_(True)
     config = FitConfig(opts.steps, opts.lr, opts.batch, "adam", opts.seed, keep_best=False, relative=bool(refit))
-    iters = get_solver("mobislice").make_options(ctx.settings.get("options")).iters  # the re-cut refits as the cut
+    slicing = get_solver("mobislice").make_options(ctx.settings.get("options"))  # the re-cut slices as the cut
     anneal = temperature_schedule(stand_ins, opts.t_start, opts.t_end)
     if refit:
         anneal = _both(anneal, prefix_schedule(stand_ins, refit, opts.steps, opts.seed * 1009 + ctx.index))
@@ -114,7 +114,7 @@ def mobiroute(ctx: BlockContext, opts: RouteOptions) -> dict[str, Any] | None:
     for name, stand_in in routed.items():
         fmt = stand_in.to_format()
         if refit:
-            fmt = recut(original[name], list(fmt.parts.values())[:refit], iters)
+            fmt = recut(original[name], list(fmt.parts.values())[:refit], slicing.grid, slicing.iters)
         linear = QuantLinear(fmt, stand_in.bias).to(ctx.inputs[0].device)
         swap_host(ctx.block, name, linear)
         attach(linear, "router", stand_in.router)

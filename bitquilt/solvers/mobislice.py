@@ -5,12 +5,22 @@
 
 Each slice quantizes what the slices before it left over, so W^(k) approaches W as k grows and
 no weight is stored twice: one checkpoint, E precisions (`dequantize(selector=k)`; per token
-with `MatmulContext.slices`). Q_b, per (row, group of `group_size` columns): start from the b-bit
-grid spanning the residual's range, lo + i·(hi − lo)/(2^b − 1) (no integer zero point: C₀ is
-free), held as b bit-planes with coefficients C₀ = lo, C_i = step·2^(i−1) (`formats.bitplane`);
-then alternate a least-squares refit of the b + 1 coefficients with the planes fixed and a
-reassignment of every weight to its nearest level (Lloyd; for a 1-bit slice, 2-means). A slice is a
-`BitplaneFormat`, so the bit-plane kernels run it; the weight is a `CompositeFormat` of slices
+with `MatmulContext.slices`). Q_b works per (row, group of `group_size` columns) on the residual's
+range [lo, hi], on one of two grids:
+
+  nested (default)  the mid-rise grid: 2^b equal cells of width Δ = (hi − lo)/2^b, level i at the
+                    centre of cell i, lo + (i + ½)·Δ. Every residual left is within ±Δ/2, so the next
+                    slice's cells split these: W^(k) is a uniform grid of Σ b_e bits and the error
+                    falls ≈ 4× per added bit, at every prefix.
+  lloyd             the min-max grid lo + i·(hi − lo)/(2^b − 1), then `iters` alternations of a
+                    least-squares refit of the b + 1 coefficients (planes fixed) and a reassignment
+                    of every weight to its nearest level (for a 1-bit slice, 2-means). The lowest error
+                    for one slice alone (a 2-bit base ≈ 0.5–0.65× RTN's output error on smollm2), but
+                    its unequal cells leave residuals the slices after it refine poorly: ≈ 2× per bit,
+                    1.2–2× RTN's error at 4 bits and ≈ 3× the nested grid's at 5–6.
+
+A slice holds its levels as b bit-planes with coefficients C₀ (the lowest level) and C_i = Δ·2^(i−1)
+(`formats.bitplane`), so the bit-plane kernels run it; the weight is a `CompositeFormat` of slices
 `s1..sE`. Storage: Σ_e (b_e + 16·(b_e + 1)/group_size) bits per weight (fp16 coefficients).
 
 `--w-bits` is the full precision Σ b_e; the default slices are a 2-bit base and 1-bit slices
@@ -31,20 +41,26 @@ from bitquilt.solvers.base import LayerSpec, LinearStats, check_finite, register
 from bitquilt.solvers.bpdq import bit_patterns, code_planes, fit_coeffs
 
 TOTAL_BITS = (2, 3, 4, 5, 6, 7, 8)
+GRIDS = ("nested", "lloyd")
 
 
 @dataclass(frozen=True)
 class MoBiSliceOptions:
     slices: tuple[int, ...] = option((), "bits of each slice, most significant first, summing to --w-bits "
                                      "(default: a 2-bit base, then 1-bit slices)")
-    iters: int = option(3, "least-squares refits of each slice's coefficients, with the weights reassigned to "
-                        "the nearest level between them (0: the plain min-max grid)")
+    grid: str = option("nested", "each slice's grid: nested (mid-rise cells that the next slice halves; error "
+                       "≈ 4× lower per bit at every precision) or lloyd (min-max grid refitted `iters` times: "
+                       "lowest error for the first slice, poor refinement after it)")
+    iters: int = option(3, "lloyd grid: least-squares refits of each slice's coefficients, with the weights "
+                        "reassigned to the nearest level between them (0: the plain min-max grid)")
 
     def __post_init__(self) -> None:
         bad = [b for b in self.slices if b not in BitplaneFormat.plane_counts]
         if bad:
             raise ValueError(f"mobislice: slice widths must be in {BitplaneFormat.plane_counts}, "
                              f"got {list(self.slices)}")
+        if self.grid not in GRIDS:
+            raise ValueError(f"mobislice: grid must be one of {', '.join(GRIDS)}, got {self.grid!r}")
         if self.iters < 0:
             raise ValueError(f"mobislice: iters must be ≥ 0, got {self.iters}")
 
@@ -59,8 +75,17 @@ def slice_bits(total: int, slices: tuple[int, ...] = ()) -> tuple[int, ...]:
     return tuple(slices)
 
 
-def _fit_groups(flat: torch.Tensor, bits: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes [n, g] and coefficients [n, bits + 1] of the rows of flat [n, g], each one group."""
+def _nested_groups(flat: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [n, g] and coefficients [n, bits + 1] of the rows of flat [n, g] on the mid-rise grid (nested)."""
+    lo, hi = flat.min(dim=1, keepdim=True).values, flat.max(dim=1, keepdim=True).values
+    step = ((hi - lo) / 2**bits).clamp(min=1e-12)
+    codes = torch.floor((flat - lo) / step).clamp(0, 2**bits - 1).to(torch.int64)
+    coeffs = torch.cat([lo + step / 2, step * 2.0 ** torch.arange(bits, dtype=torch.float32)], dim=1)
+    return codes, coeffs
+
+
+def _lloyd_groups(flat: torch.Tensor, bits: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [n, g] and coefficients [n, bits + 1] of the rows of flat [n, g], each one group (lloyd)."""
     lo, hi = flat.min(dim=1, keepdim=True).values, flat.max(dim=1, keepdim=True).values
     step = ((hi - lo) / (2**bits - 1)).clamp(min=1e-12)
     codes = torch.round((flat - lo) / step).to(torch.int64)  # the min-max grid lo + i·step
@@ -73,11 +98,14 @@ def _fit_groups(flat: torch.Tensor, bits: int, iters: int) -> tuple[torch.Tensor
     return codes, coeffs
 
 
-def quantize_slice(residual: torch.Tensor, bits: int, group_size: int, iters: int = 3) -> BitplaneFormat:
-    """Q_b of the module docstring on residual [out, in], groups of `group_size` contiguous columns (the
-    last group of a row shorter when the size does not divide the width)."""
+def quantize_slice(residual: torch.Tensor, bits: int, group_size: int, grid: str = "nested",
+                   iters: int = 3) -> BitplaneFormat:
+    """Q_b of the module docstring on residual [out, in] on `grid` (nested or lloyd with `iters` refits),
+    groups of `group_size` contiguous columns (the last group of a row shorter when the size does not
+    divide the width)."""
     rows = residual.shape[0]
-    fitted = [_fit_groups(part, bits, iters) for part in row_groups(residual, group_size)]
+    fitted = [_nested_groups(part, bits) if grid == "nested" else _lloyd_groups(part, bits, iters)
+              for part in row_groups(residual, group_size)]
     codes = torch.cat([c.reshape(rows, -1) for c, _ in fitted], dim=1)
     coeffs = torch.cat([k.reshape(rows, -1, bits + 1) for _, k in fitted], dim=1)
     return BitplaneFormat.from_codes(codes, coeffs, bits, group_size)
@@ -93,7 +121,7 @@ def mobislice(weight: torch.Tensor, stats: LinearStats | None, spec: LayerSpec,
     g = resolve_group_size(spec.group_size, cols)
     residual, parts = weight, {}
     for e, bits in enumerate(slice_bits(spec.bits, opts.slices), start=1):
-        part = quantize_slice(residual, bits, g, opts.iters)
+        part = quantize_slice(residual, bits, g, opts.grid, opts.iters)
         parts[f"s{e}"] = part
         residual = residual - part.dequantize()
     return CompositeFormat(parts)
