@@ -15,9 +15,9 @@ range [lo, hi], on one of two grids:
   lloyd             the min-max grid lo + i·(hi − lo)/(2^b − 1), then `iters` alternations of a
                     least-squares refit of the b + 1 coefficients (planes fixed) and a reassignment
                     of every weight to its nearest level (for a 1-bit slice, 2-means). The lowest error
-                    for one slice alone (a 2-bit base ≈ 0.5–0.65× RTN's output error on smollm2), but
+                    for one slice alone (a 2-bit base 0.5–1.8× RTN's output error on smollm2, ≈ 0.6× on most), but
                     its unequal cells leave residuals the slices after it refine poorly: ≈ 2× per bit,
-                    1.2–2× RTN's error at 4 bits and ≈ 3× the nested grid's at 5–6.
+                    0.9–2.2× RTN's error at 4 bits and ≈ 3× the nested grid's at 5–6.
 
 A slice holds its levels as b bit-planes with coefficients C₀ (the lowest level) and C_i = Δ·2^(i−1)
 (`formats.bitplane`), so the bit-plane kernels run it; the weight is a `CompositeFormat` of slices
