@@ -18,10 +18,10 @@ every packed layer against the shape its module must have, so an edited or damag
 refused with one line instead of failing at the first forward pass.
 
 Loading never builds the full-precision model: the skeleton has its parameters on the meta device
-(`bitquilt.models.loading.empty_model`, shared with streaming quantization), the packed layers are built
-from their saved tensors, and the other tensors are read one by one into the memory they keep
-(`bitquilt.models.streaming.TensorFiles`: plain reads, no memory map), so the load's peak is about the
-file's size above what the process held before.
+(`bitquilt.models.loading.empty_model`, shared with streaming quantization); the packed layers' tensors are
+views of the file mapped into memory (`bitquilt.mapped`): a kernel reads them once to build its own layout and
+their pages are given back right after, so a loaded model running on the kernels holds one copy of its
+linears, not two. The other tensors (norms, biases, full-precision embeddings) are read into memory of their own.
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
             if bool(info.get("bias")) != (bias is not None):
                 raise UserError(f"{directory} is corrupt or was edited: layer {name}'s bias is missing")
         else:
-            tensors = split_buffers({k: files.read(k) for k in keys}, name)
+            tensors = split_buffers({k: files.mapped(k) for k in keys}, name)
             fmt = _checked_format(directory, shape, name, info, tensors, bias, checked)
         formats[name] = fmt
         parent, _, child = name.rpartition(".")

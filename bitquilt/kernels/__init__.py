@@ -7,7 +7,9 @@ which case the format's torch reference (`WeightFormat.reference_matmul`) runs; 
 is the oracle the kernels are tested against.
 
 A kernel that re-lays a format out for itself keeps the result in a `LayoutCache` (keyed by the
-format object, dropped with it), never on the format; `kernel_layout_bytes` reports their size.
+format object, dropped with it), never on the format; `kernel_layout_bytes` reports their size. Once a layout
+is built, the format's pages that are views of a loaded model's file are given back (`bitquilt.mapped.release`),
+so the layout is the only resident copy, and so are the build's temporaries.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from bitquilt.formats.base import MatmulContext, WeightFormat
+from bitquilt.mapped import release, return_free_memory
 
 KernelFn = Callable[[WeightFormat, torch.Tensor, "MatmulContext | None"], "torch.Tensor | None"]
 _KERNELS: dict[str, list[tuple[str, KernelFn]]] = {}
@@ -48,7 +51,10 @@ class LayoutCache(Generic[L]):
 
     def get(self, fmt: WeightFormat) -> L | None:
         if fmt not in self._layouts:
-            self._layouts[fmt] = self._build(fmt)
+            layout = self._layouts[fmt] = self._build(fmt)
+            if layout is not None:  # the layout serves from now on: a loaded model's mapped pages can go, and the
+                release(fmt.tensors().values())  # temporaries of the build
+                return_free_memory()
         return self._layouts[fmt]
 
     def peek(self, fmt: WeightFormat) -> L | None:

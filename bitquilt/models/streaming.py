@@ -17,10 +17,8 @@ file pages do not stay mapped (and counted in RSS) after the block is freed.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import json
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ import torch
 from torch import nn
 
 from bitquilt.errors import UserError
+from bitquilt.mapped import map_file, return_free_memory, tensor_view
 from bitquilt.models.adapters import architecture_of, decoder_layers
 from bitquilt.models.loading import TOKENIZER_FILES, _load_tokenizer, check_safetensors, empty_model
 from bitquilt.nn.quant_linear import QuantLinear
@@ -52,7 +51,7 @@ class _Entry:
 
 class TensorFiles:
     """The tensors of a folder's safetensors files (or of `files` in it) by name, each read from disk only when asked
-    for (also how `bitquilt.io.load_quantized` reads a saved model)."""
+    for, or mapped (also how `bitquilt.io.load_quantized` reads a saved model)."""
 
     def __init__(self, directory: Path, files: list[Path] | None = None):
         files = sorted(directory.glob("*.safetensors")) if files is None else files
@@ -75,9 +74,18 @@ class TensorFiles:
                 self.entries[name] = _Entry(path, DTYPES[info["dtype"]], tuple(info["shape"]), 8 + n + begin,
                                             end - begin)
         self.nbytes = sum(f.stat().st_size for f in files)
+        self._maps: dict[Path, mmap.mmap] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """Tensor `name` in its stored dtype as a view of its file mapped into memory (`bitquilt.mapped`): its pages
+        are read when first touched and can be given back with `bitquilt.mapped.release`."""
+        e = self.entries[name]
+        if e.path not in self._maps:
+            self._maps[e.path] = map_file(e.path)
+        return tensor_view(self._maps[e.path], e.start, e.nbytes, e.dtype, e.shape)
 
     def read(self, name: str) -> torch.Tensor:
         """Tensor `name` in its stored dtype, in memory of its own."""
@@ -95,21 +103,6 @@ def _all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
     boolean masks, a transient of twice an embedding matrix."""
     flat = t.reshape(-1)
     return all(bool(torch.isfinite(part).all()) for part in flat.split(chunk))
-
-
-def _return_free_memory() -> None:
-    """Give the allocator's free pages back to the system (glibc `malloc_trim`; a no-op elsewhere). A freed block's
-    tensors below glibc's adaptive mmap threshold sit between the packed tensors that outlive them, and would
-    otherwise stay resident, so the process would grow by a part of every block."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    name = ctypes.util.find_library("c")
-    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
 
 
 def _identity(hidden_states: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
@@ -201,7 +194,7 @@ class StreamingCheckpoint:
         for module in self.layers[index].modules():
             if isinstance(module, QuantLinear):
                 module._dequantized = None
-        _return_free_memory()
+        return_free_memory()
 
     def finish(self) -> nn.Module:
         """Load the final norm and the LM head (tied to the embeddings if the config says so); the model is then

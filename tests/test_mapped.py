@@ -1,0 +1,90 @@
+"""A loaded model's packed tensors are views of its mapped file, given back once a kernel layout serves them."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from bitquilt import kernels, mapped
+from bitquilt.api import quantize
+from bitquilt.io import WEIGHTS_NAME
+from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.recipes import Recipe
+from tests.conftest import reload_bit_exact
+
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/smaps")
+
+
+def resident_bytes(path: Path) -> int:
+    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's header line
+            inside = head[-1] == str(path)
+        elif inside and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+
+
+@pytest.fixture
+def mapped_bytes(tmp_path):
+    data = torch.randint(0, 256, (64 * mapped.mmap.PAGESIZE,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "blob"
+    path.write_bytes(data.numpy().tobytes())
+    return path, data
+
+
+@linux_only
+def test_release_drops_the_pages_and_keeps_the_data(mapped_bytes):
+    path, data = mapped_bytes
+    mm = mapped.map_file(path)
+    view = mapped.tensor_view(mm, 8, data.numel() - 8, torch.uint8, (data.numel() - 8,))
+    assert torch.equal(view, data[8:])  # touches every page
+    assert resident_bytes(path) >= data.numel() - mapped.mmap.PAGESIZE
+    released = mapped.release([view])
+    assert released == data.numel() - mapped.mmap.PAGESIZE  # whole pages inside the view only: not the first
+    assert resident_bytes(path) <= mapped.mmap.PAGESIZE
+    assert torch.equal(view, data[8:])  # read back from the file
+
+
+def test_release_leaves_other_tensors_alone(mapped_bytes):
+    path, data = mapped_bytes
+    mm = mapped.map_file(path)
+    small = mapped.tensor_view(mm, 100, 1000, torch.uint8, (1000,))  # inside one page, shared with neighbours
+    assert mapped.release([torch.ones(1 << 16), small, torch.empty(0)]) == 0
+    assert torch.equal(small, data[100:1100])
+
+
+def test_misaligned_views_are_copies(mapped_bytes):
+    path, data = mapped_bytes
+    mm = mapped.map_file(path)
+    t = mapped.tensor_view(mm, 2, 4 * 16, torch.float32, (4, 4))
+    assert t.data_ptr() % 4 == 0
+    assert torch.equal(t.view(torch.uint8).reshape(-1), data[2:66])
+    assert mapped.release([t]) == 0
+
+
+@linux_only
+def test_a_loaded_model_keeps_one_copy_of_its_linears(tmp_path):
+    """Loaded, the packed linears are views of the file; once the kernels have built their layouts (first forward)
+    the file's pages are given back, and the outputs stay bit-identical to the model that was saved."""
+    config = LlamaConfig(vocab_size=320, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()  # 512 x 512 linears: 32 pages of 4-bit codes and more
+    quantize(model, Recipe("rtn", w_bits=4, group_size=64), None, progress=False)
+    ids = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(2))
+    loaded = reload_bit_exact(model, ids, tmp_path / "q")  # the first forward builds the layouts
+    linears = [m for m in loaded.modules() if isinstance(m, QuantLinear)]
+    assert all(mapped._mapping_of(m.fmt.qweight) is not None for m in linears)
+    assert all(kernels.kernel_layout_bytes(m.fmt) > 0 for m in linears)
+    packed = sum(t.numel() * t.element_size() for m in linears for t in m.fmt.tensors().values())
+    # what stays: the pages each tensor shares with its neighbours and those the kernel maps around a fault
+    # (measured 17% of these small tensors; on qwen2.5-1.5b only the LM head, which its kernel reads in place)
+    assert resident_bytes((tmp_path / "q" / WEIGHTS_NAME).resolve()) < packed / 4
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
