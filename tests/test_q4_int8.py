@@ -24,6 +24,18 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
     return (codes * (amax / 127)).view(tokens, k)
 
 
+ISAS = q4_int8.supported_isas() or ("avx2",)  # AVX2 always, AVX-512 VNNI where the CPU has it
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Each path this CPU runs, the default restored after."""
+    q4_int8.set_isa(request.param)
+    assert q4_int8.active_isa() == request.param
+    yield request.param
+    q4_int8.set_isa()
+
+
 @pytest.fixture
 def int8_on():
     kernels.set_int8_activations(True)
@@ -35,7 +47,7 @@ def int8_on():
 @pytest.mark.parametrize(("n", "k", "group", "tokens"),
                          [(70, 256, 128, 1), (64, 192, 64, 3), (33, 512, 64, 17), (5, 128, -1, 2), (4, 64, 64, 80),
                           (4102, 64, 64, 2)])  # the last: more rows than the layout converts at a time
-def test_kernel_is_the_exact_product_with_the_rounded_activations(n, k, group, tokens):
+def test_kernel_is_the_exact_product_with_the_rounded_activations(n, k, group, tokens, isa):
     w, x = llm_like(n, k)
     x = torch.cat([x, torch.randn(tokens, k)])[:tokens].contiguous()
     x[0, :32] = 0  # an all-zero block: scale 0, no division by zero
@@ -89,7 +101,7 @@ def test_quant_linear_takes_the_int8_kernel_only_when_switched_on(int8_on):
 
 @needs_ext
 @pytest.mark.parametrize(("model_type", "bits"), [("llama", 4), ("qwen2", 4), ("llama", 8)])
-def test_fused_decode_with_int8_activations_matches_module_by_module(model_type, bits, int8_on):
+def test_fused_decode_with_int8_activations_matches_module_by_module(model_type, bits, int8_on, isa):
     """4-bit linears on the 4-bit × int8 kernel, 8-bit ones on the GEMV's int8 path, in the fused step as module by
     module (the 8-bit head runs the GEMV's int8 path in both).
 

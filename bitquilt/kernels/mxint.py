@@ -25,8 +25,6 @@ only in fp32 summation order. The path is AVX-512 when the CPU has it, else AVX2
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +33,7 @@ import torch.nn.functional as F
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.mxint import BLOCK, EXP_BIAS, MXIntFormat
 from bitquilt.kernels import LayoutCache, cpu, fp32_rows, kernels_for, like, register_kernel, takes
-
-log = logging.getLogger(__name__)
+from bitquilt.kernels.isa import choose
 
 ISAS = ("avx2", "avx512")
 _ISA_CODE = {"avx2": 0, "avx512": 1}
@@ -46,7 +43,6 @@ ALIGN = 64  # bytes: a 4-bit group never straddles two cache lines
 # with AVX-512 (MKL sgemm, 1 thread, `python bench/kernels.py --mxint`, crossover table) registers
 # win up to 12 tokens with AVX2 (sgemm from 16) and up to 24 with AVX-512 (sgemm from 32).
 SGEMM_BATCH = {"avx2": 14, "avx512": 28}
-_warned: set[str] = set()
 _avx512: bool | None = None
 
 
@@ -62,23 +58,9 @@ def supported_isas() -> tuple[str, ...]:
 
 
 def active_isa(isa: str | None = None) -> str | None:
-    """The path a call runs: `isa` if given (must be supported), else `$BITQUILT_ISA` if supported
-    (an unsupported value warns once and is ignored), else the widest supported; None without the extension."""
-    supported = supported_isas()
-    if not supported:
-        return None
-    if isa is not None:
-        if isa not in supported:
-            raise ValueError(f"MXINT kernel path {isa!r} unavailable here; supported: {', '.join(supported)}")
-        return isa
-    wanted = os.environ.get("BITQUILT_ISA", "").strip().lower()
-    if wanted in supported:
-        return wanted
-    if wanted and wanted not in _warned:
-        _warned.add(wanted)
-        log.warning("bitquilt: BITQUILT_ISA=%s is not a supported MXINT kernel path (%s); using %s",
-                    wanted, ", ".join(supported), supported[-1])
-    return supported[-1]
+    """The path a call runs (`bitquilt.kernels.isa.choose`): `isa` if given, else `$BITQUILT_ISA` if supported,
+    else the widest supported; None without the extension."""
+    return choose("MXINT", supported_isas(), isa)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,10 @@ measured in docs/benchmarks.md. Registered as "cpu_q4_int8" ahead of cpu_lut (th
 4-bit call); it declines every call while the switch is off, and formats with act-order (g_idx) or
 widths/groups not multiples of 64.
 Per format it keeps its own layout in a `LayoutCache` (the codes two per byte, fp32 s and s·z per row group).
+
+Two paths, the same layout and exact integer dot products: AVX2 (vpmaddubsw) and, where the CPU has AVX-512 with
+VNNI, one vpdpbusd per 64 codes (csrc/q4_int8_vnni.cpp); they differ only in fp32 summation order. The widest runs
+by default, in this kernel and inside the fused decode step; `set_isa` or `BITQUILT_ISA=avx2` picks one.
 """
 
 from __future__ import annotations
@@ -22,8 +26,31 @@ from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.packing import unpack
 from bitquilt.formats.uniform import PLANE_ROWS, UniformFormat, resolve_group_size
 from bitquilt.kernels import LayoutCache, cpu, fp32_rows, int8_activations, kernels_for, like, register_kernel, takes
+from bitquilt.kernels.isa import choose
 
 ROWS, PAIR = 4, 64  # output rows per tile, columns per packed row chunk (csrc/q4_int8.h)
+ISAS = ("avx2", "avx512")  # avx512: F, BW, VL, DQ and VNNI
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The kernel paths this CPU runs (empty without the extension)."""
+    ext = cpu.extension()
+    return () if ext is None else ISAS if ext.q4_int8_has_vnni() else ISAS[:1]
+
+
+def set_isa(isa: str | None = None) -> str | None:
+    """Route every call (also those of the fused decode step) to `isa`, or to `$BITQUILT_ISA` / the widest
+    supported when None; returns the path now taken (None without the extension)."""
+    chosen = choose("int8-activation", supported_isas(), isa)
+    if chosen is not None:
+        cpu.extension().q4_int8_set_vnni(chosen == "avx512")
+    return chosen
+
+
+def active_isa() -> str | None:
+    """The path calls take now."""
+    ext = cpu.extension()
+    return None if ext is None else ISAS[int(ext.q4_int8_vnni_enabled())]
 
 
 @dataclass(frozen=True)
@@ -84,5 +111,6 @@ def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None)
     return like(cpu.extension().q4_int8_matmul(fp32_rows(x), lay.codes, lay.scales, fmt.out_features, lay.group), x)
 
 
+set_isa()  # $BITQUILT_ISA, else the widest
 if cpu.extension() is not None and "cpu_q4_int8" not in kernels_for("uniform"):
     register_kernel("uniform", "cpu_q4_int8", matmul, before="cpu_lut")  # cpu_lut is registered by importing cpu

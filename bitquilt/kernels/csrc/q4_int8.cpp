@@ -1,4 +1,5 @@
-// 4-bit uniform weights times int8-quantized activations (AVX2), used by bitquilt.kernels.q4_int8.
+// 4-bit uniform weights times int8-quantized activations (AVX2; the AVX-512 VNNI twin in q4_int8_vnni.cpp), used
+// by bitquilt.kernels.q4_int8.
 //
 // The bit-plane lookup-table kernel keeps activations exact to 2^-21 at the price of three table limbs per
 // plane; a 4-bit code can instead multiply an int8 activation directly (vpmaddubsw: unsigned code x signed
@@ -110,6 +111,58 @@ Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t
   return {w.data_ptr<uint8_t>(), sz.data_ptr<float>(), N, K, group};
 }
 
+namespace {
+
+// Tiles [i0, i1) of y for T rounded tokens (AVX2; tiles_vnni is the AVX-512 VNNI twin). The split buffer holds
+// each row chunk's Codes (lo, hi: 64 bytes) in tile order.
+void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
+                float* y) {
+  const int64_t chunks = W.K / PAIR * ROWS;
+  const auto split = [chunks](const uint8_t* wt, int8_t* buffer) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const Codes q = widen(wt + c * 32);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64), q.lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64 + 32), q.hi);
+    }
+  };
+  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const float* sz, const int8_t* x, const float* dt,
+                          const float* Xt, float* out) {
+    if (buffer == nullptr) {
+      tile_token([wt](int64_t p, int r) { return widen(wt + (p * ROWS + r) * 32); }, sz, W, x, dt, Xt, out);
+      return;
+    }
+    const auto buffered = [buffer](int64_t p, int r) {
+      const auto* c = reinterpret_cast<const __m256i*>(buffer + (p * ROWS + r) * 64);
+      return Codes{_mm256_loadu_si256(c), _mm256_loadu_si256(c + 1)};
+    };
+    tile_token(buffered, sz, W, x, dt, Xt, out);
+  };
+  run_tiles(W, i0, i1, T, xi, d, X, y, chunks * 64, split, token);
+}
+
+}  // namespace
+
+bool has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+namespace {
+
+bool g_vnni = has_vnni();  // the widest path by default
+
+}  // namespace
+
+bool vnni_enabled() { return g_vnni; }
+
+void set_vnni(bool enabled) {
+  TORCH_CHECK(!enabled || has_vnni(), "the AVX-512 VNNI path of the int8-activation kernel needs a CPU with "
+              "AVX-512 F/BW/VL/DQ and VNNI");
+  g_vnni = enabled;
+}
+
 void matmul_into(const float* x, int64_t T, const Weight& W, float* y) {
   const int64_t K = W.K, G = W.groups(), pairs = K / PAIR, tile_bytes = ROWS * K / 2;
   std::vector<int8_t> xi(T * K);
@@ -119,27 +172,9 @@ void matmul_into(const float* x, int64_t T, const Weight& W, float* y) {
       round_token(x + t * K, K, W.group, xi.data() + t * K, d.data() + t * pairs * 8, X.data() + t * G);
   });
   const int64_t grain = std::max<int64_t>(4, (1 << 15) / tile_bytes);  // tiles per task: ~32 KB of codes
+  const auto tiles = g_vnni ? tiles_vnni : tiles_avx2;
   at::parallel_for(0, W.tiles(), grain, [&](int64_t i0, int64_t i1) {
-    std::vector<Codes> widened(T > 1 ? pairs * ROWS : 0);
-    float out[ROWS];
-    for (int64_t i = i0; i < i1; ++i) {
-      const uint8_t* wt = W.w + i * tile_bytes;
-      const float* sz = W.sz + i * G * 2 * ROWS;
-      const int64_t rows = std::min(ROWS, W.N - i * ROWS);
-      if (T == 1) {
-        const auto packed = [wt](int64_t p, int r) { return widen(wt + (p * ROWS + r) * 32); };
-        tile_token(packed, sz, W, xi.data(), d.data(), X.data(), out);
-        std::copy_n(out, rows, y + i * ROWS);
-        continue;
-      }
-      for (int64_t p = 0; p < pairs * ROWS; ++p) widened[p] = widen(wt + p * 32);  // once, then every token
-      const Codes* wd = widened.data();
-      const auto buffered = [wd](int64_t p, int r) { return wd[p * ROWS + r]; };
-      for (int64_t t = 0; t < T; ++t) {
-        tile_token(buffered, sz, W, xi.data() + t * K, d.data() + t * pairs * 8, X.data() + t * G, out);
-        std::copy_n(out, rows, y + t * W.N + i * ROWS);
-      }
-    }
+    tiles(W, i0, i1, T, xi.data(), d.data(), X.data(), y);
   });
 }
 
@@ -160,5 +195,9 @@ at::Tensor q4_int8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Te
 // Adds the int8-activation 4-bit matmul to the extension module (called from its PYBIND11_MODULE).
 void register_q4_int8(pybind11::module& m) {
   m.def("q4_int8_matmul", &bitquilt_q4::q4_int8_matmul,
-        "y = x_hat @ W^T for 4-bit uniform W, x_hat = x rounded to int8 per block of 32 (AVX2 maddubs)");
+        "y = x_hat @ W^T for 4-bit uniform W, x_hat = x rounded to int8 per block of 32 (AVX2 maddubs or "
+        "AVX-512 VNNI)");
+  m.def("q4_int8_has_vnni", &bitquilt_q4::has_vnni, "whether the CPU runs the AVX-512 VNNI path");
+  m.def("q4_int8_vnni_enabled", &bitquilt_q4::vnni_enabled, "whether the kernel takes the AVX-512 VNNI path");
+  m.def("q4_int8_set_vnni", &bitquilt_q4::set_vnni, "take the AVX-512 VNNI path (true) or AVX2 (false)");
 }

@@ -5,7 +5,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "int8_round.h"
 
@@ -31,7 +33,38 @@ struct Weight {
 Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t K, int64_t group);
 
 // y [T, N] = x [T, K] @ W^T with each token's activations rounded to int8 per block of 32 (scale max|x| / 127),
-// rows contiguous.
+// rows contiguous; on the AVX-512 VNNI path when `vnni_enabled()`.
 void matmul_into(const float* x, int64_t T, const Weight& W, float* y);
+
+// Whether the CPU runs the AVX-512 VNNI path (q4_int8_vnni.cpp), and whether matmul_into takes it (by default
+// when the CPU has it; `set_vnni(false)` forces AVX2).
+bool has_vnni();
+bool vnni_enabled();
+void set_vnni(bool enabled);
+
+// The tile loop both paths share, for T tokens already rounded (xi: codes in chunk order, d: per-chunk block
+// scales, X: group sums): `split(wt, buffer)` widens tile codes `wt` into `buffer_bytes` once when T > 1, and
+// `token(wt, buffer, sz, xi, d, X, out)` computes the tile's 4 rows for one token (buffer null when T == 1).
+template <typename Split, typename Token>
+void run_tiles(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
+               float* y, int64_t buffer_bytes, const Split& split, const Token& token) {
+  const int64_t G = W.groups(), pairs = W.K / PAIR, tile_bytes = ROWS * W.K / 2;
+  std::vector<int8_t> buffer(T > 1 ? buffer_bytes : 0);
+  float out[ROWS];
+  for (int64_t i = i0; i < i1; ++i) {
+    const uint8_t* wt = W.w + i * tile_bytes;
+    const float* sz = W.sz + i * G * 2 * ROWS;
+    const int64_t rows = std::min(ROWS, W.N - i * ROWS);
+    if (T > 1) split(wt, buffer.data());
+    for (int64_t t = 0; t < T; ++t) {
+      token(wt, T > 1 ? buffer.data() : nullptr, sz, xi + t * W.K, d + t * pairs * 8, X + t * G, out);
+      std::copy_n(out, rows, y + t * W.N + i * ROWS);
+    }
+  }
+}
+
+// Tiles [i0, i1) of y on AVX-512 VNNI (run_tiles' arguments): only after has_vnni().
+void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
+                float* y);
 
 }  // namespace bitquilt_q4

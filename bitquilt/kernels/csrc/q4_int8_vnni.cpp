@@ -1,0 +1,110 @@
+// The 4-bit x int8 matmul of q4_int8.cpp on AVX-512 VNNI, picked at run time when the CPU has it.
+//
+// Same layout, same math: a row's 32-byte chunk holds the codes of 64 columns, low nibbles = columns 0-15 and
+// 32-47, high nibbles = 16-31 and 48-63, and a token's int8 activations are stored in exactly that order (64
+// bytes per chunk). Here the chunk's two nibble vectors are the two halves of one 512-bit register (the 32 bytes
+// broadcast to both halves, the upper half shifted right by 4, then masked), so one vpdpbusd multiplies all 64
+// codes with the 64 activations and sums each 4 adjacent products into an int32 lane: lanes 0-3 and 8-11 belong
+// to the chunk's first block, 4-7 and 12-15 to its second; the block scales [d_2p x 4, d_2p+1 x 4] broadcast to
+// both halves scale them in one FMA. The dot products are exact (int32), as on AVX2; only the fp32 summation
+// order differs. Against AVX2's vpmaddubsw + vpaddw + vpmaddwd on two 256-bit halves, a chunk costs one
+// instruction instead of four.
+//
+// This file is compiled for AVX-512 VNNI (pragma below, after every include, so that no inline function of a
+// shared header is built for that target); its one entry point runs only after `has_vnni()`.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "avx2_simd.h"
+#include "q4_int8.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2")
+
+namespace bitquilt_q4 {
+
+using bitquilt_simd::hsum8;
+
+namespace {
+
+constexpr int64_t PAIR_BYTES = 128;  // a row pair's split chunk: low nibbles of both rows, then high nibbles
+
+// Rows 2j and 2j + 1 of one chunk (64 packed bytes: the two rows are adjacent in the tile) as codes: lo holds the
+// low nibbles (columns 0-15, 32-47) of row 2j, then of row 2j + 1; hi their high nibbles (16-31, 48-63).
+struct PairCodes {
+  __m512i lo, hi;
+};
+
+inline PairCodes split(const uint8_t* p) {
+  const __m512i v = _mm512_loadu_si512(p);
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  return {_mm512_and_si512(v, nib), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib)};
+}
+
+// The tile's 4 rows for one token, as two row pairs; a pair's chunk p is split from the packed tile `wt`, or when
+// `buffered` read from `codes` (PAIR_BYTES at (p * 2 + j) * PAIR_BYTES, split once for every token). With the
+// token's low-nibble activations (chunk bytes 0-31) broadcast to both halves of one register and its high-nibble
+// ones (32-63) to both halves of another, two vpdpbusd leave row 2j's block sums in lanes 0-7 and row 2j + 1's in
+// lanes 8-15 (lanes 0-3 and 8-11 the chunk's first block, 4-7 and 12-15 its second).
+template <bool buffered>
+inline void tile_token(const uint8_t* wt, const int8_t* codes, const float* sz, const Weight& W, const int8_t* xi,
+                       const float* dpair, const float* X, float* out) {
+  __m512 total[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  float offset[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const int64_t per_group = W.group / PAIR, pairs = W.K / PAIR;
+  for (int64_t g = 0; g < W.groups(); ++g) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t p = g * per_group; p < std::min(pairs, (g + 1) * per_group); ++p) {
+      const auto* x = reinterpret_cast<const __m256i*>(xi + p * PAIR);
+      const __m512i xlo = _mm512_broadcast_i64x4(_mm256_loadu_si256(x));
+      const __m512i xhi = _mm512_broadcast_i64x4(_mm256_loadu_si256(x + 1));
+      const __m512 d = _mm512_broadcast_f32x8(_mm256_loadu_ps(dpair + p * 8));
+      for (int j = 0; j < 2; ++j) {
+        const PairCodes q = buffered ? PairCodes{_mm512_loadu_si512(codes + (p * 2 + j) * PAIR_BYTES),
+                                                 _mm512_loadu_si512(codes + (p * 2 + j) * PAIR_BYTES + 64)}
+                                     : split(wt + (p * ROWS + 2 * j) * 32);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q.lo, xlo), q.hi, xhi);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, acc[j]);
+      }
+    }
+    const float* s = sz + g * 2 * ROWS;
+    for (int j = 0; j < 2; ++j) {
+      const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(s[2 * j]), _mm256_set1_ps(s[2 * j + 1]), 1);
+      total[j] = _mm512_fmadd_ps(acc[j], scale, total[j]);
+    }
+    for (int r = 0; r < ROWS; ++r) offset[r] += s[ROWS + r] * X[g];
+  }
+  for (int j = 0; j < 2; ++j) {
+    out[2 * j] = hsum8(_mm512_castps512_ps256(total[j])) - offset[2 * j];
+    out[2 * j + 1] = hsum8(_mm512_extractf32x8_ps(total[j], 1)) - offset[2 * j + 1];
+  }
+}
+
+}  // namespace
+
+void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
+                float* y) {
+  const int64_t pair_chunks = W.K / PAIR * 2;
+  const auto split_tile = [pair_chunks](const uint8_t* wt, int8_t* buffer) {
+    for (int64_t q = 0; q < pair_chunks; ++q) {
+      const PairCodes c = split(wt + q * 64);
+      _mm512_storeu_si512(buffer + q * PAIR_BYTES, c.lo);
+      _mm512_storeu_si512(buffer + q * PAIR_BYTES + 64, c.hi);
+    }
+  };
+  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const float* sz, const int8_t* x, const float* dt,
+                          const float* Xt, float* out) {
+    if (buffer == nullptr)
+      tile_token<false>(wt, nullptr, sz, W, x, dt, Xt, out);
+    else
+      tile_token<true>(wt, buffer, sz, W, x, dt, Xt, out);
+  };
+  run_tiles(W, i0, i1, T, xi, d, X, y, pair_chunks * PAIR_BYTES, split_tile, token);
+}
+
+}  // namespace bitquilt_q4
+
+#pragma GCC pop_options

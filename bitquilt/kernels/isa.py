@@ -1,0 +1,34 @@
+"""Which instruction-set path a compiled kernel takes: the widest the CPU runs, unless `BITQUILT_ISA` or the
+caller names one.
+
+Kernels with an AVX-512 twin (the MXINT GEMV, the 4-bit × int8 matmul) detect the CPU in C++ and report the
+paths they support, in order, AVX2 first; `choose` picks among them. `BITQUILT_ISA=avx2` forces the baseline
+everywhere (to compare paths, or to rule one out); a value a kernel does not support warns once and is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+_warned: set[tuple[str, str]] = set()
+
+
+def choose(kernel: str, supported: tuple[str, ...], isa: str | None = None) -> str | None:
+    """The path `kernel` runs: `isa` if given (ValueError unless supported), else `$BITQUILT_ISA` if supported,
+    else the widest of `supported`; None when nothing is supported (no extension)."""
+    if not supported:
+        return None
+    if isa is not None:
+        if isa not in supported:
+            raise ValueError(f"{kernel} kernel path {isa!r} unavailable here; supported: {', '.join(supported)}")
+        return isa
+    wanted = os.environ.get("BITQUILT_ISA", "").strip().lower()
+    if wanted in supported:
+        return wanted
+    if wanted and (kernel, wanted) not in _warned:
+        _warned.add((kernel, wanted))
+        log.warning("bitquilt: BITQUILT_ISA=%s is not a supported %s kernel path (%s); using %s",
+                    wanted, kernel, ", ".join(supported), supported[-1])
+    return supported[-1]
