@@ -58,11 +58,14 @@ def _float_list(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
 
 
-def checkpoint_name(slices: tuple[int, ...], grid: str, target_bits: float, steps: int, router_only: bool) -> str:
+def checkpoint_name(slices: tuple[int, ...], grid: str, target_bits: float, steps: int, router_only: bool,
+                    stream: str = "fp") -> str:
     """How the mobiquant rows name their checkpoint (baseline rows have none). Checkpoints named without a grid
-    were cut on the lloyd grid, MoBiSlice's only one until 2026-12-02."""
+    were cut on the lloyd grid, MoBiSlice's only one until 2026-12-02; without a stream, trained towards the
+    full-precision model's own trajectory (fp_reference.stream=fp)."""
     return (f"slices {','.join(map(str, slices))}, {grid} grid, {target_bits:g} bits, {steps} steps, "
-            f"{'router-only' if router_only else 'prefixes refit + re-cut'}")
+            f"{'router-only' if router_only else 'prefixes refit + re-cut'}"
+            + (f", {stream} targets" if stream != "fp" else ""))
 
 
 MODES = {
@@ -183,6 +186,11 @@ def main() -> None:
     p.add_argument("--route-steps", type=int, default=30)
     p.add_argument("--router-only", action="store_true",
                    help="train the routers alone, the slices as MoBiSlice cut them (mobiroute.train_slices=false)")
+    p.add_argument("--reference-stream", default="fp", choices=("fp", "quantized"),
+                   help="targets of the block training (fp_reference.stream): the full-precision model's own "
+                   "outputs (fp: each block also corrects the error of the quantized blocks before it, at the "
+                   "routed precision it was calibrated at) or the full-precision block on the quantized inputs "
+                   "(quantized: each block repairs only its own error)")
     p.add_argument("--avg-bits", default="2.5,3,3.5,4,4.5,5,6")
     p.add_argument("--static-bits", default="2,3,4,5,6")
     p.add_argument("--widths", default="2,3,4", help="widths of the separately calibrated GPTQ/AWQ rows")
@@ -198,7 +206,8 @@ def main() -> None:
     slices = tuple(int(b) for b in args.slices.split(","))
     parts = args.parts.split(",")
     settings = {**settings, "group_size": args.group_size}
-    checkpoint = checkpoint_name(slices, args.grid, args.target_bits, args.route_steps, args.router_only)
+    checkpoint = checkpoint_name(slices, args.grid, args.target_bits, args.route_steps, args.router_only,
+                                 args.reference_stream)
     base = {"model": args.model, "settings": settings, "checkpoint": ""}
     tokenizer, ids = None, None
 
@@ -223,7 +232,8 @@ def main() -> None:
     # the mobiquant checkpoint, quantized once and kept
     trained = "-routeronly" if args.router_only else "-recut"
     saved = Path(args.save_dir) / (f"{args.model}-mobiquant-{'-'.join(map(str, slices))}-{args.grid}-"
-                                   f"g{args.group_size}-t{args.target_bits:g}-s{args.route_steps}{trained}-c{calib.n_samples}x{calib.seqlen}")
+                                   f"g{args.group_size}-t{args.target_bits:g}-s{args.route_steps}{trained}-c{calib.n_samples}x{calib.seqlen}"
+                                   + ("-qtargets" if args.reference_stream == "quantized" else ""))
     quant = {}
     if not is_quantized_dir(saved):
         model, tokenizer = load(args.model)
@@ -232,7 +242,8 @@ def main() -> None:
         report = quantize(model, "mobiquant", ids, progress=False, w_bits=sum(slices), group_size=args.group_size,
                           options={"slices": slices, "grid": args.grid},
                           stage_options={"mobiroute": {"target_bits": args.target_bits, "steps": args.route_steps,
-                                                       "train_slices": not args.router_only}})
+                                                       "train_slices": not args.router_only},
+                                         "fp_reference": {"stream": args.reference_stream}})
         blocks = report.stages["mobiroute"].values()
         quant = {"quant_time_s": time.perf_counter() - t0, "quant_cpu_s": time.process_time() - c0,
                  "route_seconds": sum(b["seconds"] for b in blocks),
