@@ -82,6 +82,17 @@ def alternating_cpu_ms(rounds: list[dict[str, tuple]]) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def run_meta(**extra) -> dict:
+    """The facts every report starts with: CPU, torch, the load average now (plus `extra`)."""
+    return dict(cpu=f"{cpu_name()}, {os.cpu_count()} cores", torch=torch.__version__, loadavg_start=loadavg(), **extra)
+
+
+def single_thread(seed: int = 0) -> torch.Generator:
+    """One torch thread (the kernels' batch-1 setting) and the seeded generator of a mode's random weights."""
+    torch.set_num_threads(1)
+    return torch.Generator().manual_seed(seed)
+
+
 def write_report(name: str, meta: dict, rows: list[dict], markdown_text: str) -> None:
     """results/NAME.json ({"meta", "results"}) and results/NAME.md."""
     write_atomic(RESULTS / f"{name}.json", json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
@@ -126,8 +137,7 @@ def bench_shape(n: int, k: int, batches, threads_list, formats, log) -> list[dic
 
 def crossover() -> None:
     """Tables vs dequantize+sgemm by batch size, 4096², 1 thread (CPU time): tunes cpu._SGEMM_BATCH."""
-    torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(0)
+    gen = single_thread()
     print("bits batch  tables ms  sgemm ms  (median CPU time of the calling thread)")
     for bits in (2, 3, 4, 8):
         p = cpu.packed((random_uniform if bits == 8 else random_bitplane)(4096, 4096, bits, gen))
@@ -241,8 +251,7 @@ def mx_bench_shape(n: int, k: int, threads_list, log) -> list[dict]:
 
 def mx_crossover(log) -> list[dict]:
     """Registers vs dequantize+sgemm by batch size (1 thread, CPU time, MXSens-like): tunes mxint.SGEMM_BATCH."""
-    torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(1)
+    gen = single_thread(seed=1)
     rows = []
     for n, k in [(4864, 896), (896, 896)]:
         lay = mxk.layout(random_mxint(n, k, *mxsens_columns(k), True, gen))
@@ -363,9 +372,8 @@ U8_BATCHES = (1, 4, 16)
 
 def uniform8_main() -> None:
     """`bitquilt.kernels.uniform8` against the lookup tables (8 planes) and fp32, cold weights, 1 thread."""
-    torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(0)
-    meta = dict(cpu=f"{cpu_name()}, {os.cpu_count()} cores", torch=torch.__version__, loadavg_start=loadavg())
+    gen = single_thread()
+    meta = run_meta()
     rows = []
     for n, k in U8_SHAPES:
         fmts = [random_uniform(n, k, 8, gen) for _ in range(cold_copies(n * k))]
@@ -414,11 +422,9 @@ def int8_main() -> None:
     """`bitquilt.kernels.q4_int8` on each instruction-set path the CPU runs against the exact 4-bit kernel
     (`cpu.Packed.matmul`) and fp32, cold weights, 1 thread, with the read-bandwidth ceiling for the same bytes
     measured in between."""
-    torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(0)
+    gen = single_thread()
     isas = q4_int8.supported_isas()
-    meta = dict(cpu=f"{cpu_name()}, {os.cpu_count()} cores", torch=torch.__version__, isas=list(isas),
-                loadavg_start=loadavg())
+    meta = run_meta(isas=list(isas))
     ext = cpu.extension()
 
     def on(isa: str, *args):  # the path switch is one store in the extension: nothing measurable
@@ -487,9 +493,8 @@ HADAMARD_SHAPES = [(1, 1536), (1, 8960), (512 * 9, 64), (512, 576), (512, 1536),
 
 def hadamard_main() -> None:
     """`bitquilt.nn.hadamard.hadamard_transform` (the compiled kernel for fp32) against its torch butterflies."""
-    torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(0)
-    meta = dict(cpu=f"{cpu_name()}, {os.cpu_count()} cores", torch=torch.__version__, loadavg_start=loadavg())
+    gen = single_thread()
+    meta = run_meta()
     rows = []
     for t, n in HADAMARD_SHAPES:
         x, signs = torch.randn(t, n, generator=gen), random_signs(n, 0)
@@ -543,8 +548,7 @@ def main() -> None:
     else:
         shapes, batches, threads = SHAPES, [1, 16, 128], [1, 2]
         formats = [("bitplane", b) for b in (2, 3, 4)] + [("uniform", b) for b in (2, 3, 4, 8)]
-    meta = dict(cpu=f"{cpu_name()}, {os.cpu_count()} cores", torch=torch.__version__, loadavg_start=loadavg(),
-                quick=args.quick)
+    meta = run_meta(quick=args.quick)
 
     def log(r: dict) -> None:
         cpu_time = ""
