@@ -9,6 +9,7 @@ from bitquilt import kernels
 from bitquilt.api import quantize
 from bitquilt.cli import main
 from bitquilt.eval.speed import decode
+from bitquilt.formats.uniform import UniformFormat
 from bitquilt.kernels import cpu, q4_int8
 from bitquilt.models.lean_decode import LeanDecoder
 from bitquilt.nn.quant_linear import QuantLinear
@@ -95,6 +96,9 @@ def test_quant_linear_takes_the_int8_kernel_only_when_switched_on(int8_on):
     assert (on - ref).abs().max() > 100 * (off - ref).abs().max()
     kernels.set_int8_activations(True)
     assert q4_int8.layout(make_uniform(w, 4, 32, sym=False)) is None  # groups of 32: the exact kernels take it
+    fmt = make_uniform(w, 4, 128, sym=False)
+    fp32_scales = UniformFormat(fmt.qweight, fmt.scales.float() * (1 + 2**-15), fmt.zeros, 4, 128, 256)
+    assert q4_int8.layout(fp32_scales) is None  # the layout keeps scales in fp16: only those exact in fp16
     three_bit = QuantLinear(make_uniform(w, 3, 128, sym=False))  # other widths keep their exact kernels
     assert torch.allclose(three_bit(x), x @ three_bit.fmt.dequantize().T, rtol=1e-4, atol=1e-3)
 

@@ -9,7 +9,7 @@ so the only error is the activations' rounding (≤ d/2 per value); that trade i
 measured in docs/benchmarks.md. Registered as "cpu_q4_int8" ahead of cpu_lut (the 8-bit kernel takes no
 4-bit call); it declines every call while the switch is off, and formats with act-order (g_idx) or
 widths/groups not multiples of 64.
-Per format it keeps its own layout in a `LayoutCache` (the codes two per byte, fp32 s and s·z per row group).
+Per format it keeps its own layout in a `LayoutCache` (the codes two per byte, fp16 s and uint8 z per row group).
 
 Two paths, the same layout and exact integer dot products: AVX2 (vpmaddubsw) and, where the CPU has AVX-512 with
 VNNI, one vpdpbusd per 64 codes (csrc/q4_int8_vnni.cpp); they differ only in fp32 summation order. The widest runs
@@ -56,8 +56,8 @@ def active_isa() -> str | None:
 @dataclass(frozen=True)
 class Q4Layout:
     """Codes uint8 [tiles, K/64, 4, 32] (a row's 64 codes of two blocks: byte j < 16 holds columns j and 16 + j,
-    byte 16 + j columns 32 + j and 48 + j, low nibble first) and fp32 [tiles, groups, 2, 4] (s and s·z of the
-    tile's rows)."""
+    byte 16 + j columns 32 + j and 48 + j, low nibble first) and uint8 [tiles, groups, 12] (the tile's 4 rows'
+    scales as fp16, then their zeros as uint8: 3 bytes per row group)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -89,8 +89,12 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
         chunks = torch.cat([q[..., 0, :] | (q[..., 1, :] << 4), q[..., 2, :] | (q[..., 3, :] << 4)], dim=-1)
         packed[r0 // ROWS:r0 // ROWS + q.shape[0]] = chunks.permute(0, 2, 1, 3)
     scale, zero = fmt.scale_zero()
-    scales = torch.stack([_rows_to_tiles(scale.float()), _rows_to_tiles((scale * zero).float())], dim=2)
-    return Q4Layout(packed, scales.permute(0, 3, 2, 1).contiguous(), group)
+    scale16 = scale.half()
+    if not torch.equal(scale16.float(), scale):  # fp16 scales only (what pack() stores): the layout keeps them so
+        return None
+    scale16 = _rows_to_tiles(scale16).transpose(1, 2).contiguous()  # [tiles, G, 4]
+    zero8 = _rows_to_tiles(zero.to(torch.uint8)).transpose(1, 2)
+    return Q4Layout(packed, torch.cat([scale16.view(torch.uint8), zero8], dim=-1).contiguous(), group)
 
 
 _LAYOUTS: LayoutCache[Q4Layout] = LayoutCache(_layout)

@@ -75,7 +75,7 @@ inline __m256 chunk_dot(const Codes& q, __m256i xl, __m256i xh) {
 
 // The tile's 4 rows for one token; `codes(p, r)` gives row r's chunk p (packed, or widened in a buffer).
 template <typename CodesOf>
-inline void tile_token(const CodesOf& codes, const float* sz, const Weight& W, const int8_t* xi, const float* dpair,
+inline void tile_token(const CodesOf& codes, const uint8_t* sz, const Weight& W, const int8_t* xi, const float* dpair,
                        const float* X, float* out) {
   __m256 total[ROWS];
   float offset[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -90,10 +90,10 @@ inline void tile_token(const CodesOf& codes, const float* sz, const Weight& W, c
       const __m256 d = _mm256_loadu_ps(dpair + p * 8);
       for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_fmadd_ps(chunk_dot(codes(p, r), xl, xh), d, acc[r]);
     }
-    const float* s = sz + g * 2 * ROWS;
+    const TileGroup s = tile_group(sz + g * GROUP_BYTES);
     for (int r = 0; r < ROWS; ++r) {
-      total[r] = _mm256_fmadd_ps(acc[r], _mm256_set1_ps(s[r]), total[r]);
-      offset[r] += s[ROWS + r] * X[g];
+      total[r] = _mm256_fmadd_ps(acc[r], _mm256_set1_ps(s.s[r]), total[r]);
+      offset[r] += s.sz[r] * X[g];
     }
   }
   for (int r = 0; r < ROWS; ++r) out[r] = hsum8(total[r]) - offset[r];
@@ -106,9 +106,9 @@ Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t
   const Weight W{nullptr, nullptr, N, K, group};
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == W.tiles() * ROWS * K / 2,
               "packed codes do not match the shape");
-  TORCH_CHECK(sz.scalar_type() == at::kFloat && sz.is_contiguous() && sz.numel() == W.tiles() * W.groups() * 2 * ROWS,
+  TORCH_CHECK(sz.scalar_type() == at::kByte && sz.is_contiguous() && sz.numel() == W.tiles() * W.groups() * GROUP_BYTES,
               "scales do not match the shape");
-  return {w.data_ptr<uint8_t>(), sz.data_ptr<float>(), N, K, group};
+  return {w.data_ptr<uint8_t>(), sz.data_ptr<uint8_t>(), N, K, group};
 }
 
 namespace {
@@ -125,7 +125,7 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64 + 32), q.hi);
     }
   };
-  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const float* sz, const int8_t* x, const float* dt,
+  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const uint8_t* sz, const int8_t* x, const float* dt,
                           const float* Xt, float* out) {
     if (buffer == nullptr) {
       tile_token([wt](int64_t p, int r) { return widen(wt + (p * ROWS + r) * 32); }, sz, W, x, dt, Xt, out);

@@ -5,8 +5,11 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "int8_round.h"
@@ -16,14 +19,32 @@ namespace bitquilt_q4 {
 constexpr int64_t ROWS = 4;    // output rows per tile
 constexpr int64_t BLOCK = bitquilt_int8::BLOCK;  // columns per activation scale
 constexpr int64_t PAIR = 64;   // columns per packed 32-byte row chunk (two blocks)
+constexpr int64_t GROUP_BYTES = 12;  // a tile's row group: 4 fp16 scales, 4 uint8 zeros
+
+// s and s * z of a tile's 4 rows in one group, from its GROUP_BYTES.
+struct TileGroup {
+  float s[ROWS], sz[ROWS];
+};
+
+inline TileGroup tile_group(const uint8_t* p) {
+  TileGroup t;
+  for (int r = 0; r < ROWS; ++r) {
+    uint16_t half;
+    std::memcpy(&half, p + 2 * r, 2);
+    t.s[r] = _cvtsh_ss(half);
+    t.sz[r] = t.s[r] * static_cast<float>(p[2 * ROWS + r]);
+  }
+  return t;
+}
 
 // A [N, K] weight W[r, c] = s[r, g] * (q[r, c] - z[r, g]), g = c / group, in the kernel's layout:
 //   w  uint8 [tiles][K / 64][4 rows][32]: for the chunk starting at column c0, byte j < 16 holds q[c0 + j] (low
 //      nibble) and q[c0 + 16 + j] (high), byte 16 + j holds q[c0 + 32 + j] and q[c0 + 48 + j]
-//   sz fp32  [tiles][groups][2][4 rows]: s and s * z of the tile's rows
+//   sz uint8 [tiles][groups][12]: the tile's 4 rows' s as fp16 (bytes 0-7), then their z as uint8 (8-11)
+//      (3 bytes per row group instead of 8 for fp32 s and s * z; s * z is exact in fp32 for an fp16 s and z < 16)
 struct Weight {
   const uint8_t* w;
-  const float* sz;
+  const uint8_t* sz;
   int64_t N, K, group;
   int64_t tiles() const { return (N + ROWS - 1) / ROWS; }
   int64_t groups() const { return (K + group - 1) / group; }
@@ -44,7 +65,7 @@ void set_vnni(bool enabled);
 
 // The tile loop both paths share, for T tokens already rounded (xi: codes in chunk order, d: per-chunk block
 // scales, X: group sums): `split(wt, buffer)` widens tile codes `wt` into `buffer_bytes` once when T > 1, and
-// `token(wt, buffer, sz, xi, d, X, out)` computes the tile's 4 rows for one token (buffer null when T == 1).
+// `token(wt, buffer, sz, xi, d, X, out)` (sz: the tile's groups) computes the tile's 4 rows for one token (buffer null when T == 1).
 template <typename Split, typename Token>
 void run_tiles(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                float* y, int64_t buffer_bytes, const Split& split, const Token& token) {
@@ -53,7 +74,7 @@ void run_tiles(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t*
   float out[ROWS];
   for (int64_t i = i0; i < i1; ++i) {
     const uint8_t* wt = W.w + i * tile_bytes;
-    const float* sz = W.sz + i * G * 2 * ROWS;
+    const uint8_t* sz = W.sz + i * G * GROUP_BYTES;
     const int64_t rows = std::min(ROWS, W.N - i * ROWS);
     if (T > 1) split(wt, buffer.data());
     for (int64_t t = 0; t < T; ++t) {

@@ -50,7 +50,7 @@ inline PairCodes split(const uint8_t* p) {
 // ones (32-63) to both halves of another, two vpdpbusd leave row 2j's block sums in lanes 0-7 and row 2j + 1's in
 // lanes 8-15 (lanes 0-3 and 8-11 the chunk's first block, 4-7 and 12-15 its second).
 template <bool buffered>
-inline void tile_token(const uint8_t* wt, const int8_t* codes, const float* sz, const Weight& W, const int8_t* xi,
+inline void tile_token(const uint8_t* wt, const int8_t* codes, const uint8_t* sz, const Weight& W, const int8_t* xi,
                        const float* dpair, const float* X, float* out) {
   __m512 total[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   float offset[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -70,12 +70,12 @@ inline void tile_token(const uint8_t* wt, const int8_t* codes, const float* sz, 
         acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, acc[j]);
       }
     }
-    const float* s = sz + g * 2 * ROWS;
+    const TileGroup s = tile_group(sz + g * GROUP_BYTES);
     for (int j = 0; j < 2; ++j) {
-      const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(s[2 * j]), _mm256_set1_ps(s[2 * j + 1]), 1);
+      const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(s.s[2 * j]), _mm256_set1_ps(s.s[2 * j + 1]), 1);
       total[j] = _mm512_fmadd_ps(acc[j], scale, total[j]);
     }
-    for (int r = 0; r < ROWS; ++r) offset[r] += s[ROWS + r] * X[g];
+    for (int r = 0; r < ROWS; ++r) offset[r] += s.sz[r] * X[g];
   }
   for (int j = 0; j < 2; ++j) {
     out[2 * j] = hsum8(_mm512_castps512_ps256(total[j])) - offset[2 * j];
@@ -95,7 +95,7 @@ void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
       _mm512_storeu_si512(buffer + q * PAIR_BYTES + 64, c.hi);
     }
   };
-  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const float* sz, const int8_t* x, const float* dt,
+  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const uint8_t* sz, const int8_t* x, const float* dt,
                           const float* Xt, float* out) {
     if (buffer == nullptr)
       tile_token<false>(wt, nullptr, sz, W, x, dt, Xt, out);
