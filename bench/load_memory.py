@@ -1,0 +1,151 @@
+"""Memory of a saved quantized model at run time: what loading and running it adds to the process.
+
+    python bench/load_memory.py --models smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b
+
+For each model and variant (RTN weights, quantized once with `bitquilt quantize --stream` into --workdir), a child
+process with one thread: imports torch, transformers and the model's modeling code and loads its tokenizer (the
+runtime, *base*), then `bitquilt.load`s the saved directory (RSS *after load*), then runs what `bench/e2e.py` times:
+a 128-token prefill and 31 decode steps with the default engine (optionally with int8 activations). Reported: the
+file's size, the base, the peak above the base (the model's own memory), the whole process's peak, the kernel
+layouts' bytes and what of the mapped file is still resident at the end (`bitquilt.mapped`: a linear's pages are
+given back once its kernel layout is built). Results: bench/results/load_memory.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from common import RESULTS, append_record, command_line, loadavg, machine, run, write_atomic
+
+VARIANTS = {  # name: bitquilt quantize arguments
+    "w4 g128": ["--w-bits", "4", "--group-size", "128"],
+    "w4 g128 head8": ["--w-bits", "4", "--group-size", "128", "--head-bits", "8"],
+    "w4 g128 head4": ["--w-bits", "4", "--group-size", "128", "--head-bits", "4"],
+    "w2 g64 head8": ["--w-bits", "2", "--group-size", "64", "--head-bits", "8"],
+}
+KEY = ("model", "variant", "engine")
+
+
+def rss_mb() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def mapped_resident_mb(path: Path) -> float:
+    """Resident MB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            inside = head[-1] == str(path)
+        elif inside and head[0] == "Rss:":
+            total += int(head[1])
+    return total / 1024
+
+
+def child(saved: str, engine: str) -> dict:
+    """The measurement, in this (fresh) process."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (the runtime)
+
+    from bitquilt import kernels
+    from bitquilt.api import load
+    from bitquilt.eval.speed import stepper
+    from bitquilt.io import WEIGHTS_NAME, base_config
+    from bitquilt.models.loading import empty_model
+    from bitquilt.nn.quant_linear import QuantLinear
+
+    torch.set_num_threads(1)
+    directory = Path(saved)
+    empty_model(base_config(directory))  # imports the modeling code; the skeleton holds nothing
+    AutoTokenizer.from_pretrained(directory)
+    base = rss_mb()
+    kernels.set_int8_activations(engine.endswith("+int8"))
+    t0 = time.perf_counter()
+    model, _ = load(directory)
+    load_s, after_load = time.perf_counter() - t0, rss_mb()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        step = stepper(model, 160, engine.partition("+")[0])
+        token = int(step(prompt).argmax())  # as bench/e2e.py: the step returns the last position's logits
+        for _ in range(31):
+            token = int(step(torch.tensor([[token]])).argmax())
+    layouts = sum(kernels.kernel_layout_bytes(m.fmt) for m in model.modules() if isinstance(m, QuantLinear))
+    mapped = mapped_resident_mb((directory / WEIGHTS_NAME).resolve())
+    return {"base_mb": base, "after_load_mb": after_load, "peak_mb": peak_mb(), "load_s": load_s,
+            "layout_mb": layouts / 2**20, "mapped_resident_mb": mapped}
+
+
+def quantize(model: str, variant: str, out: Path) -> None:
+    if (out / "quantization_config.json").exists():
+        return
+    argv = [sys.executable, "-m", "bitquilt.cli", "quantize", model, "--method", "rtn", *VARIANTS[variant],
+            "--stream", "-o", str(out), "--overwrite"]
+    done = subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"quantizing {model} {variant} failed: {done.stderr.strip().splitlines()[-1]}")
+
+
+def render(records: list[dict]) -> str:
+    lines = ["# Memory of a loaded quantized model", "", __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), "",
+             "MB = MiB. *model above base*: peak − base, what the model costs the process; its ratio to the file is "
+             "the one the runtime does not set. *process ÷ file*: the whole process's peak over the file.", "",
+             "| model | variant | engine | file MB | base MB | after load MB | peak MB | model above base MB "
+             "| above base ÷ file | process ÷ file | kernel layouts MB | mapped still resident MB | load s "
+             "| load avg |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in records:
+        above = r["peak_mb"] - r["base_mb"]
+        lines.append(f"| {r['model']} | {r['variant']} | {r['engine']} | {r['file_mb']:.0f} | {r['base_mb']:.0f} | "
+                     f"{r['after_load_mb']:.0f} | {r['peak_mb']:.0f} | {above:.0f} | {above / r['file_mb']:.2f} | "
+                     f"{r['peak_mb'] / r['file_mb']:.2f} | {r['layout_mb']:.0f} | {r['mapped_resident_mb']:.0f} | "
+                     f"{r['load_s']:.1f} | {r['loadavg']} |")
+    machines = {json.dumps(r["machine"], sort_keys=True) for r in records}
+    commands = sorted({r["command"] for r in records})
+    lines += ["", f"Machine: {', '.join(machines)}. Command(s): " + ", ".join(f"`{c}`" for c in commands), ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b")
+    p.add_argument("--variants", default="w4 g128,w4 g128 head8,w4 g128 head4")
+    p.add_argument("--engines", default="auto,auto+int8")
+    p.add_argument("--workdir", default="/tmp/bitquilt-load-memory")
+    p.add_argument("--child", nargs=2, metavar=("SAVED", "ENGINE"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child)))
+        return
+    torch.set_num_threads(1)  # as the children (the machine record states it)
+    command = command_line()
+    for model in args.models.split(","):
+        for variant in args.variants.split(","):
+            saved = Path(args.workdir) / model / variant.replace(" ", "-")
+            quantize(model, variant, saved)
+            for engine in args.engines.split(","):
+                out = subprocess.run([sys.executable, __file__, "--child", str(saved), engine], check=True,
+                                     capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                result = json.loads(out.stdout.strip().splitlines()[-1])
+                record = {"model": model, "variant": variant, "engine": engine, "settings": {},
+                          "file_mb": (saved / "model.safetensors").stat().st_size / 2**20, **result,
+                          "loadavg": loadavg(), "machine": machine(), "command": command}
+                print(f"{model} {variant} [{engine}]: peak {result['peak_mb']:.0f} MB, base {result['base_mb']:.0f}, "
+                      f"file {record['file_mb']:.0f}", flush=True)
+                write_atomic(RESULTS / "load_memory.md", render(append_record("load_memory", record, KEY)))
+
+
+if __name__ == "__main__":
+    run(main)
