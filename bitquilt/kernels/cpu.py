@@ -46,6 +46,7 @@ from bitquilt.kernels import LayoutCache, fp32_rows, kernels_for, like, register
 log = logging.getLogger(__name__)
 
 TILE = 32  # output rows per kernel tile
+PACK_TILES = 128  # tiles reordered at a time (`pack_planes`)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("lut_matmul.cpp", "mxint_matmul.cpp", "slice_router.cpp", "uniform8_gemv.cpp",
                          "decode_step.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "hadamard.cpp",
@@ -120,10 +121,16 @@ def _pad_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def pack_planes(plane_bytes: torch.Tensor, block: int) -> torch.Tensor:
-    """uint8 [k, N, K/8] (bit j of byte p = column 8p+j) -> kernel layout [tiles, blocks, k, block/8, 32]."""
+    """uint8 [k, N, K/8] (bit j of byte p = column 8p+j) -> kernel layout [tiles, blocks, k, block/8, 32].
+    PACK_TILES tiles at a time into the result: the reordering's copies of a whole LM head would be several times
+    its layout, a transient peak of the process."""
     k, n, kb = plane_bytes.shape
-    t = _pad_rows(plane_bytes, 1).view(k, -1, TILE, kb * 8 // block, block // 8)
-    return t[:, :, _ROW_OF_BYTE].permute(1, 3, 0, 4, 2).contiguous()
+    out = torch.empty(-(-n // TILE), kb * 8 // block, k, block // 8, TILE, dtype=torch.uint8)
+    for t0 in range(0, out.shape[0], PACK_TILES):
+        rows = _pad_rows(plane_bytes[:, t0 * TILE:(t0 + PACK_TILES) * TILE], 1)
+        t = rows.view(k, -1, TILE, kb * 8 // block, block // 8)
+        out[t0:t0 + t.shape[1]] = t[:, :, _ROW_OF_BYTE].permute(1, 3, 0, 4, 2)
+    return out
 
 
 def _tile_coefficients(c: torch.Tensor) -> torch.Tensor:
