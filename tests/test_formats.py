@@ -125,6 +125,7 @@ def test_bit_planes_match_a_bitwise_reference(bits):
 def test_uniform_accessors(bits, sym):
     fmt = rtn(torch.randn(16, 128), bits, 32, sym)
     assert torch.equal(fmt.plane_bytes(), reference_plane_bytes(fmt.codes(), bits))
+    assert torch.equal(fmt.plane_bytes(slice(3, 11)), fmt.plane_bytes()[:, 3:11])  # rows apart, as kernels pack them
     scale, zero = fmt.scale_zero()
     assert scale.dtype == zero.dtype == torch.float32 and scale.shape == zero.shape == (16, 4)
     assert torch.equal(scale, fmt.scales.float())
@@ -135,6 +136,7 @@ def test_bitplane_accessors_and_width():
     planes = torch.randint(0, 2, (3, 8, 64))
     fmt = BitplaneFormat.from_codes(planes[0] + 2 * planes[1] + 4 * planes[2], torch.randn(8, 2, 4), 3, 32)
     assert torch.equal(fmt.plane_bytes(), reference_plane_bytes(planes, 1)[0])
+    assert torch.equal(fmt.plane_bytes(slice(5, None)), fmt.plane_bytes()[:, 5:])
     BitplaneFormat.check_width(64)
     with pytest.raises(ValueError, match="in_features divisible by 32, got 80"):
         BitplaneFormat.check_width(80)

@@ -102,9 +102,10 @@ class BitplaneFormat(WeightFormat):
         """B as uint8 [k, out, in]."""
         return unpack(self.planes, 1, self.in_features)
 
-    def plane_bytes(self) -> torch.Tensor:
-        """B 8 columns a byte, uint8 [k, out, in/8]: bit j of byte p of plane i is B_{i+1}[:, 8p + j]."""
-        return bit_planes(self.planes, 1, self.in_features)[0]
+    def plane_bytes(self, rows: slice = slice(None)) -> torch.Tensor:
+        """B of `rows` (all by default) 8 columns a byte, uint8 [k, rows, in/8]: bit j of byte p of plane i is
+        B_{i+1}[:, 8p + j]."""
+        return bit_planes(self.planes[:, rows], 1, self.in_features)[0]
 
     def dequantize(self, selector: Any = None) -> torch.Tensor:
         k, rows, g = self.bits, self.out_features, self.group_size

@@ -173,13 +173,14 @@ class UniformFormat(WeightFormat):
         """q as uint8 [out, in]."""
         return unpack(self.qweight, self.bits, self.in_features)
 
-    def plane_bytes(self) -> torch.Tensor:
-        """The codes as bit-planes, uint8 [bits, out, in/8]: bit j of byte p of plane i is bit i of q[:, 8p + j].
-        Built PLANE_ROWS rows at a time: `bit_planes` holds several bytes per bit on the way, which for an LM head
-        (150k rows) would be gigabytes."""
-        out = torch.empty(self.bits, self.out_features, self.in_features // 8, dtype=torch.uint8)
-        for i in range(0, self.out_features, PLANE_ROWS):
-            out[:, i:i + PLANE_ROWS] = bit_planes(self.qweight[i:i + PLANE_ROWS], self.bits, self.in_features)
+    def plane_bytes(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The codes of `rows` (all by default) as bit-planes, uint8 [bits, rows, in/8]: bit j of byte p of plane i is
+        bit i of q[:, 8p + j]. Built PLANE_ROWS rows at a time: `bit_planes` holds several bytes per bit on the way,
+        which for an LM head (150k rows) would be gigabytes."""
+        words = self.qweight[rows]
+        out = torch.empty(self.bits, words.shape[0], self.in_features // 8, dtype=torch.uint8)
+        for i in range(0, words.shape[0], PLANE_ROWS):
+            out[:, i:i + PLANE_ROWS] = bit_planes(words[i:i + PLANE_ROWS], self.bits, self.in_features)
         return out
 
     def scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:

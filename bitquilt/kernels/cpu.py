@@ -120,14 +120,14 @@ def _pad_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
-def pack_planes(plane_bytes: torch.Tensor, block: int) -> torch.Tensor:
-    """uint8 [k, N, K/8] (bit j of byte p = column 8p+j) -> kernel layout [tiles, blocks, k, block/8, 32].
-    PACK_TILES tiles at a time into the result: the reordering's copies of a whole LM head would be several times
-    its layout, a transient peak of the process."""
-    k, n, kb = plane_bytes.shape
+def pack_planes(fmt: BitplaneFormat | UniformFormat, block: int) -> torch.Tensor:
+    """The format's bit-planes (`plane_bytes`: uint8 [k, N, K/8], bit j of byte p = column 8p+j) in the kernel layout
+    [tiles, blocks, k, block/8, 32], PACK_TILES tiles at a time straight into the result: the planes and the
+    reordering's copies of a whole LM head would be several times its layout, a transient peak of the process."""
+    n, k, kb = fmt.out_features, fmt.bits, fmt.in_features // 8
     out = torch.empty(-(-n // TILE), kb * 8 // block, k, block // 8, TILE, dtype=torch.uint8)
     for t0 in range(0, out.shape[0], PACK_TILES):
-        rows = _pad_rows(plane_bytes[:, t0 * TILE:(t0 + PACK_TILES) * TILE], 1)
+        rows = _pad_rows(fmt.plane_bytes(slice(t0 * TILE, (t0 + PACK_TILES) * TILE)), 1)
         t = rows.view(k, -1, TILE, kb * 8 // block, block // 8)
         out[t0:t0 + t.shape[1]] = t[:, :, _ROW_OF_BYTE].permute(1, 3, 0, 4, 2)
     return out
@@ -189,7 +189,7 @@ def _pack_bitplane(fmt: BitplaneFormat) -> Packed | None:
     block = _block(fmt.group_size, fmt.in_features)
     if block is None:
         return None
-    return Packed(pack_planes(fmt.plane_bytes(), block), _tile_coefficients(fmt.coeffs.to(torch.float16)),
+    return Packed(pack_planes(fmt, block), _tile_coefficients(fmt.coeffs.to(torch.float16)),
                   fmt.out_features, fmt.bits, block, fmt.group_size, uniform=False)
 
 
@@ -199,7 +199,7 @@ def _pack_uniform(fmt: UniformFormat) -> Packed | None:
     if fmt.g_idx is not None or block is None:
         return None
     scale, zero = fmt.scale_zero()
-    return Packed(pack_planes(fmt.plane_bytes(), block),
+    return Packed(pack_planes(fmt, block),
                   _tile_coefficients(torch.stack([scale, -scale * zero], dim=-1)), fmt.out_features, fmt.bits,
                   block, group, uniform=True)
 
