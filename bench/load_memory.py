@@ -106,7 +106,9 @@ def render(records: list[dict]) -> str:
              "| above base ÷ file | process ÷ file | kernel layouts MB | mapped still resident MB | load s "
              "| load avg |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in records:
+    models = list(dict.fromkeys(r["model"] for r in records))
+    order = list(VARIANTS)
+    for r in sorted(records, key=lambda r: (models.index(r["model"]), order.index(r["variant"]), r["engine"])):
         above = r["peak_mb"] - r["base_mb"]
         lines.append(f"| {r['model']} | {r['variant']} | {r['engine']} | {r['file_mb']:.0f} | {r['base_mb']:.0f} | "
                      f"{r['after_load_mb']:.0f} | {r['peak_mb']:.0f} | {above:.0f} | {above / r['file_mb']:.2f} | "
