@@ -11,7 +11,7 @@ ROOT = Path(bitquilt.__file__).parent
 
 # Lowest floor first. A module may import its own floor and the floors below, never above.
 FLOORS = [
-    {"errors", "cache", "resources", "registry", "tables", "__init__"},
+    {"errors", "cache", "resources", "registry", "tables", "mapped", "__init__"},
     {"formats"},
     {"kernels"},
     {"nn"},
