@@ -146,3 +146,17 @@ def test_cli_flag_switches_int8_activations_on(tmp_path, capsys):
     assert kernels.int8_activations()
     kernels.set_int8_activations(False)
     assert '"decode_tokens_per_s"' in capsys.readouterr().out
+
+
+@needs_ext
+def test_isa_follows_the_variable_and_explicit_choices(monkeypatch):
+    """`set_isa()` takes `$BITQUILT_ISA` when the CPU runs it, else the widest path; a path the CPU lacks is refused."""
+    monkeypatch.setenv("BITQUILT_ISA", "avx2")
+    assert q4_int8.set_isa() == "avx2" == q4_int8.active_isa()
+    monkeypatch.delenv("BITQUILT_ISA")
+    assert q4_int8.set_isa() == q4_int8.supported_isas()[-1] == q4_int8.active_isa()
+    with pytest.raises(ValueError, match="unavailable"):
+        q4_int8.set_isa("sse9")
+    if "avx512" not in q4_int8.supported_isas():
+        with pytest.raises(RuntimeError, match="VNNI"):
+            cpu.extension().q4_int8_set_vnni(True)
