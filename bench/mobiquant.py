@@ -58,6 +58,9 @@ def _float_list(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
 
 
+QUANTIZED_TARGETS = ", quantized targets"  # checkpoint_name's suffix for fp_reference.stream=quantized
+
+
 def checkpoint_name(slices: tuple[int, ...], grid: str, target_bits: float, steps: int, router_only: bool,
                     stream: str = "fp") -> str:
     """How the mobiquant rows name their checkpoint (baseline rows have none). Checkpoints named without a grid
@@ -65,7 +68,7 @@ def checkpoint_name(slices: tuple[int, ...], grid: str, target_bits: float, step
     full-precision model's own trajectory (fp_reference.stream=fp)."""
     return (f"slices {','.join(map(str, slices))}, {grid} grid, {target_bits:g} bits, {steps} steps, "
             f"{'router-only' if router_only else 'prefixes refit + re-cut'}"
-            + (f", {stream} targets" if stream != "fp" else ""))
+            + (QUANTIZED_TARGETS if stream == "quantized" else ""))
 
 
 MODES = {
@@ -79,12 +82,16 @@ MODES = {
 
 
 def mode_of(checkpoint: str) -> str:
-    return checkpoint.split("steps, ", 1)[1]
+    return checkpoint.split("steps, ", 1)[1].removesuffix(QUANTIZED_TARGETS)
 
 
 def name_of(r: dict) -> str:
-    """A row's model column: the label, and for the checkpoint's rows how it was calibrated."""
-    return f"{r['label']} ({mode_of(r['checkpoint'])})" if r.get("checkpoint") else r["label"]
+    """A row's model column: the label, and for the checkpoint's rows how it was calibrated (mode, grid, targets)."""
+    c = r.get("checkpoint")
+    if not c:
+        return r["label"]
+    grid = c.split(", ")[1] if " grid, " in c else "lloyd grid"
+    return f"{r['label']} ({mode_of(c)}, {grid}{QUANTIZED_TARGETS if c.endswith(QUANTIZED_TARGETS) else ''})"
 
 
 def render(records: list[dict]) -> str:
@@ -93,6 +100,9 @@ def render(records: list[dict]) -> str:
         lines += setting_header(model, settings, rows)
         lines += [f"- Checkpoint '{c}' (g{settings['group_size']}): {MODES[mode_of(c)]}"
                   + ("" if " grid, " in c else " Slices on the lloyd grid.")
+                  + (" Each block trained towards the full-precision block on the quantized model's inputs "
+                     "(fp_reference.stream=quantized), not the full-precision model's outputs."
+                     if c.endswith(QUANTIZED_TARGETS) else "")
                   for c in dict.fromkeys(r["checkpoint"] for r in rows if r["checkpoint"])]
         lines += ["", f"Baselines: groups of {settings['group_size']}, calibrated on the same windows.", ""]
         ppl_rows = sorted((r for r in rows if r["kind"] == "ppl"), key=lambda r: (name_of(r), r["bits"]))
