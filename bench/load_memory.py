@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, append_record, command_line, loadavg, machine, run, write_atomic
+from common import RESULTS, append_record, command_line, loadavg, machine, machines_line, run, write_atomic
 
 VARIANTS = {  # name: bitquilt quantize arguments
     "w4 g128": ["--w-bits", "4", "--group-size", "128"],
@@ -37,25 +37,6 @@ def rss_mb() -> float:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def peak_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def mapped_resident_mb(path: Path) -> float:
-    """Resident MB of this process's mappings of `path` (/proc/self/smaps)."""
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()
-        if head and "-" in head[0] and not head[0].endswith(":"):
-            inside = head[-1] == str(path)
-        elif inside and head[0] == "Rss:":
-            total += int(head[1])
-    return total / 1024
-
-
 def child(saved: str, engine: str) -> dict:
     """The measurement, in this (fresh) process."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (the runtime)
@@ -64,8 +45,10 @@ def child(saved: str, engine: str) -> dict:
     from bitquilt.api import load
     from bitquilt.eval.speed import stepper
     from bitquilt.io import WEIGHTS_NAME, base_config
+    from bitquilt.mapped import resident_bytes
     from bitquilt.models.loading import empty_model
     from bitquilt.nn.quant_linear import QuantLinear
+    from bitquilt.resources import peak_rss_mb
 
     torch.set_num_threads(1)
     directory = Path(saved)
@@ -83,8 +66,8 @@ def child(saved: str, engine: str) -> dict:
         for _ in range(31):
             token = int(step(torch.tensor([[token]])).argmax())
     layouts = sum(kernels.kernel_layout_bytes(m.fmt) for m in model.modules() if isinstance(m, QuantLinear))
-    mapped = mapped_resident_mb((directory / WEIGHTS_NAME).resolve())
-    return {"base_mb": base, "after_load_mb": after_load, "peak_mb": peak_mb(), "load_s": load_s,
+    mapped = resident_bytes(directory / WEIGHTS_NAME) / 2**20
+    return {"base_mb": base, "after_load_mb": after_load, "peak_mb": peak_rss_mb(), "load_s": load_s,
             "layout_mb": layouts / 2**20, "mapped_resident_mb": mapped}
 
 
@@ -114,9 +97,8 @@ def render(records: list[dict]) -> str:
                      f"{r['after_load_mb']:.0f} | {r['peak_mb']:.0f} | {above:.0f} | {above / r['file_mb']:.2f} | "
                      f"{r['peak_mb'] / r['file_mb']:.2f} | {r['layout_mb']:.0f} | {r['mapped_resident_mb']:.0f} | "
                      f"{r['load_s']:.1f} | {r['loadavg']} |")
-    machines = {json.dumps(r["machine"], sort_keys=True) for r in records}
-    commands = sorted({r["command"] for r in records})
-    lines += ["", f"Machine: {', '.join(machines)}. Command(s): " + ", ".join(f"`{c}`" for c in commands), ""]
+    commands = dict.fromkeys(r["command"] for r in records)
+    lines += ["", machines_line(records) + " Command(s): " + ", ".join(f"`{c}`" for c in commands), ""]
     return "\n".join(lines)
 
 

@@ -50,8 +50,9 @@ def map_file(path: Path) -> mmap.mmap:
 def tensor_view(mm: mmap.mmap, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """The bytes [offset, offset + nbytes) of the mapping as a tensor (the mapping stays open while it lives); a
     copy when the offset is not aligned to the element size, since the kernels and torch expect aligned data."""
-    raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else torch.empty(0,
-                                                                                                         dtype=torch.uint8)
+    if not nbytes:  # frombuffer refuses an empty range
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
     if raw.data_ptr() % dtype.itemsize:
         raw = raw.clone()
     return raw.view(dtype).reshape(shape)
@@ -82,6 +83,22 @@ def release(tensors: Iterable[torch.Tensor]) -> int:
             mm.madvise(mmap.MADV_DONTNEED, first, last - first)
             released += last - first
     return released
+
+
+def resident_bytes(path: Path) -> int:
+    """Resident bytes of this process's mappings of the file `path` (Linux /proc/self/smaps; 0 elsewhere): what of
+    a mapped model is still in memory."""
+    smaps = Path("/proc/self/smaps")
+    if not smaps.exists():
+        return 0
+    total, inside, name = 0, False, str(Path(path).resolve())
+    for line in smaps.read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's header line
+            inside = head[-1] == name
+        elif inside and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
 
 
 def return_free_memory() -> None:

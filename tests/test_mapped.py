@@ -1,7 +1,6 @@
 """A loaded model's packed tensors are views of its mapped file, given back once a kernel layout serves them."""
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,18 +14,6 @@ from bitquilt.recipes import Recipe
 from tests.conftest import reload_bit_exact
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/smaps")
-
-
-def resident_bytes(path: Path) -> int:
-    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()
-        if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's header line
-            inside = head[-1] == str(path)
-        elif inside and head[0] == "Rss:":
-            total += int(head[1]) * 1024
-    return total
 
 
 @pytest.fixture
@@ -44,10 +31,10 @@ def test_release_drops_the_pages_and_keeps_the_data(mapped_bytes):
     mm = mapped.map_file(path)
     view = mapped.tensor_view(mm, 8, data.numel() - 8, torch.uint8, (data.numel() - 8,))
     assert torch.equal(view, data[8:])  # touches every page
-    assert resident_bytes(path) >= data.numel() - mapped.mmap.PAGESIZE
+    assert mapped.resident_bytes(path) >= data.numel() - mapped.mmap.PAGESIZE
     released = mapped.release([view])
     assert released == data.numel() - mapped.mmap.PAGESIZE  # whole pages inside the view only: not the first
-    assert resident_bytes(path) <= mapped.mmap.PAGESIZE
+    assert mapped.resident_bytes(path) <= mapped.mmap.PAGESIZE
     assert torch.equal(view, data[8:])  # read back from the file
 
 
@@ -85,6 +72,6 @@ def test_a_loaded_model_keeps_one_copy_of_its_linears(tmp_path):
     packed = sum(t.numel() * t.element_size() for m in linears for t in m.fmt.tensors().values())
     # what stays: the pages each tensor shares with its neighbours and those the kernel maps around a fault
     # (measured 17% of these small tensors; on qwen2.5-1.5b only the LM head, which its kernel reads in place)
-    assert resident_bytes((tmp_path / "q" / WEIGHTS_NAME).resolve()) < packed / 4
+    assert mapped.resident_bytes(tmp_path / "q" / WEIGHTS_NAME) < packed / 4
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)

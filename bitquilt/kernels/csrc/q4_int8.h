@@ -65,7 +65,8 @@ void set_vnni(bool enabled);
 
 // The tile loop both paths share, for T tokens already rounded (xi: codes in chunk order, d: per-chunk block
 // scales, X: group sums): `split(wt, buffer)` widens tile codes `wt` into `buffer_bytes` once when T > 1, and
-// `token(wt, buffer, sz, xi, d, X, out)` (sz: the tile's groups) computes the tile's 4 rows for one token (buffer null when T == 1).
+// `token(wt, buffer, sz, xi, d, X, out)` (sz: the tile's groups) computes the tile's 4 rows for one token (buffer
+// null when T == 1).
 template <typename Split, typename Token>
 void run_tiles(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                float* y, int64_t buffer_bytes, const Split& split, const Token& token) {
