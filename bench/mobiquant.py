@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -58,17 +59,29 @@ def _float_list(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
 
 
-QUANTIZED_TARGETS = ", quantized targets"  # checkpoint_name's suffix for fp_reference.stream=quantized
+TARGETS = re.compile(r", (quantized|mixed) targets.*$")  # checkpoint_name's suffix for the other fp_reference streams
+
+
+TARGET_NOTES = {
+    "quantized": " Each block trained towards the full-precision block on the quantized model's inputs "
+                 "(fp_reference.stream=quantized), not the full-precision model's outputs.",
+    "mixed": " Each block trained towards a blend of the full-precision model's outputs and the full-precision "
+             "block on the quantized model's inputs (fp_reference.stream=mixed, the first's share in the name).",
+}
+
+
+def targets_suffix(stream: str, mix: float) -> str:
+    """How a checkpoint name says what its blocks were trained towards (nothing: fp_reference.stream=fp)."""
+    return {"fp": "", "quantized": ", quantized targets", "mixed": f", mixed targets ({mix:g} fp)"}[stream]
 
 
 def checkpoint_name(slices: tuple[int, ...], grid: str, target_bits: float, steps: int, router_only: bool,
-                    stream: str = "fp") -> str:
+                    stream: str = "fp", mix: float = 0.5) -> str:
     """How the mobiquant rows name their checkpoint (baseline rows have none). Checkpoints named without a grid
     were cut on the lloyd grid, MoBiSlice's only one until 2026-12-02; without a stream, trained towards the
     full-precision model's own trajectory (fp_reference.stream=fp)."""
     return (f"slices {','.join(map(str, slices))}, {grid} grid, {target_bits:g} bits, {steps} steps, "
-            f"{'router-only' if router_only else 'prefixes refit + re-cut'}"
-            + (QUANTIZED_TARGETS if stream == "quantized" else ""))
+            f"{'router-only' if router_only else 'prefixes refit + re-cut'}" + targets_suffix(stream, mix))
 
 
 MODES = {
@@ -82,7 +95,7 @@ MODES = {
 
 
 def mode_of(checkpoint: str) -> str:
-    return checkpoint.split("steps, ", 1)[1].removesuffix(QUANTIZED_TARGETS)
+    return TARGETS.sub("", checkpoint.split("steps, ", 1)[1])
 
 
 def name_of(r: dict) -> str:
@@ -91,7 +104,8 @@ def name_of(r: dict) -> str:
     if not c:
         return r["label"]
     grid = c.split(", ")[1] if " grid, " in c else "lloyd grid"
-    return f"{r['label']} ({mode_of(c)}, {grid}{QUANTIZED_TARGETS if c.endswith(QUANTIZED_TARGETS) else ''})"
+    targets = TARGETS.search(c)
+    return f"{r['label']} ({mode_of(c)}, {grid}{targets.group(0) if targets else ''})"
 
 
 def render(records: list[dict]) -> str:
@@ -100,9 +114,7 @@ def render(records: list[dict]) -> str:
         lines += setting_header(model, settings, rows)
         lines += [f"- Checkpoint '{c}' (g{settings['group_size']}): {MODES[mode_of(c)]}"
                   + ("" if " grid, " in c else " Slices on the lloyd grid.")
-                  + (" Each block trained towards the full-precision block on the quantized model's inputs "
-                     "(fp_reference.stream=quantized), not the full-precision model's outputs."
-                     if c.endswith(QUANTIZED_TARGETS) else "")
+                  + TARGET_NOTES.get(TARGETS.search(c).group(1) if TARGETS.search(c) else "fp", "")
                   for c in dict.fromkeys(r["checkpoint"] for r in rows if r["checkpoint"])]
         lines += ["", f"Baselines: groups of {settings['group_size']}, calibrated on the same windows.", ""]
         ppl_rows = sorted((r for r in rows if r["kind"] == "ppl"), key=lambda r: (name_of(r), r["bits"]))
@@ -196,11 +208,13 @@ def main() -> None:
     p.add_argument("--route-steps", type=int, default=30)
     p.add_argument("--router-only", action="store_true",
                    help="train the routers alone, the slices as MoBiSlice cut them (mobiroute.train_slices=false)")
-    p.add_argument("--reference-stream", default="fp", choices=("fp", "quantized"),
+    p.add_argument("--reference-stream", default="fp", choices=("fp", "quantized", "mixed"),
                    help="targets of the block training (fp_reference.stream): the full-precision model's own "
                    "outputs (fp: each block also corrects the error of the quantized blocks before it, at the "
                    "routed precision it was calibrated at) or the full-precision block on the quantized inputs "
-                   "(quantized: each block repairs only its own error)")
+                   "(quantized: each block repairs only its own error), or a blend of both targets (mixed)")
+    p.add_argument("--reference-mix", type=float, default=0.5,
+                   help="--reference-stream mixed: the fp target's share of the blend (fp_reference.mix)")
     p.add_argument("--avg-bits", default="2.5,3,3.5,4,4.5,5,6")
     p.add_argument("--static-bits", default="2,3,4,5,6")
     p.add_argument("--widths", default="2,3,4", help="widths of the separately calibrated GPTQ/AWQ rows")
@@ -217,7 +231,7 @@ def main() -> None:
     parts = args.parts.split(",")
     settings = {**settings, "group_size": args.group_size}
     checkpoint = checkpoint_name(slices, args.grid, args.target_bits, args.route_steps, args.router_only,
-                                 args.reference_stream)
+                                 args.reference_stream, args.reference_mix)
     base = {"model": args.model, "settings": settings, "checkpoint": ""}
     tokenizer, ids = None, None
 
@@ -243,7 +257,8 @@ def main() -> None:
     trained = "-routeronly" if args.router_only else "-recut"
     saved = Path(args.save_dir) / (f"{args.model}-mobiquant-{'-'.join(map(str, slices))}-{args.grid}-"
                                    f"g{args.group_size}-t{args.target_bits:g}-s{args.route_steps}{trained}-c{calib.n_samples}x{calib.seqlen}"
-                                   + ("-qtargets" if args.reference_stream == "quantized" else ""))
+                                   + {"fp": "", "quantized": "-qtargets",
+                                      "mixed": f"-mtargets{args.reference_mix:g}"}[args.reference_stream])
     quant = {}
     if not is_quantized_dir(saved):
         model, tokenizer = load(args.model)
@@ -253,7 +268,8 @@ def main() -> None:
                           options={"slices": slices, "grid": args.grid},
                           stage_options={"mobiroute": {"target_bits": args.target_bits, "steps": args.route_steps,
                                                        "train_slices": not args.router_only},
-                                         "fp_reference": {"stream": args.reference_stream}})
+                                         "fp_reference": {"stream": args.reference_stream,
+                                                          "mix": args.reference_mix}})
         blocks = report.stages["mobiroute"].values()
         quant = {"quant_time_s": time.perf_counter() - t0, "quant_cpu_s": time.process_time() - c0,
                  "route_seconds": sum(b["seconds"] for b in blocks),

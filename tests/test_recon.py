@@ -193,13 +193,43 @@ def test_recon_beats_gptq_on_a_block_of_the_default_model(smollm, calib_ids):
     assert after < before
 
 
+@pytest.mark.parametrize("stream", ["fp", "quantized", "mixed"])
+def test_reference_targets_follow_the_stream(stream):
+    """fp: the fp block on the fp trajectory (the previous block's fp outputs); quantized: on the block's own
+    (quantized-stream) inputs; mixed: mix · the first + (1 − mix) · the second. The fp trajectory is passed on
+    whatever the blend."""
+    from bitquilt.pipeline.recon import REFERENCE, fp_reference
+
+    model = make_tiny("llama")
+    ids = torch.randint(0, 320, (4, 16), generator=torch.Generator().manual_seed(3))
+    recipe = Recipe("rtn", w_bits=4, group_size=32, recon_steps=2,
+                    stage_options={"fp_reference": {"stream": stream, "mix": 0.25}})
+    ctx = block_context(model, recipe, ids, index=1)
+    fp_trajectory = [x + 0.1 * torch.randn_like(x) for x in ctx.inputs]  # differs from the quantized stream
+    ctx.scratch[REFERENCE] = {"index": 0, "fp_outputs": fp_trajectory}
+    fp_reference(ctx, {s.name: o for s, o in recipe.stages()}["fp_reference"])
+    on_fp, on_own = run_block(ctx.block, fp_trajectory, ctx.kwargs), run_block(ctx.block, ctx.inputs, ctx.kwargs)
+    assert not torch.allclose(on_fp[0], on_own[0], atol=1e-3)
+    expected = {"fp": on_fp, "quantized": on_own, "mixed": [0.25 * a + 0.75 * b for a, b in zip(on_fp, on_own)]}
+    reference = ctx.scratch[REFERENCE]
+    for got, want in zip(reference["targets"], expected[stream]):
+        assert torch.allclose(got, want, atol=1e-6)
+    if stream == "quantized":
+        assert reference["fp_outputs"] is None
+    else:
+        for got, want in zip(reference["fp_outputs"], on_fp):
+            assert torch.equal(got, want)
+
+
 def test_recon_options_are_checked_when_the_recipe_is_built():
     with pytest.raises(ValueError, match="recon_steps must be ≥ 0"):
         Recipe("rtn", recon_steps=-1)
     with pytest.raises(ValueError, match="unknown reconstruction optimizer 'sgd'"):
         Recipe("rtn", recon_steps=5, stage_options={"recon": {"optimizer": "sgd"}})
-    with pytest.raises(ValueError, match="stream must be fp or quantized"):
+    with pytest.raises(ValueError, match="stream must be fp, quantized or mixed"):
         Recipe("rtn", recon_steps=5, stage_options={"fp_reference": {"stream": "x"}})
+    with pytest.raises(ValueError, match="mix must lie strictly between 0 and 1"):
+        Recipe("rtn", recon_steps=5, stage_options={"fp_reference": {"stream": "mixed", "mix": 1.0}})
     with pytest.raises(ValueError, match="does not run"):
         Recipe("rtn", stage_options={"recon": {"batch": 2}})
     assert Recipe("awq+gptq", recon_steps=50).label() == "awq+gptq w4g128 recon50"

@@ -1,14 +1,16 @@
 """Block-wise reconstruction as engine stages: learned rounding and clipping after any solver.
 
 `fp_reference` (scope block, after the block's transforms, before its linears are solved) keeps
-the block's full-precision weights and the outputs the full-precision block gives: on the
-full-precision model's own hidden states (stream "fp", as AutoRound: the quantized model is pulled
-back towards the original trajectory) or on the inputs the quantized blocks before produce
-(stream "quantized": each block only repairs its own error). KV-cache quantizers are off for
-that pass. `recon` (scope post_block) swaps each solved linear for its learnable stand-in
-(`bitquilt.calib.learnable`), trains them all together on the block's output error
-(`bitquilt.calib.reconstruct`), and packs them back into the format the solver chose.
-Linears whose format has no learnable stand-in (e.g. MXINT) keep the solver's result.
+the block's full-precision weights and the outputs the full-precision block B gives: on the
+full-precision model's own hidden states x_fp (stream "fp", as AutoRound: the quantized model is
+pulled back towards the original trajectory), on the inputs x_q the quantized blocks before
+produce (stream "quantized": each block only repairs its own error), or a blend (stream "mixed":
+targets m·B(x_fp) + (1 − m)·B(x_q), which minimises m·‖Q − B(x_fp)‖² + (1 − m)·‖Q − B(x_q)‖² up
+to a constant). KV-cache quantizers are off for that pass. `recon` (scope post_block) swaps each
+solved linear for its learnable stand-in (`bitquilt.calib.learnable`), trains them all together
+on the block's output error (`bitquilt.calib.reconstruct`), and packs them back into the format
+the solver chose. Linears whose format has no learnable stand-in (e.g. MXINT) keep the solver's
+result.
 """
 
 from __future__ import annotations
@@ -27,18 +29,23 @@ from bitquilt.nn.online import attach, get, swap_host
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.registry import option
 
-REFERENCE = "fp_reference"  # ctx.scratch key: {"index", "weights", "targets", "stream"}
-STREAMS = ("fp", "quantized")
+REFERENCE = "fp_reference"  # ctx.scratch key: {"index", "weights", "targets", "fp_outputs"}
+STREAMS = ("fp", "quantized", "mixed")
 
 
 @dataclass(frozen=True)
 class ReferenceOptions:
     stream: str = option("fp", "inputs of the full-precision targets: fp (the original model's own hidden states) "
-                         "or quantized (what the quantized blocks before produce)")
+                         "quantized (what the quantized blocks before produce) or mixed (a blend of both "
+                         "targets)")
+    mix: float = option(0.5, "stream=mixed: the fp-stream target's share m of the blend, in (0, 1)")
 
     def __post_init__(self) -> None:
         if self.stream not in STREAMS:
-            raise ValueError(f"fp_reference: stream must be {' or '.join(STREAMS)}, got {self.stream!r}")
+            raise ValueError(f"fp_reference: stream must be {', '.join(STREAMS[:-1])} or {STREAMS[-1]}, "
+                             f"got {self.stream!r}")
+        if not 0 < self.mix < 1:
+            raise ValueError(f"fp_reference: mix must lie strictly between 0 and 1, got {self.mix}")
 
 
 @dataclass(frozen=True)
@@ -77,12 +84,17 @@ def kv_quant_off(ctx: BlockContext):
 def fp_reference(ctx: BlockContext, opts: ReferenceOptions) -> None:
     """Keep this block's full-precision weights and outputs for the post-block stages that fit to them."""
     previous = ctx.scratch.get(REFERENCE)
-    fp_inputs = previous["targets"] if opts.stream == "fp" and previous is not None else ctx.inputs
+    fp_inputs = previous["fp_outputs"] if previous is not None and previous["fp_outputs"] is not None else ctx.inputs
     with kv_quant_off(ctx):
-        targets = run_block(ctx.block, fp_inputs, ctx.kwargs)
+        fp_outputs = run_block(ctx.block, fp_inputs, ctx.kwargs) if opts.stream != "quantized" else None
+        own = run_block(ctx.block, ctx.inputs, ctx.kwargs) if opts.stream != "fp" else None
+    if opts.stream == "mixed":
+        targets = [opts.mix * a + (1 - opts.mix) * b for a, b in zip(fp_outputs, own)]
+    else:
+        targets = own if fp_outputs is None else fp_outputs
     names = [n for n in ctx.arch.linear_names() if ctx.plan.weight(ctx.full(n)) is not None]
     weights = {n: ctx.block.get_submodule(n).weight.detach().float().clone() for n in names}
-    ctx.scratch[REFERENCE] = {"index": ctx.index, "weights": weights, "targets": targets}
+    ctx.scratch[REFERENCE] = {"index": ctx.index, "weights": weights, "targets": targets, "fp_outputs": fp_outputs}
 
 
 @register_stage("recon", scope="post_block", kind="solve", options=ReconOptions)
