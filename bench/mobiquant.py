@@ -233,7 +233,7 @@ def main() -> None:
     checkpoint = checkpoint_name(slices, args.grid, args.target_bits, args.route_steps, args.router_only,
                                  args.reference_stream, args.reference_mix)
     base = {"model": args.model, "settings": settings, "checkpoint": ""}
-    tokenizer, ids = None, None
+    ids = None
 
     def keep(record: dict) -> None:
         ours = checkpoint if record["label"].startswith("mobiquant") else ""
@@ -253,38 +253,13 @@ def main() -> None:
         slicing_part(args, slices, ppl, keep, wanted)
         if parts == ["slicing"]:
             return
-    # the mobiquant checkpoint, quantized once and kept
-    trained = "-routeronly" if args.router_only else "-recut"
-    saved = Path(args.save_dir) / (f"{args.model}-mobiquant-{'-'.join(map(str, slices))}-{args.grid}-"
-                                   f"g{args.group_size}-t{args.target_bits:g}-s{args.route_steps}{trained}-c{calib.n_samples}x{calib.seqlen}"
-                                   + {"fp": "", "quantized": "-qtargets",
-                                      "mixed": f"-mtargets{args.reference_mix:g}"}[args.reference_stream])
-    quant = {}
-    if not is_quantized_dir(saved):
-        model, tokenizer = load(args.model)
-        ids = calibration_ids(tokenizer, calib)
-        c0, t0 = time.process_time(), time.perf_counter()
-        report = quantize(model, "mobiquant", ids, progress=False, w_bits=sum(slices), group_size=args.group_size,
-                          options={"slices": slices, "grid": args.grid},
-                          stage_options={"mobiroute": {"target_bits": args.target_bits, "steps": args.route_steps,
-                                                       "train_slices": not args.router_only},
-                                         "fp_reference": {"stream": args.reference_stream,
-                                                          "mix": args.reference_mix}})
-        blocks = report.stages["mobiroute"].values()
-        quant = {"quant_time_s": time.perf_counter() - t0, "quant_cpu_s": time.process_time() - c0,
-                 "route_seconds": sum(b["seconds"] for b in blocks),
-                 "route_error_ratio": sum(b["loss_after"] / b["loss_before"] for b in blocks) / len(blocks),
-                 "avg_bits_at_half": sum(b["avg_bits_at_half"] for b in blocks) / len(blocks)}
-        print(f"mobiquant quantized: {quant}", flush=True)
-        save(model, saved, tokenizer)
-        write_atomic(saved / "bench_quant.json", json.dumps(quant))
-    else:
-        quant = json.loads((saved / "bench_quant.json").read_text())
-    mobi, tokenizer = load(saved)
-    summary = model_summary(mobi)
+    # the mobiquant checkpoint, quantized once and kept, when a part measures it
+    mobi, tokenizer, quant = (mobiquant_checkpoint(args, slices, calib) if {"ppl", "speed", "migration"} & set(parts)
+                              else (None, None, {}))
+    summary = model_summary(mobi) if mobi is not None else {}
     precisions = [("static", b) for b in _float_list(args.static_bits)] + \
                  [("routed", b) for b in _float_list(args.avg_bits)]
-    static_k = slice_precisions(mobi)  # {bits: k}
+    static_k = slice_precisions(mobi) if mobi is not None else {}  # {bits: k}
 
     def apply(kind: str, bits: float) -> None:
         if kind == "static":
@@ -341,6 +316,38 @@ def main() -> None:
                 print(f"speed {kind} {bits:g}: decode {s.decode_tokens_per_s:.1f} tok/s", flush=True)
     if "migration" in parts:
         migration_part(args, mobi, calib, keep, wanted)
+
+
+def mobiquant_checkpoint(args, slices: tuple[int, ...], calib) -> tuple[torch.nn.Module, object, dict]:
+    """The mobiquant checkpoint the arguments name (model, tokenizer, quantization times): loaded when saved
+    before, else quantized and saved first (the slow part: ~45 min on smollm2-135m)."""
+    trained = "-routeronly" if args.router_only else "-recut"
+    saved = Path(args.save_dir) / (f"{args.model}-mobiquant-{'-'.join(map(str, slices))}-{args.grid}-"
+                                   f"g{args.group_size}-t{args.target_bits:g}-s{args.route_steps}{trained}-c{calib.n_samples}x{calib.seqlen}"
+                                   + {"fp": "", "quantized": "-qtargets",
+                                      "mixed": f"-mtargets{args.reference_mix:g}"}[args.reference_stream])
+    quant = {}
+    if not is_quantized_dir(saved):
+        model, tokenizer = load(args.model)
+        ids = calibration_ids(tokenizer, calib)
+        c0, t0 = time.process_time(), time.perf_counter()
+        report = quantize(model, "mobiquant", ids, progress=False, w_bits=sum(slices), group_size=args.group_size,
+                          options={"slices": slices, "grid": args.grid},
+                          stage_options={"mobiroute": {"target_bits": args.target_bits, "steps": args.route_steps,
+                                                       "train_slices": not args.router_only},
+                                         "fp_reference": {"stream": args.reference_stream,
+                                                          "mix": args.reference_mix}})
+        blocks = report.stages["mobiroute"].values()
+        quant = {"quant_time_s": time.perf_counter() - t0, "quant_cpu_s": time.process_time() - c0,
+                 "route_seconds": sum(b["seconds"] for b in blocks),
+                 "route_error_ratio": sum(b["loss_after"] / b["loss_before"] for b in blocks) / len(blocks),
+                 "avg_bits_at_half": sum(b["avg_bits_at_half"] for b in blocks) / len(blocks)}
+        print(f"mobiquant quantized: {quant}", flush=True)
+        save(model, saved, tokenizer)
+        write_atomic(saved / "bench_quant.json", json.dumps(quant))
+    else:
+        quant = json.loads((saved / "bench_quant.json").read_text())
+    return (*load(saved), quant)
 
 
 def slicing_part(args, slices: tuple[int, ...], ppl, keep, wanted) -> None:
