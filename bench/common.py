@@ -40,12 +40,19 @@ def command_line() -> str:
 
 
 def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo (Linux), else platform's processor name."""
+    """The CPU model from /proc/cpuinfo (Linux) with its family and model numbers (a virtual machine may name
+    every generation "AMD EPYC": family 25 model 1 is Zen 3, model 17 Zen 4), else platform's processor name."""
     info = Path("/proc/cpuinfo")
+    fields = {}
     for line in info.read_text().splitlines() if info.exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+        key, _, value = line.partition(":")
+        if not key.strip() and fields:  # the first processor's block has ended
+            break
+        fields.setdefault(key.strip(), value.strip())
+    if "model name" not in fields:
+        return platform.processor() or platform.machine()
+    family = f" (family {fields['cpu family']}, model {fields['model']})" if "cpu family" in fields else ""
+    return fields["model name"] + family
 
 
 def loadavg() -> str:
