@@ -137,6 +137,7 @@ def render(records: list[dict]) -> str:
             lines += [""]
         for r in (r for r in rows if r["kind"] == "migration"):
             labels = r["result"]["labels"]
+            lines += [f"![outlier migration, {name_of(r)}]({migration_figure(r).name})", ""]
             lines += [f"Outlier migration, {name_of(r)}: Spearman ρ of per-token KL(p_fp ‖ p_q) over "
                       f"{r['result']['n_tokens']} tokens (and the fraction of the top-1% tokens shared; chance "
                       f"{r['result']['chance_shared']:.3f}):", "",
@@ -147,6 +148,21 @@ def render(records: list[dict]) -> str:
                 lines.append(f"| {a} | " + " | ".join(cells) + " |")
             lines += [""]
     return "\n".join(lines)
+
+
+def migration_figure(record: dict) -> Path:
+    """Where a migration record's heatmaps are drawn: bench/results/mobiquant_migration_<model>_<row>.png."""
+    row = re.sub(r"[^a-z0-9]+", "-", name_of(record).lower()).strip("-")
+    return RESULTS / f"mobiquant_migration_{record['model']}_{row}.png"
+
+
+def plot_migrations(records: list[dict], model: str) -> None:
+    """The heatmaps (ρ and top-token sharing) of every migration record of `model`."""
+    from bitquilt.eval.migration import MigrationResult, plot_migration
+
+    for r in records:
+        if r["model"] == model and r["kind"] == "migration":
+            plot_migration(MigrationResult.from_dict(r["result"]), migration_figure(r), f"{model}, {name_of(r)}")
 
 
 def plot(records: list[dict], model: str) -> None:
@@ -240,6 +256,8 @@ def main() -> None:
         store("mobiquant", {**base, **record, "checkpoint": ours, "machine": machine(), "command": command,
                             "load": loadavg()}, KEY, render, args.recheck)
         plot(load_records("mobiquant"), args.model)
+        if record["kind"] == "migration":
+            plot_migrations(load_records("mobiquant"), args.model)
 
     def wanted(kind: str, label: str, precision: str) -> bool:
         ours = checkpoint if label.startswith("mobiquant") else ""

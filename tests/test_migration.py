@@ -12,6 +12,7 @@ from conftest import make_tiny
 from bitquilt.cli import main
 from bitquilt.errors import UserError
 from bitquilt.eval.migration import (
+    MigrationResult,
     average_ranks,
     migration,
     plot_migration,
@@ -87,6 +88,10 @@ def test_migration_matrices_are_symmetric_with_unit_diagonal(sliced, windows, tm
         assert (m >= -1 - 1e-12).all() and (m <= 1 + 1e-12).all()
     path = plot_migration(result, tmp_path / "m.png", "tiny")
     assert path.stat().st_size > 5_000 and set(result.to_dict()) >= {"spearman", "top_shared", "mean_kl"}
+    again = MigrationResult.from_dict(json.loads(json.dumps(result.to_dict())))
+    assert again.labels == result.labels and again.mean_error == result.mean_error
+    assert torch.equal(again.spearman, result.spearman) and torch.equal(again.top_shared, result.top_shared)
+    assert (again.top_fraction, again.top_k, again.n_tokens) == (result.top_fraction, result.top_k, result.n_tokens)
 
 
 def test_migration_on_known_rankings():

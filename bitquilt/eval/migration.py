@@ -120,6 +120,14 @@ class MigrationResult:
                 "top_fraction": self.top_fraction, "top_k": self.top_k, "n_tokens": self.n_tokens,
                 "chance_shared": self.chance_shared}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MigrationResult:
+        """Inverse of `to_dict` (a stored result plotted again)."""
+        labels = list(d["labels"])
+        return cls(labels, [d["mean_kl"][label] for label in labels],
+                   torch.tensor(d["spearman"], dtype=torch.float64), torch.tensor(d["top_shared"], dtype=torch.float64),
+                   d["top_fraction"], d["top_k"], d["n_tokens"])
+
 
 def migration(errors: dict[str, torch.Tensor], top_fraction: float = 0.01) -> MigrationResult:
     """Spearman ρ and the shared fraction of the top `top_fraction` tokens between every pair of the per-token
