@@ -70,6 +70,12 @@ TARGET_NOTES = {
 }
 
 
+def stream_of(checkpoint: str) -> str:
+    """The fp_reference stream a checkpoint name says its blocks were trained towards (fp when it says none)."""
+    targets = TARGETS.search(checkpoint)
+    return targets.group(1) if targets else "fp"
+
+
 def targets_suffix(stream: str, mix: float) -> str:
     """How a checkpoint name says what its blocks were trained towards (nothing: fp_reference.stream=fp)."""
     return {"fp": "", "quantized": ", quantized targets", "mixed": f", mixed targets ({mix:g} fp)"}[stream]
@@ -114,7 +120,7 @@ def render(records: list[dict]) -> str:
         lines += setting_header(model, settings, rows)
         lines += [f"- Checkpoint '{c}' (g{settings['group_size']}): {MODES[mode_of(c)]}"
                   + ("" if " grid, " in c else " Slices on the lloyd grid.")
-                  + TARGET_NOTES.get(TARGETS.search(c).group(1) if TARGETS.search(c) else "fp", "")
+                  + TARGET_NOTES.get(stream_of(c), "")
                   for c in dict.fromkeys(r["checkpoint"] for r in rows if r["checkpoint"])]
         lines += ["", f"Baselines: groups of {settings['group_size']}, calibrated on the same windows.", ""]
         ppl_rows = sorted((r for r in rows if r["kind"] == "ppl"), key=lambda r: (name_of(r), r["bits"]))
@@ -241,6 +247,9 @@ def main() -> None:
     p.add_argument("--save-dir", default=str(Path.home() / ".cache/bitquilt/bench-models"))
     add_protocol_args(p, calib_samples=64, ppl_windows=40)
     args = p.parse_args()
+    if not 0 < args.reference_mix < 1:
+        p.error(f"--reference-mix is the fp target's share of the blend, strictly between 0 and 1; got "
+                f"{args.reference_mix}")
     calib, settings = protocol_settings(args)
     command = command_line()
     slices = tuple(int(b) for b in args.slices.split(","))
@@ -255,9 +264,10 @@ def main() -> None:
         ours = checkpoint if record["label"].startswith("mobiquant") else ""
         store("mobiquant", {**base, **record, "checkpoint": ours, "machine": machine(), "command": command,
                             "load": loadavg()}, KEY, render, args.recheck)
-        plot(load_records("mobiquant"), args.model)
+        records = load_records("mobiquant")
+        plot(records, args.model)
         if record["kind"] == "migration":
-            plot_migrations(load_records("mobiquant"), args.model)
+            plot_migrations(records, args.model)
 
     def wanted(kind: str, label: str, precision: str) -> bool:
         ours = checkpoint if label.startswith("mobiquant") else ""
