@@ -222,13 +222,13 @@ def render(records: list[dict]) -> str:
              "bits/weight as `model_summary` counts it: the linears, plus embeddings and LM head when quantized. "
              "weights MB: bitquilt's stored tensors, llama.cpp's GGUF file. Peak RSS: the worker's (both map their "
              "weight files). Ratios: rate ÷ the rate of llama.cpp's original GGUF in the same run (> 1: faster).", ""]
-    for model in dict.fromkeys(r["model"] for r in records):
-        rows = [r for r in records if r["model"] == model]
+    for model, threads in dict.fromkeys((r["model"], r["threads"]) for r in records):
+        rows = [r for r in records if (r["model"], r["threads"]) == (model, threads)]
         ref = next((r for r in rows if r["engine"] == "llama.cpp" and r["variant"] == "original"), None)
         m = rows[0]
-        lines += [f"## {model}", "",
+        lines += [f"## {model}, {threads} thread{'s' if threads > 1 else ''}", "",
                   f"Prompt {m['prompt_tokens']} tokens, {m['new_tokens']} tokens generated "
-                  f"({m['new_tokens'] - 1} decode steps), {m['repeats']} repeats, {m['threads']} thread(s). "
+                  f"({m['new_tokens'] - 1} decode steps), {m['repeats']} repeats. "
                   f"Load average (1, 5, 15 min) {m['loadavg_start']} at the start, {m['loadavg_end']} at the end. "
                   f"Machine: {m['machine']}.", "",
                   f"Command: `{m['command']}`", "",
@@ -318,9 +318,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     results, work = Path(args.results), Path(args.workdir)
     models = args.models.split(",")
-    stored = results / "e2e.json"  # a run replaces its models' records and keeps the others'
-    records = [r for r in json.loads(stored.read_text())["records"] if r["model"] not in models] \
-        if stored.exists() else []
+    stored = results / "e2e.json"  # a run replaces its models' records at its thread count and keeps the others'
+    records = [r for r in json.loads(stored.read_text())["records"]
+               if r["model"] not in models or r["threads"] != args.threads] if stored.exists() else []
     for name in models:
         sources, builds, files = prepare(name, variants, ggufs, work / name)
         try:

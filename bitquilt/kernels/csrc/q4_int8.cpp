@@ -16,7 +16,9 @@
 // stored in that order (64 per chunk: 0-15, 32-47, 16-31, 48-63), so two vpmaddubsw cover both blocks, the int32
 // lanes 0-3 summing block 2p and lanes 4-7 block 2p + 1, scaled by [d_2p x 4, d_2p+1 x 4] in one FMA. Four rows
 // share each activation load. Several tokens (prefill) widen each tile's codes once into an int8 buffer and run
-// every token over it. The code stream is sequential, yet at batch 1 the hardware prefetcher alone leaves loads
+// the tokens over it two at a time (each widened chunk loaded serves both), with the tile's group scales decoded
+// once per tile rather than per token: on Zen 4 (AVX2 path, 128 tokens) the two measured ~1.3x faster, the
+// decoding alone ~30% of the time at group 128. The code stream is sequential, yet at batch 1 the hardware prefetcher alone leaves loads
 // waiting on Zen 3: prefetching each chunk 4 KB ahead measured 1.15-1.45x faster there (2 and 8 KB alike; on
 // Zen 4 a prefetch measured no different).
 
@@ -76,30 +78,51 @@ inline __m256 chunk_dot(const Codes& q, __m256i xl, __m256i xh) {
 
 constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead a batch-1 tile prefetches its code stream
 
-// The tile's 4 rows for one token; `codes(p, r)` gives row r's chunk p (packed, or widened in a buffer).
-template <typename CodesOf>
-inline void tile_token(const CodesOf& codes, const uint8_t* sz, const Weight& W, const int8_t* xi, const float* dpair,
-                       const float* X, float* out) {
-  __m256 total[ROWS];
-  float offset[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int r = 0; r < ROWS; ++r) total[r] = _mm256_setzero_ps();
-  const int64_t per_group = W.group / PAIR;
-  for (int64_t g = 0; g < W.groups(); ++g) {
-    __m256 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t p = g * per_group; p < std::min(W.K / PAIR, (g + 1) * per_group); ++p) {
-      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + p * PAIR));
-      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + p * PAIR + 32));
-      const __m256 d = _mm256_loadu_ps(dpair + p * 8);
-      for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_fmadd_ps(chunk_dot(codes(p, r), xl, xh), d, acc[r]);
-    }
-    const TileGroup s = tile_group(sz + g * GROUP_BYTES);
-    for (int r = 0; r < ROWS; ++r) {
-      total[r] = _mm256_fmadd_ps(acc[r], _mm256_set1_ps(s.s[r]), total[r]);
-      offset[r] += s.sz[r] * X[g];
-    }
+// The tile's 4 rows for NT tokens at once (NT = 2 for prefill: each code chunk loaded serves both tokens);
+// `codes(p, r)` gives row r's chunk p (packed, or widened in a buffer), `scales` the tile's decoded groups
+// (`decode_group`). Token t's rounded activations, block scales and group sums are at xi + t * K,
+// dpair + t * K / 8, X + t * groups; its rows go to out[t * ROWS + r].
+template <int NT, typename CodesOf>
+inline void tile_tokens(const CodesOf& codes, const float* scales, const Weight& W, const int8_t* xi,
+                        const float* dpair, const float* X, float* out) {
+  const int64_t G = W.groups(), per_group = W.group / PAIR;
+  __m256 total[NT][ROWS];
+  __m128 offset[NT];
+  for (int t = 0; t < NT; ++t) {
+    offset[t] = _mm_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) total[t][r] = _mm256_setzero_ps();
   }
-  for (int r = 0; r < ROWS; ++r) out[r] = hsum8(total[r]) - offset[r];
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 acc[NT][ROWS];
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < ROWS; ++r) acc[t][r] = _mm256_setzero_ps();
+    for (int64_t p = g * per_group; p < std::min(W.K / PAIR, (g + 1) * per_group); ++p) {
+      __m256i xl[NT], xh[NT];
+      __m256 d[NT];
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* x = xi + t * W.K + p * PAIR;
+        xl[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+        xh[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+        d[t] = _mm256_loadu_ps(dpair + t * W.K / 8 + p * 8);
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        const Codes q = codes(p, r);
+        for (int t = 0; t < NT; ++t) acc[t][r] = _mm256_fmadd_ps(chunk_dot(q, xl[t], xh[t]), d[t], acc[t][r]);
+      }
+    }
+    const float* s = scales + g * GROUP_FLOATS;
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 scale = _mm256_broadcast_ss(s + r);
+      for (int t = 0; t < NT; ++t) total[t][r] = _mm256_fmadd_ps(acc[t][r], scale, total[t][r]);
+    }
+    const __m128 sz = _mm_loadu_ps(s + ROWS);
+    for (int t = 0; t < NT; ++t) offset[t] = _mm_fmadd_ps(_mm_set1_ps(X[t * G + g]), sz, offset[t]);
+  }
+  for (int t = 0; t < NT; ++t) {
+    float off[ROWS];
+    _mm_storeu_ps(off, offset[t]);
+    for (int r = 0; r < ROWS; ++r) out[t * ROWS + r] = hsum8(total[t][r]) - off[r];
+  }
 }
 
 }  // namespace
@@ -128,8 +151,8 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64 + 32), q.hi);
     }
   };
-  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const uint8_t* sz, const int8_t* x, const float* dt,
-                          const float* Xt, float* out) {
+  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const float* scales, const int8_t* x,
+                          const float* dt, const float* Xt, int n, float* out) {
     if (buffer == nullptr) {
       const auto streamed = [wt](int64_t p, int r) {
         const uint8_t* chunk = wt + (p * ROWS + r) * 32;
@@ -138,14 +161,17 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
             _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH_BYTES + 64 * line), _MM_HINT_T0);
         return widen(chunk);
       };
-      tile_token(streamed, sz, W, x, dt, Xt, out);
+      tile_tokens<1>(streamed, scales, W, x, dt, Xt, out);
       return;
     }
     const auto buffered = [buffer](int64_t p, int r) {
       const auto* c = reinterpret_cast<const __m256i*>(buffer + (p * ROWS + r) * 64);
       return Codes{_mm256_loadu_si256(c), _mm256_loadu_si256(c + 1)};
     };
-    tile_token(buffered, sz, W, x, dt, Xt, out);
+    if (n == 2)
+      tile_tokens<2>(buffered, scales, W, x, dt, Xt, out);
+    else
+      tile_tokens<1>(buffered, scales, W, x, dt, Xt, out);
   };
   run_tiles(W, i0, i1, T, xi, d, X, y, chunks * 64, split, token);
 }

@@ -21,20 +21,16 @@ constexpr int64_t BLOCK = bitquilt_int8::BLOCK;  // columns per activation scale
 constexpr int64_t PAIR = 64;   // columns per packed 32-byte row chunk (two blocks)
 constexpr int64_t GROUP_BYTES = 12;  // a tile's row group: 4 fp16 scales, 4 uint8 zeros
 
-// s and s * z of a tile's 4 rows in one group, from its GROUP_BYTES.
-struct TileGroup {
-  float s[ROWS], sz[ROWS];
-};
+// A tile's row group decoded once for all its tokens: s of its 4 rows in floats 0-3, s * z in 4-7.
+constexpr int64_t GROUP_FLOATS = 8;
 
-inline TileGroup tile_group(const uint8_t* p) {
-  TileGroup t;
-  for (int r = 0; r < ROWS; ++r) {
-    uint16_t half;
-    std::memcpy(&half, p + 2 * r, 2);
-    t.s[r] = _cvtsh_ss(half);
-    t.sz[r] = t.s[r] * static_cast<float>(p[2 * ROWS + r]);
-  }
-  return t;
+inline void decode_group(const uint8_t* p, float* out) {
+  const __m128 s = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  uint32_t zeros;
+  std::memcpy(&zeros, p + 2 * ROWS, 4);
+  const __m128 z = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(zeros))));
+  _mm_storeu_ps(out, s);
+  _mm_storeu_ps(out + ROWS, _mm_mul_ps(s, z));
 }
 
 // A [N, K] weight W[r, c] = s[r, g] * (q[r, c] - z[r, g]), g = c / group, in the kernel's layout:
@@ -64,23 +60,27 @@ bool vnni_enabled();
 void set_vnni(bool enabled);
 
 // The tile loop both paths share, for T tokens already rounded (xi: codes in chunk order, d: per-chunk block
-// scales, X: group sums): `split(wt, buffer)` widens tile codes `wt` into `buffer_bytes` once when T > 1, and
-// `token(wt, buffer, sz, xi, d, X, out)` (sz: the tile's groups) computes the tile's 4 rows for one token (buffer
-// null when T == 1).
+// scales, X: group sums): `split(wt, buffer)` widens tile codes `wt` into `buffer_bytes` once when T > 1, the
+// tile's groups are decoded once (`decode_group`: per group s[4], s * z[4]), and `token(wt, buffer, scales, xi, d,
+// X, n, out)` computes the tile's 4 rows for n tokens from the given one on (n = 2 while two are left, so each
+// widened chunk loaded serves both; buffer null when T == 1) into out[n][4]. Decoding the groups per token instead
+// measured ~30% of the prefill time at group 128.
 template <typename Split, typename Token>
 void run_tiles(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                float* y, int64_t buffer_bytes, const Split& split, const Token& token) {
   const int64_t G = W.groups(), pairs = W.K / PAIR, tile_bytes = ROWS * W.K / 2;
   std::vector<int8_t> buffer(T > 1 ? buffer_bytes : 0);
-  float out[ROWS];
+  std::vector<float> scales(G * GROUP_FLOATS);
+  float out[2 * ROWS];
   for (int64_t i = i0; i < i1; ++i) {
     const uint8_t* wt = W.w + i * tile_bytes;
-    const uint8_t* sz = W.sz + i * G * GROUP_BYTES;
+    for (int64_t g = 0; g < G; ++g) decode_group(W.sz + (i * G + g) * GROUP_BYTES, scales.data() + g * GROUP_FLOATS);
     const int64_t rows = std::min(ROWS, W.N - i * ROWS);
     if (T > 1) split(wt, buffer.data());
-    for (int64_t t = 0; t < T; ++t) {
-      token(wt, T > 1 ? buffer.data() : nullptr, sz, xi + t * W.K, d + t * pairs * 8, X + t * G, out);
-      std::copy_n(out, rows, y + t * W.N + i * ROWS);
+    for (int64_t t = 0; t < T;) {
+      const int n = t + 1 < T ? 2 : 1;
+      token(wt, T > 1 ? buffer.data() : nullptr, scales.data(), xi + t * W.K, d + t * pairs * 8, X + t * G, n, out);
+      for (int u = 0; u < n; ++u, ++t) std::copy_n(out + u * ROWS, rows, y + t * W.N + i * ROWS);
     }
   }
 }

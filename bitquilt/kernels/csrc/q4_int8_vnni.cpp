@@ -44,42 +44,60 @@ inline PairCodes split(const uint8_t* p) {
   return {_mm512_and_si512(v, nib), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib)};
 }
 
-// The tile's 4 rows for one token, as two row pairs; a pair's chunk p is split from the packed tile `wt`, or when
-// `buffered` read from `codes` (PAIR_BYTES at (p * 2 + j) * PAIR_BYTES, split once for every token). With the
-// token's low-nibble activations (chunk bytes 0-31) broadcast to both halves of one register and its high-nibble
-// ones (32-63) to both halves of another, two vpdpbusd leave row 2j's block sums in lanes 0-7 and row 2j + 1's in
-// lanes 8-15 (lanes 0-3 and 8-11 the chunk's first block, 4-7 and 12-15 its second).
-template <bool buffered>
-inline void tile_token(const uint8_t* wt, const int8_t* codes, const uint8_t* sz, const Weight& W, const int8_t* xi,
-                       const float* dpair, const float* X, float* out) {
-  __m512 total[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  float offset[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
-  const int64_t per_group = W.group / PAIR, pairs = W.K / PAIR;
-  for (int64_t g = 0; g < W.groups(); ++g) {
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+// The tile's 4 rows for NT tokens (NT = 2 for prefill: each split chunk loaded serves both), as two row pairs;
+// a pair's chunk p is split from the packed tile `wt`, or when `buffered` read from `codes` (PAIR_BYTES at
+// (p * 2 + j) * PAIR_BYTES, split once for every token). With a token's low-nibble activations (chunk bytes 0-31)
+// broadcast to both halves of one register and its high-nibble ones (32-63) to both halves of another, two
+// vpdpbusd leave row 2j's block sums in lanes 0-7 and row 2j + 1's in lanes 8-15 (lanes 0-3 and 8-11 the chunk's
+// first block, 4-7 and 12-15 its second). Token t's inputs and outputs are strided as in q4_int8.cpp.
+template <int NT, bool buffered>
+inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const float* scales, const Weight& W,
+                        const int8_t* xi, const float* dpair, const float* X, float* out) {
+  const int64_t G = W.groups(), per_group = W.group / PAIR, pairs = W.K / PAIR;
+  __m512 total[NT][2];
+  __m128 offset[NT];
+  for (int t = 0; t < NT; ++t) {
+    total[t][0] = total[t][1] = _mm512_setzero_ps();
+    offset[t] = _mm_setzero_ps();
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[NT][2];
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
     for (int64_t p = g * per_group; p < std::min(pairs, (g + 1) * per_group); ++p) {
-      const auto* x = reinterpret_cast<const __m256i*>(xi + p * PAIR);
-      const __m512i xlo = _mm512_broadcast_i64x4(_mm256_loadu_si256(x));
-      const __m512i xhi = _mm512_broadcast_i64x4(_mm256_loadu_si256(x + 1));
-      const __m512 d = _mm512_broadcast_f32x8(_mm256_loadu_ps(dpair + p * 8));
+      __m512i xlo[NT], xhi[NT];
+      __m512 d[NT];
+      for (int t = 0; t < NT; ++t) {
+        const auto* x = reinterpret_cast<const __m256i*>(xi + t * W.K + p * PAIR);
+        xlo[t] = _mm512_broadcast_i64x4(_mm256_loadu_si256(x));
+        xhi[t] = _mm512_broadcast_i64x4(_mm256_loadu_si256(x + 1));
+        d[t] = _mm512_broadcast_f32x8(_mm256_loadu_ps(dpair + t * W.K / 8 + p * 8));
+      }
       for (int j = 0; j < 2; ++j) {
         const PairCodes q = buffered ? PairCodes{_mm512_loadu_si512(codes + (p * 2 + j) * PAIR_BYTES),
                                                  _mm512_loadu_si512(codes + (p * 2 + j) * PAIR_BYTES + 64)}
                                      : split(wt + (p * ROWS + 2 * j) * 32);
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q.lo, xlo), q.hi, xhi);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, acc[j]);
+        for (int t = 0; t < NT; ++t) {
+          const __m512i dot =
+              _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q.lo, xlo[t]), q.hi, xhi[t]);
+          acc[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d[t], acc[t][j]);
+        }
       }
     }
-    const TileGroup s = tile_group(sz + g * GROUP_BYTES);
+    const float* s = scales + g * GROUP_FLOATS;
     for (int j = 0; j < 2; ++j) {
-      const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(s.s[2 * j]), _mm256_set1_ps(s.s[2 * j + 1]), 1);
-      total[j] = _mm512_fmadd_ps(acc[j], scale, total[j]);
+      const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(s[2 * j]), _mm256_set1_ps(s[2 * j + 1]), 1);
+      for (int t = 0; t < NT; ++t) total[t][j] = _mm512_fmadd_ps(acc[t][j], scale, total[t][j]);
     }
-    for (int r = 0; r < ROWS; ++r) offset[r] += s.sz[r] * X[g];
+    const __m128 sz = _mm_loadu_ps(s + ROWS);
+    for (int t = 0; t < NT; ++t) offset[t] = _mm_fmadd_ps(_mm_set1_ps(X[t * G + g]), sz, offset[t]);
   }
-  for (int j = 0; j < 2; ++j) {
-    out[2 * j] = hsum8(_mm512_castps512_ps256(total[j])) - offset[2 * j];
-    out[2 * j + 1] = hsum8(_mm512_extractf32x8_ps(total[j], 1)) - offset[2 * j + 1];
+  for (int t = 0; t < NT; ++t) {
+    float off[ROWS];
+    _mm_storeu_ps(off, offset[t]);
+    for (int j = 0; j < 2; ++j) {
+      out[t * ROWS + 2 * j] = hsum8(_mm512_castps512_ps256(total[t][j])) - off[2 * j];
+      out[t * ROWS + 2 * j + 1] = hsum8(_mm512_extractf32x8_ps(total[t][j], 1)) - off[2 * j + 1];
+    }
   }
 }
 
@@ -95,12 +113,14 @@ void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
       _mm512_storeu_si512(buffer + q * PAIR_BYTES + 64, c.hi);
     }
   };
-  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const uint8_t* sz, const int8_t* x, const float* dt,
-                          const float* Xt, float* out) {
+  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const float* scales, const int8_t* x,
+                          const float* dt, const float* Xt, int n, float* out) {
     if (buffer == nullptr)
-      tile_token<false>(wt, nullptr, sz, W, x, dt, Xt, out);
+      tile_tokens<1, false>(wt, nullptr, scales, W, x, dt, Xt, out);
+    else if (n == 2)
+      tile_tokens<2, true>(wt, buffer, scales, W, x, dt, Xt, out);
     else
-      tile_token<true>(wt, buffer, sz, W, x, dt, Xt, out);
+      tile_tokens<1, true>(wt, buffer, scales, W, x, dt, Xt, out);
   };
   run_tiles(W, i0, i1, T, xi, d, X, y, pair_chunks * PAIR_BYTES, split_tile, token);
 }
