@@ -33,6 +33,14 @@ inline void decode_group(const uint8_t* p, float* out) {
   _mm_storeu_ps(out + ROWS, _mm_mul_ps(s, z));
 }
 
+// Adds group g's zero-point term of the tile's 4 rows, (s * z)[r] * X[t, g] (`decode_group`'s floats 4-7), to
+// offset[t] for NT tokens (group sums X strided by G); both paths subtract it from their row sums.
+template <int NT>
+inline void add_group_offsets(const float* s, const float* X, int64_t G, int64_t g, __m128* offset) {
+  const __m128 sz = _mm_loadu_ps(s + ROWS);
+  for (int t = 0; t < NT; ++t) offset[t] = _mm_fmadd_ps(_mm_set1_ps(X[t * G + g]), sz, offset[t]);
+}
+
 // A [N, K] weight W[r, c] = s[r, g] * (q[r, c] - z[r, g]), g = c / group, in the kernel's layout:
 //   w  uint8 [tiles][K / 64][4 rows][32]: for the chunk starting at column c0, byte j < 16 holds q[c0 + j] (low
 //      nibble) and q[c0 + 16 + j] (high), byte 16 + j holds q[c0 + 32 + j] and q[c0 + 48 + j]

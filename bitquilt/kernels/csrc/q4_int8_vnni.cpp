@@ -88,8 +88,7 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const float* sca
       const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(s[2 * j]), _mm256_set1_ps(s[2 * j + 1]), 1);
       for (int t = 0; t < NT; ++t) total[t][j] = _mm512_fmadd_ps(acc[t][j], scale, total[t][j]);
     }
-    const __m128 sz = _mm_loadu_ps(s + ROWS);
-    for (int t = 0; t < NT; ++t) offset[t] = _mm_fmadd_ps(_mm_set1_ps(X[t * G + g]), sz, offset[t]);
+    add_group_offsets<NT>(s, X, G, g, offset);
   }
   for (int t = 0; t < NT; ++t) {
     float off[ROWS];
