@@ -86,7 +86,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--backbones", default=",".join(BACKBONES))
-    p.add_argument("--ks", default="2,4,6", help="layer counts chosen by the Jump Ratio")
+    p.add_argument("--ks", default="2,4,6", help="layer counts chosen by the Jump Ratio (rows by the Jump Ratio "
+                   "at --compare-k run only when it is listed here)")
     p.add_argument("--compare-k", type=int, default=4, help="K at which the other --selects are compared too")
     p.add_argument("--selects", default="snr,random,ends",
                    help="selections compared with the Jump Ratio at --compare-k")
@@ -104,7 +105,7 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",") if k]
     # most telling first (the run resumes where it stopped): each backbone alone and at --compare-k, the
     # selections on the first backbone, then the other K, then the selections on the other backbones
-    configs = [(b, k, "jr") for b in backbones for k in (0, args.compare_k)]
+    configs = [(b, k, "jr") for b in backbones for k in (0, args.compare_k) if k == 0 or k in ks]
     selects = [s for s in args.selects.split(",") if s]
     configs += [(backbones[0], args.compare_k, s) for s in selects]
     configs += [(b, k, "jr") for b in backbones for k in ks if k != args.compare_k]
