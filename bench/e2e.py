@@ -216,7 +216,7 @@ def render(records: list[dict]) -> str:
              "`bitquilt.eval.speed.decode`'s default engine (*auto*: *fused*, every decoder layer of a one-token step "
              "in one compiled call, for weight-only models of a supported family; else *lean*, the static KV cache and "
              "the model's own modules; a row named *[engine]* runs that engine, *+int8* with int8 activations for "
-             "the 4-bit linears, `--int8-activations`; the others exact). llama.cpp "
+             "the 4- and 2-bit linears, `--int8-activations`; the others exact). llama.cpp "
              "(xllamacpp CPU wheel, default settings): *original* the packaged model's own GGUF; *q4_0* bitquilt's "
              "GGUF export of the *uniform w4 g32 sym* row (the same weights bit for bit, F32 embeddings and LM head). "
              "bits/weight as `model_summary` counts it: the linears, plus embeddings and LM head when quantized. "
@@ -296,8 +296,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch and llama.cpp threads")
     p.add_argument("--decode-engines", default="auto",
                    help=f"bitquilt's decode loops, comma-separated ({', '.join(ENGINES)}), each optionally with "
-                        "'+int8' (int8 activations for 4-bit linears, `--int8-activations`); several: each bitquilt "
-                        "row once per engine, named 'variant [engine]'")
+                        "'+int8' (int8 activations for 4- and 2-bit linears, `--int8-activations`); several: each "
+                        "bitquilt row once per engine, named 'variant [engine]'")
     p.add_argument("--results", default=str(RESULTS), help="folder for e2e.json and e2e.md")
     p.add_argument("--workdir", default=str(llamacpp.ROOT / "out" / "e2e"),
                    help="the saved quantized models (deleted once measured, unless --keep-saved) and the q4_0 GGUF")

@@ -446,7 +446,7 @@ def int8_main(report: str = I8_REPORT) -> None:
     for n, k in I8_SHAPES:
         fmts = [random_uniform(n, k, 4, gen) for _ in range(cold_copies(n * k // 2))]
         layouts = [q4_int8.layout(f) for f in fmts]
-        int8_args = [(lay.codes, lay.scales, n, lay.group) for lay in layouts]
+        int8_args = [(lay.codes, lay.scales, n, lay.group, lay.bits) for lay in layouts]
         exact = [cpu.packed(f) for f in fmts]
         nbytes = layouts[0].nbytes()
         buffers = [torch.randn(nbytes // 128 * 32, generator=gen) for _ in range(cold_copies(nbytes))]  # whole 128 B

@@ -1,4 +1,5 @@
-"""4-bit uniform weights times int8-rounded activations (bitquilt.kernels.q4_int8) against the torch reference."""
+"""4- and 2-bit uniform weights times int8-rounded activations (bitquilt.kernels.q4_int8) against the torch
+reference."""
 
 import pytest
 import torch
@@ -45,16 +46,18 @@ def int8_on():
 
 
 @needs_ext
+@pytest.mark.parametrize("bits", q4_int8.BITS)
 @pytest.mark.parametrize(("n", "k", "group", "tokens"),
                          [(70, 256, 128, 1), (64, 192, 64, 3), (33, 512, 64, 17), (5, 128, -1, 2), (4, 64, 64, 80),
                           (4102, 64, 64, 2)])  # the last: more rows than the layout converts at a time
-def test_kernel_is_the_exact_product_with_the_rounded_activations(n, k, group, tokens, isa):
+def test_kernel_is_the_exact_product_with_the_rounded_activations(n, k, group, tokens, bits, isa):
     w, x = llm_like(n, k)
     x = torch.cat([x, torch.randn(tokens, k)])[:tokens].contiguous()
     x[0, :32] = 0  # an all-zero block: scale 0, no division by zero
-    fmt = make_uniform(w, 4, group, sym=False)
+    fmt = make_uniform(w, bits, group, sym=False)
     lay = q4_int8.layout(fmt)
-    y = cpu.extension().q4_int8_matmul(x, lay.codes, lay.scales, n, lay.group)
+    assert lay.codes.nbytes == -(-n // 4) * 4 * k * bits // 8  # bits per code, rows padded to the tile
+    y = cpu.extension().q4_int8_matmul(x, lay.codes, lay.scales, n, lay.group, lay.bits)
     w_hat = fmt.dequantize().double()
     ref = rounded(x).double() @ w_hat.T
     fp32_scale = (x.double().abs() @ term_magnitudes(fmt).double().abs().T) * 2**-19  # fp32 sums of |terms|
@@ -99,15 +102,17 @@ def test_quant_linear_takes_the_int8_kernel_only_when_switched_on(int8_on):
     fmt = make_uniform(w, 4, 128, sym=False)
     fp32_scales = UniformFormat(fmt.qweight, fmt.scales.float() * (1 + 2**-15), fmt.zeros, 4, 128, 256)
     assert q4_int8.layout(fp32_scales) is None  # the layout keeps scales in fp16: only those exact in fp16
+    two_bit = QuantLinear(make_uniform(w, 2, 128, sym=True))  # 2-bit codes take the same kernel
+    assert torch.allclose(two_bit(x), rounded(x) @ two_bit.fmt.dequantize().T, rtol=1e-5, atol=1e-4)
     three_bit = QuantLinear(make_uniform(w, 3, 128, sym=False))  # other widths keep their exact kernels
     assert torch.allclose(three_bit(x), x @ three_bit.fmt.dequantize().T, rtol=1e-4, atol=1e-3)
 
 
 @needs_ext
-@pytest.mark.parametrize(("model_type", "bits"), [("llama", 4), ("qwen2", 4), ("llama", 8)])
+@pytest.mark.parametrize(("model_type", "bits"), [("llama", 4), ("qwen2", 4), ("llama", 2), ("llama", 8)])
 def test_fused_decode_with_int8_activations_matches_module_by_module(model_type, bits, int8_on, isa):
-    """4-bit linears on the 4-bit × int8 kernel, 8-bit ones on the GEMV's int8 path, in the fused step as module by
-    module (the 8-bit head runs the GEMV's int8 path in both).
+    """4- and 2-bit linears on the low-bit × int8 kernel, 8-bit ones on the GEMV's int8 path, in the fused step as
+    module by module (the 8-bit head runs the GEMV's int8 path in both).
 
     The two sum fp32 in different orders (C++ norms and attention vs torch's, which differ by CPU), so an activation
     on a rounding boundary can round to the neighbouring int8 level in one of them and shift that step and, through

@@ -6,7 +6,7 @@ biases, RoPE, attention over the cache, SiLU-gated MLP and residuals, without a 
 linear is bit-plane packed parts run by the lookup-table kernel (the slices of a MoBiQuant weight as a
 static prefix, or routed per token by its router), an 8-bit uniform weight run by the 8-bit GEMV, or a
 dense fp32 matrix: the kernel each would run module by module. While `set_int8_activations` is on as the
-layers are built, 4-bit uniform weights run the 4-bit × int8 kernel and 8-bit ones the GEMV's int8 path,
+layers are built, 4- and 2-bit uniform weights run the low-bit × int8 kernel and 8-bit ones the GEMV's int8 path,
 as module by module too. The model side (which modules qualify) is `bitquilt.models.lean_decode`; the
 math is the eager modules' in another fp32 order, tested against them.
 """
@@ -33,10 +33,10 @@ class FusedLayers:
     def add_linear(self, fmts: list[WeightFormat] | None, dense: torch.Tensor | None, bias: torch.Tensor | None,
                    out_features: int, in_features: int) -> int | None:
         """Index of a linear y = x (Σ Ŵ_p)ᵀ + b over packed parts `fmts`, or y = x Wᵀ + b for `dense` (fp32); None if
-        the parts do not pack alike. A single 4-bit uniform part runs on int8 activations while those are enabled
-        (`bitquilt.kernels.q4_int8`), as it would module by module."""
+        the parts do not pack alike. A single 4- or 2-bit uniform part runs on int8 activations while those are
+        enabled (`bitquilt.kernels.q4_int8`), as it would module by module."""
         if fmts and len(fmts) == 1 and int8_activations() and (q4 := q4_int8.layout(fmts[0])) is not None:
-            return self._decoder.add_q4_linear(q4.codes, q4.scales, q4.group, out_features, in_features, bias)
+            return self._decoder.add_q4_linear(q4.codes, q4.scales, q4.group, q4.bits, out_features, in_features, bias)
         if fmts and len(fmts) == 1 and (u8 := uniform8.operands(fmts[0])) is not None:  # as module by module
             codes, groups = u8
             return self._decoder.add_u8_linear(codes, groups.scale, groups.scale_zero, groups.group, out_features,

@@ -1,7 +1,7 @@
 """Which instruction-set path a compiled kernel takes: the widest the CPU runs, unless `BITQUILT_ISA` or the
 caller names one.
 
-Kernels with an AVX-512 twin (the MXINT GEMV, the 4-bit × int8 matmul) detect the CPU in C++ and report the
+Kernels with an AVX-512 twin (the MXINT GEMV, the 4- and 2-bit × int8 matmul) detect the CPU in C++ and report the
 paths they support, in order, AVX2 first; `choose` picks among them. `BITQUILT_ISA=avx2` forces the baseline
 everywhere (to compare paths, or to rule one out); a value a kernel does not support warns once and is ignored.
 """

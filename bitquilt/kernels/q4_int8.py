@@ -1,15 +1,17 @@
-"""4-bit `UniformFormat` times int8-rounded activations (csrc/q4_int8.cpp), when int8 activations are enabled.
+"""4- and 2-bit `UniformFormat` times int8-rounded activations (csrc/q4_int8.cpp), when int8 activations are enabled.
 
 The lookup-table kernel (`bitquilt.kernels.cpu`) keeps activations exact to 2^-21; this kernel rounds each
 token's activations to int8 per block of 32 columns (scale max|x| / 127, as llama.cpp's Q8 activations) and
-multiplies the 4-bit codes with them in vpmaddubsw, one pass over the codes for decode and a widened int8
+multiplies the 4-bit (or 2-bit) codes with them in vpmaddubsw, one pass over the codes for decode and a widened int8
 copy of each 4-row tile shared by every token for prefill. The result is exactly x̂ @ Ŵᵀ for the rounded x̂,
 so the only error is the activations' rounding (≤ d/2 per value); that trade is opt-in,
 `bitquilt.kernels.set_int8_activations(True)` (CLI `--int8-activations`), and its perplexity cost is
 measured in docs/benchmarks.md. Registered as "cpu_q4_int8" ahead of cpu_lut (the 8-bit kernel takes no
-4-bit call); it declines every call while the switch is off, and formats with act-order (g_idx) or
-widths/groups not multiples of 64.
-Per format it keeps its own layout in a `LayoutCache` (the codes two per byte, fp16 s and uint8 z per row group).
+4- or 2-bit call); it declines every call while the switch is off, and formats with act-order (g_idx) or
+widths/groups not multiples of 64. 2-bit codes run the same kernel from half the bytes: once widened in registers
+they are the same vectors of codes, so 2-bit decode reads half of 4-bit's code stream for the same arithmetic.
+Per format it keeps its own layout in a `LayoutCache` (the codes two or four per byte, fp16 s and uint8 z per row
+group).
 
 Two paths, the same layout and exact integer dot products: AVX2 (vpmaddubsw) and, where the CPU has AVX-512 with
 VNNI, one vpdpbusd per 64 codes (csrc/q4_int8_vnni.cpp); they differ only in fp32 summation order. The widest runs
@@ -53,15 +55,20 @@ def active_isa() -> str | None:
     return None if ext is None else ISAS[int(ext.q4_int8_vnni_enabled())]
 
 
+BITS = (4, 2)  # code widths the kernel runs
+
+
 @dataclass(frozen=True)
 class Q4Layout:
-    """Codes uint8 [tiles, K/64, 4, 32] (a row's 64 codes of two blocks: byte j < 16 holds columns j and 16 + j,
-    byte 16 + j columns 32 + j and 48 + j, low nibble first) and uint8 [tiles, groups, 12] (the tile's 4 rows'
-    scales as fp16, then their zeros as uint8: 3 bytes per row group)."""
+    """Codes uint8 [tiles, K/64, 4, 8 · bits] (a row's 64 codes of two blocks; at 4 bits byte j < 16 holds columns j
+    and 16 + j, byte 16 + j columns 32 + j and 48 + j, low nibble first; at 2 bits byte j < 16 holds columns j,
+    16 + j, 32 + j, 48 + j from the low bits up) and uint8 [tiles, groups, 12] (the tile's 4 rows' scales as fp16,
+    then their zeros as uint8: 3 bytes per row group)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     group: int
+    bits: int
 
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
@@ -76,17 +83,21 @@ def _rows_to_tiles(t: torch.Tensor) -> torch.Tensor:
 
 
 def _layout(fmt: WeightFormat) -> Q4Layout | None:
-    if not isinstance(fmt, UniformFormat) or fmt.bits != 4 or fmt.g_idx is not None:
+    if not isinstance(fmt, UniformFormat) or fmt.bits not in BITS or fmt.g_idx is not None:
         return None
     group = resolve_group_size(fmt.group_size, fmt.in_features)
     if fmt.in_features % PAIR or group % PAIR:
         return None
     n, k = fmt.out_features, fmt.in_features
-    packed = torch.empty(-(-n // ROWS), k // PAIR, ROWS, PAIR // 2, dtype=torch.uint8)
+    bits = fmt.bits
+    packed = torch.empty(-(-n // ROWS), k // PAIR, ROWS, PAIR * bits // 8, dtype=torch.uint8)
     for r0 in range(0, n, PLANE_ROWS):  # rows at a time: unpacking holds 8 bytes per code on the way
-        q = _rows_to_tiles(unpack(fmt.qweight[r0:r0 + PLANE_ROWS], 4, k).to(torch.uint8))  # [tiles, 4, K]
+        q = _rows_to_tiles(unpack(fmt.qweight[r0:r0 + PLANE_ROWS], bits, k).to(torch.uint8))  # [tiles, 4, K]
         q = q.view(q.shape[0], ROWS, -1, 4, 16)  # the quarters of each 64-column chunk
-        chunks = torch.cat([q[..., 0, :] | (q[..., 1, :] << 4), q[..., 2, :] | (q[..., 3, :] << 4)], dim=-1)
+        if bits == 4:
+            chunks = torch.cat([q[..., 0, :] | (q[..., 1, :] << 4), q[..., 2, :] | (q[..., 3, :] << 4)], dim=-1)
+        else:
+            chunks = q[..., 0, :] | (q[..., 1, :] << 2) | (q[..., 2, :] << 4) | (q[..., 3, :] << 6)
         packed[r0 // ROWS:r0 // ROWS + q.shape[0]] = chunks.permute(0, 2, 1, 3)
     scale, zero = fmt.scale_zero()
     scale16 = scale.half()
@@ -94,25 +105,27 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
         return None
     scale16 = _rows_to_tiles(scale16).transpose(1, 2).contiguous()  # [tiles, G, 4]
     zero8 = _rows_to_tiles(zero.to(torch.uint8)).transpose(1, 2)
-    return Q4Layout(packed, torch.cat([scale16.view(torch.uint8), zero8], dim=-1).contiguous(), group)
+    return Q4Layout(packed, torch.cat([scale16.view(torch.uint8), zero8], dim=-1).contiguous(), group, bits)
 
 
 _LAYOUTS: LayoutCache[Q4Layout] = LayoutCache(_layout)
 
 
 def layout(fmt: WeightFormat) -> Q4Layout | None:
-    """The kernel layout of a 4-bit uniform format, None if it does not qualify or the extension is unavailable."""
+    """The kernel layout of a 4- or 2-bit uniform format, None if it does not qualify or the extension is
+    unavailable."""
     return None if cpu.extension() is None else _LAYOUTS.get(fmt)
 
 
 def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
-    """x̂ [T, in] @ Ŵᵀ for a 4-bit `UniformFormat` while int8 activations are on; None to decline."""
-    if not int8_activations() or getattr(fmt, "bits", None) != 4 or not takes(x, ctx):
+    """x̂ [T, in] @ Ŵᵀ for a 4- or 2-bit `UniformFormat` while int8 activations are on; None to decline."""
+    if not int8_activations() or getattr(fmt, "bits", None) not in BITS or not takes(x, ctx):
         return None
     lay = layout(fmt)
     if lay is None:
         return None
-    return like(cpu.extension().q4_int8_matmul(fp32_rows(x), lay.codes, lay.scales, fmt.out_features, lay.group), x)
+    return like(cpu.extension().q4_int8_matmul(fp32_rows(x), lay.codes, lay.scales, fmt.out_features, lay.group,
+                                               lay.bits), x)
 
 
 set_isa()  # $BITQUILT_ISA, else the widest

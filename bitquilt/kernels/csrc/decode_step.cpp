@@ -17,11 +17,11 @@
 //   x = x + W_down (silu(W_gate h) * (W_up h))
 //
 // Every W is a sum of bit-plane packed parts run by the lookup-table kernel (lut_parts.h: one part for a
-// bitplane or uniform format, the first k slices for a MoBiQuant checkpoint in static mode), a 4-bit
+// bitplane or uniform format, the first k slices for a MoBiQuant checkpoint in static mode), a 4- or 2-bit
 // uniform weight run on int8-rounded activations (q4_int8.h, when int8 activations are enabled), an 8-bit
-// uniform weight run by the 8-bit GEMV (uniform8.h), or a dense fp32 matrix (at::mv). A routed MoBiQuant linear first counts the token's slices with its router
-// (slice_router.h) and runs that prefix of its parts. The same math as the eager modules in another fp32 order; tested
-// against them (tests/test_lean_decode.py).
+// uniform weight run by the 8-bit GEMV (uniform8.h), or a dense fp32 matrix (at::mv). A routed MoBiQuant
+// linear first counts the token's slices with its router (slice_router.h) and runs that prefix of its parts.
+// The same math as the eager modules in another fp32 order; tested against them (tests/test_lean_decode.py).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/from_blob.h>
@@ -46,7 +46,7 @@ namespace {
 using bitquilt_simd::dot;
 
 struct Linear {
-  std::optional<bitquilt_q4::Weight> q4;  // 4-bit codes times int8 activations, or:
+  std::optional<bitquilt_q4::Weight> q4;  // 4- or 2-bit codes times int8 activations, or:
   std::optional<bitquilt_u8::Weight> u8;  // 8-bit codes widened in registers (u8_int8: on int8 activations), or:
   bool u8_int8 = false;
   std::vector<bitquilt_lut::Part> parts;  // packed parts summed; if neither: dense
@@ -146,13 +146,13 @@ class FusedDecoder {
     return push(std::move(lin), bias);
   }
 
-  // A 4-bit uniform linear in the int8-activation kernel's layout (q4_int8.h); an optional fp32 bias.
-  int64_t add_q4_linear(const at::Tensor& w, const at::Tensor& sz, int64_t group, int64_t N, int64_t K,
+  // A 4- or 2-bit uniform linear in the int8-activation kernel's layout (q4_int8.h); an optional fp32 bias.
+  int64_t add_q4_linear(const at::Tensor& w, const at::Tensor& sz, int64_t group, int64_t bits, int64_t N, int64_t K,
                         const std::optional<at::Tensor>& bias) {
     Linear lin;
     lin.N = N;
     lin.K = K;
-    lin.q4 = bitquilt_q4::make_weight(w, sz, N, K, group);
+    lin.q4 = bitquilt_q4::make_weight(w, sz, N, K, group, bits);
     lin.keep = {w, sz};
     return push(std::move(lin), bias);
   }
@@ -312,8 +312,8 @@ void register_decode_step(pybind11::module& m) {
       .def("add_linear", &FusedDecoder::add_linear, py::arg("planes"), py::arg("coefs"), py::arg("ks"),
            py::arg("uniforms"), py::arg("block"), py::arg("group"), py::arg("N"), py::arg("K"),
            py::arg("dense") = py::none(), py::arg("bias") = py::none())
-      .def("add_q4_linear", &FusedDecoder::add_q4_linear, py::arg("w"), py::arg("sz"), py::arg("group"), py::arg("N"),
-           py::arg("K"), py::arg("bias") = py::none())
+      .def("add_q4_linear", &FusedDecoder::add_q4_linear, py::arg("w"), py::arg("sz"), py::arg("group"),
+           py::arg("bits"), py::arg("N"), py::arg("K"), py::arg("bias") = py::none())
       .def("add_u8_linear", &FusedDecoder::add_u8_linear, py::arg("codes"), py::arg("scale"), py::arg("scale_zero"),
            py::arg("group"), py::arg("N"), py::arg("K"), py::arg("int8"), py::arg("bias") = py::none())
       .def("set_router", &FusedDecoder::set_router, py::arg("index"), py::arg("w1"), py::arg("b1"), py::arg("w2"),

@@ -1,5 +1,5 @@
-// 4-bit uniform weights times int8-quantized activations (AVX2; the AVX-512 VNNI twin in q4_int8_vnni.cpp), used
-// by bitquilt.kernels.q4_int8.
+// 4- and 2-bit uniform weights times int8-quantized activations (AVX2; the AVX-512 VNNI twin in q4_int8_vnni.cpp),
+// used by bitquilt.kernels.q4_int8.
 //
 // The bit-plane lookup-table kernel keeps activations exact to 2^-21 at the price of three table limbs per
 // plane; a 4-bit code can instead multiply an int8 activation directly (vpmaddubsw: unsigned code x signed
@@ -21,6 +21,10 @@
 // and 1.26-1.53x on VNNI, the decoding alone ~30% of the time at group 128. The code stream is sequential, yet
 // at batch 1 the hardware prefetcher alone leaves loads waiting on Zen 3: prefetching each chunk 4 KB ahead
 // measured 1.15-1.45x faster there (2 and 8 KB alike; on Zen 4 a prefetch measured no different).
+//
+// 2-bit codes take the same path with half the bytes: a row's 64 codes are 16 bytes, broadcast to both 128-bit
+// lanes and shifted per lane (vpsrlvd by 0 | 4 for columns 0-15 | 32-47, by 2 | 6 for 16-31 | 48-63) before the
+// mask, which gives the very vectors the 4-bit chunk widens to; everything after the widening is shared.
 
 #include "q4_int8.h"
 
@@ -62,10 +66,18 @@ struct Codes {
   __m256i lo, hi;
 };
 
+template <int BITS>
 inline Codes widen(const uint8_t* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  return {_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib)};
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    return {_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib)};
+  } else {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i mask = _mm256_set1_epi8(0x03);
+    return {_mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), mask),
+            _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(2, 2, 2, 2, 6, 6, 6, 6)), mask)};
+  }
 }
 
 // 8 lanes: 0-3 sum to <q, i> over the chunk's first block, 4-7 over its second, as floats
@@ -126,26 +138,29 @@ inline void tile_tokens(const CodesOf& codes, const float* scales, const Weight&
 
 }  // namespace
 
-Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t K, int64_t group) {
+Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t K, int64_t group, int64_t bits) {
   TORCH_CHECK(K % PAIR == 0 && group % PAIR == 0 && group > 0, "columns and group size must be multiples of 64");
-  const Weight W{nullptr, nullptr, N, K, group};
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == W.tiles() * ROWS * K / 2,
+  TORCH_CHECK(bits == 4 || bits == 2, "codes of 4 or 2 bits, not ", bits);
+  const Weight W{nullptr, nullptr, N, K, group, static_cast<int>(bits)};
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == W.tiles() * W.tile_bytes(),
               "packed codes do not match the shape");
   TORCH_CHECK(sz.scalar_type() == at::kByte && sz.is_contiguous() && sz.numel() == W.tiles() * W.groups() * GROUP_BYTES,
               "scales do not match the shape");
-  return {w.data_ptr<uint8_t>(), sz.data_ptr<uint8_t>(), N, K, group};
+  return {w.data_ptr<uint8_t>(), sz.data_ptr<uint8_t>(), N, K, group, W.bits};
 }
 
 namespace {
 
-// Tiles [i0, i1) of y for T rounded tokens (AVX2; tiles_vnni is the AVX-512 VNNI twin). The split buffer holds
-// each row chunk's Codes (lo, hi: 64 bytes) in tile order.
+// Tiles [i0, i1) of y for T rounded tokens of BITS-bit codes (AVX2; tiles_vnni is the AVX-512 VNNI twin). The
+// split buffer holds each row chunk's Codes (lo, hi: 64 bytes) in tile order.
+template <int BITS>
 void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y) {
+  constexpr int64_t chunk_bytes = 8 * BITS;
   const int64_t chunks = W.K / PAIR * ROWS;
   const auto split = [chunks](const uint8_t* wt, int8_t* buffer) {
     for (int64_t c = 0; c < chunks; ++c) {
-      const Codes q = widen(wt + c * 32);
+      const Codes q = widen<BITS>(wt + c * chunk_bytes);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64), q.lo);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64 + 32), q.hi);
     }
@@ -154,11 +169,11 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
                           const float* dt, const float* Xt, int n, float* out) {
     if (buffer == nullptr) {
       const auto streamed = [wt](int64_t p, int r) {
-        const uint8_t* chunk = wt + (p * ROWS + r) * 32;
-        if (r == 0)  // the chunk's 4 rows are 2 cache lines
-          for (int line = 0; line < 2; ++line)
+        const uint8_t* chunk = wt + (p * ROWS + r) * chunk_bytes;
+        if (r == 0)  // the chunk's 4 rows: 2 cache lines at 4 bits, 1 at 2
+          for (int line = 0; line < ROWS * chunk_bytes / 64; ++line)
             _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH_BYTES + 64 * line), _MM_HINT_T0);
-        return widen(chunk);
+        return widen<BITS>(chunk);
       };
       tile_tokens<1>(streamed, scales, W, x, dt, Xt, out);
       return;
@@ -199,7 +214,7 @@ void set_vnni(bool enabled) {
 }
 
 void matmul_into(const float* x, int64_t T, const Weight& W, float* y) {
-  const int64_t K = W.K, G = W.groups(), pairs = K / PAIR, tile_bytes = ROWS * K / 2;
+  const int64_t K = W.K, G = W.groups(), pairs = K / PAIR, tile_bytes = W.tile_bytes();
   std::vector<int8_t> xi(T * K);
   std::vector<float> d(T * pairs * 8), X(T * G);
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
@@ -207,7 +222,8 @@ void matmul_into(const float* x, int64_t T, const Weight& W, float* y) {
       round_token(x + t * K, K, W.group, xi.data() + t * K, d.data() + t * pairs * 8, X.data() + t * G);
   });
   const int64_t grain = std::max<int64_t>(4, (1 << 15) / tile_bytes);  // tiles per task: ~32 KB of codes
-  const auto tiles = g_vnni ? tiles_vnni : tiles_avx2;
+  const auto tiles = W.bits == 4 ? (g_vnni ? &tiles_vnni<4> : &tiles_avx2<4>)
+                                 : (g_vnni ? &tiles_vnni<2> : &tiles_avx2<2>);
   at::parallel_for(0, W.tiles(), grain, [&](int64_t i0, int64_t i1) {
     tiles(W, i0, i1, T, xi.data(), d.data(), X.data(), y);
   });
@@ -215,9 +231,10 @@ void matmul_into(const float* x, int64_t T, const Weight& W, float* y) {
 
 namespace {
 
-at::Tensor q4_int8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t group) {
+at::Tensor q4_int8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t group,
+                          int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [T, K]");
-  const Weight W = make_weight(w, sz, N, x.size(1), group);
+  const Weight W = make_weight(w, sz, N, x.size(1), group, bits);
   auto y = at::empty({x.size(0), N}, x.options());
   matmul_into(x.data_ptr<float>(), x.size(0), W, y.data_ptr<float>());
   return y;
@@ -230,7 +247,7 @@ at::Tensor q4_int8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Te
 // Adds the int8-activation 4-bit matmul to the extension module (called from its PYBIND11_MODULE).
 void register_q4_int8(pybind11::module& m) {
   m.def("q4_int8_matmul", &bitquilt_q4::q4_int8_matmul,
-        "y = x_hat @ W^T for 4-bit uniform W, x_hat = x rounded to int8 per block of 32 (AVX2 maddubs or "
+        "y = x_hat @ W^T for 4- or 2-bit uniform W, x_hat = x rounded to int8 per block of 32 (AVX2 maddubs or "
         "AVX-512 VNNI)");
   m.def("q4_int8_has_vnni", &bitquilt_q4::has_vnni, "whether the CPU runs the AVX-512 VNNI path");
   m.def("q4_int8_vnni_enabled", &bitquilt_q4::vnni_enabled, "whether the kernel takes the AVX-512 VNNI path");

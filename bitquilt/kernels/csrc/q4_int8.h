@@ -1,4 +1,4 @@
-// 4-bit uniform weights times int8-quantized activations (q4_int8.cpp), for the other kernels of the
+// 4- and 2-bit uniform weights times int8-quantized activations (q4_int8.cpp), for the other kernels of the
 // extension that run whole weights themselves (decode_step.cpp).
 
 #pragma once
@@ -18,7 +18,7 @@ namespace bitquilt_q4 {
 
 constexpr int64_t ROWS = 4;    // output rows per tile
 constexpr int64_t BLOCK = bitquilt_int8::BLOCK;  // columns per activation scale
-constexpr int64_t PAIR = 64;   // columns per packed 32-byte row chunk (two blocks)
+constexpr int64_t PAIR = 64;   // columns per packed row chunk (two blocks): 32 bytes at 4 bits, 16 at 2
 constexpr int64_t GROUP_BYTES = 12;  // a tile's row group: 4 fp16 scales, 4 uint8 zeros
 
 // A tile's row group decoded once for all its tokens: s of its 4 rows in floats 0-3, s * z in 4-7.
@@ -41,21 +41,27 @@ inline void add_group_offsets(const float* s, const float* X, int64_t G, int64_t
   for (int t = 0; t < NT; ++t) offset[t] = _mm_fmadd_ps(_mm_set1_ps(X[t * G + g]), sz, offset[t]);
 }
 
-// A [N, K] weight W[r, c] = s[r, g] * (q[r, c] - z[r, g]), g = c / group, in the kernel's layout:
-//   w  uint8 [tiles][K / 64][4 rows][32]: for the chunk starting at column c0, byte j < 16 holds q[c0 + j] (low
-//      nibble) and q[c0 + 16 + j] (high), byte 16 + j holds q[c0 + 32 + j] and q[c0 + 48 + j]
+// A [N, K] weight W[r, c] = s[r, g] * (q[r, c] - z[r, g]), g = c / group, q of `bits` = 4 or 2 bits, in the
+// kernel's layout:
+//   w  uint8 [tiles][K / 64][4 rows][8 * bits]: a row's chunk of the 64 columns from c0 on; at 4 bits byte j < 16
+//      holds q[c0 + j] (low nibble) and q[c0 + 16 + j] (high), byte 16 + j holds q[c0 + 32 + j] and q[c0 + 48 + j];
+//      at 2 bits byte j < 16 holds q[c0 + j], q[c0 + 16 + j], q[c0 + 32 + j], q[c0 + 48 + j] in bits 0-1, 2-3, 4-5,
+//      6-7. Either way one chunk widens to the same two vectors of codes (columns 0-15 and 32-47; 16-31 and 48-63).
 //   sz uint8 [tiles][groups][12]: the tile's 4 rows' s as fp16 (bytes 0-7), then their z as uint8 (8-11)
 //      (3 bytes per row group instead of 8 for fp32 s and s * z; s * z is exact in fp32 for an fp16 s and z < 16)
 struct Weight {
   const uint8_t* w;
   const uint8_t* sz;
   int64_t N, K, group;
+  int bits;
   int64_t tiles() const { return (N + ROWS - 1) / ROWS; }
   int64_t groups() const { return (K + group - 1) / group; }
+  int64_t chunk_bytes() const { return 8 * bits; }  // a row's 64 codes
+  int64_t tile_bytes() const { return ROWS * K / PAIR * chunk_bytes(); }
 };
 
-// The layout's tensors checked against the shape (TORCH_CHECK otherwise); K and group multiples of 64.
-Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t K, int64_t group);
+// The layout's tensors checked against the shape (TORCH_CHECK otherwise); K and group multiples of 64, bits 4 or 2.
+Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t K, int64_t group, int64_t bits);
 
 // y [T, N] = x [T, K] @ W^T with each token's activations rounded to int8 per block of 32 (scale max|x| / 127),
 // rows contiguous; on the AVX-512 VNNI path when `vnni_enabled()`.
@@ -76,7 +82,7 @@ void set_vnni(bool enabled);
 template <typename Split, typename Token>
 void run_tiles(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                float* y, int64_t buffer_bytes, const Split& split, const Token& token) {
-  const int64_t G = W.groups(), pairs = W.K / PAIR, tile_bytes = ROWS * W.K / 2;
+  const int64_t G = W.groups(), pairs = W.K / PAIR, tile_bytes = W.tile_bytes();
   std::vector<int8_t> buffer(T > 1 ? buffer_bytes : 0);
   std::vector<float> scales(G * GROUP_FLOATS);
   float out[2 * ROWS];
@@ -93,7 +99,8 @@ void run_tiles(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t*
   }
 }
 
-// Tiles [i0, i1) of y on AVX-512 VNNI (run_tiles' arguments): only after has_vnni().
+// Tiles [i0, i1) of y on AVX-512 VNNI (run_tiles' arguments) for BITS = W.bits: only after has_vnni().
+template <int BITS>
 void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y);
 

@@ -1,4 +1,4 @@
-// The 4-bit x int8 matmul of q4_int8.cpp on AVX-512 VNNI, picked at run time when the CPU has it.
+// The 4- and 2-bit x int8 matmul of q4_int8.cpp on AVX-512 VNNI, picked at run time when the CPU has it.
 //
 // Same layout, same math: a row's 32-byte chunk holds the codes of 64 columns, low nibbles = columns 0-15 and
 // 32-47, high nibbles = 16-31 and 48-63, and a token's int8 activations are stored in exactly that order (64
@@ -8,7 +8,9 @@
 // to the chunk's first block, 4-7 and 12-15 to its second; the block scales [d_2p x 4, d_2p+1 x 4] broadcast to
 // both halves scale them in one FMA. The dot products are exact (int32), as on AVX2; only the fp32 summation
 // order differs. Against AVX2's vpmaddubsw + vpaddw + vpmaddwd on two 256-bit halves, a chunk costs one
-// instruction instead of four.
+// instruction instead of four. 2-bit chunks (16 bytes per row) are placed as [row 2j, row 2j, row 2j + 1,
+// row 2j + 1] in the four 128-bit lanes and shifted per lane (by 0 | 4 for lo, 2 | 6 for hi) before the mask,
+// which gives the same two registers.
 //
 // This file is compiled for AVX-512 VNNI (pragma below, after every include, so that no inline function of a
 // shared header is built for that target); its one entry point runs only after `has_vnni()`.
@@ -30,18 +32,29 @@ using bitquilt_simd::hsum8;
 
 namespace {
 
-constexpr int64_t PAIR_BYTES = 128;  // a row pair's split chunk: low nibbles of both rows, then high nibbles
+constexpr int64_t PAIR_BYTES = 128;  // a row pair's split chunk: columns 0-15, 32-47 of both rows, then 16-31, 48-63
 
-// Rows 2j and 2j + 1 of one chunk (64 packed bytes: the two rows are adjacent in the tile) as codes: lo holds the
-// low nibbles (columns 0-15, 32-47) of row 2j, then of row 2j + 1; hi their high nibbles (16-31, 48-63).
+// Rows 2j and 2j + 1 of one chunk (the two rows are adjacent in the tile: 2 x 8 * BITS packed bytes) as codes: lo
+// holds columns 0-15, 32-47 of row 2j, then of row 2j + 1; hi their columns 16-31, 48-63.
 struct PairCodes {
   __m512i lo, hi;
 };
 
+template <int BITS>
 inline PairCodes split(const uint8_t* p) {
-  const __m512i v = _mm512_loadu_si512(p);
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  return {_mm512_and_si512(v, nib), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib)};
+  if constexpr (BITS == 4) {
+    const __m512i v = _mm512_loadu_si512(p);
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    return {_mm512_and_si512(v, nib), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib)};
+  } else {
+    const __m512i rows = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i v = _mm512_shuffle_i64x2(rows, rows, _MM_SHUFFLE(1, 1, 0, 0));  // lanes: row 2j twice, 2j + 1 twice
+    const __m512i mask = _mm512_set1_epi8(0x03);
+    const __m512i lo_shift = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
+    const __m512i hi_shift = _mm512_setr_epi32(2, 2, 2, 2, 6, 6, 6, 6, 2, 2, 2, 2, 6, 6, 6, 6);
+    return {_mm512_and_si512(_mm512_srlv_epi32(v, lo_shift), mask),
+            _mm512_and_si512(_mm512_srlv_epi32(v, hi_shift), mask)};
+  }
 }
 
 // The tile's 4 rows for NT tokens (NT = 2 for prefill: each split chunk loaded serves both), as two row pairs;
@@ -50,7 +63,7 @@ inline PairCodes split(const uint8_t* p) {
 // broadcast to both halves of one register and its high-nibble ones (32-63) to both halves of another, two
 // vpdpbusd leave row 2j's block sums in lanes 0-7 and row 2j + 1's in lanes 8-15 (lanes 0-3 and 8-11 the chunk's
 // first block, 4-7 and 12-15 its second). Token t's inputs and outputs are strided as in q4_int8.cpp.
-template <int NT, bool buffered>
+template <int BITS, int NT, bool buffered>
 inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const float* scales, const Weight& W,
                         const int8_t* xi, const float* dpair, const float* X, float* out) {
   const int64_t G = W.groups(), per_group = W.group / PAIR, pairs = W.K / PAIR;
@@ -75,7 +88,7 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const float* sca
       for (int j = 0; j < 2; ++j) {
         const PairCodes q = buffered ? PairCodes{_mm512_loadu_si512(codes + (p * 2 + j) * PAIR_BYTES),
                                                  _mm512_loadu_si512(codes + (p * 2 + j) * PAIR_BYTES + 64)}
-                                     : split(wt + (p * ROWS + 2 * j) * 32);
+                                     : split<BITS>(wt + (p * ROWS + 2 * j) * 8 * BITS);
         for (int t = 0; t < NT; ++t) {
           const __m512i dot =
               _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q.lo, xlo[t]), q.hi, xhi[t]);
@@ -102,12 +115,13 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const float* sca
 
 }  // namespace
 
+template <int BITS>
 void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y) {
   const int64_t pair_chunks = W.K / PAIR * 2;
   const auto split_tile = [pair_chunks](const uint8_t* wt, int8_t* buffer) {
     for (int64_t q = 0; q < pair_chunks; ++q) {
-      const PairCodes c = split(wt + q * 64);
+      const PairCodes c = split<BITS>(wt + q * 16 * BITS);
       _mm512_storeu_si512(buffer + q * PAIR_BYTES, c.lo);
       _mm512_storeu_si512(buffer + q * PAIR_BYTES + 64, c.hi);
     }
@@ -115,14 +129,19 @@ void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
   const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const float* scales, const int8_t* x,
                           const float* dt, const float* Xt, int n, float* out) {
     if (buffer == nullptr)
-      tile_tokens<1, false>(wt, nullptr, scales, W, x, dt, Xt, out);
+      tile_tokens<BITS, 1, false>(wt, nullptr, scales, W, x, dt, Xt, out);
     else if (n == 2)
-      tile_tokens<2, true>(wt, buffer, scales, W, x, dt, Xt, out);
+      tile_tokens<BITS, 2, true>(wt, buffer, scales, W, x, dt, Xt, out);
     else
-      tile_tokens<1, true>(wt, buffer, scales, W, x, dt, Xt, out);
+      tile_tokens<BITS, 1, true>(wt, buffer, scales, W, x, dt, Xt, out);
   };
   run_tiles(W, i0, i1, T, xi, d, X, y, pair_chunks * PAIR_BYTES, split_tile, token);
 }
+
+template void tiles_vnni<4>(const Weight&, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
+                            float*);
+template void tiles_vnni<2>(const Weight&, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
+                            float*);
 
 }  // namespace bitquilt_q4
 
