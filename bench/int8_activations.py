@@ -1,9 +1,9 @@
-"""What int8 activations cost in perplexity: 4-bit models with exact kernels vs `--int8-activations`.
+"""What int8 activations cost in perplexity: 4- and 2-bit models with exact kernels vs `--int8-activations`.
 
     python bench/int8_activations.py --model smollm2-135m --threads 1
 
-Each 4-bit configuration is quantized once and evaluated twice on the same windows: with the exact kernels
-(activations to 2^-21) and with `bitquilt.kernels.set_int8_activations(True)`, where every 4-bit uniform
+Each configuration is quantized once and evaluated twice on the same windows: with the exact kernels
+(activations to 2^-21) and with `bitquilt.kernels.set_int8_activations(True)`, where every 4- or 2-bit uniform
 linear rounds its input to int8 per block of 32 columns (scale max|x| / 127) before the vpmaddubsw kernel
 (llama.cpp's Q8 activations). The LM head and embeddings follow their own format (fp32, or 4-bit in *head4*,
 which then runs on int8 activations too). Results: bench/results/int8_activations.{json,md}.
@@ -35,7 +35,8 @@ from bitquilt.recipes import Recipe
 
 CONFIGS = {"rtn w4 g128": Recipe("rtn", w_bits=4, group_size=128),
            "rtn w4 g128 head4": Recipe("rtn", w_bits=4, group_size=128, head_bits=4),
-           "gptq w4 g128": Recipe("gptq", w_bits=4, group_size=128, options=GPTQ_PLAIN)}
+           "gptq w4 g128": Recipe("gptq", w_bits=4, group_size=128, options=GPTQ_PLAIN),
+           "gptq w2 g64": Recipe("gptq", w_bits=2, group_size=64, options=GPTQ_PLAIN)}
 KEY = ("model", "config", "activations")
 
 
