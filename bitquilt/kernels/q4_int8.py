@@ -93,11 +93,12 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
     packed = torch.empty(-(-n // ROWS), k // PAIR, ROWS, PAIR * bits // 8, dtype=torch.uint8)
     for r0 in range(0, n, PLANE_ROWS):  # rows at a time: unpacking holds 8 bytes per code on the way
         q = _rows_to_tiles(unpack(fmt.qweight[r0:r0 + PLANE_ROWS], bits, k).to(torch.uint8))  # [tiles, 4, K]
-        q = q.view(q.shape[0], ROWS, -1, 4, 16)  # the quarters of each 64-column chunk
-        if bits == 4:
-            chunks = torch.cat([q[..., 0, :] | (q[..., 1, :] << 4), q[..., 2, :] | (q[..., 3, :] << 4)], dim=-1)
-        else:
-            chunks = q[..., 0, :] | (q[..., 1, :] << 2) | (q[..., 2, :] << 4) | (q[..., 3, :] << 6)
+        # the quarters of each 64-column chunk, consecutive ones sharing a byte (8 / bits per byte, the first in the
+        # low bits): bytes [q0 | q1 << 4, q2 | q3 << 4] at 4 bits, [q0 | q1 << 2 | q2 << 4 | q3 << 6] at 2
+        per_byte = 8 // bits
+        q = q.view(q.shape[0], ROWS, -1, 4 // per_byte, per_byte, 16)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8).view(per_byte, 1)
+        chunks = (q << shifts).sum(-2, dtype=torch.uint8).flatten(-2)  # disjoint bits: the sum is their OR
         packed[r0 // ROWS:r0 // ROWS + q.shape[0]] = chunks.permute(0, 2, 1, 3)
     scale, zero = fmt.scale_zero()
     scale16 = scale.half()

@@ -156,11 +156,11 @@ namespace {
 template <int BITS>
 void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y) {
-  constexpr int64_t chunk_bytes = 8 * BITS;
+  constexpr int64_t chunk = chunk_bytes(BITS);
   const int64_t chunks = W.K / PAIR * ROWS;
   const auto split = [chunks](const uint8_t* wt, int8_t* buffer) {
     for (int64_t c = 0; c < chunks; ++c) {
-      const Codes q = widen<BITS>(wt + c * chunk_bytes);
+      const Codes q = widen<BITS>(wt + c * chunk);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64), q.lo);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64 + 32), q.hi);
     }
@@ -169,11 +169,11 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
                           const float* dt, const float* Xt, int n, float* out) {
     if (buffer == nullptr) {
       const auto streamed = [wt](int64_t p, int r) {
-        const uint8_t* chunk = wt + (p * ROWS + r) * chunk_bytes;
+        const uint8_t* row = wt + (p * ROWS + r) * chunk;
         if (r == 0)  // the chunk's 4 rows: 2 cache lines at 4 bits, 1 at 2
-          for (int line = 0; line < ROWS * chunk_bytes / 64; ++line)
-            _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH_BYTES + 64 * line), _MM_HINT_T0);
-        return widen<BITS>(chunk);
+          for (int line = 0; line < ROWS * chunk / 64; ++line)
+            _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES + 64 * line), _MM_HINT_T0);
+        return widen<BITS>(row);
       };
       tile_tokens<1>(streamed, scales, W, x, dt, Xt, out);
       return;

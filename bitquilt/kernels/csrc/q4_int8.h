@@ -21,6 +21,10 @@ constexpr int64_t BLOCK = bitquilt_int8::BLOCK;  // columns per activation scale
 constexpr int64_t PAIR = 64;   // columns per packed row chunk (two blocks): 32 bytes at 4 bits, 16 at 2
 constexpr int64_t GROUP_BYTES = 12;  // a tile's row group: 4 fp16 scales, 4 uint8 zeros
 
+
+// Packed bytes of a row's chunk: its 64 codes of `bits` bits.
+constexpr int64_t chunk_bytes(int bits) { return PAIR * bits / 8; }
+
 // A tile's row group decoded once for all its tokens: s of its 4 rows in floats 0-3, s * z in 4-7.
 constexpr int64_t GROUP_FLOATS = 8;
 
@@ -56,8 +60,7 @@ struct Weight {
   int bits;
   int64_t tiles() const { return (N + ROWS - 1) / ROWS; }
   int64_t groups() const { return (K + group - 1) / group; }
-  int64_t chunk_bytes() const { return 8 * bits; }  // a row's 64 codes
-  int64_t tile_bytes() const { return ROWS * K / PAIR * chunk_bytes(); }
+  int64_t tile_bytes() const { return ROWS * K / PAIR * chunk_bytes(bits); }
 };
 
 // The layout's tensors checked against the shape (TORCH_CHECK otherwise); K and group multiples of 64, bits 4 or 2.

@@ -34,8 +34,8 @@ namespace {
 
 constexpr int64_t PAIR_BYTES = 128;  // a row pair's split chunk: columns 0-15, 32-47 of both rows, then 16-31, 48-63
 
-// Rows 2j and 2j + 1 of one chunk (the two rows are adjacent in the tile: 2 x 8 * BITS packed bytes) as codes: lo
-// holds columns 0-15, 32-47 of row 2j, then of row 2j + 1; hi their columns 16-31, 48-63.
+// Rows 2j and 2j + 1 of one chunk (the two rows are adjacent in the tile: 2 x chunk_bytes(BITS) packed bytes) as
+// codes: lo holds columns 0-15, 32-47 of row 2j, then of row 2j + 1; hi their columns 16-31, 48-63.
 struct PairCodes {
   __m512i lo, hi;
 };
@@ -88,7 +88,7 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const float* sca
       for (int j = 0; j < 2; ++j) {
         const PairCodes q = buffered ? PairCodes{_mm512_loadu_si512(codes + (p * 2 + j) * PAIR_BYTES),
                                                  _mm512_loadu_si512(codes + (p * 2 + j) * PAIR_BYTES + 64)}
-                                     : split<BITS>(wt + (p * ROWS + 2 * j) * 8 * BITS);
+                                     : split<BITS>(wt + (p * ROWS + 2 * j) * chunk_bytes(BITS));
         for (int t = 0; t < NT; ++t) {
           const __m512i dot =
               _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q.lo, xlo[t]), q.hi, xhi[t]);
@@ -121,7 +121,7 @@ void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
   const int64_t pair_chunks = W.K / PAIR * 2;
   const auto split_tile = [pair_chunks](const uint8_t* wt, int8_t* buffer) {
     for (int64_t q = 0; q < pair_chunks; ++q) {
-      const PairCodes c = split<BITS>(wt + q * 16 * BITS);
+      const PairCodes c = split<BITS>(wt + q * 2 * chunk_bytes(BITS));
       _mm512_storeu_si512(buffer + q * PAIR_BYTES, c.lo);
       _mm512_storeu_si512(buffer + q * PAIR_BYTES + 64, c.hi);
     }
