@@ -46,6 +46,7 @@ from torch import nn
 
 from bitquilt.cache import atomic_dir
 from bitquilt.errors import UserError
+from bitquilt.export.checks import check_layers
 from bitquilt.formats.base import WeightFormat, split_buffers
 from bitquilt.formats.packing import WORD_BITS, pack
 from bitquilt.formats.uniform import UniformFormat, expand_groups
@@ -58,8 +59,6 @@ from bitquilt.io import (
     quantization_record,
     stored_tensors,
 )
-from bitquilt.nn import online
-from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
 
 FORMAT = "pack-quantized"
@@ -150,23 +149,7 @@ def packed_tensors(fmt: UniformFormat, group: int | None, dtype: torch.dtype) ->
 # ---------------------------------------------------------------- model
 def check_exportable(model: nn.Module) -> None:
     """A one-line UserError naming the first thing in `model` that compressed-tensors cannot hold exactly."""
-    hosts = online.online_state(model)
-    if hosts:
-        host, slots = next(iter(hosts.items()))
-        modules = ", ".join(f"{slot} ({entry['class']})" for slot, entry in slots.items())
-        raise UserError(f"cannot export {host} to compressed-tensors: it runs the online module(s) {modules}, which "
-                        f"vLLM and transformers do not run; exportable: weight-only models with {EXPORTABLE}")
-    embeddings = [name for name, m in model.named_modules() if isinstance(m, QuantEmbedding)]
-    if embeddings:
-        raise UserError(f"cannot export {embeddings[0]} to compressed-tensors: quantized input embeddings "
-                        "(--head-bits) are not exported yet; quantize with --head-bits 16")
-    refused = [(name, m.fmt, why) for name, m in model.named_modules()
-               if isinstance(m, QuantLinear) and (why := refusal(m.fmt)) is not None]
-    if refused:
-        name, fmt, why = refused[0]
-        more = f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""
-        raise UserError(f"cannot export {name} ({fmt.describe()}) to compressed-tensors: {why}{more}; exportable: "
-                        f"{EXPORTABLE}")
+    check_layers(model, "compressed-tensors", "which vLLM and transformers do not run", refusal, EXPORTABLE)
     if not any(isinstance(m, QuantLinear) for m in model.modules()):
         raise UserError("cannot export to compressed-tensors: the model has no quantized linears (a full-precision "
                         "model needs no export)")

@@ -46,13 +46,12 @@ from torch import nn
 
 from bitquilt.cache import atomic_file
 from bitquilt.errors import UserError
+from bitquilt.export.checks import check_layers
 from bitquilt.formats.base import WeightFormat
 from bitquilt.formats.uniform import UniformFormat
 from bitquilt.io import check_writable, is_quantized_dir, load_quantized
 from bitquilt.models import registry
 from bitquilt.models.loading import TOKENIZER_FILES
-from bitquilt.nn import online
-from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -175,22 +174,7 @@ def check_exportable(model: nn.Module) -> Family:
     if getattr(config, "use_sliding_window", False):
         raise UserError("cannot export to GGUF: sliding-window attention is not supported")
     _rope_theta(config)
-    hosts = online.online_state(model)
-    if hosts:
-        host, slots = next(iter(hosts.items()))
-        modules = ", ".join(f"{slot} ({entry['class']})" for slot, entry in slots.items())
-        raise UserError(f"cannot export {host} to GGUF: it runs the online module(s) {modules}, which llama.cpp "
-                        f"cannot run; exportable: weight-only models with {EXPORTABLE}")
-    embeddings = [name for name, m in model.named_modules() if isinstance(m, QuantEmbedding)]
-    if embeddings:
-        raise UserError(f"cannot export {embeddings[0]} to GGUF: quantized input embeddings (--head-bits) are "
-                        "not exported yet; quantize with --head-bits 16")
-    refused = [(name, m.fmt, why) for name, m in model.named_modules()
-               if isinstance(m, QuantLinear) and (why := refusal(m.fmt)) is not None]
-    if refused:
-        name, fmt, why = refused[0]
-        more = f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""
-        raise UserError(f"cannot export {name} ({fmt.describe()}) to GGUF: {why}{more}; exportable: {EXPORTABLE}")
+    check_layers(model, "GGUF", "which llama.cpp cannot run", refusal, EXPORTABLE)
     return family
 
 

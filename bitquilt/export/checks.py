@@ -1,0 +1,37 @@
+"""What every exporter refuses alike: online modules, quantized input embeddings, and linears whose format the
+target cannot hold exactly; one-line UserErrors naming the first offender."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from bitquilt.errors import UserError
+from bitquilt.formats.base import WeightFormat
+from bitquilt.nn import online
+from bitquilt.nn.quant_embedding import QuantEmbedding
+from bitquilt.nn.quant_linear import QuantLinear
+
+
+def check_layers(model: nn.Module, target: str, runtime_cannot: str,
+                 refusal: Callable[[WeightFormat], str | None], exportable: str) -> None:
+    """Raise for the first part of `model` that `target` (e.g. "GGUF") cannot hold: a module run online at
+    inference (`runtime_cannot` says why, e.g. "which llama.cpp cannot run"), a quantized input embedding,
+    or a QuantLinear for which `refusal(fmt)` gives a reason; `exportable` names what the target takes."""
+    hosts = online.online_state(model)
+    if hosts:
+        host, slots = next(iter(hosts.items()))
+        modules = ", ".join(f"{slot} ({entry['class']})" for slot, entry in slots.items())
+        raise UserError(f"cannot export {host} to {target}: it runs the online module(s) {modules}, {runtime_cannot}; "
+                        f"exportable: weight-only models with {exportable}")
+    embeddings = [name for name, m in model.named_modules() if isinstance(m, QuantEmbedding)]
+    if embeddings:
+        raise UserError(f"cannot export {embeddings[0]} to {target}: quantized input embeddings (--head-bits) are "
+                        "not exported yet; quantize with --head-bits 16")
+    refused = [(name, m.fmt, why) for name, m in model.named_modules()
+               if isinstance(m, QuantLinear) and (why := refusal(m.fmt)) is not None]
+    if refused:
+        name, fmt, why = refused[0]
+        more = f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""
+        raise UserError(f"cannot export {name} ({fmt.describe()}) to {target}: {why}{more}; exportable: {exportable}")
