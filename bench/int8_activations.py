@@ -36,7 +36,8 @@ from bitquilt.recipes import Recipe
 CONFIGS = {"rtn w4 g128": Recipe("rtn", w_bits=4, group_size=128),
            "rtn w4 g128 head4": Recipe("rtn", w_bits=4, group_size=128, head_bits=4),
            "gptq w4 g128": Recipe("gptq", w_bits=4, group_size=128, options=GPTQ_PLAIN),
-           "gptq w2 g64": Recipe("gptq", w_bits=2, group_size=64, options=GPTQ_PLAIN)}
+           "gptq w2 g64": Recipe("gptq", w_bits=2, group_size=64, options=GPTQ_PLAIN),
+           "best w2 g64": Recipe.best(2)}  # the CLI's default at 2 bits: awq+rtn with block-wise reconstruction
 KEY = ("model", "config", "activations")
 
 
