@@ -354,3 +354,15 @@ def test_uniform8_runs_decode_batches_ahead_of_the_lookup_tables_and_declines_th
     assert uniform8.matmul(make_uniform(w, 4, 64, sym=False), x) is None  # 4 bits: the lookup tables
     assert uniform8.matmul(make_uniform(w[:, :96], 8, 48, sym=False), x[:, :96]) is None  # group not a multiple of 32
     assert uniform8.matmul(fmt, x, MatmulContext(slices=torch.ones(5, dtype=torch.long))) is None
+
+
+@needs_ext
+@pytest.mark.parametrize("prefetch", [0, 4096])
+def test_read_pass_ors_every_word_with_or_without_prefetch(prefetch):
+    """The benchmarks' bandwidth ceiling really reads the whole buffer: its result is the OR of all 64-bit words."""
+    words = torch.zeros(1024, dtype=torch.int64)  # 8 KB, 64 steps of 128 bytes
+    words[-1] = 1 << 40
+    words[17] = 5
+    assert cpu.extension().read_pass(words, prefetch) == (1 << 40) | 5
+    with pytest.raises(RuntimeError, match="multiple of 128 bytes"):
+        cpu.extension().read_pass(words[:-1], prefetch)
