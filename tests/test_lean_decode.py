@@ -89,14 +89,17 @@ def test_lean_decoder_refuses_inputs_it_cannot_place():
 FUSED_RECIPES = [None, Recipe("rtn", w_bits=4, group_size=64), Recipe("rtn", w_bits=4, group_size=64, head_bits=8),
                  Recipe("rtn", w_bits=8, group_size=64),
                  Recipe("bpdq", w_bits=2, group_size=64),
-                 Recipe("mobislice", w_bits=4, group_size=32, options={"slices": (2, 1, 1)})]
+                 Recipe("mobislice", w_bits=4, group_size=32, options={"slices": (2, 1, 1)}),
+                 Recipe("rtn", w_bits=4, group_size=64, residual="mosaic",
+                        residual_options={"budget": 0.2, "score": "magnitude"})]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("recipe", FUSED_RECIPES, ids=["fp32", "w4", "w4-head8", "w8", "bpdq-w2", "slices"])
+@pytest.mark.parametrize("recipe", FUSED_RECIPES, ids=["fp32", "w4", "w4-head8", "w8", "bpdq-w2", "slices", "mosaic"])
 def test_fused_layers_give_the_module_by_module_logits(model_type, recipe):
     """One compiled call per step (norms, biases, q/k norms, RoPE, GQA attention over the cache, MLP) equals the
-    eager modules: dense fp32, uniform and bit-plane packed weights, and a sliced weight's static prefix."""
+    eager modules: dense fp32, uniform and bit-plane packed weights, a sliced weight's static prefix, and a
+    MosaicQuant base with its sparse residual."""
     model = make_tiny(model_type)
     if recipe is not None:
         quantize(model, recipe, _ids(64, seed=2).view(2, 32), progress=False)

@@ -100,6 +100,15 @@ def test_segment_layout_holds_the_residual():
     assert kernels.kernel_layout_bytes(s) == seg.nbytes() > 0
 
 
+def test_a_composites_layout_bytes_count_its_parts_and_parts_without_tables_are_declined():
+    fmt = mosaic_format("w4g128", (1, 32), 0.1)
+    assert kernels.kernel_layout_bytes(fmt) == 0
+    mosaic.fused_matmul(fmt, torch.randn(1, IN))
+    base, residual = fmt.parts["base"], fmt.parts["residual"]
+    assert kernels.kernel_layout_bytes(fmt) == cpu.packed(base).nbytes() + mosaic.segments(residual).nbytes() > 0
+    assert cpu.packed(residual) is None  # no lookup-table layout for a residual alone: declined, not a KeyError
+
+
 def test_fused_is_tried_before_by_parts():
     kernels.quant_matmul(mosaic_format("w4g128", (1, 32), 0.1), torch.randn(1, IN))  # loads the builtins
     names = kernels.kernels_for("composite")

@@ -66,8 +66,11 @@ _CACHES: list[LayoutCache] = []
 
 
 def kernel_layout_bytes(fmt: WeightFormat) -> int:
-    """Bytes of the layouts kernels have built for `fmt` so far (0 if none)."""
-    return sum(layout.nbytes() for cache in _CACHES if (layout := cache.peek(fmt)) is not None)
+    """Bytes of the layouts kernels have built for `fmt` so far (0 if none), a composite's parts' included (the
+    kernels of MosaicQuant and MoBiQuant weights keep their layouts per part)."""
+    parts = getattr(fmt, "parts", {})
+    return (sum(layout.nbytes() for cache in _CACHES if (layout := cache.peek(fmt)) is not None)
+            + sum(kernel_layout_bytes(part) for part in parts.values()))
 
 
 def _load_builtin() -> None:

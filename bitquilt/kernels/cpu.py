@@ -205,7 +205,7 @@ def _pack_uniform(fmt: UniformFormat) -> Packed | None:
 
 
 _PACKERS = {"bitplane": _pack_bitplane, "uniform": _pack_uniform}
-_LAYOUTS: LayoutCache[Packed] = LayoutCache(lambda fmt: _PACKERS[fmt.name](fmt))
+_LAYOUTS: LayoutCache[Packed] = LayoutCache(lambda fmt: _PACKERS[fmt.name](fmt) if fmt.name in _PACKERS else None)
 
 
 def packed(fmt: WeightFormat) -> Packed | None:

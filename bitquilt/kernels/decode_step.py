@@ -4,8 +4,9 @@
 static KV cache, and `step(x, pos)` runs the token's hidden state through all of them: norms, projections,
 biases, RoPE, attention over the cache, SiLU-gated MLP and residuals, without a Python call per op. A
 linear is bit-plane packed parts run by the lookup-table kernel (the slices of a MoBiQuant weight as a
-static prefix, or routed per token by its router), an 8-bit uniform weight run by the 8-bit GEMV, or a
-dense fp32 matrix: the kernel each would run module by module. While `set_int8_activations` is on as the
+static prefix, or routed per token by its router; a MosaicQuant base with its sparse residual added inside the
+tables), an 8-bit uniform weight run by the 8-bit GEMV, or a dense fp32 matrix: the kernel each would run module
+by module. While `set_int8_activations` is on as the
 layers are built, 4- and 2-bit uniform weights run the low-bit × int8 kernel and 8-bit ones the GEMV's int8 path,
 as module by module too. The model side (which modules qualify) is `bitquilt.models.lean_decode`; the
 math is the eager modules' in another fp32 order, tested against them.
@@ -16,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from bitquilt.formats.base import WeightFormat
-from bitquilt.kernels import cpu, int8_activations, q4_int8, uniform8
+from bitquilt.formats.sparse_blocks import SparseBlockFormat
+from bitquilt.kernels import cpu, int8_activations, mosaic, q4_int8, uniform8
 
 
 class FusedLayers:
@@ -33,11 +35,19 @@ class FusedLayers:
     def add_linear(self, fmts: list[WeightFormat] | None, dense: torch.Tensor | None, bias: torch.Tensor | None,
                    out_features: int, in_features: int) -> int | None:
         """Index of a linear y = x (Σ Ŵ_p)ᵀ + b over packed parts `fmts`, or y = x Wᵀ + b for `dense` (fp32); None if
-        the parts do not pack alike. A single 4- or 2-bit uniform part runs on int8 activations while those are
-        enabled (`bitquilt.kernels.q4_int8`), as it would module by module."""
-        if fmts and len(fmts) == 1 and int8_activations() and (q4 := q4_int8.layout(fmts[0])) is not None:
+        the parts do not pack alike. A MosaicQuant weight, [base, sparse residual], runs the base's lookup tables with
+        the residual added inside (`bitquilt.kernels.mosaic`'s fused kernel). Otherwise a single 4- or 2-bit uniform
+        part runs on int8 activations while those are enabled (`bitquilt.kernels.q4_int8`), as module by module."""
+        residual: list[torch.Tensor] = []
+        if fmts and isinstance(fmts[-1], SparseBlockFormat):
+            segments = mosaic.segments(fmts[-1])
+            if segments is None or len(fmts) != 2:
+                return None
+            fmts, residual = fmts[:1], segments.segments()
+        single = fmts is not None and len(fmts) == 1 and not residual
+        if single and int8_activations() and (q4 := q4_int8.layout(fmts[0])) is not None:
             return self._decoder.add_q4_linear(q4.codes, q4.scales, q4.group, q4.bits, out_features, in_features, bias)
-        if fmts and len(fmts) == 1 and (u8 := uniform8.operands(fmts[0])) is not None:  # as module by module
+        if single and (u8 := uniform8.operands(fmts[0])) is not None:  # as module by module
             codes, groups = u8
             return self._decoder.add_u8_linear(codes, groups.scale, groups.scale_zero, groups.group, out_features,
                                                in_features, int8_activations(), bias)
@@ -51,7 +61,7 @@ class FusedLayers:
             layouts = []
         return self._decoder.add_linear([p.planes for p in layouts], [p.coeffs for p in layouts],
                                         [p.bits for p in layouts], [p.uniform for p in layouts], N=out_features,
-                                        K=in_features, dense=dense, bias=bias, **kwargs)
+                                        K=in_features, dense=dense, bias=bias, residual=residual, **kwargs)
 
     def route(self, index: int, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor, fc2_weight: torch.Tensor,
               fc2_bias: torch.Tensor, threshold: torch.Tensor) -> None:

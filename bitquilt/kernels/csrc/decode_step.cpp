@@ -19,7 +19,8 @@
 // Every W is a sum of bit-plane packed parts run by the lookup-table kernel (lut_parts.h: one part for a
 // bitplane or uniform format, the first k slices for a MoBiQuant checkpoint in static mode), a 4- or 2-bit
 // uniform weight run on int8-rounded activations (q4_int8.h, when int8 activations are enabled), an 8-bit
-// uniform weight run by the 8-bit GEMV (uniform8.h), or a dense fp32 matrix (at::mv). A routed MoBiQuant
+// uniform weight run by the 8-bit GEMV (uniform8.h), or a dense fp32 matrix (at::mv); packed parts may carry a
+// MosaicQuant sparse residual, added inside the lookup-table kernel (sparse_residual.h). A routed MoBiQuant
 // linear first counts the token's slices with its router (slice_router.h) and runs that prefix of its parts.
 // The same math as the eager modules in another fp32 order; tested against them (tests/test_lean_decode.py).
 
@@ -50,6 +51,7 @@ struct Linear {
   std::optional<bitquilt_u8::Weight> u8;  // 8-bit codes widened in registers (u8_int8: on int8 activations), or:
   bool u8_int8 = false;
   std::vector<bitquilt_lut::Part> parts;  // packed parts summed; if neither: dense
+  bitquilt_sparse::Residual residual;     // with parts: a sparse 4-bit residual added tile by tile (MosaicQuant)
   std::vector<at::Tensor> keep;           // the tensors the parts point into
   at::Tensor dense;                       // fp32 [N, K] when there are no parts
   at::Tensor bias;                        // fp32 [N] or undefined
@@ -73,7 +75,7 @@ struct Linear {
       auto out = at::from_blob(y, {N}, opts);
       at::mv_out(out, dense, at::from_blob(const_cast<float*>(x), {K}, opts));
     } else {
-      bitquilt_lut::lut_parts_into(x, 1, parts, N, {}, y);
+      bitquilt_lut::lut_parts_into(x, 1, parts, N, residual, y);
     }
     if (bias.defined()) {
       const float* b = bias.data_ptr<float>();
@@ -122,11 +124,12 @@ class FusedDecoder {
   }
 
   // A linear of N outputs and K inputs: packed parts (planes, coefficients, plane counts, uniform flags, one
-  // block and group) or, with no parts, a dense fp32 [N, K] weight; an optional fp32 bias. Returns its index.
+  // block and group), optionally plus a sparse residual in sparse_residual.h's segments, or, with no parts, a
+  // dense fp32 [N, K] weight; an optional fp32 bias. Returns its index.
   int64_t add_linear(const std::vector<at::Tensor>& planes, const std::vector<at::Tensor>& coefs,
                      const std::vector<int64_t>& ks, const std::vector<bool>& uniforms, int64_t block, int64_t group,
                      int64_t N, int64_t K, const std::optional<at::Tensor>& dense,
-                     const std::optional<at::Tensor>& bias) {
+                     const std::optional<at::Tensor>& bias, const std::vector<at::Tensor>& residual) {
     TORCH_CHECK(coefs.size() == planes.size() && ks.size() == planes.size() && uniforms.size() == planes.size(),
                 "one coefficient tensor, plane count and uniform flag per part");
     Linear lin;
@@ -137,6 +140,9 @@ class FusedDecoder {
       lin.keep.push_back(planes[p]);
       lin.keep.push_back(coefs[p]);
     }
+    TORCH_CHECK(residual.empty() || !planes.empty(), "a sparse residual is added to packed parts only");
+    lin.residual = bitquilt_sparse::check_residual(residual, N, K);
+    lin.keep.insert(lin.keep.end(), residual.begin(), residual.end());
     if (planes.empty()) {
       TORCH_CHECK(dense.has_value() && dense->dim() == 2 && dense->size(0) == N && dense->size(1) == K &&
                       dense->scalar_type() == at::kFloat && dense->is_contiguous(),
@@ -311,7 +317,8 @@ void register_decode_step(pybind11::module& m) {
            py::arg("eps"), py::arg("scaling"), py::arg("cos"), py::arg("sin"))
       .def("add_linear", &FusedDecoder::add_linear, py::arg("planes"), py::arg("coefs"), py::arg("ks"),
            py::arg("uniforms"), py::arg("block"), py::arg("group"), py::arg("N"), py::arg("K"),
-           py::arg("dense") = py::none(), py::arg("bias") = py::none())
+           py::arg("dense") = py::none(), py::arg("bias") = py::none(),
+           py::arg("residual") = std::vector<at::Tensor>())
       .def("add_q4_linear", &FusedDecoder::add_q4_linear, py::arg("w"), py::arg("sz"), py::arg("group"),
            py::arg("bits"), py::arg("N"), py::arg("K"), py::arg("bias") = py::none())
       .def("add_u8_linear", &FusedDecoder::add_u8_linear, py::arg("codes"), py::arg("scale"), py::arg("scale_zero"),
