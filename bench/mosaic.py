@@ -16,6 +16,10 @@ Parts (--parts, default all):
             keys; GPTQ without act-order) with a residual at each --budgets (0: the backbone alone), its
             bits/weight, the mean recovered distortion of its linears and the quantization time.
   latency   `bench/mosaic_kernels.py` on the model's linear shapes: dense base, two-kernel, fused.
+  decode    whole-model batch-1 speed (`bitquilt.eval.speed`, the default engine: the fused decode step runs the base's
+            tables with the residual added inside) of W4 g128 RTN weights with an 8-bit head, alone and with a
+            residual at each --budgets (tiles ranked by magnitude: speed depends on how many, not which), the models
+            measured in turn --repeats times; the end-to-end cost next to the paper's (< 6.2% at 10%).
 
     python bench/mosaic.py --model smollm2-135m --threads 1
     python bench/mosaic.py --model qwen2.5-0.5b --threads 1 --parts ppl --backbones quarot+gptq --budgets 0,0.1
@@ -27,6 +31,7 @@ with the same settings is skipped, so an interrupted run resumes.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -56,6 +61,7 @@ from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_bloc
 from bitquilt.calib.plan import Plan
 from bitquilt.calib.stages import STAGES, ModelContext
 from bitquilt.eval import perplexity
+from bitquilt.eval.speed import measure_speed
 from bitquilt.models.adapters import architecture_of, decoder_layers
 from bitquilt.recipes import Recipe
 from bitquilt.resources import peak_rss_mb, reset_peak_rss
@@ -65,7 +71,7 @@ from bitquilt.solvers.mosaic import MosaicOptions, Residual, gptq_mosaic, rankin
 
 KEY = ("model", "part", "config")  # + settings
 PRECISIONS = {"W4A4KV4": (4, 4), "W4A16": (16, 16)}  # (a_bits, kv_bits), bench/w4a4.py's protocol
-PARTS = ("recovery", "ppl", "latency")
+PARTS = ("recovery", "ppl", "latency", "decode")
 SCORES_RTN = ("delta", "exact", "greedy", "magnitude", "random")
 SCORES_GPTQ = ("delta", "exact", "magnitude", "random")
 SPEC = LayerSpec(4, 128)
@@ -201,6 +207,51 @@ def ppl_part(args, settings) -> None:
             del model
 
 
+def decode_part(args, settings) -> None:
+    """Batch-1 prefill and decode speed of W4 + 8-bit head, alone (budget 0) and with a residual at each budget."""
+    budgets = sorted(set(args.budgets) | {0.0})
+    models = {}
+    for budget in budgets:
+        model, _ = load(args.model)
+        options = {"budget": budget, "score": "magnitude"}
+        residual = {"residual": "mosaic", "residual_options": options} if budget else {}
+        quantize(model, Recipe("rtn", w_bits=4, group_size=128, head_bits=8, **residual), None, progress=False)
+        models[budget] = model
+    runs: dict[float, list] = {b: [] for b in budgets}
+    for _ in range(args.repeats):  # in turn, so every model sees the same load
+        for budget, model in models.items():
+            runs[budget].append(measure_speed(model, model.config.vocab_size, repeats=1))
+    rows = []
+    for budget, model in models.items():
+        summary = model_summary(model)
+        rows.append({"budget": budget, "bits_per_weight": summary["bits_per_weight"],
+                     "layout_mb": runs[budget][0].kernel_layout_mb,
+                     "prefill_tokens_per_s": statistics.median(r.prefill_tokens_per_s for r in runs[budget]),
+                     "decode_tokens_per_s": statistics.median(r.decode_tokens_per_s for r in runs[budget])})
+    for r in rows:
+        r["decode_over_dense"] = rows[0]["decode_tokens_per_s"] / r["decode_tokens_per_s"]
+        print(f"budget {r['budget']:g}: decode {r['decode_tokens_per_s']:.2f} tok/s ({r['decode_over_dense']:.3f}x "
+              f"the dense step's time), prefill {r['prefill_tokens_per_s']:.1f} tok/s", flush=True)
+    store("mosaic", {"model": args.model, "part": "decode", "config": f"threads {torch.get_num_threads()}",
+                     "rows": rows, "threads": torch.get_num_threads(), "repeats": args.repeats, "load": loadavg(),
+                     "settings": settings, "machine": machine(), "command": command_line()}, KEY, render, False)
+
+
+def decode_table(r: dict) -> list[str]:
+    lines = ["### Whole-model decode: W4 + 8-bit head, alone and with the residual", "",
+             f"{r['threads']} thread(s), load average {r['load']} at the end; batch 1, 128-token random prompt, 32 new "
+             f"tokens, the default engine (fused decode step); medians of {r['repeats']} runs taken in turn. "
+             "*step time × dense*: the dense model's decode rate over this one's.", "",
+             "| residual budget | bits/weight | kernel layouts MB | prefill tok/s | decode tok/s | step time × dense |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for row in r["rows"]:
+        budget = f"{100 * row['budget']:g}%" if row["budget"] else "none"
+        lines.append(f"| {budget} | {row['bits_per_weight']:.3f} | {row['layout_mb']:.1f} | "
+                     f"{row['prefill_tokens_per_s']:.1f} | {row['decode_tokens_per_s']:.2f} | "
+                     f"{row['decode_over_dense']:.3f} |")
+    return lines + [""]
+
+
 def backbone_record(model: str, backbone: str, precision: str, settings: dict) -> dict | None:
     """The measurement of `backbone` alone at `precision` that bench/w4a4.py stored with the same settings and recipe
     (the residual-free row of this benchmark; perplexity is deterministic, so it is not measured twice)."""
@@ -325,6 +376,8 @@ def render(records: list[dict]) -> str:
                       "shapes plus 1×32 tiles at random; median wall time per call, weights cache-resident "
                       "(`bench/mosaic_kernels.py`). Cells: dense ms; fused / dense and two-kernel / dense.", ""]
             lines += latency_table(r["rows"]) + [""]
+        for r in [r for r in rows if r["part"] == "decode"]:
+            lines += decode_table(r)
     return "\n".join(lines)
 
 
@@ -342,6 +395,7 @@ def main() -> None:
     p.add_argument("--probe-every", type=int, default=6, help="probe the linears of every N-th block (recovery)")
     p.add_argument("--rotations", default="quarot,none", type=lambda s: s.split(","),
                    help="recovery: probe the linears after a QuaRot rotation (quarot) and/or as they are (none)")
+    p.add_argument("--repeats", type=int, default=3, help="decode: runs per model, taken in turn")
     add_protocol_args(p, calib_samples=32, ppl_windows=20)
     args = p.parse_args()
     _, settings = protocol_settings(args)
@@ -360,6 +414,8 @@ def main() -> None:
         store("mosaic", {"model": args.model, "part": "latency", "config": f"threads {threads}", "rows": rows,
                          "threads": threads, "load": loadavg(), "settings": settings, "machine": machine(),
                          "command": command_line()}, KEY, render, False)
+    if "decode" in parts:
+        decode_part(args, settings)
     for rotation in args.rotations:
         plot([r for r in load_records("mosaic") if r["model"] == args.model and r["part"] == "recovery"
               and r["settings"] == settings], args.model, rotation)
