@@ -46,7 +46,7 @@ from bitquilt.kernels import LayoutCache, fp32_rows, kernels_for, like, register
 log = logging.getLogger(__name__)
 
 TILE = 32  # output rows per kernel tile
-PACK_TILES = 128  # tiles reordered at a time (`pack_planes`)
+PACK_TILES = 32  # tiles reordered at a time (`pack_planes`): 1,024 rows, as `PLANE_ROWS`
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("lut_matmul.cpp", "mxint_matmul.cpp", "slice_router.cpp", "uniform8_gemv.cpp",
                          "decode_step.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "hadamard.cpp",
