@@ -29,6 +29,7 @@ from bitquilt.formats.packing import unpack
 from bitquilt.formats.uniform import PLANE_ROWS, UniformFormat, resolve_group_size
 from bitquilt.kernels import LayoutCache, cpu, fp32_rows, int8_activations, kernels_for, like, register_kernel, takes
 from bitquilt.kernels.isa import choose
+from bitquilt.mapped import release
 
 ROWS, PAIR = 4, 64  # output rows per tile, columns per packed row chunk (csrc/q4_int8.h)
 ISAS = ("avx2", "avx512")  # avx512: F, BW, VL, DQ and VNNI
@@ -100,6 +101,7 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8).view(per_byte, 1)
         chunks = (q << shifts).sum(-2, dtype=torch.uint8).flatten(-2)  # disjoint bits: the sum is their OR
         packed[r0 // ROWS:r0 // ROWS + q.shape[0]] = chunks.permute(0, 2, 1, 3)
+        release([fmt.qweight[r0:r0 + PLANE_ROWS]])  # a loaded model's file pages of these rows, as cpu.pack_planes
     scale, zero = fmt.scale_zero()
     scale16 = scale.half()
     if not torch.equal(scale16.float(), scale):  # fp16 scales only (what pack() stores): the layout keeps them so
