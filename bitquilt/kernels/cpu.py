@@ -40,14 +40,14 @@ import torch
 from bitquilt import cache
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.bitplane import BitplaneFormat
-from bitquilt.formats.uniform import UniformFormat, resolve_group_size
+from bitquilt.formats.uniform import PLANE_ROWS, UniformFormat, resolve_group_size
 from bitquilt.kernels import LayoutCache, fp32_rows, kernels_for, like, register_kernel, takes
 from bitquilt.mapped import release
 
 log = logging.getLogger(__name__)
 
 TILE = 32  # output rows per kernel tile
-PACK_TILES = 32  # tiles reordered at a time (`pack_planes`): 1,024 rows, as `PLANE_ROWS`
+PACK_TILES = PLANE_ROWS // TILE  # tiles reordered at a time (`pack_planes`): the rows `plane_bytes` converts at once
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("lut_matmul.cpp", "mxint_matmul.cpp", "slice_router.cpp", "uniform8_gemv.cpp",
                          "decode_step.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "hadamard.cpp",

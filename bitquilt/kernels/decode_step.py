@@ -40,8 +40,8 @@ class FusedLayers:
         part runs on int8 activations while those are enabled (`bitquilt.kernels.q4_int8`), as module by module."""
         residual: list[torch.Tensor] = []
         if fmts and isinstance(fmts[-1], SparseBlockFormat):
-            segments = mosaic.segments(fmts[-1])
-            if segments is None or len(fmts) != 2:
+            segments = mosaic.segments(fmts[-1]) if len(fmts) == 2 else None
+            if segments is None:
                 return None
             fmts, residual = fmts[:1], segments.segments()
         single = fmts is not None and len(fmts) == 1 and not residual

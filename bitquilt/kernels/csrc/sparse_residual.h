@@ -70,20 +70,23 @@ inline void decode_segment(const uint8_t* code, __m256 w[4]) {
   w[3] = to_float(_mm256_srli_epi32(b1, 4));
 }
 
+// The 8 partial sums of sum_j q_j * x[j] over one decoded segment (w: `decode_segment`'s vectors).
+inline __m256 segment_partials(const __m256 w[4], const float* x) {
+  __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
+  __m256 b = _mm256_mul_ps(w[1], _mm256_loadu_ps(x + 8));
+  a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), a);
+  b = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), b);
+  return _mm256_add_ps(a, b);
+}
+
 // out[t * ld_out] += scale * sum_j q_j * x[t * ld_x + j] for t < T: one segment, every token, the
 // codes decoded once. x points at the segment's first column of token 0, out at its row of token 0.
 inline void segment_matvec(const uint8_t* code, float scale, const float* x, int64_t ld_x, int64_t T,
                            float* out, int64_t ld_out) {
   __m256 w[4];
   decode_segment(code, w);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* xt = x + t * ld_x;
-    __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));
-    __m256 b = _mm256_mul_ps(w[1], _mm256_loadu_ps(xt + 8));
-    a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), a);
-    b = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), b);
-    out[t * ld_out] += scale * bitquilt_simd::hsum8(_mm256_add_ps(a, b));
-  }
+  for (int64_t t = 0; t < T; ++t)
+    out[t * ld_out] += scale * bitquilt_simd::hsum8(segment_partials(w, x + t * ld_x));
 }
 
 // One token (decode): the segments of a row (consecutive, as sorted) summed in one vector, scaled per segment
@@ -96,12 +99,7 @@ inline void tile_residual_one(const Residual& r, int64_t tile, const float* x, f
     for (; k < end && r.rows[k] == row; ++k) {
       __m256 w[4];
       decode_segment(r.codes + k * SEG_BYTES, w);
-      const float* xs = x + r.cols[k];
-      __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(xs));
-      __m256 b = _mm256_mul_ps(w[1], _mm256_loadu_ps(xs + 8));
-      a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xs + 16), a);
-      b = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xs + 24), b);
-      sum = _mm256_fmadd_ps(_mm256_add_ps(a, b), _mm256_set1_ps(r.scales[k]), sum);
+      sum = _mm256_fmadd_ps(segment_partials(w, x + r.cols[k]), _mm256_set1_ps(r.scales[k]), sum);
     }
     acc[row - tile * ROWS] += bitquilt_simd::hsum8(sum);
   }
