@@ -20,6 +20,7 @@ by default, in this kernel and inside the fused decode step; `set_isa` or `BITQU
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -61,10 +62,11 @@ BITS = (4, 2)  # code widths the kernel runs
 
 @dataclass(frozen=True)
 class Q4Layout:
-    """Codes uint8 [tiles, K/64, 4, 8 · bits] (a row's 64 codes of two blocks; at 4 bits byte j < 16 holds columns j
-    and 16 + j, byte 16 + j columns 32 + j and 48 + j, low nibble first; at 2 bits byte j < 16 holds columns j,
-    16 + j, 32 + j, 48 + j from the low bits up) and uint8 [tiles, groups, 12] (the tile's 4 rows' scales as fp16,
-    then their zeros as uint8: 3 bytes per row group)."""
+    """The weight panel by panel (a panel: the most whole groups within 4,096 columns, csrc/q4_int8.h), each panel's
+    tiles of 4 rows in turn. Codes uint8 [panels][tiles, cols/64, 4, 8 · bits] (a row's 64 codes of two blocks; at 4
+    bits byte j < 16 holds columns j and 16 + j, byte 16 + j columns 32 + j and 48 + j, low nibble first; at 2 bits
+    byte j < 16 holds columns j, 16 + j, 32 + j, 48 + j from the low bits up) and scales uint8 [panels][tiles, groups,
+    12] (the tile's 4 rows' scales as fp16, then their zeros as uint8: 3 bytes per row group), both flat."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -83,15 +85,28 @@ def _rows_to_tiles(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, ROWS, *t.shape[1:])
 
 
+def _panels(flat: torch.Tensor, tiles: int, bounds: list[tuple[int, int]], per_unit: tuple[int, ...]) -> list:
+    """Views [tiles, units, *per_unit] of `flat` for panels of units [u0, u1), one after another."""
+    size = tiles * math.prod(per_unit)
+    return [flat[size * u0:size * u1].view(tiles, u1 - u0, *per_unit) for u0, u1 in bounds]
+
+
 def _layout(fmt: WeightFormat) -> Q4Layout | None:
     if not isinstance(fmt, UniformFormat) or fmt.bits not in BITS or fmt.g_idx is not None:
         return None
     group = resolve_group_size(fmt.group_size, fmt.in_features)
     if fmt.in_features % PAIR or group % PAIR:
         return None
+    scale, zero = fmt.scale_zero()
+    scale16 = scale.half()
+    if not torch.equal(scale16.float(), scale):  # fp16 scales only (what pack() stores): the layout keeps them so
+        return None
     n, k = fmt.out_features, fmt.in_features
-    bits = fmt.bits
-    packed = torch.empty(-(-n // ROWS), k // PAIR, ROWS, PAIR * bits // 8, dtype=torch.uint8)
+    bits, tiles, groups = fmt.bits, -(-n // ROWS), scale.shape[1]
+    width = cpu.extension().q4_int8_panel_columns(group)
+    columns = [(c0, min(k, c0 + width)) for c0 in range(0, k, width)]
+    codes = torch.empty(tiles * ROWS * k * bits // 8, dtype=torch.uint8)
+    code_panels = _panels(codes, tiles, [(c0 // PAIR, c1 // PAIR) for c0, c1 in columns], (ROWS, PAIR * bits // 8))
     for r0 in range(0, n, PLANE_ROWS):  # rows at a time: unpacking holds 8 bytes per code on the way
         q = _rows_to_tiles(unpack(fmt.qweight[r0:r0 + PLANE_ROWS], bits, k).to(torch.uint8))  # [tiles, 4, K]
         # the quarters of each 64-column chunk, consecutive ones sharing a byte (8 / bits per byte, the first in the
@@ -99,16 +114,17 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
         per_byte = 8 // bits
         q = q.view(q.shape[0], ROWS, -1, 4 // per_byte, per_byte, 16)
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8).view(per_byte, 1)
-        chunks = (q << shifts).sum(-2, dtype=torch.uint8).flatten(-2)  # disjoint bits: the sum is their OR
-        packed[r0 // ROWS:r0 // ROWS + q.shape[0]] = chunks.permute(0, 2, 1, 3)
+        chunks = (q << shifts).sum(-2, dtype=torch.uint8).flatten(-2).permute(0, 2, 1, 3)  # disjoint bits: sum = OR
+        for view, (c0, c1) in zip(code_panels, columns, strict=True):
+            view[r0 // ROWS:r0 // ROWS + q.shape[0]] = chunks[:, c0 // PAIR:c1 // PAIR]
         release([fmt.qweight[r0:r0 + PLANE_ROWS]])  # a loaded model's file pages of these rows, as cpu.pack_planes
-    scale, zero = fmt.scale_zero()
-    scale16 = scale.half()
-    if not torch.equal(scale16.float(), scale):  # fp16 scales only (what pack() stores): the layout keeps them so
-        return None
-    scale16 = _rows_to_tiles(scale16).transpose(1, 2).contiguous()  # [tiles, G, 4]
-    zero8 = _rows_to_tiles(zero.to(torch.uint8)).transpose(1, 2)
-    return Q4Layout(packed, torch.cat([scale16.view(torch.uint8), zero8], dim=-1).contiguous(), group, bits)
+    zero8 = _rows_to_tiles(zero.to(torch.uint8)).transpose(1, 2)  # [tiles, G, 4]
+    per_group = torch.cat([_rows_to_tiles(scale16).transpose(1, 2).contiguous().view(torch.uint8), zero8], dim=-1)
+    scales = torch.empty(tiles * groups * 3 * ROWS, dtype=torch.uint8)
+    group_bounds = [(c0 // group, -(-c1 // group)) for c0, c1 in columns]
+    for view, (g0, g1) in zip(_panels(scales, tiles, group_bounds, (3 * ROWS,)), group_bounds, strict=True):
+        view.copy_(per_group[:, g0:g1])
+    return Q4Layout(codes, scales, group, bits)
 
 
 _LAYOUTS: LayoutCache[Q4Layout] = LayoutCache(_layout)

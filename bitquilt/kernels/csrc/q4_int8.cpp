@@ -90,12 +90,12 @@ inline __m256 chunk_dot(const Codes& q, __m256i xl, __m256i xh) {
 
 constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead a batch-1 tile prefetches its code stream
 
-// The tile's 4 rows for NT tokens at once (NT = 2 for prefill: each code chunk loaded serves both tokens);
-// `codes(p, r)` gives row r's chunk p (packed, or widened in a buffer), `scales` the tile's decoded groups
-// (`decode_group`). Token t's rounded activations, block scales and group sums are at xi + t * K,
-// dpair + t * K / 8, X + t * groups; its rows go to out[t * ROWS + r].
+// Panel P's share of the tile's 4 rows for NT tokens at once (NT = 2 for prefill: each code chunk loaded serves
+// both tokens); `codes(p, r)` gives row r's chunk p of the panel (packed, or widened in a buffer), `scales` the
+// tile's decoded groups of the panel (`decode_group`). Token t's rounded activations, block scales and group sums
+// from the panel's start are at xi + t * K, dpair + t * K / 8, X + t * groups; its rows go to out[t * ROWS + r].
 template <int NT, typename CodesOf>
-inline void tile_tokens(const CodesOf& codes, const float* scales, const Weight& W, const int8_t* xi,
+inline void tile_tokens(const CodesOf& codes, const float* scales, const Weight& W, const Panel& P, const int8_t* xi,
                         const float* dpair, const float* X, float* out) {
   const int64_t G = W.groups(), per_group = W.group / PAIR;
   __m256 total[NT][ROWS];
@@ -104,11 +104,11 @@ inline void tile_tokens(const CodesOf& codes, const float* scales, const Weight&
     offset[t] = _mm_setzero_ps();
     for (int r = 0; r < ROWS; ++r) total[t][r] = _mm256_setzero_ps();
   }
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < P.groups; ++g) {
     __m256 acc[NT][ROWS];
     for (int t = 0; t < NT; ++t)
       for (int r = 0; r < ROWS; ++r) acc[t][r] = _mm256_setzero_ps();
-    for (int64_t p = g * per_group; p < std::min(W.K / PAIR, (g + 1) * per_group); ++p) {
+    for (int64_t p = g * per_group; p < std::min(P.cols / PAIR, (g + 1) * per_group); ++p) {
       __m256i xl[NT], xh[NT];
       __m256 d[NT];
       for (int t = 0; t < NT; ++t) {
@@ -157,16 +157,15 @@ template <int BITS>
 void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y) {
   constexpr int64_t chunk = chunk_bytes(BITS);
-  const int64_t chunks = W.K / PAIR * ROWS;
-  const auto split = [chunks](const uint8_t* wt, int8_t* buffer) {
-    for (int64_t c = 0; c < chunks; ++c) {
+  const auto split = [](const uint8_t* wt, int64_t pairs, int8_t* buffer) {
+    for (int64_t c = 0; c < pairs * ROWS; ++c) {
       const Codes q = widen<BITS>(wt + c * chunk);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64), q.lo);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64 + 32), q.hi);
     }
   };
   const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const float* scales, const int8_t* x,
-                          const float* dt, const float* Xt, int n, float* out) {
+                          const float* dt, const float* Xt, int n, const Panel& P, float* out) {
     if (buffer == nullptr) {
       const auto streamed = [wt](int64_t p, int r) {
         const uint8_t* row = wt + (p * ROWS + r) * chunk;
@@ -175,7 +174,7 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
             _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES + 64 * line), _MM_HINT_T0);
         return widen<BITS>(row);
       };
-      tile_tokens<1>(streamed, scales, W, x, dt, Xt, out);
+      tile_tokens<1>(streamed, scales, W, P, x, dt, Xt, out);
       return;
     }
     const auto buffered = [buffer](int64_t p, int r) {
@@ -183,11 +182,11 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
       return Codes{_mm256_loadu_si256(c), _mm256_loadu_si256(c + 1)};
     };
     if (n == 2)
-      tile_tokens<2>(buffered, scales, W, x, dt, Xt, out);
+      tile_tokens<2>(buffered, scales, W, P, x, dt, Xt, out);
     else
-      tile_tokens<1>(buffered, scales, W, x, dt, Xt, out);
+      tile_tokens<1>(buffered, scales, W, P, x, dt, Xt, out);
   };
-  run_tiles(W, i0, i1, T, xi, d, X, y, chunks * 64, split, token);
+  run_tiles(W, i0, i1, T, xi, d, X, y, split, token);
 }
 
 }  // namespace
@@ -249,6 +248,9 @@ void register_q4_int8(pybind11::module& m) {
   m.def("q4_int8_matmul", &bitquilt_q4::q4_int8_matmul,
         "y = x_hat @ W^T for 4- or 2-bit uniform W, x_hat = x rounded to int8 per block of 32 (AVX2 maddubs or "
         "AVX-512 VNNI)");
+  m.def("q4_int8_panel_columns", [](int64_t group) { return bitquilt_q4::Weight{nullptr, nullptr, 0, 0, group, 4}
+                                                              .panel_columns(); },
+        "columns per panel of the layout for this group size");
   m.def("q4_int8_has_vnni", &bitquilt_q4::has_vnni, "whether the CPU runs the AVX-512 VNNI path");
   m.def("q4_int8_vnni_enabled", &bitquilt_q4::vnni_enabled, "whether the kernel takes the AVX-512 VNNI path");
   m.def("q4_int8_set_vnni", &bitquilt_q4::set_vnni, "take the AVX-512 VNNI path (true) or AVX2 (false)");

@@ -45,13 +45,27 @@ inline void add_group_offsets(const float* s, const float* X, int64_t G, int64_t
   for (int t = 0; t < NT; ++t) offset[t] = _mm_fmadd_ps(_mm_set1_ps(X[t * G + g]), sz, offset[t]);
 }
 
+// Columns per panel at most. A batch-1 tile re-reads the token's activations for every 4 rows (int8 codes, block
+// scales and decoded group scales: ~1.75 bytes per column) beside its own code stream, so across the whole of a long
+// row (qwen2.5-1.5b's down projection, K = 8960: 15.7 KB + 17.9 KB per tile) the two no longer fit L1 together and
+// the activations come from L2 at every tile: measured 57-66% of the read rate against 90-100% for K <= 4096. A
+// panel of columns keeps them in L1, and prefill's widened tile buffer (4 bytes per column) with them.
+constexpr int64_t PANEL = 4096;
+
+// Columns [c0, c0 + cols) of W, groups [g0, g0 + groups): one panel (`Weight::panel`).
+struct Panel {
+  int64_t c0, cols, g0, groups;
+};
+
 // A [N, K] weight W[r, c] = s[r, g] * (q[r, c] - z[r, g]), g = c / group, q of `bits` = 4 or 2 bits, in the
-// kernel's layout:
-//   w  uint8 [tiles][K / 64][4 rows][8 * bits]: a row's chunk of the 64 columns from c0 on; at 4 bits byte j < 16
-//      holds q[c0 + j] (low nibble) and q[c0 + 16 + j] (high), byte 16 + j holds q[c0 + 32 + j] and q[c0 + 48 + j];
-//      at 2 bits byte j < 16 holds q[c0 + j], q[c0 + 16 + j], q[c0 + 32 + j], q[c0 + 48 + j] in bits 0-1, 2-3, 4-5,
-//      6-7. Either way one chunk widens to the same two vectors of codes (columns 0-15 and 32-47; 16-31 and 48-63).
-//   sz uint8 [tiles][groups][12]: the tile's 4 rows' s as fp16 (bytes 0-7), then their z as uint8 (8-11)
+// kernel's layout, panel by panel (all of panel 0's tiles, then panel 1's, ...; a panel is the most whole groups
+// within PANEL columns, at least one group, the last one shorter):
+//   w  uint8 [panels][tiles][cols / 64][4 rows][8 * bits]: a row's chunk of the 64 columns from c0 on; at 4 bits
+//      byte j < 16 holds q[c0 + j] (low nibble) and q[c0 + 16 + j] (high), byte 16 + j holds q[c0 + 32 + j] and
+//      q[c0 + 48 + j]; at 2 bits byte j < 16 holds q[c0 + j], q[c0 + 16 + j], q[c0 + 32 + j], q[c0 + 48 + j] in
+//      bits 0-1, 2-3, 4-5, 6-7. Either way one chunk widens to the same two vectors of codes (columns 0-15 and
+//      32-47; 16-31 and 48-63).
+//   sz uint8 [panels][tiles][groups][12]: the tile's 4 rows' s as fp16 (bytes 0-7), then their z as uint8 (8-11)
 //      (3 bytes per row group instead of 8 for fp32 s and s * z; s * z is exact in fp32 for an fp16 s and z < 16)
 struct Weight {
   const uint8_t* w;
@@ -60,7 +74,18 @@ struct Weight {
   int bits;
   int64_t tiles() const { return (N + ROWS - 1) / ROWS; }
   int64_t groups() const { return (K + group - 1) / group; }
-  int64_t tile_bytes() const { return ROWS * K / PAIR * chunk_bytes(bits); }
+  int64_t tile_bytes() const { return ROWS * K / PAIR * chunk_bytes(bits); }  // of all panels
+  int64_t panel_columns() const { return std::max(group, PANEL / group * group); }
+  int64_t panels() const { return (K + panel_columns() - 1) / panel_columns(); }
+  Panel panel(int64_t s) const {
+    const int64_t c0 = s * panel_columns(), cols = std::min(panel_columns(), K - c0);
+    return {c0, cols, c0 / group, (cols + group - 1) / group};
+  }
+  // Panel p's codes and scales of tile i (every panel before p is whole).
+  const uint8_t* codes(const Panel& p, int64_t i) const {
+    return w + (tiles() * p.c0 + i * p.cols) / PAIR * ROWS * chunk_bytes(bits);
+  }
+  const uint8_t* scales(const Panel& p, int64_t i) const { return sz + (tiles() * p.g0 + i * p.groups) * GROUP_BYTES; }
 };
 
 // The layout's tensors checked against the shape (TORCH_CHECK otherwise); K and group multiples of 64, bits 4 or 2.
@@ -77,27 +102,36 @@ bool vnni_enabled();
 void set_vnni(bool enabled);
 
 // The tile loop both paths share, for T tokens already rounded (xi: codes in chunk order, d: per-chunk block
-// scales, X: group sums): `split(wt, buffer)` widens tile codes `wt` into `buffer_bytes` once when T > 1, the
-// tile's groups are decoded once (`decode_group`: per group s[4], s * z[4]), and `token(wt, buffer, scales, xi, d,
-// X, n, out)` computes the tile's 4 rows for n tokens from the given one on (n = 2 while two are left, so each
-// widened chunk loaded serves both; buffer null when T == 1) into out[n][4]. Decoding the groups per token instead
-// measured ~30% of the prefill time at group 128.
+// scales, X: group sums), panel by panel: for each tile of the panel its groups are decoded once (`decode_group`:
+// per group s[4], s * z[4]), `split(wt, pairs, buffer)` widens the tile's codes `wt` (`pairs` chunks of 64 columns
+// per row) into `buffer` (ROWS bytes per column) once when T > 1, and `token(wt, buffer, scales, xi, d, X, n, panel,
+// out)` computes the panel's share of the tile's 4 rows for n tokens from the given one on (n = 2 while two are
+// left, so each widened chunk loaded serves both; buffer null when T == 1; xi, d and X from the panel's first
+// column and group on, tokens strided by the whole row) into out[n][4], written to y by the first panel and added
+// by the others. Decoding the groups per token instead measured ~30% of the prefill time at group 128.
 template <typename Split, typename Token>
 void run_tiles(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
-               float* y, int64_t buffer_bytes, const Split& split, const Token& token) {
-  const int64_t G = W.groups(), pairs = W.K / PAIR, tile_bytes = W.tile_bytes();
-  std::vector<int8_t> buffer(T > 1 ? buffer_bytes : 0);
-  std::vector<float> scales(G * GROUP_FLOATS);
+               float* y, const Split& split, const Token& token) {
+  std::vector<int8_t> buffer(T > 1 ? ROWS * std::min(W.K, W.panel_columns()) : 0);
+  std::vector<float> scales(W.panel(0).groups * GROUP_FLOATS);
   float out[2 * ROWS];
-  for (int64_t i = i0; i < i1; ++i) {
-    const uint8_t* wt = W.w + i * tile_bytes;
-    for (int64_t g = 0; g < G; ++g) decode_group(W.sz + (i * G + g) * GROUP_BYTES, scales.data() + g * GROUP_FLOATS);
-    const int64_t rows = std::min(ROWS, W.N - i * ROWS);
-    if (T > 1) split(wt, buffer.data());
-    for (int64_t t = 0; t < T;) {
-      const int n = t + 1 < T ? 2 : 1;
-      token(wt, T > 1 ? buffer.data() : nullptr, scales.data(), xi + t * W.K, d + t * pairs * 8, X + t * G, n, out);
-      for (int u = 0; u < n; ++u, ++t) std::copy_n(out + u * ROWS, rows, y + t * W.N + i * ROWS);
+  for (int64_t s = 0; s < W.panels(); ++s) {
+    const Panel P = W.panel(s);
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* wt = W.codes(P, i);
+      const uint8_t* sz = W.scales(P, i);
+      for (int64_t g = 0; g < P.groups; ++g) decode_group(sz + g * GROUP_BYTES, scales.data() + g * GROUP_FLOATS);
+      const int64_t rows = std::min(ROWS, W.N - i * ROWS);
+      if (T > 1) split(wt, P.cols / PAIR, buffer.data());
+      for (int64_t t = 0; t < T;) {
+        const int n = t + 1 < T ? 2 : 1;
+        token(wt, T > 1 ? buffer.data() : nullptr, scales.data(), xi + t * W.K + P.c0, d + (t * W.K + P.c0) / 8,
+              X + t * W.groups() + P.g0, n, P, out);
+        for (int u = 0; u < n; ++u, ++t) {
+          float* yt = y + t * W.N + i * ROWS;
+          for (int64_t r = 0; r < rows; ++r) yt[r] = s == 0 ? out[u * ROWS + r] : yt[r] + out[u * ROWS + r];
+        }
+      }
     }
   }
 }

@@ -64,16 +64,16 @@ inline PairCodes split(const uint8_t* p) {
 // vpdpbusd leave row 2j's block sums in lanes 0-7 and row 2j + 1's in lanes 8-15 (lanes 0-3 and 8-11 the chunk's
 // first block, 4-7 and 12-15 its second). Token t's inputs and outputs are strided as in q4_int8.cpp.
 template <int BITS, int NT, bool buffered>
-inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const float* scales, const Weight& W,
+inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const float* scales, const Weight& W, const Panel& P,
                         const int8_t* xi, const float* dpair, const float* X, float* out) {
-  const int64_t G = W.groups(), per_group = W.group / PAIR, pairs = W.K / PAIR;
+  const int64_t G = W.groups(), per_group = W.group / PAIR, pairs = P.cols / PAIR;
   __m512 total[NT][2];
   __m128 offset[NT];
   for (int t = 0; t < NT; ++t) {
     total[t][0] = total[t][1] = _mm512_setzero_ps();
     offset[t] = _mm_setzero_ps();
   }
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < P.groups; ++g) {
     __m512 acc[NT][2];
     for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
     for (int64_t p = g * per_group; p < std::min(pairs, (g + 1) * per_group); ++p) {
@@ -118,24 +118,23 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const float* sca
 template <int BITS>
 void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y) {
-  const int64_t pair_chunks = W.K / PAIR * 2;
-  const auto split_tile = [pair_chunks](const uint8_t* wt, int8_t* buffer) {
-    for (int64_t q = 0; q < pair_chunks; ++q) {
+  const auto split_tile = [](const uint8_t* wt, int64_t pairs, int8_t* buffer) {
+    for (int64_t q = 0; q < pairs * 2; ++q) {
       const PairCodes c = split<BITS>(wt + q * 2 * chunk_bytes(BITS));
       _mm512_storeu_si512(buffer + q * PAIR_BYTES, c.lo);
       _mm512_storeu_si512(buffer + q * PAIR_BYTES + 64, c.hi);
     }
   };
   const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const float* scales, const int8_t* x,
-                          const float* dt, const float* Xt, int n, float* out) {
+                          const float* dt, const float* Xt, int n, const Panel& P, float* out) {
     if (buffer == nullptr)
-      tile_tokens<BITS, 1, false>(wt, nullptr, scales, W, x, dt, Xt, out);
+      tile_tokens<BITS, 1, false>(wt, nullptr, scales, W, P, x, dt, Xt, out);
     else if (n == 2)
-      tile_tokens<BITS, 2, true>(wt, buffer, scales, W, x, dt, Xt, out);
+      tile_tokens<BITS, 2, true>(wt, buffer, scales, W, P, x, dt, Xt, out);
     else
-      tile_tokens<BITS, 1, true>(wt, buffer, scales, W, x, dt, Xt, out);
+      tile_tokens<BITS, 1, true>(wt, buffer, scales, W, P, x, dt, Xt, out);
   };
-  run_tiles(W, i0, i1, T, xi, d, X, y, pair_chunks * PAIR_BYTES, split_tile, token);
+  run_tiles(W, i0, i1, T, xi, d, X, y, split_tile, token);
 }
 
 template void tiles_vnni<4>(const Weight&, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
