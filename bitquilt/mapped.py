@@ -68,21 +68,39 @@ def _mapping_of(t: torch.Tensor) -> tuple[int, mmap.mmap] | None:
 
 def release(tensors: Iterable[torch.Tensor]) -> int:
     """Drop the resident pages of those `tensors` that are views of a mapped file (others are left alone); returns
-    the bytes of whole pages given back. Only pages entirely inside a tensor are dropped, so a neighbour that
-    shares a page keeps it. The data stays readable: the next touch reads the pages back from the file."""
+    the bytes of whole pages given back. Only pages entirely inside a tensor are dropped (a contiguous view's own
+    bytes, e.g. some rows; else its whole storage), so a neighbour that shares a page keeps it. The data stays
+    readable: the next touch reads the pages back from the file."""
     released = 0
     for t in tensors:
         found = _mapping_of(t) if t.numel() else None
         if found is None:
             continue
         base, mm = found
-        begin = t.untyped_storage().data_ptr() - base
-        end = begin + t.untyped_storage().nbytes()
+        if t.is_contiguous():
+            begin, size = t.data_ptr() - base, t.numel() * t.element_size()
+        else:
+            begin, size = t.untyped_storage().data_ptr() - base, t.untyped_storage().nbytes()
+        end = begin + size
         first, last = -(-begin // _PAGE) * _PAGE, end // _PAGE * _PAGE
         if last > first:
             mm.madvise(mmap.MADV_DONTNEED, first, last - first)
             released += last - first
     return released
+
+
+TRIM_EVERY = 4  # chunks of a layout build between two `return_free_memory` calls (`release_chunk`)
+
+
+def release_chunk(index: int, tensors: Iterable[torch.Tensor]) -> None:
+    """After chunk `index` of a kernel layout built a few rows at a time: `release` the mapped `tensors` it has
+    copied and, every TRIM_EVERY chunks, the allocator's free pages. The chunks' temporaries come back fragmented
+    between longer-lived allocations and glibc keeps them: building qwen2.5-0.5b's 4-bit LM head (68 MB of planes)
+    peaked 109 MB above where it started without trimming, 81 MB trimming every 8 chunks, 69 MB after every chunk;
+    a trim costs ≈ 3 ms (the next chunk faults its pages in again)."""
+    release(tensors)
+    if index % TRIM_EVERY == TRIM_EVERY - 1:
+        return_free_memory()
 
 
 def resident_bytes(path: Path) -> int:

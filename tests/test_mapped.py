@@ -38,6 +38,23 @@ def test_release_drops_the_pages_and_keeps_the_data(mapped_bytes):
     assert torch.equal(view, data[8:])  # read back from the file
 
 
+@linux_only
+def test_releasing_some_rows_keeps_the_others(mapped_bytes, monkeypatch):
+    path, data = mapped_bytes
+    mm = mapped.map_file(path)
+    rows = mapped.tensor_view(mm, 0, data.numel(), torch.uint8, (64, mapped.mmap.PAGESIZE))
+    assert torch.equal(rows, data.view(64, -1))
+    assert mapped.release([rows[:16]]) == 16 * mapped.mmap.PAGESIZE  # a contiguous view: its own pages only
+    assert mapped.resident_bytes(path) >= 48 * mapped.mmap.PAGESIZE
+    trims = []
+    monkeypatch.setattr(mapped, "return_free_memory", lambda: trims.append(1))
+    for i in range(2 * mapped.TRIM_EVERY):  # a layout built chunk by chunk: pages each chunk, the heap every few
+        mapped.release_chunk(i, [rows[16 + i:17 + i]])
+    assert len(trims) == 2
+    assert mapped.resident_bytes(path) <= (48 - 2 * mapped.TRIM_EVERY) * mapped.mmap.PAGESIZE
+    assert torch.equal(rows, data.view(64, -1))
+
+
 def test_release_leaves_other_tensors_alone(mapped_bytes):
     path, data = mapped_bytes
     mm = mapped.map_file(path)

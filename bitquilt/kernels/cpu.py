@@ -42,7 +42,7 @@ from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.bitplane import BitplaneFormat
 from bitquilt.formats.uniform import PLANE_ROWS, UniformFormat, resolve_group_size
 from bitquilt.kernels import LayoutCache, fp32_rows, kernels_for, like, register_kernel, takes
-from bitquilt.mapped import release
+from bitquilt.mapped import release_chunk
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,8 @@ def pack_planes(fmt: BitplaneFormat | UniformFormat, block: int) -> torch.Tensor
     """The format's bit-planes (`plane_bytes`: uint8 [k, N, K/8], bit j of byte p = column 8p+j) in the kernel layout
     [tiles, blocks, k, block/8, 32], PACK_TILES tiles at a time straight into the result: the planes and the
     reordering's copies of a whole LM head would be several times its layout, a transient peak of the process. The
-    file pages of a loaded uniform weight's rows are given back once packed (`bitquilt.mapped.release`), so a head
-    is not resident twice while its layout is built."""
+    file pages of a loaded uniform weight's rows are given back once packed, and the chunks' temporaries every few
+    chunks (`bitquilt.mapped.release_chunk`), so a head is not resident twice while its layout is built."""
     n, k, kb = fmt.out_features, fmt.bits, fmt.in_features // 8
     out = torch.empty(-(-n // TILE), kb * 8 // block, k, block // 8, TILE, dtype=torch.uint8)
     for t0 in range(0, out.shape[0], PACK_TILES):
@@ -134,7 +134,7 @@ def pack_planes(fmt: BitplaneFormat | UniformFormat, block: int) -> torch.Tensor
         t = _pad_rows(fmt.plane_bytes(rows), 1).view(k, -1, TILE, kb * 8 // block, block // 8)
         out[t0:t0 + t.shape[1]] = t[:, :, _ROW_OF_BYTE].permute(1, 3, 0, 4, 2)
         if isinstance(fmt, UniformFormat):  # a loaded model's file pages of these rows, given back as we go
-            release([fmt.qweight[rows]])
+            release_chunk(t0 // PACK_TILES, [fmt.qweight[rows]])
     return out
 
 

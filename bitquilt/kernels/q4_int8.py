@@ -30,7 +30,7 @@ from bitquilt.formats.packing import unpack
 from bitquilt.formats.uniform import PLANE_ROWS, UniformFormat, resolve_group_size
 from bitquilt.kernels import LayoutCache, cpu, fp32_rows, int8_activations, kernels_for, like, register_kernel, takes
 from bitquilt.kernels.isa import choose
-from bitquilt.mapped import release
+from bitquilt.mapped import release_chunk
 
 ROWS, PAIR = 4, 64  # output rows per tile, columns per packed row chunk (csrc/q4_int8.h)
 ISAS = ("avx2", "avx512")  # avx512: F, BW, VL, DQ and VNNI
@@ -117,7 +117,7 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
         chunks = (q << shifts).sum(-2, dtype=torch.uint8).flatten(-2).permute(0, 2, 1, 3)  # disjoint bits: sum = OR
         for view, (c0, c1) in zip(code_panels, columns, strict=True):
             view[r0 // ROWS:r0 // ROWS + q.shape[0]] = chunks[:, c0 // PAIR:c1 // PAIR]
-        release([fmt.qweight[r0:r0 + PLANE_ROWS]])  # a loaded model's file pages of these rows, as cpu.pack_planes
+        release_chunk(r0 // PLANE_ROWS, [fmt.qweight[r0:r0 + PLANE_ROWS]])  # these rows' file pages: cpu.pack_planes
     zero8 = _rows_to_tiles(zero.to(torch.uint8)).transpose(1, 2)  # [tiles, G, 4]
     per_group = torch.cat([_rows_to_tiles(scale16).transpose(1, 2).contiguous().view(torch.uint8), zero8], dim=-1)
     scales = torch.empty(tiles * groups * 3 * ROWS, dtype=torch.uint8)
