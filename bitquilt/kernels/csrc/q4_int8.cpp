@@ -248,9 +248,7 @@ void register_q4_int8(pybind11::module& m) {
   m.def("q4_int8_matmul", &bitquilt_q4::q4_int8_matmul,
         "y = x_hat @ W^T for 4- or 2-bit uniform W, x_hat = x rounded to int8 per block of 32 (AVX2 maddubs or "
         "AVX-512 VNNI)");
-  m.def("q4_int8_panel_columns", [](int64_t group) { return bitquilt_q4::Weight{nullptr, nullptr, 0, 0, group, 4}
-                                                              .panel_columns(); },
-        "columns per panel of the layout for this group size");
+  m.def("q4_int8_panel_columns", &bitquilt_q4::panel_columns, "columns per panel of the layout for this group size");
   m.def("q4_int8_has_vnni", &bitquilt_q4::has_vnni, "whether the CPU runs the AVX-512 VNNI path");
   m.def("q4_int8_vnni_enabled", &bitquilt_q4::vnni_enabled, "whether the kernel takes the AVX-512 VNNI path");
   m.def("q4_int8_set_vnni", &bitquilt_q4::set_vnni, "take the AVX-512 VNNI path (true) or AVX2 (false)");

@@ -52,6 +52,9 @@ inline void add_group_offsets(const float* s, const float* X, int64_t G, int64_t
 // panel of columns keeps them in L1, and prefill's widened tile buffer (4 bytes per column) with them.
 constexpr int64_t PANEL = 4096;
 
+// Columns per panel for this group size: the most whole groups within PANEL columns, at least one group.
+inline int64_t panel_columns(int64_t group) { return std::max(group, PANEL / group * group); }
+
 // Columns [c0, c0 + cols) of W, groups [g0, g0 + groups): one panel (`Weight::panel`).
 struct Panel {
   int64_t c0, cols, g0, groups;
@@ -75,10 +78,9 @@ struct Weight {
   int64_t tiles() const { return (N + ROWS - 1) / ROWS; }
   int64_t groups() const { return (K + group - 1) / group; }
   int64_t tile_bytes() const { return ROWS * K / PAIR * chunk_bytes(bits); }  // of all panels
-  int64_t panel_columns() const { return std::max(group, PANEL / group * group); }
-  int64_t panels() const { return (K + panel_columns() - 1) / panel_columns(); }
+  int64_t panels() const { return (K + panel_columns(group) - 1) / panel_columns(group); }
   Panel panel(int64_t s) const {
-    const int64_t c0 = s * panel_columns(), cols = std::min(panel_columns(), K - c0);
+    const int64_t c0 = s * panel_columns(group), cols = std::min(panel_columns(group), K - c0);
     return {c0, cols, c0 / group, (cols + group - 1) / group};
   }
   // Panel p's codes and scales of tile i (every panel before p is whole).
@@ -112,8 +114,9 @@ void set_vnni(bool enabled);
 template <typename Split, typename Token>
 void run_tiles(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                float* y, const Split& split, const Token& token) {
-  std::vector<int8_t> buffer(T > 1 ? ROWS * std::min(W.K, W.panel_columns()) : 0);
-  std::vector<float> scales(W.panel(0).groups * GROUP_FLOATS);
+  const Panel widest = W.panel(0);  // every panel but the last is whole
+  std::vector<int8_t> buffer(T > 1 ? ROWS * widest.cols : 0);
+  std::vector<float> scales(widest.groups * GROUP_FLOATS);
   float out[2 * ROWS];
   for (int64_t s = 0; s < W.panels(); ++s) {
     const Panel P = W.panel(s);
