@@ -11,7 +11,8 @@ Rows, most telling first (records resume where a run stopped):
   MoBiSlice grid, at each static width: what the grid gives before any training;
 - "gptq 3→4": the 3-bit GPTQ checkpoint's weights requantized on the 4-bit grid (RTN), the static
   checkpoint asked for a precision it was not calibrated at (the paper's generalisation failure);
-- batch-1 decode tokens/s of the mobiquant checkpoint at each static width and routed --avg-bits;
+- batch-1 decode tokens/s of the mobiquant checkpoint at each static width and routed --avg-bits (--speed-rounds
+  runs each, the precisions taken in turn);
 - outlier migration: per-token KL(p_fp ‖ p_q) rank correlation across --migration-bits for the
   separately calibrated GPTQ models and for the mobiquant checkpoint (static and routed).
 Results: bench/results/mobiquant.{json,md} and mobiquant_<model>.png (perplexity vs average bits).
@@ -22,7 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -81,13 +84,20 @@ def targets_suffix(stream: str, mix: float) -> str:
     return {"fp": "", "quantized": ", quantized targets", "mixed": f", mixed targets ({mix:g} fp)"}[stream]
 
 
-def checkpoint_name(slices: tuple[int, ...], grid: str, target_bits: float, steps: int, router_only: bool,
+def checkpoint_name(slices: tuple[int, ...], grid: str, target_bits: float, steps: int, mode: str,
                     stream: str = "fp", mix: float = 0.5) -> str:
     """How the mobiquant rows name their checkpoint (baseline rows have none). Checkpoints named without a grid
     were cut on the lloyd grid, MoBiSlice's only one until 2026-12-02; without a stream, trained towards the
     full-precision model's own trajectory (fp_reference.stream=fp)."""
     return (f"slices {','.join(map(str, slices))}, {grid} grid, {target_bits:g} bits, {steps} steps, "
-            f"{'router-only' if router_only else 'prefixes refit + re-cut'}" + targets_suffix(stream, mix))
+            f"{mode}" + targets_suffix(stream, mix))
+
+
+def training_mode(args) -> str:
+    """The MODES key the arguments ask for."""
+    if args.router_only:
+        return "router-only"
+    return "prefixes refit on their own streams + re-cut" if args.prefix_streams else "prefixes refit + re-cut"
 
 
 MODES = {
@@ -95,6 +105,10 @@ MODES = {
     "prefixes refit + re-cut": "routers and the slices up to one bit past the budget trained together (every "
                                "other step one random static prefix), the slices above re-cut afterwards "
                                "(mobiroute's default).",
+    "prefixes refit on their own streams + re-cut": "as 'prefixes refit + re-cut', each static prefix k trained on "
+                                                    "the inputs the blocks before give at their own first k slices "
+                                                    "(mobiroute.prefix_streams), the routed steps on the routed "
+                                                    "stream.",
     "all slices refit, routed mix only": "routers and every slice trained on the routed mix alone (the first "
                                          "implementation of train_slices, since replaced).",
 }
@@ -134,13 +148,7 @@ def render(records: list[dict]) -> str:
             lines += ["", f"![perplexity vs bits](mobiquant_{model}.png)", ""]
         speed = [r for r in rows if r["kind"] == "speed"]
         if speed:
-            lines += ["Batch-1 decode of the mobiquant checkpoint (prompt 128, 32 new tokens, median of 3; routed "
-                      "rows include the routers):", "", "| checkpoint | precision | bits used | decode tok/s | "
-                      "prefill tok/s |", "|---|---|---:|---:|---:|"]
-            lines += [f"| {r['checkpoint']} | {r['precision']} | {r['bits']:.2f} | {r['decode_tps']:.1f} | "
-                      f"{r['prefill_tps']:.0f} |"
-                      for r in sorted(speed, key=lambda r: (r["checkpoint"], r["precision"][0], r["bits"]))]
-            lines += [""]
+            lines += speed_table(speed)
         for r in (r for r in rows if r["kind"] == "migration"):
             labels = r["result"]["labels"]
             lines += [f"![outlier migration, {name_of(r)}]({migration_figure(r).name})", ""]
@@ -205,6 +213,56 @@ def plot(records: list[dict], model: str) -> None:
     plt.close(fig)
 
 
+def speed_rounds(mobi, todo: list[tuple[str, float]], apply: Callable[[str, float], None],
+                 rounds: int) -> list[tuple[str, float, float, list]]:
+    """Batch-1 decode of each (kind, bits) of `todo`, one run each per round, the precisions taken in turn
+    so that every one sees the same machine load; (kind, bits, bits used, runs) per precision."""
+    from bitquilt.eval.speed import decode, measure_speed
+
+    probe = torch.randint(0, mobi.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    used = {}
+    for kind, bits in todo:
+        apply(kind, bits)
+        with realised_bits(mobi) as u:  # bits on a short decode apart: the hook would be timed too
+            decode(mobi, probe, 16)
+        used[kind, bits] = u["avg_bits"]
+    runs: dict[tuple[str, float], list] = {p: [] for p in todo}
+    for r in range(rounds):
+        for kind, bits in todo:
+            apply(kind, bits)
+            runs[kind, bits].append(measure_speed(mobi, mobi.config.vocab_size, repeats=1))
+        print(f"speed round {r + 1}/{rounds}: " + ", ".join(
+            f"{k} {b:g} {runs[k, b][-1].decode_tokens_per_s:.1f}" for k, b in todo), flush=True)
+    return [(kind, bits, used[kind, bits], runs[kind, bits]) for kind, bits in todo]
+
+
+def static_rate_at(speed: list[dict], checkpoint: str, bits: float) -> float | None:
+    """Decode rate of the checkpoint's static prefixes interpolated linearly at `bits` (None outside their span)."""
+    points = sorted((r["bits"], r["decode_tps"]) for r in speed
+                    if r["checkpoint"] == checkpoint and r["precision"].startswith("static"))
+    for (b0, v0), (b1, v1) in zip(points, points[1:]):
+        if b0 <= bits <= b1:
+            return v0 + (v1 - v0) * (bits - b0) / (b1 - b0)
+    return None
+
+
+def speed_table(speed: list[dict]) -> list[str]:
+    lines = ["Batch-1 decode of the mobiquant checkpoint (prompt 128, 32 new tokens; routed rows include the "
+             "routers). *n*: runs whose median is shown, taken in turn with the checkpoint's other precisions "
+             "(\"3 in a row\": the first records, three runs back to back). *routed ÷ static*: the routed decode "
+             "rate over the static prefixes' rate interpolated at the same bits, measured in the same rounds "
+             "(< 1: the router's cost).", "",
+             "| checkpoint | precision | bits used | decode tok/s | prefill tok/s | routed ÷ static | n |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for r in sorted(speed, key=lambda r: (r["checkpoint"], r["precision"][0], r["bits"])):
+        static = static_rate_at(speed, r["checkpoint"], r["bits"]) if r["precision"].startswith("routed") else None
+        ratio = f"{r['decode_tps'] / static:.2f}" if static else ""
+        n = r.get("rounds", "3 in a row")
+        lines.append(f"| {r['checkpoint']} | {r['precision']} | {r['bits']:.2f} | {r['decode_tps']:.1f} | "
+                     f"{r['prefill_tps']:.0f} | {ratio} | {n} |")
+    return lines + [""]
+
+
 def requantize(model: torch.nn.Module, bits: int, group_size: int) -> None:
     """Put every QuantLinear's dequantized weight back as a plain linear, then RTN it at `bits`."""
     from bitquilt.nn.online import swap_host
@@ -230,6 +288,9 @@ def main() -> None:
     p.add_argument("--route-steps", type=int, default=30)
     p.add_argument("--router-only", action="store_true",
                    help="train the routers alone, the slices as MoBiSlice cut them (mobiroute.train_slices=false)")
+    p.add_argument("--prefix-streams", action="store_true",
+                   help="train each static prefix on the inputs the blocks before give at that prefix "
+                   "(mobiroute.prefix_streams; with --reference-stream fp)")
     p.add_argument("--reference-stream", default="fp", choices=("fp", "quantized", "mixed"),
                    help="targets of the block training (fp_reference.stream): the full-precision model's own "
                    "outputs (fp: each block also corrects the error of the quantized blocks before it, at the "
@@ -242,6 +303,8 @@ def main() -> None:
     p.add_argument("--widths", default="2,3,4", help="widths of the separately calibrated GPTQ/AWQ rows")
     p.add_argument("--baselines", default="gptq,awq")
     p.add_argument("--parts", default="ppl,slicing,generalise,speed,migration,baselines")
+    p.add_argument("--speed-rounds", type=int, default=5,
+                   help="speed: runs per precision, the precisions taken in turn each round")
     p.add_argument("--migration-bits", default="2,3,4")
     p.add_argument("--migration-windows", type=int, default=4)
     p.add_argument("--save-dir", default=str(Path.home() / ".cache/bitquilt/bench-models"))
@@ -255,7 +318,7 @@ def main() -> None:
     slices = tuple(int(b) for b in args.slices.split(","))
     parts = args.parts.split(",")
     settings = {**settings, "group_size": args.group_size}
-    checkpoint = checkpoint_name(slices, args.grid, args.target_bits, args.route_steps, args.router_only,
+    checkpoint = checkpoint_name(slices, args.grid, args.target_bits, args.route_steps, training_mode(args),
                                  args.reference_stream, args.reference_mix)
     base = {"model": args.model, "settings": settings, "checkpoint": ""}
     ids = None
@@ -330,18 +393,11 @@ def main() -> None:
                   **model_summary(model), **times})
         del model
     if "speed" in parts:
-        from bitquilt.eval.speed import decode, measure_speed
-
-        probe = torch.randint(0, mobi.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
-        for kind, bits in precisions:
-            if wanted("speed", "mobiquant", f"{kind} {bits:g}"):
-                apply(kind, bits)
-                with realised_bits(mobi) as used:  # bits on a short decode apart: the hook would be timed too
-                    decode(mobi, probe, 16)
-                s = measure_speed(mobi, mobi.config.vocab_size)
-                keep({"kind": "speed", "label": "mobiquant", "precision": f"{kind} {bits:g}", "bits": used["avg_bits"],
-                      "decode_tps": s.decode_tokens_per_s, "prefill_tps": s.prefill_tokens_per_s})
-                print(f"speed {kind} {bits:g}: decode {s.decode_tokens_per_s:.1f} tok/s", flush=True)
+        todo = [(kind, bits) for kind, bits in precisions if wanted("speed", "mobiquant", f"{kind} {bits:g}")]
+        for kind, bits, used, runs in speed_rounds(mobi, todo, apply, args.speed_rounds):
+            keep({"kind": "speed", "label": "mobiquant", "precision": f"{kind} {bits:g}", "bits": used,
+                  "decode_tps": statistics.median(r.decode_tokens_per_s for r in runs),
+                  "prefill_tps": statistics.median(r.prefill_tokens_per_s for r in runs), "rounds": len(runs)})
     if "migration" in parts:
         migration_part(args, mobi, calib, keep, wanted)
 
@@ -349,7 +405,8 @@ def main() -> None:
 def mobiquant_checkpoint(args, slices: tuple[int, ...], calib) -> tuple[torch.nn.Module, object, dict]:
     """The mobiquant checkpoint the arguments name (model, tokenizer, quantization times): loaded when saved
     before, else quantized and saved first (the slow part: ~45 min on smollm2-135m)."""
-    trained = "-routeronly" if args.router_only else "-recut"
+    trained = {"router-only": "-routeronly", "prefixes refit + re-cut": "-recut",
+               "prefixes refit on their own streams + re-cut": "-recut-streams"}[training_mode(args)]
     saved = Path(args.save_dir) / (f"{args.model}-mobiquant-{'-'.join(map(str, slices))}-{args.grid}-"
                                    f"g{args.group_size}-t{args.target_bits:g}-s{args.route_steps}{trained}-c{calib.n_samples}x{calib.seqlen}"
                                    + {"fp": "", "quantized": "-qtargets",
@@ -362,7 +419,8 @@ def mobiquant_checkpoint(args, slices: tuple[int, ...], calib) -> tuple[torch.nn
         report = quantize(model, "mobiquant", ids, progress=False, w_bits=sum(slices), group_size=args.group_size,
                           options={"slices": slices, "grid": args.grid},
                           stage_options={"mobiroute": {"target_bits": args.target_bits, "steps": args.route_steps,
-                                                       "train_slices": not args.router_only},
+                                                       "train_slices": not args.router_only,
+                                                       "prefix_streams": args.prefix_streams},
                                          "fp_reference": {"stream": args.reference_stream,
                                                           "mix": args.reference_mix}})
         blocks = report.stages["mobiroute"].values()

@@ -186,6 +186,63 @@ def test_every_static_prefix_error_falls_with_each_slice(routed_tiny):
     assert all(b < a for a, b in zip(errors, errors[1:]))
 
 
+def test_prefix_streams_run_the_blocks_before_at_each_prefix():
+    """mobiroute.prefix_streams: block i + 1's stream k is block i run with its first k slices on stream k."""
+    from bitquilt.api import quantize
+    from bitquilt.calib.capture import block_output
+    from bitquilt.pipeline.route import STREAMS, advance_streams, prefix_inputs
+
+    model = make_tiny("llama")
+    quantize(model, Recipe("mobislice", w_bits=6, group_size=32), None, progress=False)
+    ctx = block_context(model, Recipe("mobiquant", w_bits=6, group_size=32), IDS)
+    streams = prefix_inputs(ctx, 3)
+    assert all(s is ctx.inputs for s in streams.values())  # block 0: the embeddings at every precision
+    advance_streams(ctx, streams)
+    nxt = ctx.scratch[STREAMS]
+    assert nxt["index"] == 0 and sorted(nxt["streams"]) == [1, 2, 3]
+    assert all(m.slices is None for m in ctx.block.modules() if isinstance(m, QuantLinear))  # routed again
+    for k in (1, 2, 3):
+        set_slices(ctx.block, k)
+        with torch.no_grad():
+            expected = [block_output(ctx.block, x, ctx.kwargs) for x in ctx.inputs]
+        assert all(torch.equal(a, b) for a, b in zip(nxt["streams"][k], expected))
+    assert not torch.equal(nxt["streams"][1][0], nxt["streams"][3][0])
+    nxt_ctx = block_context(model, Recipe("mobiquant", w_bits=6, group_size=32), IDS, index=1)
+    nxt_ctx.scratch.update(ctx.scratch)
+    assert prefix_inputs(nxt_ctx, 3) is nxt["streams"]
+
+
+def test_prefix_stream_training_keeps_every_prefix_falling_with_each_slice():
+    from bitquilt.api import quantize
+
+    model = make_tiny("llama")
+    recipe = Recipe("mobiquant", w_bits=6, group_size=32,
+                    stage_options={"mobiroute": {"target_bits": 3.0, "steps": 6, "batch": 4, "prefix_streams": True}})
+    report = quantize(model, recipe, IDS, progress=False)
+    assert all(b["steps"] == 6 for b in report.stages["mobiroute"].values())
+    fp = make_tiny("llama")
+    with torch.no_grad():
+        reference = fp.model(IDS).last_hidden_state
+    errors = []
+    for k in range(1, 6):
+        set_slices(model, k)
+        with torch.no_grad():
+            errors.append(float((model.model(IDS).last_hidden_state - reference).pow(2).mean()))
+    assert all(b < a for a, b in zip(errors, errors[1:]))
+
+
+def test_prefix_streams_need_refitted_slices_and_full_precision_targets():
+    from bitquilt.api import quantize
+
+    with pytest.raises(ValueError, match="train_slices=true"):
+        Recipe("mobiquant", w_bits=6, stage_options={"mobiroute": {"prefix_streams": True, "train_slices": False}})
+    recipe = Recipe("mobiquant", w_bits=6, group_size=32,
+                    stage_options={"mobiroute": {"steps": 2, "prefix_streams": True},
+                                   "fp_reference": {"stream": "quantized"}})
+    with pytest.raises(ValueError, match="fp_reference.stream=fp"):
+        quantize(make_tiny("llama"), recipe, IDS, progress=False)
+
+
 def test_refit_count_reaches_one_bit_past_the_budget():
     assert refit_count([2, 1, 1, 1, 1, 1, 1], 3.0) == 3  # 2 + 1 + 1 = 4 bits
     assert refit_count([2, 1, 1, 1, 1, 1, 1], 2.5) == 3

@@ -126,6 +126,24 @@ def test_fit_block_with_no_steps_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(before, params))
 
 
+def test_fit_block_trains_on_the_inputs_step_inputs_gives_and_measures_on_its_own():
+    ctx, targets, stand_ins = _tiny_block()
+    params = [p for s in stand_ins for p in s.parameters()]
+    other = [x.flip(-1) for x in ctx.inputs]  # another stream, windows at the same positions
+    seen = []
+    hook = ctx.block.register_forward_pre_hook(lambda _m, args, _kw=None: seen.append(args[0].detach().clone()))
+    try:
+        result = fit_block(ctx.block, ctx.inputs, targets, ctx.kwargs, params, FitConfig(steps=3, batch=1),
+                           step_inputs=lambda: other)
+    finally:
+        hook.remove()
+    n = len(ctx.inputs)
+    training = seen[n:n + 3]  # after the error before: one window per step
+    assert all(any(torch.equal(x, o) for o in other) for x in training)
+    assert not any(torch.equal(x, i) for x in training for i in ctx.inputs)
+    assert result.loss_after == pytest.approx(block_error(ctx.block, ctx.inputs, targets, ctx.kwargs))
+
+
 # ---------------------------------------------------------------- the stage in the engine
 def _output_error(model, reference, ids) -> float:
     with torch.no_grad():

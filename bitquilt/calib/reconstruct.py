@@ -109,13 +109,17 @@ def fit_block(block: nn.Module, inputs: Sequence[torch.Tensor], targets: Sequenc
               kwargs: dict[str, Any], params: list[nn.Parameter], config: FitConfig,
               project: Callable[[], None] | None = None,
               penalty: Callable[[torch.Tensor], torch.Tensor] | None = None,
-              anneal: Callable[[float], None] | None = None) -> FitResult:
+              anneal: Callable[[float], None] | None = None,
+              step_inputs: Callable[[], Sequence[torch.Tensor]] | None = None) -> FitResult:
     """Train `params` (all inside `block`) so the block's outputs on `inputs` match `targets`.
 
     `project()` runs after every step (e.g. clamping offsets into their range); `penalty(L)` is added
     to the mini-batch reconstruction loss L (e.g. a bit budget, which may scale itself by L);
     `anneal(t)` runs before step t/steps ∈ [0, 1) (e.g. a router's temperature), and with t = 1 after the
-    last step: the state the error after is measured in. Deterministic for a given `config.seed`.
+    last step: the state the error after is measured in. `step_inputs()`, read after `anneal`, gives the inputs
+    of the coming step when they depend on what `anneal` set (MoBiQuant's per-prefix streams: windows at the same
+    positions as `inputs`); the error before and after is measured on `inputs`. Deterministic for a given
+    `config.seed`.
     """
     config.validate()
     t0 = time.perf_counter()
@@ -135,7 +139,8 @@ def fit_block(block: nn.Module, inputs: Sequence[torch.Tensor], targets: Sequenc
             if anneal is not None:
                 anneal(step / config.steps)
             pick = torch.randperm(len(inputs), generator=gen)[:batch].tolist()
-            x = torch.cat([inputs[i] for i in pick])
+            source = inputs if step_inputs is None else step_inputs()
+            x = torch.cat([source[i] for i in pick])
             y = torch.cat([targets[i] for i in pick])
             error = (block_output(block, x, kwargs).float() - y.float()).pow(2).mean()
             loss = error if penalty is None else error + penalty(error)

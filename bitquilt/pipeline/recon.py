@@ -29,7 +29,7 @@ from bitquilt.nn.online import attach, get, swap_host
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.registry import option
 
-REFERENCE = "fp_reference"  # ctx.scratch key: {"index", "weights", "targets", "fp_outputs"}
+REFERENCE = "fp_reference"  # ctx.scratch key: {"index", "stream", "weights", "targets", "fp_outputs"}
 STREAMS = ("fp", "quantized", "mixed")
 
 
@@ -94,7 +94,8 @@ def fp_reference(ctx: BlockContext, opts: ReferenceOptions) -> None:
         targets = own if fp_outputs is None else fp_outputs
     names = [n for n in ctx.arch.linear_names() if ctx.plan.weight(ctx.full(n)) is not None]
     weights = {n: ctx.block.get_submodule(n).weight.detach().float().clone() for n in names}
-    ctx.scratch[REFERENCE] = {"index": ctx.index, "weights": weights, "targets": targets, "fp_outputs": fp_outputs}
+    ctx.scratch[REFERENCE] = {"index": ctx.index, "stream": opts.stream, "weights": weights, "targets": targets,
+                              "fp_outputs": fp_outputs}
 
 
 @register_stage("recon", scope="post_block", kind="solve", options=ReconOptions)

@@ -9,6 +9,14 @@ the full-precision block plus the bit budget
 packs the slices back and leaves each router at its linear's "router" slot with δ = ½. Then one
 pass over the first `curve_windows` calibration inputs records each router's bits-per-threshold curve, which
 `set_precision` uses to turn an average bit-width into a threshold.
+
+Per-prefix streams (`prefix_streams`, with full-precision targets B(x_fp)): the engine hands block i the
+inputs x_q the blocks before produce *routed at the budget*, and a block trained to map them onto B(x_fp)
+learns to undo that trajectory's drift, which is the wrong correction when the blocks before run at another
+precision. With the option, each refitted prefix k keeps its own stream x_q^(k) (every block before run with
+its first k slices, `set_slices`), and the static-prefix steps of block i train on x_q^(k): the drift each
+precision brings is the one its own slices learn to undo. Costs one forward of the block per refitted prefix
+and one copy of the calibration activations per prefix.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from bitquilt.calib.routing import (
 from bitquilt.calib.stages import BlockContext, register_stage
 from bitquilt.formats.composite import CompositeFormat
 from bitquilt.nn.online import attach, swap_host
-from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.nn.quant_linear import QuantLinear, set_slices
 from bitquilt.nn.slice_router import TAU_GRID, SliceRouter
 from bitquilt.pipeline.recon import REFERENCE
 from bitquilt.registry import option
@@ -57,6 +65,9 @@ class RouteOptions:
                                 "what they leave (off: only the routers learn; every prefix keeps MoBiSlice's "
                                 "error)")
     curve_windows: int = option(16, "calibration windows each router's bits-per-threshold curve is measured on")
+    prefix_streams: bool = option(False, "train each static prefix k on the inputs the blocks before produce at "
+                                  "their own first k slices, not on the routed stream (needs train_slices and "
+                                  "fp_reference.stream=fp)")
 
     def __post_init__(self) -> None:
         if not self.target_bits > 0 or self.hidden < 1 or self.budget_weight < 0:
@@ -66,7 +77,32 @@ class RouteOptions:
             raise ValueError(f"mobiroute: curve_windows must be ≥ 1, got {self.curve_windows}")
         if not 0 < self.t_end <= self.t_start:
             raise ValueError(f"mobiroute: needs 0 < t_end ≤ t_start, got {self.t_end}, {self.t_start}")
+        if self.prefix_streams and not self.train_slices:
+            raise ValueError("mobiroute: prefix_streams trains the refitted slices on their own streams; it needs "
+                             "train_slices=true")
         FitConfig(self.steps, self.lr, self.batch, "adam", self.seed, keep_best=False).validate()
+
+
+STREAMS = "mobiroute_streams"  # ctx.scratch key: {"index", "streams": {k: block inputs at prefix k}}
+
+
+def prefix_inputs(ctx: BlockContext, prefixes: int) -> dict[int, list[torch.Tensor]]:
+    """Block i's inputs x_q^(k) for k = 1..prefixes: what the previous block's stage left, or the block's own
+    inputs where no block before was sliced (the embeddings are the same at every precision)."""
+    previous = ctx.scratch.get(STREAMS)
+    if previous is not None and previous["index"] == ctx.index - 1 and len(previous["streams"]) == prefixes:
+        return previous["streams"]
+    return {k: ctx.inputs for k in range(1, prefixes + 1)}
+
+
+def advance_streams(ctx: BlockContext, streams: dict[int, list[torch.Tensor]]) -> None:
+    """Run the quantized block at each prefix k on x_q^(k): block i + 1's streams, kept in ctx.scratch."""
+    nxt = {}
+    for k, inputs in streams.items():
+        set_slices(ctx.block, k)
+        nxt[k] = run_block(ctx.block, inputs, ctx.kwargs)
+    set_slices(ctx.block, None)  # routed again, as the engine runs it for the next block's x_q
+    ctx.scratch[STREAMS] = {"index": ctx.index, "streams": nxt}
 
 
 def _both(first: Callable[[float], None], second: Callable[[float], None]) -> Callable[[float], None]:
@@ -99,6 +135,13 @@ def mobiroute(ctx: BlockContext, opts: RouteOptions) -> dict[str, Any] | None:
         return None
     stand_ins = list(routed.values())
     refit = min(refit_count(s.router.slice_bits, opts.target_bits) for s in stand_ins) if opts.train_slices else 0
+    streams = None
+    if opts.prefix_streams:
+        if reference["stream"] != "fp":
+            raise ValueError("mobiroute.prefix_streams trains each static prefix on its own input stream towards "
+                             "the full-precision model's outputs: it needs fp_reference.stream=fp, got "
+                             f"{reference['stream']!r}")
+        streams = prefix_inputs(ctx, refit)
     for stand_in in stand_ins:
         stand_in.slices.requires_grad_(False)
         stand_in.slices[:refit].requires_grad_(True)
@@ -109,7 +152,8 @@ def mobiroute(ctx: BlockContext, opts: RouteOptions) -> dict[str, Any] | None:
         anneal = _both(anneal, prefix_schedule(stand_ins, refit, opts.steps, opts.seed * 1009 + ctx.index))
     result = fit_block(ctx.block, ctx.inputs, reference["targets"], ctx.kwargs,
                        [p for r in stand_ins for p in r.parameters()], config,
-                       penalty=budget_penalty(stand_ins, opts.target_bits, opts.budget_weight), anneal=anneal)
+                       penalty=budget_penalty(stand_ins, opts.target_bits, opts.budget_weight), anneal=anneal,
+                       step_inputs=None if streams is None else lambda: streams.get(stand_ins[0].forced, ctx.inputs))
     meters = {}
     for name, stand_in in routed.items():
         fmt = stand_in.to_format()
@@ -119,6 +163,8 @@ def mobiroute(ctx: BlockContext, opts: RouteOptions) -> dict[str, Any] | None:
         swap_host(ctx.block, name, linear)
         attach(linear, "router", stand_in.router)
         meters[name] = CurveMeter(stand_in.router)
+    if streams is not None:
+        advance_streams(ctx, streams)
     hooks = [ctx.block.get_submodule(n).register_forward_pre_hook(lambda _m, args, meter=m: meter.add(args[0]))
              for n, m in meters.items()]
     try:
