@@ -173,17 +173,21 @@ def test_recipe_runs_the_fp_reference_and_trains_routers(routed_tiny):
 
 def test_every_static_prefix_error_falls_with_each_slice(routed_tiny):
     """Refitted slices (trained on every prefix), re-cut ones above: the error still falls with every slice."""
-    model, _ = routed_tiny
-    fp = make_tiny("llama")
+    errors = _static_prefix_errors(routed_tiny[0])
+    assert all(b < a for a, b in zip(errors, errors[1:]))
+
+
+def _static_prefix_errors(model) -> list[float]:
+    """Mean squared error of the last hidden states against the full-precision tiny model, at prefixes 1..5."""
     with torch.no_grad():
-        reference = fp.model(IDS).last_hidden_state
+        reference = make_tiny("llama").model(IDS).last_hidden_state
     errors = []
     for k in range(1, 6):
         set_slices(model, k)
         with torch.no_grad():
             errors.append(float((model.model(IDS).last_hidden_state - reference).pow(2).mean()))
     set_slices(model, None)
-    assert all(b < a for a, b in zip(errors, errors[1:]))
+    return errors
 
 
 def test_prefix_streams_run_the_blocks_before_at_each_prefix():
@@ -220,14 +224,7 @@ def test_prefix_stream_training_keeps_every_prefix_falling_with_each_slice():
                     stage_options={"mobiroute": {"target_bits": 3.0, "steps": 6, "batch": 4, "prefix_streams": True}})
     report = quantize(model, recipe, IDS, progress=False)
     assert all(b["steps"] == 6 for b in report.stages["mobiroute"].values())
-    fp = make_tiny("llama")
-    with torch.no_grad():
-        reference = fp.model(IDS).last_hidden_state
-    errors = []
-    for k in range(1, 6):
-        set_slices(model, k)
-        with torch.no_grad():
-            errors.append(float((model.model(IDS).last_hidden_state - reference).pow(2).mean()))
+    errors = _static_prefix_errors(model)
     assert all(b < a for a, b in zip(errors, errors[1:]))
 
 
