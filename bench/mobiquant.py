@@ -104,11 +104,11 @@ MODES = {
     "router-only": "routers trained alone at the budget, the slices as MoBiSlice cut them.",
     "prefixes refit + re-cut": "routers and the slices up to one bit past the budget trained together (every "
                                "other step one random static prefix), the slices above re-cut afterwards "
-                               "(mobiroute's default).",
+                               "(mobiroute's default until per-prefix streams; now mobiroute.prefix_streams=false).",
     "prefixes refit on their own streams + re-cut": "as 'prefixes refit + re-cut', each static prefix k trained on "
                                                     "the inputs the blocks before give at their own first k slices "
-                                                    "(mobiroute.prefix_streams), the routed steps on the routed "
-                                                    "stream.",
+                                                    "(mobiroute.prefix_streams, its default), the routed steps on "
+                                                    "the routed stream.",
     "all slices refit, routed mix only": "routers and every slice trained on the routed mix alone (the first "
                                          "implementation of train_slices, since replaced).",
 }
@@ -290,7 +290,8 @@ def main() -> None:
                    help="train the routers alone, the slices as MoBiSlice cut them (mobiroute.train_slices=false)")
     p.add_argument("--prefix-streams", action="store_true",
                    help="train each static prefix on the inputs the blocks before give at that prefix "
-                   "(mobiroute.prefix_streams; with --reference-stream fp)")
+                   "(mobiroute.prefix_streams, the library's default; without the flag the bench sets it off, as its "
+                   "earlier checkpoints were trained)")
     p.add_argument("--reference-stream", default="fp", choices=("fp", "quantized", "mixed"),
                    help="targets of the block training (fp_reference.stream): the full-precision model's own "
                    "outputs (fp: each block also corrects the error of the quantized blocks before it, at the "

@@ -216,28 +216,27 @@ def test_prefix_streams_run_the_blocks_before_at_each_prefix():
     assert prefix_inputs(nxt_ctx, 3) is nxt["streams"]
 
 
-def test_prefix_stream_training_keeps_every_prefix_falling_with_each_slice():
+def test_without_prefix_streams_every_prefix_still_falls_with_each_slice():
+    """routed_tiny trains with per-prefix streams (the default); every step on the routed stream keeps the order too."""
     from bitquilt.api import quantize
 
     model = make_tiny("llama")
     recipe = Recipe("mobiquant", w_bits=6, group_size=32,
-                    stage_options={"mobiroute": {"target_bits": 3.0, "steps": 6, "batch": 4, "prefix_streams": True}})
+                    stage_options={"mobiroute": {"target_bits": 3.0, "steps": 6, "batch": 4, "prefix_streams": False}})
     report = quantize(model, recipe, IDS, progress=False)
     assert all(b["steps"] == 6 for b in report.stages["mobiroute"].values())
     errors = _static_prefix_errors(model)
     assert all(b < a for a, b in zip(errors, errors[1:]))
 
 
-def test_prefix_streams_need_refitted_slices_and_full_precision_targets():
-    from bitquilt.api import quantize
+def test_prefix_streams_apply_to_refitted_slices_with_full_precision_targets_only():
+    from bitquilt.pipeline.route import RouteOptions, uses_prefix_streams
 
-    with pytest.raises(ValueError, match="train_slices=true"):
-        Recipe("mobiquant", w_bits=6, stage_options={"mobiroute": {"prefix_streams": True, "train_slices": False}})
-    recipe = Recipe("mobiquant", w_bits=6, group_size=32,
-                    stage_options={"mobiroute": {"steps": 2, "prefix_streams": True},
-                                   "fp_reference": {"stream": "quantized"}})
-    with pytest.raises(ValueError, match="fp_reference.stream=fp"):
-        quantize(make_tiny("llama"), recipe, IDS, progress=False)
+    assert RouteOptions().prefix_streams  # the default
+    assert uses_prefix_streams(RouteOptions(), 3, "fp")
+    assert not uses_prefix_streams(RouteOptions(prefix_streams=False), 3, "fp")
+    assert not uses_prefix_streams(RouteOptions(train_slices=False), 0, "fp")  # routers alone: nothing refitted
+    assert not any(uses_prefix_streams(RouteOptions(), 3, s) for s in ("quantized", "mixed"))  # targets on x_q
 
 
 def test_refit_count_reaches_one_bit_past_the_budget():

@@ -10,13 +10,14 @@ packs the slices back and leaves each router at its linear's "router" slot with 
 pass over the first `curve_windows` calibration inputs records each router's bits-per-threshold curve, which
 `set_precision` uses to turn an average bit-width into a threshold.
 
-Per-prefix streams (`prefix_streams`, with full-precision targets B(x_fp)): the engine hands block i the
+Per-prefix streams (`prefix_streams`, the default with full-precision targets B(x_fp)): the engine hands block i the
 inputs x_q the blocks before produce *routed at the budget*, and a block trained to map them onto B(x_fp)
 learns to undo that trajectory's drift, which is the wrong correction when the blocks before run at another
 precision. With the option, each refitted prefix k keeps its own stream x_q^(k) (every block before run with
 its first k slices, `set_slices`), and the static-prefix steps of block i train on x_q^(k): the drift each
 precision brings is the one its own slices learn to undo. Costs one forward of the block per refitted prefix
-and one copy of the calibration activations per prefix.
+and one copy of the calibration activations per prefix (smollm2, budget 3: +31% calibration time; static 3 / 4
+bits 46.11 / 45.83 → 44.37 / 34.97, routed 3 bits 43.53 → 42.40: docs/benchmarks.md, MoBiQuant).
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ class RouteOptions:
                                 "what they leave (off: only the routers learn; every prefix keeps MoBiSlice's "
                                 "error)")
     curve_windows: int = option(16, "calibration windows each router's bits-per-threshold curve is measured on")
-    prefix_streams: bool = option(False, "train each static prefix k on the inputs the blocks before produce at "
-                                  "their own first k slices, not on the routed stream (needs train_slices and "
-                                  "fp_reference.stream=fp)")
+    prefix_streams: bool = option(True, "with train_slices and full-precision targets (fp_reference.stream=fp): "
+                                  "train each static prefix k on the inputs the blocks before give at their own "
+                                  "first k slices (off: every step on the routed stream)")
 
     def __post_init__(self) -> None:
         if not self.target_bits > 0 or self.hidden < 1 or self.budget_weight < 0:
@@ -77,13 +78,16 @@ class RouteOptions:
             raise ValueError(f"mobiroute: curve_windows must be ≥ 1, got {self.curve_windows}")
         if not 0 < self.t_end <= self.t_start:
             raise ValueError(f"mobiroute: needs 0 < t_end ≤ t_start, got {self.t_end}, {self.t_start}")
-        if self.prefix_streams and not self.train_slices:
-            raise ValueError("mobiroute: prefix_streams trains the refitted slices on their own streams; it needs "
-                             "train_slices=true")
         FitConfig(self.steps, self.lr, self.batch, "adam", self.seed, keep_best=False).validate()
 
 
 STREAMS = "mobiroute_streams"  # ctx.scratch key: {"index", "streams": {k: block inputs at prefix k}}
+
+
+def uses_prefix_streams(opts: RouteOptions, refit: int, reference_stream: str) -> bool:
+    """Per-prefix streams apply when slices are refitted towards the full-precision model's outputs: the quantized
+    and mixed targets B(x_q) follow the routed stream, which a prefix's own stream would not match."""
+    return opts.prefix_streams and refit > 0 and reference_stream == "fp"
 
 
 def prefix_inputs(ctx: BlockContext, prefixes: int) -> dict[int, list[torch.Tensor]]:
@@ -135,13 +139,7 @@ def mobiroute(ctx: BlockContext, opts: RouteOptions) -> dict[str, Any] | None:
         return None
     stand_ins = list(routed.values())
     refit = min(refit_count(s.router.slice_bits, opts.target_bits) for s in stand_ins) if opts.train_slices else 0
-    streams = None
-    if opts.prefix_streams:
-        if reference["stream"] != "fp":
-            raise ValueError("mobiroute.prefix_streams trains each static prefix on its own input stream towards "
-                             "the full-precision model's outputs: it needs fp_reference.stream=fp, got "
-                             f"{reference['stream']!r}")
-        streams = prefix_inputs(ctx, refit)
+    streams = prefix_inputs(ctx, refit) if uses_prefix_streams(opts, refit, reference["stream"]) else None
     for stand_in in stand_ins:
         stand_in.slices.requires_grad_(False)
         stand_in.slices[:refit].requires_grad_(True)
