@@ -179,6 +179,9 @@ def plot_migrations(records: list[dict], model: str) -> None:
             plot_migration(MigrationResult.from_dict(r["result"]), migration_figure(r), f"{model}, {name_of(r)}")
 
 
+PLOT_TOP = 300  # perplexity: the collapsed 2-bit points would flatten every usable one
+
+
 def plot(records: list[dict], model: str) -> None:
     import matplotlib
 
@@ -186,29 +189,32 @@ def plot(records: list[dict], model: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in records if r["model"] == model and r["kind"] == "ppl"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 7))
     checkpoints = list(dict.fromkeys(r["checkpoint"] for r in rows if r["checkpoint"]))
     kinds = (("routed", "o-"), ("static", "s--"))
-    lines = [(f"mobiquant {kind} ({c})", lambda r, c=c, kind=kind: r["checkpoint"] == c
-              and r["precision"].startswith(kind), style, f"C{2 * i + j}")
+    palette = plt.get_cmap("tab20").colors
+    lines = [(f"{kind}: {c.split('steps, ', 1)[-1]}" + ("" if " grid, " in c else ", lloyd grid"),
+              lambda r, c=c, kind=kind: r["checkpoint"] == c and r["precision"].startswith(kind), style,
+              palette[(2 * i + j) % len(palette)])
              for i, c in enumerate(checkpoints) for j, (kind, style) in enumerate(kinds)]
     lines += [(label, lambda r, label=label: r["label"] == label, style, color)
-              for label, style, color in (("gptq", "^:", "C6"), ("awq", "v:", "C7"), ("gptq 3→4", "X", "C8"),
-                                          ("mobislice nested", "d-.", "C9"), ("mobislice lloyd", "d:", "C5"))]
+              for label, style, color in (("gptq", "^:", "black"), ("awq", "v:", "dimgray"), ("gptq 3→4", "X", "red"),
+                                          ("mobislice nested", "d-.", "olive"), ("mobislice lloyd", "d:", "tan"))]
     for name, selected, style, color in lines:
         pts = sorted((r["bits"], r["ppl"]) for r in rows if selected(r))
         if pts:
-            ax.plot(*zip(*pts), style, color=color, label=name, markersize=7)
+            ax.plot(*zip(*pts), style, color=color, label=name, markersize=6)
     ax.set_yscale("log")
+    ax.set_ylim(top=min(ax.get_ylim()[1], PLOT_TOP))
     ax.set_xlabel("average bits per weight used (element bits)")
-    ax.set_ylabel("perplexity (wiki)")
-    ax.set_title(f"{model}: one MoBiQuant checkpoint vs static PTQ per width")
+    ax.set_ylabel(f"perplexity (wiki; above {PLOT_TOP} off the chart)")
+    ax.set_title(f"{model}: one MoBiQuant checkpoint vs static PTQ per width\n(mobiquant rows: slices "
+                 f"{checkpoints[0].split(', ')[0].split(' ')[1] if checkpoints else ''}, trained at the budget)")
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     RESULTS.mkdir(exist_ok=True)
     tmp = RESULTS / f"mobiquant_{model}.tmp.png"
-    fig.savefig(tmp, dpi=120)
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
     tmp.replace(RESULTS / f"mobiquant_{model}.png")
     plt.close(fig)
 
