@@ -91,8 +91,8 @@ def uses_prefix_streams(opts: RouteOptions, refit: int, reference_stream: str) -
 
 
 def prefix_inputs(ctx: BlockContext, prefixes: int) -> dict[int, list[torch.Tensor]]:
-    """Block i's inputs x_q^(k) for k = 1..prefixes: what the previous block's stage left, or the block's own
-    inputs where no block before was sliced (the embeddings are the same at every precision)."""
+    """Block i's inputs x_q^(k) for k = 1..prefixes: what the previous block's stage left, else (block 0, whose
+    embeddings are the same at every precision, or after a block that was not routed) the routed stream."""
     previous = ctx.scratch.get(STREAMS)
     if previous is not None and previous["index"] == ctx.index - 1 and len(previous["streams"]) == prefixes:
         return previous["streams"]
