@@ -121,11 +121,14 @@ def mode_of(checkpoint: str) -> str:
 def name_of(r: dict) -> str:
     """A row's model column: the label, and for the checkpoint's rows how it was calibrated (mode, grid, targets)."""
     c = r.get("checkpoint")
-    if not c:
-        return r["label"]
-    grid = c.split(", ")[1] if " grid, " in c else "lloyd grid"
-    targets = TARGETS.search(c)
-    return f"{r['label']} ({mode_of(c)}, {grid}{targets.group(0) if targets else ''})"
+    return f"{r['label']} ({calibration_of(c)})" if c else r["label"]
+
+
+def calibration_of(checkpoint: str) -> str:
+    """How a checkpoint was calibrated, from its name: mode, grid, targets."""
+    grid = checkpoint.split(", ")[1] if " grid, " in checkpoint else "lloyd grid"
+    targets = TARGETS.search(checkpoint)
+    return f"{mode_of(checkpoint)}, {grid}{targets.group(0) if targets else ''}"
 
 
 def render(records: list[dict]) -> str:
@@ -193,7 +196,7 @@ def plot(records: list[dict], model: str) -> None:
     checkpoints = list(dict.fromkeys(r["checkpoint"] for r in rows if r["checkpoint"]))
     kinds = (("routed", "o-"), ("static", "s--"))
     palette = plt.get_cmap("tab20").colors
-    lines = [(f"{kind}: {c.split('steps, ', 1)[-1]}" + ("" if " grid, " in c else ", lloyd grid"),
+    lines = [(f"{kind}: {calibration_of(c)}",
               lambda r, c=c, kind=kind: r["checkpoint"] == c and r["precision"].startswith(kind), style,
               palette[(2 * i + j) % len(palette)])
              for i, c in enumerate(checkpoints) for j, (kind, style) in enumerate(kinds)]
@@ -208,8 +211,7 @@ def plot(records: list[dict], model: str) -> None:
     ax.set_ylim(top=min(ax.get_ylim()[1], PLOT_TOP))
     ax.set_xlabel("average bits per weight used (element bits)")
     ax.set_ylabel(f"perplexity (wiki; above {PLOT_TOP} off the chart)")
-    ax.set_title(f"{model}: one MoBiQuant checkpoint vs static PTQ per width\n(mobiquant rows: slices "
-                 f"{checkpoints[0].split(', ')[0].split(' ')[1] if checkpoints else ''}, trained at the budget)")
+    ax.set_title(f"{model}: one MoBiQuant checkpoint vs static PTQ per width")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     RESULTS.mkdir(exist_ok=True)

@@ -194,7 +194,7 @@ def test_prefix_streams_run_the_blocks_before_at_each_prefix():
     """mobiroute.prefix_streams: block i + 1's stream k is block i run with its first k slices on stream k."""
     from bitquilt.api import quantize
     from bitquilt.calib.capture import block_output
-    from bitquilt.pipeline.route import STREAMS, advance_streams, prefix_inputs
+    from bitquilt.pipeline.route import PREFIX_STREAMS, advance_streams, prefix_inputs
 
     model = make_tiny("llama")
     quantize(model, Recipe("mobislice", w_bits=6, group_size=32), None, progress=False)
@@ -202,7 +202,7 @@ def test_prefix_streams_run_the_blocks_before_at_each_prefix():
     streams = prefix_inputs(ctx, 3)
     assert all(s is ctx.inputs for s in streams.values())  # block 0: the embeddings at every precision
     advance_streams(ctx, streams)
-    nxt = ctx.scratch[STREAMS]
+    nxt = ctx.scratch[PREFIX_STREAMS]
     assert nxt["index"] == 0 and sorted(nxt["streams"]) == [1, 2, 3]
     assert all(m.slices is None for m in ctx.block.modules() if isinstance(m, QuantLinear))  # routed again
     for k in (1, 2, 3):

@@ -81,7 +81,7 @@ class RouteOptions:
         FitConfig(self.steps, self.lr, self.batch, "adam", self.seed, keep_best=False).validate()
 
 
-STREAMS = "mobiroute_streams"  # ctx.scratch key: {"index", "streams": {k: block inputs at prefix k}}
+PREFIX_STREAMS = "mobiroute_streams"  # ctx.scratch key: {"index", "streams": {k: block inputs at prefix k}}
 
 
 def uses_prefix_streams(opts: RouteOptions, refit: int, reference_stream: str) -> bool:
@@ -93,7 +93,7 @@ def uses_prefix_streams(opts: RouteOptions, refit: int, reference_stream: str) -
 def prefix_inputs(ctx: BlockContext, prefixes: int) -> dict[int, list[torch.Tensor]]:
     """Block i's inputs x_q^(k) for k = 1..prefixes: what the previous block's stage left, else (block 0, whose
     embeddings are the same at every precision, or after a block that was not routed) the routed stream."""
-    previous = ctx.scratch.get(STREAMS)
+    previous = ctx.scratch.get(PREFIX_STREAMS)
     if previous is not None and previous["index"] == ctx.index - 1 and len(previous["streams"]) == prefixes:
         return previous["streams"]
     return {k: ctx.inputs for k in range(1, prefixes + 1)}
@@ -106,7 +106,7 @@ def advance_streams(ctx: BlockContext, streams: dict[int, list[torch.Tensor]]) -
         set_slices(ctx.block, k)
         nxt[k] = run_block(ctx.block, inputs, ctx.kwargs)
     set_slices(ctx.block, None)  # routed again, as the engine runs it for the next block's x_q
-    ctx.scratch[STREAMS] = {"index": ctx.index, "streams": nxt}
+    ctx.scratch[PREFIX_STREAMS] = {"index": ctx.index, "streams": nxt}
 
 
 def _both(first: Callable[[float], None], second: Callable[[float], None]) -> Callable[[float], None]:
