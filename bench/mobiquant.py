@@ -63,6 +63,7 @@ def _float_list(text: str) -> list[float]:
 
 
 TARGETS = re.compile(r", (quantized|mixed) targets.*$")  # checkpoint_name's suffix for the other fp_reference streams
+AWQ = re.compile(r", AWQ scales \(\d bits\)")  # checkpoint_name's mark of `--awq-bits`
 
 
 TARGET_NOTES = {
@@ -85,12 +86,13 @@ def targets_suffix(stream: str, mix: float) -> str:
 
 
 def checkpoint_name(slices: tuple[int, ...], grid: str, target_bits: float, steps: int, mode: str,
-                    stream: str = "fp", mix: float = 0.5) -> str:
+                    stream: str = "fp", mix: float = 0.5, awq_bits: int = 0) -> str:
     """How the mobiquant rows name their checkpoint (baseline rows have none). Checkpoints named without a grid
     were cut on the lloyd grid, MoBiSlice's only one until 2026-12-02; without a stream, trained towards the
-    full-precision model's own trajectory (fp_reference.stream=fp)."""
+    full-precision model's own trajectory (fp_reference.stream=fp); without AWQ, sliced from the weights as
+    they are."""
     return (f"slices {','.join(map(str, slices))}, {grid} grid, {target_bits:g} bits, {steps} steps, "
-            f"{mode}" + targets_suffix(stream, mix))
+            f"{mode}" + (f", AWQ scales ({awq_bits} bits)" if awq_bits else "") + targets_suffix(stream, mix))
 
 
 def training_mode(args) -> str:
@@ -115,7 +117,7 @@ MODES = {
 
 
 def mode_of(checkpoint: str) -> str:
-    return TARGETS.sub("", checkpoint.split("steps, ", 1)[1])
+    return AWQ.sub("", TARGETS.sub("", checkpoint.split("steps, ", 1)[1]))
 
 
 def name_of(r: dict) -> str:
@@ -127,8 +129,8 @@ def name_of(r: dict) -> str:
 def calibration_of(checkpoint: str) -> str:
     """How a checkpoint was calibrated, from its name: mode, grid, targets."""
     grid = checkpoint.split(", ")[1] if " grid, " in checkpoint else "lloyd grid"
-    targets = TARGETS.search(checkpoint)
-    return f"{mode_of(checkpoint)}, {grid}{targets.group(0) if targets else ''}"
+    marks = [m.group(0) for m in (AWQ.search(checkpoint), TARGETS.search(checkpoint)) if m]
+    return f"{mode_of(checkpoint)}, {grid}{''.join(marks)}"
 
 
 def render(records: list[dict]) -> str:
@@ -138,6 +140,8 @@ def render(records: list[dict]) -> str:
         lines += [f"- Checkpoint '{c}' (g{settings['group_size']}): {MODES[mode_of(c)]}"
                   + ("" if " grid, " in c else " Slices on the lloyd grid.")
                   + TARGET_NOTES.get(stream_of(c), "")
+                  + (" Sliced from AWQ-scaled weights (--method awq+mobiquant), the scales searched at the width "
+                     "in the name (awq.bits)." if AWQ.search(c) else "")
                   for c in dict.fromkeys(r["checkpoint"] for r in rows if r["checkpoint"])]
         lines += ["", f"Baselines: groups of {settings['group_size']}, calibrated on the same windows.", ""]
         ppl_rows = sorted((r for r in rows if r["kind"] == "ppl"), key=lambda r: (name_of(r), r["bits"]))
@@ -307,6 +311,9 @@ def main() -> None:
                    "(quantized: each block repairs only its own error), or a blend of both targets (mixed)")
     p.add_argument("--reference-mix", type=float, default=0.5,
                    help="--reference-stream mixed: the fp target's share of the blend (fp_reference.mix)")
+    p.add_argument("--awq-bits", type=int, default=0,
+                   help="slice AWQ-scaled weights (--method awq+mobiquant), the scales searched at this width "
+                   "(awq.bits; 0: no AWQ)")
     p.add_argument("--avg-bits", default="2.5,3,3.5,4,4.5,5,6")
     p.add_argument("--static-bits", default="2,3,4,5,6")
     p.add_argument("--widths", default="2,3,4", help="widths of the separately calibrated GPTQ/AWQ rows")
@@ -328,7 +335,7 @@ def main() -> None:
     parts = args.parts.split(",")
     settings = {**settings, "group_size": args.group_size}
     checkpoint = checkpoint_name(slices, args.grid, args.target_bits, args.route_steps, training_mode(args),
-                                 args.reference_stream, args.reference_mix)
+                                 args.reference_stream, args.reference_mix, args.awq_bits)
     base = {"model": args.model, "settings": settings, "checkpoint": ""}
     ids = None
 
@@ -419,15 +426,18 @@ def mobiquant_checkpoint(args, slices: tuple[int, ...], calib) -> tuple[torch.nn
     saved = Path(args.save_dir) / (f"{args.model}-mobiquant-{'-'.join(map(str, slices))}-{args.grid}-"
                                    f"g{args.group_size}-t{args.target_bits:g}-s{args.route_steps}{trained}-c{calib.n_samples}x{calib.seqlen}"
                                    + {"fp": "", "quantized": "-qtargets",
-                                      "mixed": f"-mtargets{args.reference_mix:g}"}[args.reference_stream])
+                                      "mixed": f"-mtargets{args.reference_mix:g}"}[args.reference_stream]
+                                   + (f"-awq{args.awq_bits}" if args.awq_bits else ""))
     quant = {}
     if not is_quantized_dir(saved):
         model, tokenizer = load(args.model)
         ids = calibration_ids(tokenizer, calib)
         c0, t0 = time.process_time(), time.perf_counter()
-        report = quantize(model, "mobiquant", ids, progress=False, w_bits=sum(slices), group_size=args.group_size,
-                          options={"slices": slices, "grid": args.grid},
-                          stage_options={"mobiroute": {"target_bits": args.target_bits, "steps": args.route_steps,
+        awq = {"awq": {"bits": args.awq_bits}} if args.awq_bits else {}
+        report = quantize(model, "awq+mobiquant" if awq else "mobiquant", ids, progress=False, w_bits=sum(slices),
+                          group_size=args.group_size, options={"slices": slices, "grid": args.grid},
+                          stage_options={**awq,
+                                         "mobiroute": {"target_bits": args.target_bits, "steps": args.route_steps,
                                                        "train_slices": not args.router_only,
                                                        "prefix_streams": args.prefix_streams},
                                          "fp_reference": {"stream": args.reference_stream,

@@ -2,7 +2,8 @@
 
 A method is written `stage+...+solver`, e.g. `gptq`, `awq+rtn`, `quarot+gptq`: every part but
 the last names a registered transform or policy stage (`bitquilt.calib.stages`), the last a
-solver (`bitquilt.solvers`). Short aliases name the usual combinations (`awq` = `awq+rtn`).
+solver (`bitquilt.solvers`). Short aliases name the usual combinations (`awq` = `awq+rtn`); an
+alias may also end a longer method (`awq+mobiquant` = `awq+mobiroute+mobislice`).
 
 Activations and the KV cache are quantized when `a_bits` / `kv_bits` are below 16 (W4A4KV4:
 `Recipe("quarot+gptq", w_bits=4, a_bits=4, kv_bits=4)`); overrides may set `a_bits`, `a_sym`
@@ -39,9 +40,16 @@ BEST_RECIPES: dict[int, dict[str, Any]] = {
 }
 
 
+def expand_method(method: str) -> str:
+    """The method with an alias at its end spelled out: "awq" -> "awq+rtn", "awq+mobiquant" ->
+    "awq+mobiroute+mobislice"."""
+    *before, last = method.split("+")
+    return "+".join([*before, METHOD_ALIASES.get(last, last)])
+
+
 def solver_name(method: str) -> str:
     """The solver a method ends in, e.g. "awq+gptq" -> "gptq", "awq" (= "awq+rtn") -> "rtn"."""
-    return METHOD_ALIASES.get(method, method).split("+")[-1]
+    return expand_method(method).split("+")[-1]
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,7 @@ class Recipe:
     head_group_size: int = 128  # their group size along the hidden dimension (-1: one group per row)
 
     def __post_init__(self) -> None:
-        self.method = METHOD_ALIASES.get(self.method, self.method)
+        self.method = expand_method(self.method)
         self.skip = tuple(self.skip)
         if self.recon_steps < 0:
             raise ValueError(f"recon_steps must be ≥ 0 (0: no reconstruction), got {self.recon_steps}")

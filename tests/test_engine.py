@@ -42,6 +42,27 @@ def test_awq_scaling_is_function_preserving_before_quantization():
         assert torch.allclose(out, ref, atol=1e-4), (model_type, (out - ref).abs().max())
 
 
+def test_awq_bits_searches_as_a_layer_of_that_width_would():
+    """awq.bits: a MoBiQuant layer (6 bits of slices) gets the scales a 3-bit layer gets, not those of its own
+    6-bit search; `awq+mobiquant` names that method."""
+    from bitquilt.transforms.awq import AWQOptions, awq
+
+    ids = _ids()
+    mobi = Recipe("awq+mobiquant", 6, 32)
+    assert mobi.method == "awq+mobiroute+mobislice" and mobi.transforms == ["awq"]
+    runs = []
+    for recipe, opts in ((mobi, AWQOptions(bits=3)), (Recipe("awq", 3, 32), AWQOptions()), (mobi, AWQOptions())):
+        model = make_tiny("llama")
+        with torch.no_grad():
+            report = awq(block_context(model, recipe, ids), opts)
+        runs.append((report, model.model.layers[0].input_layernorm.weight.clone()))
+    (at_3, norm_3), (rtn_3, norm_rtn), (own, norm_own) = runs
+    assert at_3 == rtn_3 and torch.equal(norm_3, norm_rtn)
+    assert own != at_3 and not torch.equal(norm_own, norm_3)
+    with pytest.raises(ValueError, match="awq: bits must be 0 .* or one of 2, 3, 4, 8; got 5"):
+        AWQOptions(bits=5)
+
+
 def test_gptq_true_sequential_beats_rtn_on_tiny_model():
     ids = _ids(16)
     errs = {}

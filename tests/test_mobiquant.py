@@ -347,11 +347,13 @@ def test_cli_quantizes_and_evaluates_one_checkpoint_at_many_precisions(tmp_path,
     from bitquilt.cli import main
 
     out = tmp_path / "mobi"
-    code = main(["quantize", "smollm2-135m", "--method", "mobiquant", "--slices", "2,1,1", "--target-bits", "3",
-                 "--opt", "mobiroute.steps=2", "--calib-samples", "2", "--calib-seqlen", "64",
+    code = main(["quantize", "smollm2-135m", "--method", "awq+mobiquant", "--opt", "awq.bits=3", "--slices", "2,1,1",
+                 "--target-bits", "3", "--opt", "mobiroute.steps=2", "--calib-samples", "2", "--calib-seqlen", "64",
                  "--skip", "model.layers.[1-9]*", "-o", str(out), "--json"])
     assert code == 0
     capsys.readouterr()
+    recipe = json.loads((out / "quantization_config.json").read_text())["recipe"]
+    assert recipe["method"] == "awq+mobiroute+mobislice" and recipe["stage_options"]["awq"]["bits"] == 3
     code = main(["eval", str(out), "--seqlen", "64", "--ppl-windows", "2", "--avg-bits", "2.5,3.5",
                  "--static-bits", "2,4", "--json"])
     assert code == 0

@@ -7,17 +7,21 @@ For each shared input, s = mean|x|^α (normalised so √(max·min) = 1) is searc
 
 computed through the Hessian instead of stored activations. The best s is folded into the
 producer (norm or linear) and the consumers, then the engine's solver quantizes as usual.
+Q is RTN on each layer's grid, or on `bits` when set: a MoBiQuant layer holds every slice (8 bits of
+residual slices), where the search would protect nothing, so `awq+mobiquant` searches at the width the
+checkpoint is meant to run at.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from bitquilt.calib.capture import collect_stats
 from bitquilt.calib.stages import BlockContext, register_stage
+from bitquilt.formats.uniform import UniformFormat
 from bitquilt.registry import option
 from bitquilt.solvers.base import LayerSpec, hessian_error
 from bitquilt.solvers.rtn import fake_quantize
@@ -27,6 +31,13 @@ from bitquilt.transforms.scaling import can_fold, fold_scales
 @dataclass(frozen=True)
 class AWQOptions:
     grid: int = option(20, "number of α values searched in [0, 1)")
+    bits: int = option(0, "weight width the search quantizes at (0: each layer's own; e.g. 4 with awq+mobiquant, "
+                       "whose layers hold 8 bits of slices)")
+
+    def __post_init__(self) -> None:
+        if self.bits and self.bits not in UniformFormat.supported_bits:
+            raise ValueError(f"awq: bits must be 0 (each layer's own) or one of "
+                             f"{', '.join(map(str, UniformFormat.supported_bits))}; got {self.bits}")
 
 
 def search_scales(
@@ -59,6 +70,8 @@ def awq(ctx: BlockContext, opts: AWQOptions) -> dict[str, Any]:
         specs = [ctx.plan.weight(ctx.full(n)) for n in shared.linears]
         if any(s is None for s in specs):
             continue  # a full-precision consumer: nothing to protect
+        if opts.bits:
+            specs = [replace(s, bits=opts.bits) for s in specs]
         weights = [block.get_submodule(n).weight.float() for n in shared.linears]
         s, losses = search_scales(weights, specs, stats[name].hessian, stats[name].act_absmean, opts.grid)
         fold_scales(block, ctx.arch, shared, s)
