@@ -3,7 +3,8 @@
     python bench/mobiquant.py --model smollm2-135m --threads 1
 
 Rows, most telling first (records resume where a run stopped):
-- mobiquant (`--method mobiquant`, slices --slices, routers trained once at --target-bits): perplexity
+- mobiquant (`--method mobiquant`, or `awq+mobiquant` with --awq-bits; slices --slices, routers trained once at
+  --target-bits): perplexity
   routed at each --avg-bits (one global threshold δ, the bits really used reported) and static
   (every token the same slices) at each width the slices reach, all from the one saved checkpoint;
 - GPTQ and AWQ calibrated separately at each --widths (groups of --group-size, as the slices);
