@@ -435,7 +435,7 @@ def mobiquant_checkpoint(args, slices: tuple[int, ...], calib) -> tuple[torch.nn
         ids = calibration_ids(tokenizer, calib)
         c0, t0 = time.process_time(), time.perf_counter()
         awq = {"awq": {"bits": args.awq_bits}} if args.awq_bits else {}
-        report = quantize(model, "awq+mobiquant" if awq else "mobiquant", ids, progress=False, w_bits=sum(slices),
+        report = quantize(model, "awq+mobiquant" if awq else "mobiquant", ids, progress=True, w_bits=sum(slices),
                           group_size=args.group_size, options={"slices": slices, "grid": args.grid},
                           stage_options={**awq,
                                          "mobiroute": {"target_bits": args.target_bits, "steps": args.route_steps,

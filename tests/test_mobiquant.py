@@ -55,32 +55,45 @@ def test_composite_kernel_matches_the_reference_per_token_and_whole(perm):
 
 @pytest.mark.skipif(cpu.extension() is None, reason="CPU extension unavailable (no AVX2 or build failed)")
 @pytest.mark.parametrize("perm", [False, True])
-def test_one_token_runs_its_slices_in_one_lookup_table_call(perm, monkeypatch):
+@pytest.mark.parametrize("tokens", [1, 300])  # the lookup tables; rows dequantized as one sum + one sgemm
+def test_tokens_of_one_count_run_their_slices_in_one_call(perm, tokens, monkeypatch):
     fmt = _sliced(perm=perm)
-    x = torch.randn(1, 128)
+    x = torch.randn(tokens, 128)
     calls = []
     real = composite.part_matmul
     monkeypatch.setattr(composite, "part_matmul", lambda p, x: calls.append(x.shape[0]) or real(p, x))
+    path = "sgemm" if tokens >= cpu.sgemm_batch(1) else "lut"
     for k in range(1, len(fmt.parts) + 1):
-        ctx = MatmulContext(slices=torch.tensor([k]))
+        ctx = MatmulContext(slices=torch.full((tokens,), k))
         y = composite.matmul(fmt, x, ctx)
         torch.testing.assert_close(y, fmt.reference_matmul(x, ctx), rtol=1e-4, atol=1e-4)
-        separate = sum(cpu.packed(p).lut(x[:, fmt.perm.long()] if perm else x) for p in list(fmt.parts.values())[:k])
-        torch.testing.assert_close(y, separate, rtol=1e-5, atol=1e-5)  # the same terms, summed in one kernel
+        xs = x[:, fmt.perm.long()] if perm else x
+        separate = sum(getattr(cpu.packed(p), path)(xs) for p in list(fmt.parts.values())[:k])
+        torch.testing.assert_close(y, separate, rtol=1e-4, atol=1e-4)  # the same terms, summed in one kernel
     assert calls == []  # no per-part calls
-    two = composite.matmul(fmt, torch.randn(2, 128), MatmulContext(slices=torch.tensor([3, 3])))
-    assert two.shape == (2, 48) and calls == [2, 2, 2]  # several tokens: part by part, as before
     other_group = next(iter(_sliced(group=64).parts.values()))
     assert cpu.matmul_parts([*fmt.parts.values(), other_group], x) is None  # parts that pack apart: declined
 
 
 def test_a_token_pays_only_for_the_slices_it_uses(monkeypatch):
     fmt = _sliced()
+    x, ctx = torch.randn(4, 128), MatmulContext(slices=torch.tensor([1, 3, 0, 1]))
     calls = []
-    real = composite.part_matmul
-    monkeypatch.setattr(composite, "part_matmul", lambda p, x: calls.append(x.shape[0]) or real(p, x))
-    composite.matmul(fmt, torch.randn(4, 128), MatmulContext(slices=torch.tensor([1, 3, 1, 2])))
-    assert calls == [4, 2, 1]  # slice 1: every token; slice 2: two tokens; slice 3: one; later slices: none
+    real = cpu.matmul_parts
+    monkeypatch.setattr(cpu, "matmul_parts", lambda fs, x: calls.append((x.shape[0], len(fs))) or real(fs, x))
+    y = composite.matmul(fmt, x, ctx)
+    torch.testing.assert_close(y, fmt.reference_matmul(x, ctx), rtol=1e-4, atol=1e-4)
+    if cpu.extension() is not None:  # one call per count present: (tokens, slices)
+        assert sorted(calls) == [(1, 3), (2, 1)] and (y[2] == 0).all()
+    parts = []  # part by part (the reference kernels' way): each part once, on the tokens that use it
+    real_part = composite.part_matmul
+    monkeypatch.setattr(composite, "part_matmul", lambda p, x: parts.append(x.shape[0]) or real_part(p, x))
+    kernels.set_kernels_enabled(False)
+    try:
+        composite.matmul(fmt, x, ctx)
+    finally:
+        kernels.set_kernels_enabled(True)
+    assert parts == [3, 1, 1]  # slice 1: three tokens; slices 2, 3: one; later slices: none
 
 
 # ---------------------------------------------------------------- the router
@@ -263,6 +276,23 @@ def test_prefix_schedule_alternates_routed_steps_with_random_static_prefixes():
     routed[0].forced = 2
     with torch.no_grad():
         torch.testing.assert_close(routed[0](x), fmt.reference_matmul(x, MatmulContext(slices=torch.full((5,), 2))))
+
+
+def test_routed_slices_reuse_their_weights_until_a_step_moves_them():
+    fmt = _sliced(bits=6)
+    routed = RoutedSlices(fmt, None, SliceRouter(128, [p.bits for p in fmt.parts.values()]))
+    x = torch.randn(9, 128)
+    with torch.no_grad():
+        first = routed(x)
+        assert routed.dense_slices()[0] is routed.dense_slices()[0]  # cached between no-grad passes
+        counts = 1 + (routed.router.logits(x) > 0).sum(-1)
+        torch.testing.assert_close(first, fmt.reference_matmul(x, MatmulContext(slices=counts)))
+    opt = torch.optim.AdamW(routed.slices.parameters(), lr=0.5)
+    routed(x).pow(2).sum().backward()  # soft gates under autograd: fresh weights
+    opt.step()
+    with torch.no_grad():
+        assert all(torch.equal(w, s()) for w, s in zip(routed.dense_slices(), routed.slices))  # recomputed
+        assert not torch.allclose(routed(x), first)  # the step reached the cached no-grad path
 
 
 def test_recut_keeps_the_refitted_slices_and_recovers_the_weight_above_them():

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from bitquilt.formats.base import WeightFormat
-from bitquilt.formats.bitplane import BitplaneFormat, combine
+from bitquilt.formats.bitplane import BitplaneFormat, combine_groups
 from bitquilt.formats.uniform import UniformFormat, UniformGrid, expand_groups
 
 
@@ -46,9 +46,8 @@ class PerColumn:
     """Expands per-(row, group) values t [out, G, ...] to per-column values [out, in, ...]: a broadcast
     for contiguous groups (cheap forward and backward), a gather for act-order groups (g_idx)."""
 
-    def __init__(self, fmt: UniformFormat | BitplaneFormat):
-        g_idx = getattr(fmt, "g_idx", None)
-        self.index = None if g_idx is None else g_idx.long()
+    def __init__(self, fmt: UniformFormat):
+        self.index = None if fmt.g_idx is None else fmt.g_idx.long()
         self.group_size, self.in_features = fmt.group_size, fmt.in_features
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
@@ -135,7 +134,6 @@ class LearnableBitplane(LearnableWeight):
     def __init__(self, fmt: BitplaneFormat):
         super().__init__()
         self.fmt = fmt
-        self.per_column = PerColumn(fmt)
         self.register_buffer("planes", fmt.unpacked_planes().float())
         c0 = fmt.coeffs.float()
         self.register_buffer("c0", c0)
@@ -146,7 +144,7 @@ class LearnableBitplane(LearnableWeight):
         return self.c0 + self.unit * self.offsets
 
     def forward(self) -> torch.Tensor:
-        return combine(self.per_column(self.coeffs()), self.planes)
+        return combine_groups(self.coeffs(), self.planes, self.fmt.group_size)
 
     @torch.no_grad()
     def to_format(self) -> BitplaneFormat:

@@ -34,7 +34,6 @@ precisions lose what the low ones gain (measured on smollm2's block 10: the 7-bi
 
 from __future__ import annotations
 
-import functools
 import math
 import random
 from collections.abc import Callable
@@ -46,7 +45,7 @@ from torch.nn import functional as F
 from bitquilt.calib.learnable import LearnableBitplane
 from bitquilt.formats.bitplane import BitplaneFormat
 from bitquilt.formats.composite import CompositeFormat
-from bitquilt.kernels.composite import grouped_matmul
+from bitquilt.kernels.composite import prefix_matmul
 from bitquilt.nn.slice_router import TAU_GRID, SliceRouter
 from bitquilt.solvers.mobislice import quantize_slice
 
@@ -73,6 +72,7 @@ class RoutedSlices(nn.Module):
         self.temperature = 1.0
         self.forced: int | None = None  # k: every token through the first k slices, the router unused
         self.expected_bits: torch.Tensor | None = None  # of the last forward, for the budget
+        self._dense: tuple[tuple[int, ...], list[torch.Tensor]] | None = None  # (parameter versions, weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.forced is not None:
@@ -84,7 +84,7 @@ class RoutedSlices(nn.Module):
 
     def _static_forward(self, x: torch.Tensor, k: int) -> torch.Tensor:
         self.expected_bits = self.bits[:k].sum()
-        return F.linear(x, sum(s() for s in self.slices[:k]).to(x.dtype))
+        return F.linear(x, sum(self.dense_slices()[:k]).to(x.dtype))
 
     def _train_forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Soft gates. Gates fall along the slices, so the slices whose gate is below GATE_FLOOR for every
@@ -101,11 +101,19 @@ class RoutedSlices(nn.Module):
         """Binary gates (δ = ½): each token through the slices it uses only, as at run time."""
         counts = 1 + (logits > 0).sum(-1)
         self.expected_bits = self.router.bits_of(counts).mean()
-        weights = [s().to(x.dtype) for s in self.slices]
-        flat = x.reshape(-1, x.shape[-1])
-        y = grouped_matmul(flat, counts.reshape(-1), [functools.partial(F.linear, weight=w) for w in weights],
-                           self.out_features)
+        weights = [w.to(x.dtype) for w in self.dense_slices()]
+        y = prefix_matmul(x.reshape(-1, x.shape[-1]), counts.reshape(-1), weights)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dense_slices(self) -> list[torch.Tensor]:
+        """Each slice's weight Ŵ_e, computed once while the slices' parameters are unchanged (no-grad passes over
+        many windows: the error before and after, the streams) and afresh under autograd."""
+        if torch.is_grad_enabled():
+            return [s() for s in self.slices]
+        version = tuple(p._version for p in self.slices.parameters())
+        if self._dense is None or self._dense[0] != version:
+            self._dense = (version, [s() for s in self.slices])
+        return self._dense[1]
 
     def to_format(self) -> CompositeFormat:
         return CompositeFormat({n: s.to_format() for n, s in zip(self.names, self.slices)})

@@ -39,6 +39,19 @@ def combine(coeffs: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def combine_groups(coeffs: torch.Tensor, planes: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Ŵ [rows, in] from per-(row, group) coefficients [rows, G, k + 1] and planes [k, rows, in]: the levels of
+    each whole group by broadcasting its coefficients over its columns (`combine`; no per-column copy of them,
+    forward or backward), then the shorter last group when the size does not divide the width."""
+    k, rows, cols = planes.shape
+    full = cols // group_size * group_size
+    whole = planes[..., :full].reshape(k, rows, full // group_size, group_size)
+    out = combine(coeffs[:, : full // group_size].unsqueeze(2), whole).reshape(rows, full)
+    if full == cols:
+        return out
+    return torch.cat([out, combine(coeffs[:, -1:], planes[..., full:])], dim=1)
+
+
 @register_format
 class BitplaneFormat(WeightFormat):
     name = "bitplane"
@@ -108,14 +121,7 @@ class BitplaneFormat(WeightFormat):
         return bit_planes(self.planes[:, rows], 1, self.in_features)[0]
 
     def dequantize(self, selector: Any = None) -> torch.Tensor:
-        k, rows, g = self.bits, self.out_features, self.group_size
-        planes = self.unpacked_planes()
-        full = self.in_features // g * g  # columns in whole groups; a ragged last group follows
-        whole = planes[..., :full].reshape(k, rows, full // g, g)
-        parts = [combine(self.coeffs[:, : full // g].unsqueeze(2), whole).reshape(rows, full)]
-        if full < self.in_features:
-            parts.append(combine(self.coeffs[:, -1:], planes[..., full:]))
-        return torch.cat(parts, dim=1)
+        return combine_groups(self.coeffs, self.unpacked_planes(), self.group_size)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"planes": self.planes, "coeffs": self.coeffs}

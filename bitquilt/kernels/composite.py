@@ -8,9 +8,11 @@ with k_t = `ctx.slices[t]` (every part without a per-token context). Tokens are 
 descending once, so the tokens that use part e are a leading run of the sorted batch: part e is
 one call of its own kernel (e.g. the bit-plane LUT kernel for MoBiQuant slices) on the first
 n_e = #{t : k_t ≥ e} rows, and a token costs only the bits of the slices it uses. A part no
-kernel takes runs its format's torch reference. A single token (batch-1 decode) runs its k_t
-slices as one lookup-table call (`cpu.matmul_parts`: one set of activation tables, one Python
-round trip) when they pack alike. Tested against `CompositeFormat.reference_matmul`.
+kernel takes runs its format's torch reference. When the parts pack alike (MoBiQuant's slices),
+the tokens are instead grouped by k_t and each group runs its k slices as one call
+(`cpu.matmul_parts`): one set of activation tables for a few tokens, or, for a batch (prefill,
+calibration), rows of Σ_{e ≤ k} P_e dequantized and multiplied once: one sgemm instead of k.
+Tested against `CompositeFormat.reference_matmul`.
 """
 
 from __future__ import annotations
@@ -31,14 +33,21 @@ def part_matmul(part: WeightFormat, x: torch.Tensor) -> torch.Tensor:
     return part.reference_matmul(x) if y is None else y
 
 
+def count_range(x: torch.Tensor, counts: torch.Tensor, n_parts: int) -> tuple[int, int]:
+    """(min, max) of the per-token part counts of x [T, in], after checking there is one per token in [0, n_parts]
+    (a single count serves every token)."""
+    if counts.numel() != 1 and counts.shape != x.shape[:1]:
+        raise ValueError(f"per-token slices of shape {tuple(counts.shape)} for {x.shape[0]} tokens")
+    low, high = (int(counts),) * 2 if counts.numel() == 1 else (int(counts.min()), int(counts.max()))
+    if low < 0 or high > n_parts:
+        raise ValueError(f"per-token slice counts must lie in [0, {n_parts}]")
+    return low, high
+
+
 def grouped_matmul(x: torch.Tensor, counts: torch.Tensor, parts: Sequence[Callable[[torch.Tensor], torch.Tensor]],
                    out_features: int) -> torch.Tensor:
     """y_t = Σ_{e ≤ counts[t]} parts[e − 1](x_t) for x [T, in]: each part called once, on the tokens that use it."""
-    if counts.shape != x.shape[:1]:
-        raise ValueError(f"per-token slices of shape {tuple(counts.shape)} for {x.shape[0]} tokens")
-    low, high = (int(counts),) * 2 if counts.numel() == 1 else (int(counts.min()), int(counts.max()))
-    if low < 0 or high > len(parts):
-        raise ValueError(f"per-token slice counts must lie in [0, {len(parts)}]")
+    low, high = count_range(x, counts, len(parts))
     if low == high:  # every token the same count (static precision, batch-1 decode): no regrouping
         if high == 0:
             return x.new_zeros(x.shape[0], out_features)
@@ -57,6 +66,22 @@ def grouped_matmul(x: torch.Tensor, counts: torch.Tensor, parts: Sequence[Callab
     return out
 
 
+def prefix_matmul(x: torch.Tensor, counts: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """y_t = x_t (Σ_{e ≤ counts[t]} W_e)ᵀ for dense weights W_e [out, in]: the running sum of the weights, one
+    product per count present (every token multiplied once, whatever its count)."""
+    low, high = count_range(x, counts, len(weights))
+    if low == high:
+        return x.new_zeros(x.shape[0], weights[0].shape[0]) if high == 0 else x @ sum(weights[:high]).t()
+    y = x.new_zeros(x.shape[0], weights[0].shape[0])
+    total = None
+    for k, weight in enumerate(weights[:high], start=1):
+        total = weight if total is None else total + weight
+        rows = (counts == k).nonzero().squeeze(1)
+        if rows.numel():
+            y[rows] = x[rows] @ total.t()
+    return y
+
+
 def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
     """x [T, in] @ Ŵᵀ of a composite format, per-token slice counts honoured (module docstring)."""
     if not isinstance(fmt, CompositeFormat) or x.dim() != 2:
@@ -64,14 +89,32 @@ def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None)
     if fmt.perm is not None:
         x = x[:, fmt.perm.long()]
     formats = list(fmt.parts.values())
-    counts = torch.full((x.shape[0],), len(formats)) if ctx is None or ctx.slices is None else ctx.slices
-    if counts.numel() == 1 and kernels.kernels_enabled():  # batch-1 decode: the token's slices in one call
-        from bitquilt.kernels import cpu  # builds the extension on first use, like every kernel
-
-        y = cpu.matmul_parts(formats[: int(counts)], x)
-        if y is not None:
-            return y
+    counts = torch.tensor(len(formats)) if ctx is None or ctx.slices is None else ctx.slices
+    y = by_count(formats, x, counts, fmt.out_features) if kernels.kernels_enabled() else None
+    if y is not None:
+        return y
     return grouped_matmul(x, counts, [functools.partial(part_matmul, p) for p in formats], fmt.out_features)
+
+
+def by_count(formats: list[WeightFormat], x: torch.Tensor, counts: torch.Tensor, out_features: int
+             ) -> torch.Tensor | None:
+    """y_t = x_t (Σ_{e ≤ k_t} P_e)ᵀ with the tokens grouped by k_t, each group's slices in one `cpu.matmul_parts`
+    call; None when the parts do not pack alike (the caller then runs them part by part)."""
+    from bitquilt.kernels import cpu  # builds the extension on first use, like every kernel
+
+    low, high = count_range(x, counts, len(formats))
+    if low == high:
+        return x.new_zeros(x.shape[0], out_features) if high == 0 else cpu.matmul_parts(formats[:high], x)
+    y = x.new_zeros(x.shape[0], out_features)
+    for k in torch.unique(counts).tolist():
+        if k == 0:
+            continue
+        rows = (counts == k).nonzero().squeeze(1)
+        part = cpu.matmul_parts(formats[:k], x[rows])
+        if part is None:
+            return None
+        y[rows] = part
+    return y
 
 
 kernels.register_kernel("composite", "by_parts", matmul)

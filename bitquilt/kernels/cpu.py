@@ -107,6 +107,13 @@ _BYTE_OF_ROW = sorted(range(TILE), key=_ROW_OF_BYTE.__getitem__)
 _SGEMM_BATCH = {2: 192, 3: 96, 4: 64, 8: 32}
 
 
+def sgemm_batch(bits: int) -> int:
+    """Tokens from which dequantize + sgemm beats the tables for a weight of `bits` planes in all (a sum of parts
+    counts every part's): the measured entry at `bits`, else at the nearest width below (above for 1 bit)."""
+    below = [b for b in _SGEMM_BATCH if b <= bits]
+    return _SGEMM_BATCH[max(below) if below else min(_SGEMM_BATCH)]
+
+
 def _block(group: int, in_features: int) -> int | None:
     """Columns per table scale: the largest of 128/64/32 dividing both the group and the width."""
     return next((b for b in (128, 64, 32) if math.gcd(group, in_features) % b == 0), None)
@@ -176,7 +183,7 @@ class Packed:
         `residual` is an optional sparse residual S in its kernel layout (`bitquilt.kernels.mosaic`),
         added inside the kernel (fused); None: x @ Ŵᵀ.
         """
-        return self.sgemm(x, residual) if x.shape[0] >= _SGEMM_BATCH.get(self.bits, 64) else self.lut(x, residual)
+        return self.sgemm(x, residual) if x.shape[0] >= sgemm_batch(self.bits) else self.lut(x, residual)
 
     def lut(self, x: torch.Tensor, residual: Residual | None = None) -> torch.Tensor:
         """The lookup-table kernel."""
@@ -229,12 +236,9 @@ def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None)
     return None if p is None else like(p.matmul(fp32_rows(x)), x)
 
 
-FUSED_PARTS_TOKENS = 16  # up to here a sum of parts runs as one lookup-table call (decode batches)
-
-
 def packed_alike(fmts: list[WeightFormat]) -> list[Packed] | None:
-    """The kernel layouts of parts that one lookup-table call can sum (same rows, block and group); None if a
-    part does not pack or they differ."""
+    """The kernel layouts of parts that one call can sum (same rows, block and group); None if a part does not
+    pack or they differ."""
     layouts = [packed(f) for f in fmts]
     if not layouts or any(p is None for p in layouts):
         return None
@@ -246,18 +250,20 @@ def packed_alike(fmts: list[WeightFormat]) -> list[Packed] | None:
 
 def matmul_parts(fmts: list[WeightFormat], x: torch.Tensor) -> torch.Tensor | None:
     """x [T, in] @ (Σ_p Ŵ_p)ᵀ for parts of one shape, block and group (MoBiQuant's slices up to a prefix) in one
-    lookup-table call: one set of activation tables and one Python round trip instead of one per part. None to
-    decline (a part the kernel cannot pack, differing blocks or groups, more than FUSED_PARTS_TOKENS tokens)."""
-    if not fmts or not takes(x) or x.shape[0] > FUSED_PARTS_TOKENS:
+    call: the lookup tables built once for every part (small batches), or each chunk of rows dequantized as the
+    sum of the parts and multiplied once (from `sgemm_batch` of the parts' planes together): one product, not one
+    per part. None to decline (a part the kernel cannot pack, differing blocks or groups)."""
+    if not fmts or not takes(x):
         return None
     layouts = packed_alike(fmts)
     if layouts is None:
         return None
     first = layouts[0]
-    y = _ext.lut_matmul_parts(fp32_rows(x), [p.planes for p in layouts], [p.coeffs for p in layouts],
-                              [p.bits for p in layouts], [p.uniform for p in layouts], first.out_features,
-                              first.block, first.group)
-    return like(y, x)
+    args = (fp32_rows(x), [p.planes for p in layouts], [p.coeffs for p in layouts], [p.bits for p in layouts],
+            [p.uniform for p in layouts], first.out_features, first.block, first.group)
+    if x.shape[0] >= sgemm_batch(sum(p.bits for p in layouts)):
+        return like(_ext.dequant_matmul_parts(*args, _BYTE_OF_ROW), x)
+    return like(_ext.lut_matmul_parts(*args), x)
 
 
 def register() -> bool:

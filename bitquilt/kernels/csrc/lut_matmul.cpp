@@ -283,23 +283,31 @@ at::Tensor lut_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   return lut_parts(x, {part}, N, check_residual(residual, N, part.s.K));
 }
 
+// The parts of a sum, each checked against the shared shape.
+std::vector<Part> make_parts(const at::Tensor& x, const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& coefs,
+                             const std::vector<int64_t>& ks, const std::vector<bool>& uniforms, int64_t N,
+                             int64_t block, int64_t group) {
+  TORCH_CHECK(!ws.empty() && coefs.size() == ws.size() && ks.size() == ws.size() && uniforms.size() == ws.size(),
+              "one coefficient tensor, plane count and uniform flag per part");
+  std::vector<Part> parts;
+  for (size_t p = 0; p < ws.size(); ++p)
+    parts.push_back(make_part(x.size(1), ws[p], coefs[p], N, ks[p], block, group, uniforms[p]));
+  return parts;
+}
+
 // y = x @ (sum_p W_p)^T for several packed weights of one shape, block and group (MoBiQuant's slices up to a
 // prefix): one call, one set of activation tables.
 at::Tensor lut_matmul_parts(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                             const std::vector<at::Tensor>& coefs, const std::vector<int64_t>& ks,
                             const std::vector<bool>& uniforms, int64_t N, int64_t block, int64_t group) {
-  TORCH_CHECK(!ws.empty() && coefs.size() == ws.size() && ks.size() == ws.size() && uniforms.size() == ws.size(),
-              "one coefficient tensor, plane count and uniform flag per part");
   check_rows(x);
-  std::vector<Part> parts;
-  for (size_t p = 0; p < ws.size(); ++p)
-    parts.push_back(make_part(x.size(1), ws[p], coefs[p], N, ks[p], block, group, uniforms[p]));
-  return lut_parts(x, parts, N, {});
+  return lut_parts(x, make_parts(x, ws, coefs, ks, uniforms, N, block, group), N, {});
 }
 
-// Rows of one tile dequantized to fp32 row-major: out[r * K + c] = C0 + sum_i C_i B_i[r, c].
+// Rows of one tile dequantized to fp32 row-major: out[r * K + c] = C0 + sum_i C_i B_i[r, c], added to what out
+// holds when `accumulate` (the next part of a sum).
 void dequant_tile(const uint8_t* w, const char* coef, int64_t coef_group, bool uniform, const Shape& s,
-                  const uint8_t* byte_of_row, float* out) {
+                  const uint8_t* byte_of_row, bool accumulate, float* out) {
   // kBits[b] = the 8 bits of byte b as floats 0/1
   static const std::vector<float> kBits = [] {
     std::vector<float> v(256 * 8);
@@ -325,6 +333,7 @@ void dequant_tile(const uint8_t* w, const char* coef, int64_t coef_group, bool u
       float* o = out + r * s.K + b * s.block;
       for (int64_t p = 0; p < pairs; ++p) {
         __m256 v = _mm256_set1_ps(c[0]);
+        if (accumulate) v = _mm256_add_ps(_mm256_loadu_ps(o + 8 * p), v);
         for (int64_t i = 0; i < s.k; ++i)
           v = _mm256_fmadd_ps(_mm256_loadu_ps(kBits.data() + 8 * wr[i * plane_bytes + 32 * p]),
                               _mm256_set1_ps(c[i + 1]), v);
@@ -334,31 +343,29 @@ void dequant_tile(const uint8_t* w, const char* coef, int64_t coef_group, bool u
   }
 }
 
-// y [T, N] = x [T, K] @ (W + S)^T by dequantizing chunks of rows to fp32 (the residual S added to
-// them) and calling at::mm: faster than the tables once the batch is large enough for sgemm to be
-// compute-efficient.
-at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k,
-                          int64_t block, int64_t group, bool uniform, const std::vector<int64_t>& byte_of_row,
-                          const std::vector<at::Tensor>& residual) {
-  check_rows(x);
-  const Shape s = check_packed(x.size(1), w, coef, N, k, block, group, uniform);
-  const Residual res = check_residual(residual, N, s.K);
+// y [T, N] = x [T, K] @ (sum_p W_p + S)^T by dequantizing chunks of rows to fp32 (each part added in turn, then the
+// residual S) and calling at::mm once per chunk: faster than the tables once the batch is large enough for sgemm to
+// be compute-efficient, and a sum of parts (MoBiQuant's slices up to a prefix) costs one product, not one per part.
+at::Tensor dequant_parts_matmul(const at::Tensor& x, const std::vector<Part>& parts, int64_t N,
+                                const std::vector<int64_t>& byte_of_row, const Residual& res) {
   TORCH_CHECK(byte_of_row.size() == TILE, "byte_of_row needs one entry per tile row");
   uint8_t bor[TILE];
   std::copy(byte_of_row.begin(), byte_of_row.end(), bor);
+  const Shape& s = parts.front().s;
   const int64_t ntiles = s.tiles(), chunk = std::max<int64_t>(1, (4 << 20) / (TILE * s.K * 4));
   auto yt = at::empty({ntiles * TILE, x.size(0)}, x.options());  // y^T, rows padded to whole tiles
   auto wf = at::empty({chunk * TILE, s.K}, x.options());
   const at::Tensor xt = x.t();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const char* cp = static_cast<const char*>(coef.data_ptr());
-  const int64_t coef_group = (uniform ? 2 : k + 1) * TILE * coef.element_size();
   for (int64_t c0 = 0; c0 < ntiles; c0 += chunk) {
     const int64_t c1 = std::min(ntiles, c0 + chunk);
     at::parallel_for(c0, c1, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         float* rows = wf.data_ptr<float>() + (i - c0) * TILE * s.K;
-        dequant_tile(wp + i * s.tile_bytes(), cp + i * s.groups() * coef_group, coef_group, uniform, s, bor, rows);
+        for (size_t p = 0; p < parts.size(); ++p) {
+          const Part& part = parts[p];
+          dequant_tile(part.w + i * part.s.tile_bytes(), part.coef + i * s.groups() * part.coef_group,
+                       part.coef_group, part.uniform, part.s, bor, p > 0, rows);
+        }
         if (!res.empty()) bitquilt_sparse::tile_residual_rows(res, i, s.K, rows);
       }
     });
@@ -366,6 +373,23 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& w, const at::Te
     at::mm_out(out, wf.narrow(0, 0, (c1 - c0) * TILE), xt);
   }
   return yt.narrow(0, 0, N).t().contiguous();
+}
+
+at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k,
+                          int64_t block, int64_t group, bool uniform, const std::vector<int64_t>& byte_of_row,
+                          const std::vector<at::Tensor>& residual) {
+  check_rows(x);
+  const Part part = make_part(x.size(1), w, coef, N, k, block, group, uniform);
+  return dequant_parts_matmul(x, {part}, N, byte_of_row, check_residual(residual, N, part.s.K));
+}
+
+// y = x @ (sum_p W_p)^T for several packed weights of one shape, block and group through one sgemm per chunk.
+at::Tensor dequant_matmul_parts(const at::Tensor& x, const std::vector<at::Tensor>& ws,
+                                const std::vector<at::Tensor>& coefs, const std::vector<int64_t>& ks,
+                                const std::vector<bool>& uniforms, int64_t N, int64_t block, int64_t group,
+                                const std::vector<int64_t>& byte_of_row) {
+  check_rows(x);
+  return dequant_parts_matmul(x, make_parts(x, ws, coefs, ks, uniforms, N, block, group), N, byte_of_row, {});
 }
 
 // y [T, N] += x [T, K] @ S^T in place for the residual S alone, tiles of 32 output rows in parallel.
@@ -412,6 +436,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x @ (W + S)^T through dequantized fp32 row chunks and at::mm, S a residual", py::arg("x"), py::arg("w"),
         py::arg("coef"), py::arg("N"), py::arg("k"), py::arg("block"), py::arg("group"), py::arg("uniform"),
         py::arg("byte_of_row"), py::arg("residual") = none);
+  m.def("dequant_matmul_parts", &dequant_matmul_parts,
+        "y = x @ (sum_p W_p)^T for bit-plane packed parts of one shape through dequantized fp32 rows and at::mm",
+        py::arg("x"), py::arg("ws"), py::arg("coefs"), py::arg("ks"), py::arg("uniforms"), py::arg("N"),
+        py::arg("block"), py::arg("group"), py::arg("byte_of_row"));
   m.def("sparse_residual_add_", &sparse_residual_add_, "y += x @ S^T in place for a residual S in 1x32 segments",
         py::arg("y"), py::arg("x"), py::arg("residual"));
   register_mxint(m);
