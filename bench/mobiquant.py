@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -435,7 +436,9 @@ def mobiquant_checkpoint(args, slices: tuple[int, ...], calib) -> tuple[torch.nn
         ids = calibration_ids(tokenizer, calib)
         c0, t0 = time.process_time(), time.perf_counter()
         awq = {"awq": {"bits": args.awq_bits}} if args.awq_bits else {}
-        report = quantize(model, "awq+mobiquant" if awq else "mobiquant", ids, progress=True, w_bits=sum(slices),
+        partial = saved.with_name(saved.name + ".partial")  # the state after each block: an interrupted run resumes
+        report = quantize(model, "awq+mobiquant" if awq else "mobiquant", ids, progress=True, resume_dir=partial,
+                          w_bits=sum(slices),
                           group_size=args.group_size, options={"slices": slices, "grid": args.grid},
                           stage_options={**awq,
                                          "mobiroute": {"target_bits": args.target_bits, "steps": args.route_steps,
@@ -444,13 +447,16 @@ def mobiquant_checkpoint(args, slices: tuple[int, ...], calib) -> tuple[torch.nn
                                          "fp_reference": {"stream": args.reference_stream,
                                                           "mix": args.reference_mix}})
         blocks = report.stages["mobiroute"].values()
-        quant = {"quant_time_s": time.perf_counter() - t0, "quant_cpu_s": time.process_time() - c0,
+        earlier = sum(report.block_seconds[: report.resumed_at])  # blocks of an interrupted run (wall ≈ CPU: 1 thread)
+        quant = {"quant_time_s": time.perf_counter() - t0 + earlier, "quant_cpu_s": time.process_time() - c0 + earlier,
+                 "resumed_at_block": report.resumed_at,
                  "route_seconds": sum(b["seconds"] for b in blocks),
                  "route_error_ratio": sum(b["loss_after"] / b["loss_before"] for b in blocks) / len(blocks),
                  "avg_bits_at_half": sum(b["avg_bits_at_half"] for b in blocks) / len(blocks)}
         print(f"mobiquant quantized: {quant}", flush=True)
         save(model, saved, tokenizer)
         write_atomic(saved / "bench_quant.json", json.dumps(quant))
+        shutil.rmtree(partial)
     else:
         quant = json.loads((saved / "bench_quant.json").read_text())
     return (*load(saved), quant)

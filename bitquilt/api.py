@@ -89,15 +89,19 @@ def quantize(
     tokenizer: Any = None,
     progress: bool = True,
     calib_config: CalibConfig | None = None,
+    resume_dir: str | Path | None = None,
     **recipe_fields: Any,
 ) -> QuantReport:
     """Quantize `model` in place. `calib` is token ids [n, seqlen], a CalibConfig, or None (defaults);
-    `calib_config` records what pre-built ids were made from."""
+    `calib_config` records what pre-built ids were made from. With `resume_dir`, the state after every block is
+    kept there and a call with the same model, recipe and data carries on after the last block it holds
+    (`bitquilt.pipeline.resume`; delete the directory once the model is saved)."""
     if isinstance(recipe, str):
         recipe = Recipe(method=recipe, **recipe_fields)
     check_finite_weights(model)
     ids, config = _calibration(recipe, calib, tokenizer, calib_config)
-    return quantize_model(model, recipe, ids, config, progress=progress)
+    return quantize_model(model, recipe, ids, config, progress=progress,
+                          resume_dir=None if resume_dir is None else Path(resume_dir))
 
 
 # Stages scoped to the whole model that never read its weights, so they run on a model whose blocks are on disk.

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -391,6 +392,9 @@ def cmd_quantize(args) -> int:
     out = Path(args.output)
     check_output(out, args.overwrite)  # before hours of work, not after
     calib = _calib_config(args)
+    if args.stream and args.resume:
+        raise UserError("--resume keeps whole quantized blocks between runs and cannot be combined with --stream; "
+                        "drop one of them")
     if args.stream:
         check_streamable(recipe)
         stream = open_streaming(args.model)  # the skeleton: blocks, final norm and LM head stay on disk
@@ -404,8 +408,11 @@ def cmd_quantize(args) -> int:
         model, tokenizer, report = quantize_streaming(stream, recipe, calib, tokenizer=tokenizer,
                                                       progress=not args.json)
     else:
-        report = quantize(model, recipe, calib, tokenizer=tokenizer, progress=not args.json)
+        report = quantize(model, recipe, calib, tokenizer=tokenizer, progress=not args.json,
+                          resume_dir=progress_dir(out) if args.resume else None)
     save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
+    if args.resume:
+        shutil.rmtree(progress_dir(out), ignore_errors=True)  # the model is saved: its progress is no longer needed
     summary = {"output": str(out), "method": recipe.method, "w_bits": recipe.w_bits,
                "group_size": recipe.group_size, "a_bits": recipe.a_bits, "kv_bits": recipe.kv_bits,
                "head_bits": recipe.head_bits,
@@ -416,6 +423,11 @@ def cmd_quantize(args) -> int:
     else:
         _print_table([summary], list(summary))
     return 0
+
+
+def progress_dir(output: Path) -> Path:
+    """Where `quantize --resume` keeps the state after each block: beside the output, removed once it is saved."""
+    return output.with_name(output.name + ".partial")
 
 
 def _check_task_names(args) -> None:
@@ -811,6 +823,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantize block by block from the safetensors checkpoint, holding one block in full "
                    "precision instead of the whole model (same output; refuses whole-model stages: quarot, mxsens, "
                    "--a8-layers)")
+    s.add_argument("--resume", action="store_true",
+                   help="keep the state after every block in OUTPUT.partial and, when it already holds a run of the "
+                   "same model, recipe and data, carry on after its last block (removed once the model is saved)")
     _add_recipe_args(s)
     s.set_defaults(fn=cmd_quantize)
 

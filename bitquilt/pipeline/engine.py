@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from contextlib import ExitStack
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -28,6 +29,7 @@ from bitquilt.io import set_quantization_record
 from bitquilt.models.adapters import Architecture, architecture_of, decoder_layers
 from bitquilt.pipeline.head import HEAD_STAGE, quantize_head
 from bitquilt.pipeline.report import QuantReport
+from bitquilt.pipeline.resume import Progress, fingerprint, load_progress, restore_blocks, save_progress
 from bitquilt.recipes import CalibConfig, Recipe
 from bitquilt.resources import peak_rss_mb, reset_peak_rss
 
@@ -110,12 +112,17 @@ def quantize_model(
     calib: CalibConfig | None = None,
     progress: bool = True,
     blocks: BlockLoader | None = None,
+    resume_dir: Path | None = None,
 ) -> QuantReport:
     """Quantize `model` in place according to `recipe`; returns what was done and what it cost. With `blocks`
-    (streaming quantization), block i's weights are loaded from it just before its stages and released after."""
+    (streaming quantization), block i's weights are loaded from it just before its stages and released after. With
+    `resume_dir`, the state after every block is kept there and a rerun carries on from it
+    (`bitquilt.pipeline.resume`)."""
     start = time.perf_counter()
     reset_peak_rss()
     arch = architecture_of(model)
+    if resume_dir is not None and blocks is not None:
+        raise ValueError("a resume directory cannot be combined with streaming quantization")
     stages = recipe.stages()
     needs_data = recipe.needs_calibration
     if needs_data and calib_ids is None:
@@ -125,18 +132,27 @@ def quantize_model(
     check_layer_shapes(model, plan, residual_block(recipe))
     report = QuantReport(recipe.record(), asdict(calib) if calib and needs_data else None)
     by_scope = {scope: [(s, o) for s, o in stages if s.scope == scope] for scope in SCOPES}
+    layers = decoder_layers(model, arch)
+    run_id = None if resume_dir is None else fingerprint(model, layers[0], recipe.to_dict(), calib_ids)
     ctx = ModelContext(model, arch, plan, calib_ids if needs_data else None, recipe.to_dict())
 
     for stage, opts in by_scope["prepass"] + by_scope["model"]:
         _record(report, stage, stage.fn(ctx, opts), None)
-    layers = decoder_layers(model, arch)
     use_cache = getattr(model.config, "use_cache", None)
     model.config.use_cache = False
     inputs, layer_kwargs = capture_block_inputs(model, arch, calib_ids) if needs_data else ([], [])
+    first = 0
+    saved = None if resume_dir is None else load_progress(resume_dir, run_id)
+    if saved is not None:  # carry on after the last saved block
+        restore_blocks(resume_dir, layers, saved.index)
+        first, inputs, plan, report = saved.index + 1, saved.inputs, saved.plan, saved.report
+        report.resumed_at = first
+        ctx.plan, ctx.scratch = plan, saved.scratch
 
     last_attention_group = max((j for j, g in enumerate(arch.shared_inputs)
                                 if any(n.startswith(f"{arch.attention}.") for n in g.linears)), default=None)
-    bar = tqdm(range(len(layers)), desc=f"quantize {recipe.label()}", unit="block", disable=not progress)
+    bar = tqdm(range(first, len(layers)), desc=f"quantize {recipe.label()}", unit="block", disable=not progress,
+               initial=first, total=len(layers))
     for i in bar:
         t_block = time.perf_counter()
         if blocks is not None:
@@ -164,6 +180,8 @@ def quantize_model(
             blocks.release(i)
         report.block_seconds.append(time.perf_counter() - t_block)
         bar.set_postfix(last_block=f"{report.block_seconds[-1]:.1f}s")
+        if resume_dir is not None:
+            save_progress(resume_dir, layers[i], Progress(run_id, i, inputs, ctx.scratch, plan, report))
 
     model.config.use_cache = use_cache
     if blocks is None:  # streaming quantizes them once it has loaded the LM head (`bitquilt.api.quantize_streaming`)

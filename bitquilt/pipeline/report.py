@@ -25,8 +25,9 @@ class QuantReport:
     block_seconds: list[float] = field(default_factory=list)
     stages: dict[str, Any] = field(default_factory=dict)  # what each stage reported, by stage name
     plan: dict[str, Any] = field(default_factory=dict)  # the final plan (`bitquilt.calib.plan.Plan.to_dict`)
-    total_seconds: float = 0.0
+    total_seconds: float = 0.0  # of this call: a resumed run's earlier blocks are in block_seconds only
     peak_rss_mb: float = 0.0
+    resumed_at: int = 0  # the first block this call quantized (> 0: the blocks before came from a resume directory)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
