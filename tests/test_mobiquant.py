@@ -157,6 +157,24 @@ def test_static_mode_equals_a_router_forced_to_k():
         assert routed.context_for(x) is None and torch.equal(routed(x), static(x))
 
 
+def test_static_slices_are_checked_and_dequantized_only_by_the_reference():
+    fmt = _sliced()
+    linear = QuantLinear(fmt)
+    linear.set_slices(2)
+    assert linear._dequantized is None  # the kernels never need the dense prefix
+    with pytest.raises(ValueError, match=f"9 slices asked of a weight of {len(fmt.parts)}"):
+        linear.set_slices(9)
+    x = torch.randn(5, 128)
+    want = fmt.reference_matmul(x, MatmulContext(slices=torch.full((5,), 2)))
+    kernels.set_kernels_enabled(False)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(linear(x), want)
+        assert torch.equal(linear._dequantized, fmt.dequantize(2))  # built on the reference's first use
+    finally:
+        kernels.set_kernels_enabled(True)
+
+
 # ---------------------------------------------------------------- joint calibration, end to end
 @pytest.fixture(scope="module")
 def routed_tiny():

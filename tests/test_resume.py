@@ -8,6 +8,7 @@ import torch
 import bitquilt.pipeline.engine as engine
 from bitquilt.api import quantize
 from bitquilt.cli import main
+from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import Recipe
 from tests.conftest import make_tiny
 
@@ -46,6 +47,8 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(name, tmp_path, 
     with pytest.raises(Interrupted):
         quantize(make_tiny("llama"), Recipe(**RECIPES[name]), IDS, progress=False, resume_dir=tmp_path)
     assert saved == [0] and (tmp_path / "block_0000.pt").exists() and not (tmp_path / "block_0001.pt").exists()
+    block = torch.load(tmp_path / "block_0000.pt", weights_only=False)
+    assert all(m._dequantized is None for m in block.modules() if isinstance(m, QuantLinear))  # packed only
     monkeypatch.undo()
     first_block_seconds = torch.load(tmp_path / "state.pt", weights_only=False).report.block_seconds
 

@@ -40,9 +40,12 @@ class QuantLinear(nn.Module):
         return self.dequantized()
 
     def set_slices(self, k: int | None) -> None:
-        """Give every token the first k parts of a multi-part weight (None: all of them)."""
-        w = self.fmt.dequantize(k)  # checks k against the format
-        self.slices, self._dequantized = k, w if self.cache_dequantized else None
+        """Give every token the first k parts of a multi-part weight (None: all of them). The reference path
+        dequantizes those parts when it first needs them; the kernels never do."""
+        parts = getattr(self.fmt, "parts", None)
+        if k is not None and parts is not None and not 0 <= k <= len(parts):
+            raise ValueError(f"{k} slices asked of a weight of {len(parts)}")
+        self.slices, self._dequantized = k, None
 
     def dequantized(self) -> torch.Tensor:
         if self._dequantized is not None:
@@ -51,6 +54,10 @@ class QuantLinear(nn.Module):
         if self.cache_dequantized:
             self._dequantized = w
         return w
+
+    def __getstate__(self) -> dict:
+        """Pickled (a resumable run's saved blocks) without the dequantized cache, which is rebuilt on use."""
+        return {**self.__dict__, "_dequantized": None}
 
     def _apply(self, fn, recurse=True):
         # keep the format's tensors the same objects as the buffers after .to()/.cuda()
