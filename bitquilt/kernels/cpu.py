@@ -103,7 +103,7 @@ _BYTE_OF_ROW = sorted(range(TILE), key=_ROW_OF_BYTE.__getitem__)
 
 # Batch size from which dequantizing row chunks to fp32 and calling sgemm beats the tables (whose
 # cost grows with the planes; sgemm's does not): measured on a 2-core Zen 3 (MKL sgemm ~40 GFLOP/s
-# per core) with `python bench/kernels.py --crossover`.
+# per core) with `python bench/kernel_speed.py --crossover`.
 _SGEMM_BATCH = {2: 192, 3: 96, 4: 64, 8: 32}
 
 

@@ -1,4 +1,4 @@
-// The read-bandwidth ceiling the kernel benchmarks compare against (bench/kernels.py): one streaming pass over a
+// The read-bandwidth ceiling the kernel benchmarks compare against (bench/kernel_speed.py): one streaming pass over a
 // buffer that does as little as a read can, four 256-bit loads OR-ed into four accumulators per step. A batch-1
 // matmul reads its weights once, so this pass's bytes per second bound its rate on the same thread and data.
 // (torch.sum of fp32, the ceiling used before, adds per element and ran below what the AVX-512 kernels reach.)
