@@ -55,11 +55,18 @@ class CompositeFormat(WeightFormat):
         """argsort(perm): Ŵ = S[:, inverse] (None without a permutation)."""
         return None if self.perm is None else torch.argsort(self.perm)
 
+    def leading_parts(self, k: Any = None) -> int:
+        """k as a number of leading parts (None: all of them), checked to lie in [0, number of parts]."""
+        n = len(self.parts)
+        if k is None:
+            return n
+        if not 0 <= int(k) <= n:
+            raise ValueError(f"{k} slices asked of a weight of {n} (accepted: 0 to {n})")
+        return int(k)
+
     def dequantize(self, selector: Any = None) -> torch.Tensor:
         """Ŵ_k, k = `selector` leading parts (None: all of them)."""
-        k = len(self.parts) if selector is None else int(selector)
-        if not 0 <= k <= len(self.parts):
-            raise ValueError(f"selector {selector} out of range for {len(self.parts)} parts")
+        k = self.leading_parts(selector)
         device = next(iter(self.tensors().values())).device
         total = torch.zeros(self.out_features, self.in_features, device=device)
         for part in list(self.parts.values())[:k]:

@@ -66,20 +66,33 @@ def grouped_matmul(x: torch.Tensor, counts: torch.Tensor, parts: Sequence[Callab
     return out
 
 
-def prefix_matmul(x: torch.Tensor, counts: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """y_t = x_t (Σ_{e ≤ counts[t]} W_e)ᵀ for dense weights W_e [out, in]: the running sum of the weights, one
-    product per count present (every token multiplied once, whatever its count)."""
-    low, high = count_range(x, counts, len(weights))
-    if low == high:
-        return x.new_zeros(x.shape[0], weights[0].shape[0]) if high == 0 else x @ sum(weights[:high]).t()
-    y = x.new_zeros(x.shape[0], weights[0].shape[0])
-    total = None
-    for k, weight in enumerate(weights[:high], start=1):
-        total = weight if total is None else total + weight
+def per_count(x: torch.Tensor, counts: torch.Tensor, n_parts: int, out_features: int,
+              product: Callable[[int, torch.Tensor], torch.Tensor | None]) -> torch.Tensor | None:
+    """y_t = product(k_t, x_t) for x [T, in], the tokens grouped by their count k_t: one call per count present
+    (count 0 gives zeros); None as soon as a call returns None."""
+    low, high = count_range(x, counts, n_parts)
+    if low == high:  # every token the same count: no regrouping
+        return x.new_zeros(x.shape[0], out_features) if high == 0 else product(high, x)
+    y = x.new_zeros(x.shape[0], out_features)
+    for k in torch.unique(counts).tolist():
+        if k == 0:
+            continue
         rows = (counts == k).nonzero().squeeze(1)
-        if rows.numel():
-            y[rows] = x[rows] @ total.t()
+        part = product(k, x[rows])
+        if part is None:
+            return None
+        y[rows] = part
     return y
+
+
+def prefix_matmul(x: torch.Tensor, counts: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """y_t = x_t (Σ_{e ≤ counts[t]} W_e)ᵀ for dense weights W_e [out, in]: one product per count present with the
+    running sum of the weights (every token multiplied once, whatever its count)."""
+    @functools.cache
+    def prefix_sum(k: int) -> torch.Tensor:  # counts come in ascending order: each sum extends the one before
+        return weights[0] if k == 1 else prefix_sum(k - 1) + weights[k - 1]
+
+    return per_count(x, counts, len(weights), weights[0].shape[0], lambda k, rows: rows @ prefix_sum(k).t())
 
 
 def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
@@ -102,19 +115,7 @@ def by_count(formats: list[WeightFormat], x: torch.Tensor, counts: torch.Tensor,
     call; None when the parts do not pack alike (the caller then runs them part by part)."""
     from bitquilt.kernels import cpu  # builds the extension on first use, like every kernel
 
-    low, high = count_range(x, counts, len(formats))
-    if low == high:
-        return x.new_zeros(x.shape[0], out_features) if high == 0 else cpu.matmul_parts(formats[:high], x)
-    y = x.new_zeros(x.shape[0], out_features)
-    for k in torch.unique(counts).tolist():
-        if k == 0:
-            continue
-        rows = (counts == k).nonzero().squeeze(1)
-        part = cpu.matmul_parts(formats[:k], x[rows])
-        if part is None:
-            return None
-        y[rows] = part
-    return y
+    return per_count(x, counts, len(formats), out_features, lambda k, rows: cpu.matmul_parts(formats[:k], rows))
 
 
 kernels.register_kernel("composite", "by_parts", matmul)

@@ -21,7 +21,8 @@ from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
 from bitquilt.kernels import LayoutCache, cpu, fp32_rows, int8_activations, kernels_for, like, register_kernel, takes
 
-MAX_TOKENS = 16  # measured up to here (bench/kernel_speed.py --uniform8: at 16 tokens 2.0–2.8× the tables); beyond: cpu_lut
+# measured up to here (bench/kernel_speed.py --uniform8: at 16 tokens 2.0–2.8× the tables); beyond: cpu_lut
+MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,8 @@ class QuantLinear(nn.Module):
     def set_slices(self, k: int | None) -> None:
         """Give every token the first k parts of a multi-part weight (None: all of them). The reference path
         dequantizes those parts when it first needs them; the kernels never do."""
-        parts = getattr(self.fmt, "parts", None)
-        if k is not None and parts is not None and not 0 <= k <= len(parts):
-            raise ValueError(f"{k} slices asked of a weight of {len(parts)}")
+        if k is not None and hasattr(self.fmt, "leading_parts"):
+            self.fmt.leading_parts(k)  # raises for a count outside [0, number of parts]
         self.slices, self._dequantized = k, None
 
     def dequantized(self) -> torch.Tensor:

@@ -284,14 +284,14 @@ at::Tensor lut_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 }
 
 // The parts of a sum, each checked against the shared shape.
-std::vector<Part> make_parts(const at::Tensor& x, const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& coefs,
+std::vector<Part> make_parts(int64_t K, const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& coefs,
                              const std::vector<int64_t>& ks, const std::vector<bool>& uniforms, int64_t N,
                              int64_t block, int64_t group) {
   TORCH_CHECK(!ws.empty() && coefs.size() == ws.size() && ks.size() == ws.size() && uniforms.size() == ws.size(),
               "one coefficient tensor, plane count and uniform flag per part");
   std::vector<Part> parts;
   for (size_t p = 0; p < ws.size(); ++p)
-    parts.push_back(make_part(x.size(1), ws[p], coefs[p], N, ks[p], block, group, uniforms[p]));
+    parts.push_back(make_part(K, ws[p], coefs[p], N, ks[p], block, group, uniforms[p]));
   return parts;
 }
 
@@ -301,7 +301,7 @@ at::Tensor lut_matmul_parts(const at::Tensor& x, const std::vector<at::Tensor>& 
                             const std::vector<at::Tensor>& coefs, const std::vector<int64_t>& ks,
                             const std::vector<bool>& uniforms, int64_t N, int64_t block, int64_t group) {
   check_rows(x);
-  return lut_parts(x, make_parts(x, ws, coefs, ks, uniforms, N, block, group), N, {});
+  return lut_parts(x, make_parts(x.size(1), ws, coefs, ks, uniforms, N, block, group), N, {});
 }
 
 // Rows of one tile dequantized to fp32 row-major: out[r * K + c] = C0 + sum_i C_i B_i[r, c], added to what out
@@ -389,7 +389,7 @@ at::Tensor dequant_matmul_parts(const at::Tensor& x, const std::vector<at::Tenso
                                 const std::vector<bool>& uniforms, int64_t N, int64_t block, int64_t group,
                                 const std::vector<int64_t>& byte_of_row) {
   check_rows(x);
-  return dequant_parts_matmul(x, make_parts(x, ws, coefs, ks, uniforms, N, block, group), N, byte_of_row, {});
+  return dequant_parts_matmul(x, make_parts(x.size(1), ws, coefs, ks, uniforms, N, block, group), N, byte_of_row, {});
 }
 
 // y [T, N] += x [T, K] @ S^T in place for the residual S alone, tiles of 32 output rows in parallel.
