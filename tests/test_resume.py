@@ -50,7 +50,7 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(name, tmp_path, 
     block = torch.load(tmp_path / "block_0000.pt", weights_only=False)
     assert all(m._dequantized is None for m in block.modules() if isinstance(m, QuantLinear))  # packed only
     monkeypatch.undo()
-    first_block_seconds = torch.load(tmp_path / "state.pt", weights_only=False).report.block_seconds
+    first = torch.load(tmp_path / "state.pt", weights_only=False).report
 
     resumed = make_tiny("llama")  # a fresh process would load the model again
     again = quantize(resumed, Recipe(**RECIPES[name]), IDS, progress=False, resume_dir=tmp_path)
@@ -58,8 +58,9 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(name, tmp_path, 
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with torch.no_grad():
         assert torch.equal(whole(IDS).logits, resumed(IDS).logits)
-    assert again.block_seconds[:1] == first_block_seconds and again.resumed_at == 1  # block 0 restored, not redone
-    assert len(again.block_seconds) == 2 and again.stages.keys() == report.stages.keys()
+    assert again.resumed_at == 1  # block 0 restored with its wall and CPU times, not redone
+    assert again.block_seconds[:1] == first.block_seconds and again.block_cpu_seconds[:1] == first.block_cpu_seconds
+    assert len(again.block_seconds) == len(again.block_cpu_seconds) == 2 and again.stages.keys() == report.stages.keys()
     assert [r.name for r in again.linears] == [r.name for r in report.linears]
 
 

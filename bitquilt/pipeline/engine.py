@@ -154,7 +154,7 @@ def quantize_model(
     bar = tqdm(range(first, len(layers)), desc=f"quantize {recipe.label()}", unit="block", disable=not progress,
                initial=first, total=len(layers))
     for i in bar:
-        t_block = time.perf_counter()
+        t_block, cpu_block = time.perf_counter(), time.process_time()
         if blocks is not None:
             blocks.load(i)
         block_ctx = BlockContext(model, arch, plan, ctx.calib_ids, ctx.settings, ctx.scratch, index=i,
@@ -179,6 +179,7 @@ def quantize_model(
         if blocks is not None:
             blocks.release(i)
         report.block_seconds.append(time.perf_counter() - t_block)
+        report.block_cpu_seconds.append(time.process_time() - cpu_block)
         bar.set_postfix(last_block=f"{report.block_seconds[-1]:.1f}s")
         if resume_dir is not None:
             save_progress(resume_dir, layers[i], Progress(run_id, i, inputs, ctx.scratch, plan, report))

@@ -23,6 +23,7 @@ class QuantReport:
     calibration: dict[str, Any] | None
     linears: list[LinearReport] = field(default_factory=list)
     block_seconds: list[float] = field(default_factory=list)
+    block_cpu_seconds: list[float] = field(default_factory=list)  # process CPU time of each block (all threads)
     stages: dict[str, Any] = field(default_factory=dict)  # what each stage reported, by stage name
     plan: dict[str, Any] = field(default_factory=dict)  # the final plan (`bitquilt.calib.plan.Plan.to_dict`)
     total_seconds: float = 0.0  # of this call: a resumed run's earlier blocks are in block_seconds only
