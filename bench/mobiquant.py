@@ -8,6 +8,7 @@ Rows, most telling first (records resume where a run stopped):
   routed at each --avg-bits (one global threshold δ, the bits really used reported) and static
   (every token the same slices) at each width the slices reach, all from the one saved checkpoint;
 - GPTQ and AWQ calibrated separately at each --widths (groups of --group-size, as the slices);
+- the unquantized model on the same windows (`--parts fp`), the floor every row is read against;
 - "mobislice nested" / "mobislice lloyd" (`--parts slicing`): the slices alone, uncalibrated, on each
   MoBiSlice grid, at each static width: what the grid gives before any training;
 - "gptq 3→4": the 3-bit GPTQ checkpoint's weights requantized on the 4-bit grid (RTN), the static
@@ -145,8 +146,11 @@ def render(records: list[dict]) -> str:
                   + (" Sliced from AWQ-scaled weights (--method awq+mobiquant), the scales searched at the width "
                      "in the name (awq.bits)." if AWQ.search(c) else "")
                   for c in dict.fromkeys(r["checkpoint"] for r in rows if r["checkpoint"])]
-        lines += ["", f"Baselines: groups of {settings['group_size']}, calibrated on the same windows.", ""]
-        ppl_rows = sorted((r for r in rows if r["kind"] == "ppl"), key=lambda r: (name_of(r), r["bits"]))
+        fp = next((r for r in rows if r["kind"] == "ppl" and r["label"] == "fp"), None)
+        lines += ["", f"Baselines: groups of {settings['group_size']}, calibrated on the same windows."
+                  + (f" The unquantized model (fp32) on the same windows: {fmt_ppl(fp['ppl'])}." if fp else ""), ""]
+        ppl_rows = sorted((r for r in rows if r["kind"] == "ppl" and r["label"] != "fp"),
+                          key=lambda r: (name_of(r), r["bits"]))
         if ppl_rows:
             lines += ["| model | precision | average bits/weight used | stored bits/weight | perplexity | "
                       "quantization s (CPU s) |", "|---|---|---:|---:|---:|---|"]
@@ -213,6 +217,8 @@ def plot(records: list[dict], model: str) -> None:
         pts = sorted((r["bits"], r["ppl"]) for r in rows if selected(r))
         if pts:
             ax.plot(*zip(*pts), style, color=color, label=name, markersize=6)
+    for r in (r for r in rows if r["label"] == "fp"):
+        ax.axhline(r["ppl"], color="green", linestyle=(0, (1, 3)), label=f"unquantized (fp32): {r['ppl']:.2f}")
     ax.set_yscale("log")
     ax.set_ylim(top=min(ax.get_ylim()[1], PLOT_TOP))
     ax.set_xlabel("average bits per weight used (element bits)")
@@ -320,7 +326,7 @@ def main() -> None:
     p.add_argument("--static-bits", default="2,3,4,5,6")
     p.add_argument("--widths", default="2,3,4", help="widths of the separately calibrated GPTQ/AWQ rows")
     p.add_argument("--baselines", default="gptq,awq")
-    p.add_argument("--parts", default="ppl,slicing,generalise,speed,migration,baselines")
+    p.add_argument("--parts", default="fp,ppl,slicing,generalise,speed,migration,baselines")
     p.add_argument("--speed-rounds", type=int, default=5,
                    help="speed: runs per precision, the precisions taken in turn each round")
     p.add_argument("--migration-bits", default="2,3,4")
@@ -385,6 +391,12 @@ def main() -> None:
                 print(f"mobiquant {kind} {bits:g}: {used['avg_bits']:.2f} bits, ppl {value:.2f}", flush=True)
                 keep({"kind": "ppl", "label": "mobiquant", "precision": f"{kind} {bits:g}", "bits": used["avg_bits"],
                       "ppl": value, **summary, **quant})
+    if "fp" in parts and wanted("ppl", "fp", "fp32"):
+        model, tok = load(args.model)
+        value = ppl(model, tok)
+        print(f"fp32: ppl {value:.2f}", flush=True)
+        keep({"kind": "ppl", "label": "fp", "precision": "fp32", "bits": 32.0, "ppl": value})
+        del model
     baselines = [b for b in args.baselines.split(",") if b]
     for label, width in [("gptq", 3)] * ("generalise" in parts) + \
                         [(b, w) for b in baselines for w in map(int, args.widths.split(","))] * ("baselines" in parts):
