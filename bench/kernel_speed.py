@@ -548,11 +548,6 @@ SLICE_COUNTS = [2, 3, 6]
 ROUTED_COUNTS = (1, 4)  # a routed batch: each token 1 to 4 slices (2 to 5 bits), uniformly at random
 
 
-def part_by_part(parts: list, x: torch.Tensor) -> torch.Tensor:
-    """Σ_e x P_eᵀ with each slice's own kernel: the path before `cpu.matmul_parts`."""
-    return sum(composite.part_matmul(p, x) for p in parts)
-
-
 def slices_main() -> None:
     """A prefix of MoBiQuant slices as one `cpu.matmul_parts` call against one kernel call per slice and against
     fp32 with the prefix's dense weight; then a routed batch (`composite.by_count`) against the slice-by-slice
@@ -564,18 +559,19 @@ def slices_main() -> None:
     for n, k in SLICE_SHAPES:
         w = torch.randn(n, k, generator=gen)
         parts = list(get_solver("mobislice")(w, None, LayerSpec(8, GROUP), {}).parts.values())
+        by_part = [functools.partial(composite.part_matmul, p) for p in parts]  # each slice's own kernel
         for t in SLICE_TOKENS:
             x = torch.randn(t, k, generator=gen)
             for count in SLICE_COUNTS:
                 dense = sum(p.dequantize() for p in parts[:count])
                 ms = alternating_cpu_ms([{"one call": (cpu.matmul_parts, parts[:count], x),
-                                          "part by part": (part_by_part, parts[:count], x),
+                                          "part by part": (composite.grouped_matmul, x, torch.tensor(count),
+                                                           by_part, n),
                                           "fp32": (torch.matmul, x, dense.t())} for _ in range(9)])
                 rows.append(dict(N=n, K=k, tokens=t, slices=count, bits=sum(p.bits for p in parts[:count]),
                                  **{f"{name}_cpu_ms": v for name, v in ms.items()}))
                 print(f"{n}x{k} {t} tokens {count} slices: {ms}", flush=True)
             counts = torch.randint(ROUTED_COUNTS[0], ROUTED_COUNTS[1] + 1, (t,), generator=gen)
-            by_part = [functools.partial(composite.part_matmul, p) for p in parts]
             ms = alternating_cpu_ms([{"one call": (composite.by_count, parts, x, counts, n),
                                       "part by part": (composite.grouped_matmul, x, counts, by_part, n)}
                                      for _ in range(9)])
