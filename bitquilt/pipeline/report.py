@@ -26,7 +26,7 @@ class QuantReport:
     block_cpu_seconds: list[float] = field(default_factory=list)  # process CPU time of each block (all threads)
     stages: dict[str, Any] = field(default_factory=dict)  # what each stage reported, by stage name
     plan: dict[str, Any] = field(default_factory=dict)  # the final plan (`bitquilt.calib.plan.Plan.to_dict`)
-    total_seconds: float = 0.0  # of this call: a resumed run's earlier blocks are in block_seconds only
+    total_seconds: float = 0.0  # of this call: a resumed run's earlier blocks are only in the per-block lists
     peak_rss_mb: float = 0.0
     resumed_at: int = 0  # the first block this call quantized (> 0: the blocks before came from a resume directory)
 
