@@ -9,7 +9,9 @@ so the only error is the activations' rounding (≤ d/2 per value); that trade i
 measured in docs/benchmarks.md. Registered as "cpu_q4_int8" ahead of cpu_lut (the 8-bit kernel takes no
 4- or 2-bit call); it declines every call while the switch is off, and formats with act-order (g_idx) or
 widths/groups not multiples of 64. 2-bit codes run the same kernel from half the bytes: once widened in registers
-they are the same vectors of codes, so 2-bit decode reads half of 4-bit's code stream for the same arithmetic.
+they are the same vectors of codes, so 2-bit decode reads half of 4-bit's code stream for the same arithmetic
+(on the VNNI path a single token's 2-bit tiles widen four rows per load instead, the stream being bound by
+instructions rather than memory).
 Per format it keeps its own layout in a `LayoutCache` (the codes two or four per byte, fp16 s and uint8 z per row
 group).
 

@@ -164,8 +164,8 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64 + 32), q.hi);
     }
   };
-  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const float* scales, const int8_t* x,
-                          const float* dt, const float* Xt, int n, const Panel& P, float* out) {
+  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const uint8_t*, const float* scales,
+                          const int8_t* x, const float* dt, const float* Xt, int n, const Panel& P, float* out) {
     if (buffer == nullptr) {
       const auto streamed = [wt](int64_t p, int r) {
         const uint8_t* row = wt + (p * ROWS + r) * chunk;
@@ -186,7 +186,7 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
     else
       tile_tokens<1>(buffered, scales, W, P, x, dt, Xt, out);
   };
-  run_tiles(W, i0, i1, T, xi, d, X, y, split, token);
+  run_tiles(W, i0, i1, T, xi, d, X, y, true, split, token);
 }
 
 }  // namespace

@@ -28,13 +28,22 @@ constexpr int64_t chunk_bytes(int bits) { return PAIR * bits / 8; }
 // A tile's row group decoded once for all its tokens: s of its 4 rows in floats 0-3, s * z in 4-7.
 constexpr int64_t GROUP_FLOATS = 8;
 
-inline void decode_group(const uint8_t* p, float* out) {
+struct GroupScales {
+  __m128 s, sz;  // the 4 rows' s and s * z
+};
+
+inline GroupScales group_scales(const uint8_t* p) {
   const __m128 s = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   uint32_t zeros;
   std::memcpy(&zeros, p + 2 * ROWS, 4);
   const __m128 z = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(zeros))));
-  _mm_storeu_ps(out, s);
-  _mm_storeu_ps(out + ROWS, _mm_mul_ps(s, z));
+  return {s, _mm_mul_ps(s, z)};
+}
+
+inline void decode_group(const uint8_t* p, float* out) {
+  const GroupScales g = group_scales(p);
+  _mm_storeu_ps(out, g.s);
+  _mm_storeu_ps(out + ROWS, g.sz);
 }
 
 // Adds group g's zero-point term of the tile's 4 rows, (s * z)[r] * X[t, g] (`decode_group`'s floats 4-7), to
@@ -105,15 +114,18 @@ void set_vnni(bool enabled);
 
 // The tile loop both paths share, for T tokens already rounded (xi: codes in chunk order, d: per-chunk block
 // scales, X: group sums), panel by panel: for each tile of the panel its groups are decoded once (`decode_group`:
-// per group s[4], s * z[4]), `split(wt, pairs, buffer)` widens the tile's codes `wt` (`pairs` chunks of 64 columns
-// per row) into `buffer` (ROWS bytes per column) once when T > 1, and `token(wt, buffer, scales, xi, d, X, n, panel,
-// out)` computes the panel's share of the tile's 4 rows for n tokens from the given one on (n = 2 while two are
-// left, so each widened chunk loaded serves both; buffer null when T == 1; xi, d and X from the panel's first
-// column and group on, tokens strided by the whole row) into out[n][4], written to y by the first panel and added
-// by the others. Decoding the groups per token instead measured ~30% of the prefill time at group 128.
+// per group s[4], s * z[4]; for one token only when `decode_one`, else left to `token`, which then reads them in
+// registers), `split(wt, pairs, buffer)` widens the tile's codes `wt` (`pairs` chunks of 64 columns per row) into
+// `buffer` (ROWS bytes per column) once when T > 1, and `token(wt, buffer, sz, scales, xi, d, X, n, panel, out)`
+// computes the panel's share of the tile's 4 rows for n tokens from the given one on (n = 2 while two are left, so
+// each widened chunk loaded serves both; buffer null when T == 1; sz the tile's packed row groups of the panel,
+// scales their decoded floats or null; xi, d and X from the panel's first column and group on, tokens strided by
+// the whole row) into out[n][4], written to y by the first panel and added by the others. Decoding the groups per
+// token instead measured ~30% of the prefill time at group 128.
 template <typename Split, typename Token>
 void run_tiles(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
-               float* y, const Split& split, const Token& token) {
+               float* y, bool decode_one, const Split& split, const Token& token) {
+  const bool decode = T > 1 || decode_one;
   const Panel widest = W.panel(0);  // every panel but the last is whole
   std::vector<int8_t> buffer(T > 1 ? ROWS * widest.cols : 0);
   std::vector<float> scales(widest.groups * GROUP_FLOATS);
@@ -123,12 +135,14 @@ void run_tiles(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t*
     for (int64_t i = i0; i < i1; ++i) {
       const uint8_t* wt = W.codes(P, i);
       const uint8_t* sz = W.scales(P, i);
-      for (int64_t g = 0; g < P.groups; ++g) decode_group(sz + g * GROUP_BYTES, scales.data() + g * GROUP_FLOATS);
+      if (decode)
+        for (int64_t g = 0; g < P.groups; ++g) decode_group(sz + g * GROUP_BYTES, scales.data() + g * GROUP_FLOATS);
       const int64_t rows = std::min(ROWS, W.N - i * ROWS);
       if (T > 1) split(wt, P.cols / PAIR, buffer.data());
       for (int64_t t = 0; t < T;) {
         const int n = t + 1 < T ? 2 : 1;
-        token(wt, T > 1 ? buffer.data() : nullptr, scales.data(), xi + t * W.K + P.c0, d + (t * W.K + P.c0) / 8,
+        token(wt, T > 1 ? buffer.data() : nullptr, sz, decode ? scales.data() : nullptr, xi + t * W.K + P.c0,
+              d + (t * W.K + P.c0) / 8,
               X + t * W.groups() + P.g0, n, P, out);
         for (int u = 0; u < n; ++u, ++t) {
           float* yt = y + t * W.N + i * ROWS;

@@ -10,7 +10,8 @@
 // order differs. Against AVX2's vpmaddubsw + vpaddw + vpmaddwd on two 256-bit halves, a chunk costs one
 // instruction instead of four. 2-bit chunks (16 bytes per row) are placed as [row 2j, row 2j, row 2j + 1,
 // row 2j + 1] in the four 128-bit lanes and shifted per lane (by 0 | 4 for lo, 2 | 6 for hi) before the mask,
-// which gives the same two registers.
+// which gives the same two registers; that is how prefill widens them, while a single token's 2-bit tiles take
+// their own loop (`tile_w2_decode`: four rows per load, one row per lane).
 //
 // This file is compiled for AVX-512 VNNI (pragma below, after every include, so that no inline function of a
 // shared header is built for that target); its one entry point runs only after `has_vnni()`.
@@ -113,6 +114,50 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const float* sca
   }
 }
 
+// Batch 1 at 2 bits: one 64-byte load is a chunk's 4 rows (128-bit lane r = row r's 16 bytes), widened by three
+// shifts and four masks into the codes of columns 0-15, 16-31, 32-47, 48-63 of every row (lane r again), each met
+// by those 16 activations broadcast to the four lanes. Two vpdpbusd per block leave row r's block sum spread over
+// lane r's four int32; the group's 4 row scales, one per lane, apply once per group. Against the row-pair path
+// below (per pair of rows: a cross-lane shuffle, two variable shifts, two masks) it widens 256 codes in 7
+// instructions instead of 10, and decodes each row group in registers as it goes (`run_tiles` leaves it undecoded
+// for one token). Measured on Zen 4, batch 1, alternating calls: 1.17-1.26x the row-pair path on weights in L2,
+// 1.14-1.33x on cold ones (the 2-bit stream is bound by instructions, not memory).
+inline void tile_w2_decode(const uint8_t* wt, const uint8_t* sz, const Weight& W, const Panel& P, const int8_t* xi,
+                           const float* dpair, const float* X, float* out) {
+  const int64_t per_group = W.group / PAIR, pairs = P.cols / PAIR;
+  const __m512i mask = _mm512_set1_epi8(0x03);
+  const __m512i lane_of_row = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 total = _mm512_setzero_ps();
+  __m128 offset = _mm_setzero_ps();
+  for (int64_t g = 0; g < P.groups; ++g) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t p = g * per_group; p < std::min(pairs, (g + 1) * per_group); ++p) {
+      const __m512i v = _mm512_loadu_si512(wt + p * ROWS * chunk_bytes(2));
+      const int8_t* x = xi + p * PAIR;  // chunk order: columns 0-15, 32-47, 16-31, 48-63
+      const auto quarter = [x](int offset) {
+        return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + offset)));
+      };
+      const __m512i dot0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, mask),
+                                                                   quarter(0)),
+                                               _mm512_and_si512(_mm512_srli_epi16(v, 2), mask), quarter(32));
+      const __m512i dot1 = _mm512_dpbusd_epi32(
+          _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask), quarter(16)),
+          _mm512_and_si512(_mm512_srli_epi16(v, 6), mask), quarter(48));
+      acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_set1_ps(dpair[p * 8]), acc[0]);
+      acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_set1_ps(dpair[p * 8 + 4]), acc[1]);
+    }
+    const GroupScales s = group_scales(sz + g * GROUP_BYTES);
+    const __m512 row_scale = _mm512_permutexvar_ps(lane_of_row, _mm512_castps128_ps512(s.s));
+    total = _mm512_fmadd_ps(_mm512_add_ps(acc[0], acc[1]), row_scale, total);
+    offset = _mm_fmadd_ps(_mm_set1_ps(X[g]), s.sz, offset);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, total);
+  float off[ROWS];
+  _mm_storeu_ps(off, offset);
+  for (int r = 0; r < ROWS; ++r) out[r] = lanes[4 * r] + lanes[4 * r + 1] + lanes[4 * r + 2] + lanes[4 * r + 3] - off[r];
+}
+
 }  // namespace
 
 template <int BITS>
@@ -125,16 +170,18 @@ void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
       _mm512_storeu_si512(buffer + q * PAIR_BYTES + 64, c.hi);
     }
   };
-  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const float* scales, const int8_t* x,
-                          const float* dt, const float* Xt, int n, const Panel& P, float* out) {
-    if (buffer == nullptr)
+  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const uint8_t* sz, const float* scales,
+                          const int8_t* x, const float* dt, const float* Xt, int n, const Panel& P, float* out) {
+    if (buffer == nullptr && BITS == 2)
+      tile_w2_decode(wt, sz, W, P, x, dt, Xt, out);
+    else if (buffer == nullptr)
       tile_tokens<BITS, 1, false>(wt, nullptr, scales, W, P, x, dt, Xt, out);
     else if (n == 2)
       tile_tokens<BITS, 2, true>(wt, buffer, scales, W, P, x, dt, Xt, out);
     else
       tile_tokens<BITS, 1, true>(wt, buffer, scales, W, P, x, dt, Xt, out);
   };
-  run_tiles(W, i0, i1, T, xi, d, X, y, split_tile, token);
+  run_tiles(W, i0, i1, T, xi, d, X, y, BITS != 2, split_tile, token);
 }
 
 template void tiles_vnni<4>(const Weight&, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
