@@ -65,11 +65,8 @@ inline PairCodes split(const uint8_t* p) {
 // vpdpbusd leave row 2j's block sums in lanes 0-7 and row 2j + 1's in lanes 8-15 (lanes 0-3 and 8-11 the chunk's
 // first block, 4-7 and 12-15 its second). Token t's inputs and outputs are strided as in q4_int8.cpp.
 template <int BITS, int NT, bool buffered>
-inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const uint8_t* sz, const float* scales,
-                        const Weight& W, const Panel& P, const int8_t* xi, const float* dpair, const float* X,
-                        float* out) {
-  const __m512i pair_rows[2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                                _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
+inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const float* scales, const Weight& W, const Panel& P,
+                        const int8_t* xi, const float* dpair, const float* X, float* out) {
   const int64_t G = W.groups(), per_group = W.group / PAIR, pairs = P.cols / PAIR;
   __m512 total[NT][2];
   __m128 offset[NT];
@@ -100,15 +97,12 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const uint8_t* s
         }
       }
     }
-    // the group's row scales: decoded once per tile for several tokens (`scales`), in registers for one
-    const GroupScales s = buffered ? GroupScales{_mm_loadu_ps(scales + g * GROUP_FLOATS),
-                                                 _mm_loadu_ps(scales + g * GROUP_FLOATS + ROWS)}
-                                   : group_scales(sz + g * GROUP_BYTES);
+    const float* s = scales + g * GROUP_FLOATS;
     for (int j = 0; j < 2; ++j) {
-      const __m512 scale = _mm512_permutexvar_ps(pair_rows[j], _mm512_castps128_ps512(s.s));
+      const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(s[2 * j]), _mm256_set1_ps(s[2 * j + 1]), 1);
       for (int t = 0; t < NT; ++t) total[t][j] = _mm512_fmadd_ps(acc[t][j], scale, total[t][j]);
     }
-    for (int t = 0; t < NT; ++t) offset[t] = _mm_fmadd_ps(_mm_set1_ps(X[t * G + g]), s.sz, offset[t]);
+    add_group_offsets<NT>(s, X, G, g, offset);
   }
   for (int t = 0; t < NT; ++t) {
     float off[ROWS];
@@ -125,8 +119,8 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const uint8_t* s
 // by those 16 activations broadcast to the four lanes. Two vpdpbusd per block leave row r's block sum spread over
 // lane r's four int32; the group's 4 row scales, one per lane, apply once per group. Against the row-pair path
 // below (per pair of rows: a cross-lane shuffle, two variable shifts, two masks) it widens 256 codes in 7
-// instructions instead of 10, and decodes each row group in registers as it goes (as `tile_tokens` does for one
-// token: `run_tiles` leaves the groups undecoded on this path). Measured on Zen 4, batch 1, alternating calls: 1.17-1.26x the row-pair path on weights in L2,
+// instructions instead of 10, and decodes each row group in registers as it goes (`run_tiles` leaves it undecoded
+// for one token). Measured on Zen 4, batch 1, alternating calls: 1.17-1.26x the row-pair path on weights in L2,
 // 1.14-1.33x on cold ones (the 2-bit stream is bound by instructions, not memory).
 inline void tile_w2_decode(const uint8_t* wt, const uint8_t* sz, const Weight& W, const Panel& P, const int8_t* xi,
                            const float* dpair, const float* X, float* out) {
@@ -181,13 +175,13 @@ void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
     if (buffer == nullptr && BITS == 2)
       tile_w2_decode(wt, sz, W, P, x, dt, Xt, out);
     else if (buffer == nullptr)
-      tile_tokens<BITS, 1, false>(wt, nullptr, sz, nullptr, W, P, x, dt, Xt, out);
+      tile_tokens<BITS, 1, false>(wt, nullptr, scales, W, P, x, dt, Xt, out);
     else if (n == 2)
-      tile_tokens<BITS, 2, true>(wt, buffer, sz, scales, W, P, x, dt, Xt, out);
+      tile_tokens<BITS, 2, true>(wt, buffer, scales, W, P, x, dt, Xt, out);
     else
-      tile_tokens<BITS, 1, true>(wt, buffer, sz, scales, W, P, x, dt, Xt, out);
+      tile_tokens<BITS, 1, true>(wt, buffer, scales, W, P, x, dt, Xt, out);
   };
-  run_tiles(W, i0, i1, T, xi, d, X, y, false, split_tile, token);
+  run_tiles(W, i0, i1, T, xi, d, X, y, BITS != 2, split_tile, token);
 }
 
 template void tiles_vnni<4>(const Weight&, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
