@@ -127,7 +127,7 @@ inline void tile_tokens(const CodesOf& codes, const float* scales, const Weight&
       const __m256 scale = _mm256_broadcast_ss(s + r);
       for (int t = 0; t < NT; ++t) total[t][r] = _mm256_fmadd_ps(acc[t][r], scale, total[t][r]);
     }
-    add_group_offsets<NT>(s, X, G, g, offset);
+    add_group_offsets<NT>(_mm_loadu_ps(s + ROWS), X, G, g, offset);
   }
   for (int t = 0; t < NT; ++t) {
     float off[ROWS];

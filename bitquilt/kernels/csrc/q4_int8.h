@@ -46,11 +46,11 @@ inline void decode_group(const uint8_t* p, float* out) {
   _mm_storeu_ps(out + ROWS, g.sz);
 }
 
-// Adds group g's zero-point term of the tile's 4 rows, (s * z)[r] * X[t, g] (`decode_group`'s floats 4-7), to
-// offset[t] for NT tokens (group sums X strided by G); both paths subtract it from their row sums.
+// Adds group g's zero-point term of the tile's 4 rows, (s * z)[r] * X[t, g] (sz: `decode_group`'s floats 4-7, or
+// `group_scales(...).sz`), to offset[t] for NT tokens (group sums X strided by G); every path subtracts it from its
+// row sums.
 template <int NT>
-inline void add_group_offsets(const float* s, const float* X, int64_t G, int64_t g, __m128* offset) {
-  const __m128 sz = _mm_loadu_ps(s + ROWS);
+inline void add_group_offsets(__m128 sz, const float* X, int64_t G, int64_t g, __m128* offset) {
   for (int t = 0; t < NT; ++t) offset[t] = _mm_fmadd_ps(_mm_set1_ps(X[t * G + g]), sz, offset[t]);
 }
 

@@ -102,7 +102,7 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const float* sca
       const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(s[2 * j]), _mm256_set1_ps(s[2 * j + 1]), 1);
       for (int t = 0; t < NT; ++t) total[t][j] = _mm512_fmadd_ps(acc[t][j], scale, total[t][j]);
     }
-    add_group_offsets<NT>(s, X, G, g, offset);
+    add_group_offsets<NT>(_mm_loadu_ps(s + ROWS), X, G, g, offset);
   }
   for (int t = 0; t < NT; ++t) {
     float off[ROWS];
@@ -118,7 +118,7 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const float* sca
 // shifts and four masks into the codes of columns 0-15, 16-31, 32-47, 48-63 of every row (lane r again), each met
 // by those 16 activations broadcast to the four lanes. Two vpdpbusd per block leave row r's block sum spread over
 // lane r's four int32; the group's 4 row scales, one per lane, apply once per group. Against the row-pair path
-// below (per pair of rows: a cross-lane shuffle, two variable shifts, two masks) it widens 256 codes in 7
+// above (per pair of rows: a cross-lane shuffle, two variable shifts, two masks) it widens 256 codes in 7
 // instructions instead of 10, and decodes each row group in registers as it goes (`run_tiles` leaves it undecoded
 // for one token). Measured on Zen 4, batch 1, alternating calls: 1.17-1.26x the row-pair path on weights in L2,
 // 1.14-1.33x on cold ones (the 2-bit stream is bound by instructions, not memory).
@@ -149,7 +149,7 @@ inline void tile_w2_decode(const uint8_t* wt, const uint8_t* sz, const Weight& W
     const GroupScales s = group_scales(sz + g * GROUP_BYTES);
     const __m512 row_scale = _mm512_permutexvar_ps(lane_of_row, _mm512_castps128_ps512(s.s));
     total = _mm512_fmadd_ps(_mm512_add_ps(acc[0], acc[1]), row_scale, total);
-    offset = _mm_fmadd_ps(_mm_set1_ps(X[g]), s.sz, offset);
+    add_group_offsets<1>(s.sz, X, W.groups(), g, &offset);
   }
   alignas(64) float lanes[16];
   _mm512_store_ps(lanes, total);
