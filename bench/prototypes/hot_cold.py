@@ -1,0 +1,69 @@
+"""Ad hoc: the batch-1 4-bit x int8 kernel on weights in cache against cold copies and a cold read of the same bytes.
+
+Whether a shape is bound by instructions or by memory (docs/benchmarks.md, "Two loops that did not pay"): if the
+kernel on the same weights over and over (hot) is no faster than one streaming read of them from DRAM, no memory
+layout can bring it to the read ceiling. 1 thread, each path's calls and the read alternating within a round,
+median thread CPU time.
+
+    python bench/prototypes/hot_cold.py [--shapes 1536x1536,4096x4096] [--rounds 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_speed import cold_copies, random_uniform  # noqa: E402
+
+from bitquilt.kernels import cpu, q4_int8  # noqa: E402
+
+GROUP = 128
+
+
+def measure(n: int, k: int, rounds: int, gen: torch.Generator) -> dict[str, float]:
+    """Median µs of each call: the kernel hot and cold on each instruction-set path, and the cold read."""
+    ext = cpu.extension()
+    layouts = [q4_int8.layout(random_uniform(n, k, 4, gen, GROUP)) for _ in range(cold_copies(n * k // 2))]
+    nbytes = layouts[0].nbytes()
+    buffers = [torch.randn(nbytes // 128 * 32, generator=gen) for _ in layouts]
+    x = torch.randn(1, k, generator=gen)
+    calls = [f"{state} {isa}" for isa in q4_int8.supported_isas() for state in ("hot", "cold")] + ["read"]
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(rounds):
+        for j, name in enumerate(calls):
+            if name != "read":
+                ext.q4_int8_set_vnni(name.endswith("avx512"))
+                lay = layouts[0] if name.startswith("hot") else layouts[1 + (r * len(calls) + j) % (len(layouts) - 1)]
+            start = time.thread_time_ns()
+            if name == "read":
+                ext.read_pass(buffers[r % len(buffers)], 0)
+            else:
+                ext.q4_int8_matmul(x, lay.codes, lay.scales, n, GROUP, 4)
+            times[name].append((time.thread_time_ns() - start) / 1e3)
+    q4_int8.set_isa()
+    return {name: statistics.median(t) for name, t in times.items()} | {"bytes": nbytes}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="1536x1536,4096x4096")
+    p.add_argument("--rounds", type=int, default=300)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    for shape in args.shapes.split(","):
+        n, k = map(int, shape.split("x"))
+        us = measure(n, k, args.rounds, gen)
+        nbytes = us.pop("bytes")
+        print(f"{n}x{k} ({nbytes / 1e6:.2f} MB): " + ", ".join(f"{name} {v:.1f} µs" for name, v in us.items())
+              + f"; read ceiling {nbytes / us['read'] / 1e3:.1f} GB/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
