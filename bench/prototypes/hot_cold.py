@@ -11,43 +11,43 @@ median thread CPU time.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel_speed import cold_copies, random_uniform  # noqa: E402
+from kernel_speed import PREFETCH, alternating_cpu_ms, cold_copies, random_uniform  # noqa: E402
 
 from bitquilt.kernels import cpu, q4_int8  # noqa: E402
 
 GROUP = 128
 
 
-def measure(n: int, k: int, rounds: int, gen: torch.Generator) -> dict[str, float]:
-    """Median µs of each call: the kernel hot and cold on each instruction-set path, and the cold read."""
+def measure(n: int, k: int, rounds: int, gen: torch.Generator) -> tuple[dict[str, float], int]:
+    """Median µs of each call (the kernel hot and cold on each instruction-set path, and the cold read, plain and
+    prefetching as bench/kernel_speed.py's ceiling), and the bytes each reads."""
     ext = cpu.extension()
     layouts = [q4_int8.layout(random_uniform(n, k, 4, gen, GROUP)) for _ in range(cold_copies(n * k // 2))]
-    nbytes = layouts[0].nbytes()
-    buffers = [torch.randn(nbytes // 128 * 32, generator=gen) for _ in layouts]
+    buffers = [torch.randn(layouts[0].nbytes() // 128 * 32, generator=gen) for _ in layouts]
     x = torch.randn(1, k, generator=gen)
-    calls = [f"{state} {isa}" for isa in q4_int8.supported_isas() for state in ("hot", "cold")] + ["read"]
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for r in range(rounds):
-        for j, name in enumerate(calls):
-            if name != "read":
-                ext.q4_int8_set_vnni(name.endswith("avx512"))
-                lay = layouts[0] if name.startswith("hot") else layouts[1 + (r * len(calls) + j) % (len(layouts) - 1)]
-            start = time.thread_time_ns()
-            if name == "read":
-                ext.read_pass(buffers[r % len(buffers)], 0)
-            else:
-                ext.q4_int8_matmul(x, lay.codes, lay.scales, n, GROUP, 4)
-            times[name].append((time.thread_time_ns() - start) / 1e3)
+
+    def on(isa: str, lay) -> None:
+        ext.q4_int8_set_vnni(isa == "avx512")
+        ext.q4_int8_matmul(x, lay.codes, lay.scales, n, GROUP, 4)
+
+    isas = q4_int8.supported_isas()
+
+    def cold(r: int, j: int):  # layouts[0] is the hot one; each cold call reads a copy no other call read lately
+        return layouts[1 + (r * len(isas) + j) % (len(layouts) - 1)]
+
+    ms = alternating_cpu_ms([{**{f"hot {isa}": (on, isa, layouts[0]) for isa in isas},
+                              **{f"cold {isa}": (on, isa, cold(r, j)) for j, isa in enumerate(isas)},
+                              "read": (ext.read_pass, buffers[2 * r % len(buffers)], 0),
+                              "read prefetching": (ext.read_pass, buffers[(2 * r + 1) % len(buffers)], PREFETCH)}
+                             for r in range(rounds)])
     q4_int8.set_isa()
-    return {name: statistics.median(t) for name, t in times.items()} | {"bytes": nbytes}
+    return {name: v * 1e3 for name, v in ms.items()}, layouts[0].nbytes()
 
 
 def main() -> None:
@@ -59,10 +59,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for shape in args.shapes.split(","):
         n, k = map(int, shape.split("x"))
-        us = measure(n, k, args.rounds, gen)
-        nbytes = us.pop("bytes")
+        us, nbytes = measure(n, k, args.rounds, gen)
         print(f"{n}x{k} ({nbytes / 1e6:.2f} MB): " + ", ".join(f"{name} {v:.1f} µs" for name, v in us.items())
-              + f"; read ceiling {nbytes / us['read'] / 1e3:.1f} GB/s", flush=True)
+              + f"; read ceiling {nbytes / min(us['read'], us['read prefetching']) / 1e3:.1f} GB/s", flush=True)
 
 
 if __name__ == "__main__":
