@@ -19,8 +19,8 @@
 // the tokens over it two at a time (each widened chunk loaded serves both), with the tile's group scales decoded
 // once per tile rather than per token: on Zen 4 at 128 tokens the two measured 1.13-1.60x faster on this path
 // and 1.26-1.53x on VNNI, the decoding alone ~30% of the time at group 128. The code stream is sequential, yet
-// at batch 1 the hardware prefetcher alone leaves loads waiting on Zen 3: prefetching each chunk 4 KB ahead
-// measured 1.15-1.45x faster there (2 and 8 KB alike; on Zen 4 a prefetch measured no different).
+// at batch 1 the hardware prefetcher alone leaves loads waiting: prefetching each chunk PREFETCH_BYTES ahead
+// measured 1.15-1.45x faster on Zen 3 and up to 1.4x on Zen 4 (q4_int8.h).
 //
 // 2-bit codes take the same path with half the bytes: a row's 64 codes are 16 bytes, broadcast to both 128-bit
 // lanes and shifted per lane (vpsrlvd by 0 | 4 for columns 0-15 | 32-47, by 2 | 6 for 16-31 | 48-63) before the
@@ -87,8 +87,6 @@ inline __m256 chunk_dot(const Codes& q, __m256i xl, __m256i xh) {
   const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(q.lo, xl), _mm256_maddubs_epi16(q.hi, xh));
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
 }
-
-constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead a batch-1 tile prefetches its code stream
 
 // Panel P's share of the tile's 4 rows for NT tokens at once (NT = 2 for prefill: each code chunk loaded serves
 // both tokens); `codes(p, r)` gives row r's chunk p of the panel (packed, or widened in a buffer), `scales` the
@@ -169,9 +167,7 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
     if (buffer == nullptr) {
       const auto streamed = [wt](int64_t p, int r) {
         const uint8_t* row = wt + (p * ROWS + r) * chunk;
-        if (r == 0)  // the chunk's 4 rows: 2 cache lines at 4 bits, 1 at 2
-          for (int line = 0; line < ROWS * chunk / 64; ++line)
-            _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES + 64 * line), _MM_HINT_T0);
+        if (r == 0) prefetch_ahead(row, ROWS * chunk / 64);  // the chunk's 4 rows: 2 cache lines at 4 bits, 1 at 2
         return widen<BITS>(row);
       };
       tile_tokens<1>(streamed, scales, W, P, x, dt, Xt, out);

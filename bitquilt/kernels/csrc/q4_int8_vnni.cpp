@@ -86,6 +86,7 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const float* sca
         xhi[t] = _mm512_broadcast_i64x4(_mm256_loadu_si256(x + 1));
         d[t] = _mm512_broadcast_f32x8(_mm256_loadu_ps(dpair + t * W.K / 8 + p * 8));
       }
+      if constexpr (!buffered) prefetch_ahead(wt + p * ROWS * chunk_bytes(BITS), ROWS * chunk_bytes(BITS) / 64);
       for (int j = 0; j < 2; ++j) {
         const PairCodes q = buffered ? PairCodes{_mm512_loadu_si512(codes + (p * 2 + j) * PAIR_BYTES),
                                                  _mm512_loadu_si512(codes + (p * 2 + j) * PAIR_BYTES + 64)}
@@ -133,6 +134,7 @@ inline void tile_w2_decode(const uint8_t* wt, const uint8_t* sz, const Weight& W
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t p = g * per_group; p < std::min(pairs, (g + 1) * per_group); ++p) {
       const __m512i v = _mm512_loadu_si512(wt + p * ROWS * chunk_bytes(2));
+      prefetch_ahead(wt + p * ROWS * chunk_bytes(2), 1);
       const int8_t* x = xi + p * PAIR;  // chunk order: columns 0-15, 32-47, 16-31, 48-63
       const auto quarter = [x](int offset) {
         return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + offset)));

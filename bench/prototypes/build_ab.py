@@ -1,0 +1,92 @@
+"""Ad hoc: the batch-1 int8-activation kernel of two or more builds of `csrc/`, alternating on cold weights.
+
+How a kernel change is judged on this noisy host (docs/benchmarks.md, "Prefetch on the VNNI path"): each source tree
+is built as its own extension, and in every round each build's kernel reads its own cold copy of the weights, beside
+the read ceiling (plain and prefetching passes, as bench/kernel_speed.py); medians of thread CPU time over the rounds.
+
+    python bench/prototypes/build_ab.py old=/tmp/csrc_old new=bitquilt/kernels/csrc [--bits 2] [--isas vnni,avx2]
+
+Each build takes about a minute (cached under /tmp/bitquilt_ab/<name>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_speed import cold_copies, random_uniform  # noqa: E402
+
+from bitquilt.kernels import cpu, q4_int8  # noqa: E402
+
+SHAPES = "1536x1536,8960x1536,1536x8960,4096x4096"
+READ_PREFETCH = (0, 4096, 8192)  # bytes ahead in the ceiling's read passes
+
+
+def build(name: str, source: Path):
+    """The extension built from `source` (a copy of csrc/) under its own module name."""
+    out = Path("/tmp/bitquilt_ab") / name
+    out.mkdir(parents=True, exist_ok=True)
+    return load(name=f"bitquilt_ab_{name}", sources=[str(source / s.name) for s in cpu._SOURCES],
+                extra_cflags=cpu._FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(out))
+
+
+def cpu_us(fn, *args) -> float:
+    start = time.thread_time_ns()
+    fn(*args)
+    return (time.thread_time_ns() - start) / 1e3
+
+
+def compare(builds: dict, shapes: list[tuple[int, int]], bits: int, isas: list[str], rounds: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    reader = next(iter(builds.values()))
+    for n, k in shapes:
+        layouts = [q4_int8.layout(random_uniform(n, k, bits, gen, 128 if bits == 4 else 64))
+                   for _ in range(cold_copies(n * k * bits // 8))]
+        nbytes = layouts[0].nbytes()
+        buffers = [torch.randn(nbytes // 128 * 32, generator=gen) for _ in range(cold_copies(nbytes))]
+        x = torch.randn(1, k, generator=gen)
+        times: dict[str, list[float]] = {f"{isa} {name}": [] for isa in isas for name in builds}
+        reads: dict[int, list[float]] = {d: [] for d in READ_PREFETCH}
+        copy = 0
+        for _ in range(rounds):
+            for isa in isas:
+                for name, ext in builds.items():
+                    lay = layouts[copy % len(layouts)]
+                    copy += 1
+                    ext.q4_int8_set_vnni(isa == "vnni")
+                    times[f"{isa} {name}"].append(cpu_us(ext.q4_int8_matmul, x, lay.codes, lay.scales, n, lay.group,
+                                                         lay.bits))
+            for ahead in READ_PREFETCH:
+                reads[ahead].append(cpu_us(reader.read_pass, buffers[copy % len(buffers)], ahead))
+                copy += 1
+        ceiling = max(nbytes / statistics.median(t) / 1e3 for t in reads.values())
+        cells = [f"{key} {statistics.median(t):.1f} µs ({100 * nbytes / statistics.median(t) / 1e3 / ceiling:.0f}%)"
+                 for key, t in times.items()]
+        print(f"w{bits} {n}x{k}, ceiling {ceiling:.1f} GB/s: " + ", ".join(cells), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("builds", nargs="+", help="name=path of a copy of bitquilt/kernels/csrc")
+    ap.add_argument("--bits", type=int, choices=(4, 2), default=4)
+    ap.add_argument("--isas", default="vnni,avx2")
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--rounds", type=int, default=60)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    builds = {name: build(name, Path(path)) for name, path in (b.split("=", 1) for b in args.builds)}
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    print(f"load average {Path('/proc/loadavg').read_text().split()[:3]}")
+    compare(builds, shapes, args.bits, args.isas.split(","), args.rounds)
+    print(f"load average {Path('/proc/loadavg').read_text().split()[:3]}")
+
+
+if __name__ == "__main__":
+    main()
