@@ -93,8 +93,8 @@ inline __m256 chunk_dot(const Codes& q, __m256i xl, __m256i xh) {
 // tile's decoded groups of the panel (`decode_group`). Token t's rounded activations, block scales and group sums
 // from the panel's start are at xi + t * K, dpair + t * K / 8, X + t * groups; its rows go to out[t * ROWS + r].
 template <int NT, typename CodesOf>
-inline void tile_tokens(const CodesOf& codes, const float* scales, const Weight& W, const Panel& P, const int8_t* xi,
-                        const float* dpair, const float* X, float* out) {
+inline void tile_tokens(const CodesOf& codes, const uint8_t* sz, const float* scales, const Weight& W, const Panel& P,
+                        const int8_t* xi, const float* dpair, const float* X, float* out) {
   const int64_t G = W.groups(), per_group = W.group / PAIR;
   __m256 total[NT][ROWS];
   __m128 offset[NT];
@@ -120,12 +120,14 @@ inline void tile_tokens(const CodesOf& codes, const float* scales, const Weight&
         for (int t = 0; t < NT; ++t) acc[t][r] = _mm256_fmadd_ps(chunk_dot(q, xl[t], xh[t]), d[t], acc[t][r]);
       }
     }
-    const float* s = scales + g * GROUP_FLOATS;
+    const GroupScales s = scales ? GroupScales{_mm_loadu_ps(scales + g * GROUP_FLOATS),
+                                               _mm_loadu_ps(scales + g * GROUP_FLOATS + ROWS)}
+                                 : group_scales(sz + g * GROUP_BYTES);
     for (int r = 0; r < ROWS; ++r) {
-      const __m256 scale = _mm256_broadcast_ss(s + r);
+      const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s.s), _mm256_set1_epi32(r));
       for (int t = 0; t < NT; ++t) total[t][r] = _mm256_fmadd_ps(acc[t][r], scale, total[t][r]);
     }
-    add_group_offsets<NT>(_mm_loadu_ps(s + ROWS), X, G, g, offset);
+    add_group_offsets<NT>(s.sz, X, G, g, offset);
   }
   for (int t = 0; t < NT; ++t) {
     float off[ROWS];
@@ -162,7 +164,7 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64 + 32), q.hi);
     }
   };
-  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const uint8_t*, const float* scales,
+  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const uint8_t* sz, const float* scales,
                           const int8_t* x, const float* dt, const float* Xt, int n, const Panel& P, float* out) {
     if (buffer == nullptr) {
       const auto streamed = [wt](int64_t p, int r) {
@@ -170,7 +172,7 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
         if (r == 0) prefetch_ahead(row, ROWS * chunk / 64);  // the chunk's 4 rows: 2 cache lines at 4 bits, 1 at 2
         return widen<BITS>(row);
       };
-      tile_tokens<1>(streamed, scales, W, P, x, dt, Xt, out);
+      tile_tokens<1>(streamed, sz, nullptr, W, P, x, dt, Xt, out);
       return;
     }
     const auto buffered = [buffer](int64_t p, int r) {
@@ -178,11 +180,11 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
       return Codes{_mm256_loadu_si256(c), _mm256_loadu_si256(c + 1)};
     };
     if (n == 2)
-      tile_tokens<2>(buffered, scales, W, P, x, dt, Xt, out);
+      tile_tokens<2>(buffered, sz, scales, W, P, x, dt, Xt, out);
     else
-      tile_tokens<1>(buffered, scales, W, P, x, dt, Xt, out);
+      tile_tokens<1>(buffered, sz, scales, W, P, x, dt, Xt, out);
   };
-  run_tiles(W, i0, i1, T, xi, d, X, y, true, split, token);
+  run_tiles(W, i0, i1, T, xi, d, X, y, split, token);
 }
 
 }  // namespace

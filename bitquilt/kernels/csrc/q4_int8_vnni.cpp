@@ -191,7 +191,7 @@ void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
     else
       tile_tokens<BITS, 1, true>(wt, buffer, sz, scales, W, P, x, dt, Xt, out);
   };
-  run_tiles(W, i0, i1, T, xi, d, X, y, false, split_tile, token);
+  run_tiles(W, i0, i1, T, xi, d, X, y, split_tile, token);
 }
 
 template void tiles_vnni<4>(const Weight&, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
