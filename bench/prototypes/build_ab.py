@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_speed import cold_copies, random_uniform  # noqa: E402
@@ -27,14 +26,6 @@ from bitquilt.kernels import cpu, q4_int8  # noqa: E402
 
 SHAPES = "1536x1536,8960x1536,1536x8960,4096x4096"
 READ_PREFETCH = (0, 4096, 8192)  # bytes ahead in the ceiling's read passes
-
-
-def build(name: str, source: Path):
-    """The extension built from `source` (a copy of csrc/) under its own module name."""
-    out = Path("/tmp/bitquilt_ab") / name
-    out.mkdir(parents=True, exist_ok=True)
-    return load(name=f"bitquilt_ab_{name}", sources=[str(source / s.name) for s in cpu._SOURCES],
-                extra_cflags=cpu._FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(out))
 
 
 def cpu_us(fn, *args) -> float:
@@ -72,16 +63,26 @@ def compare(builds: dict, shapes: list[tuple[int, int]], bits: int, isas: list[s
         print(f"w{bits} {n}x{k}, ceiling {ceiling:.1f} GB/s: " + ", ".join(cells), flush=True)
 
 
+def named_source(arg: str) -> tuple[str, Path]:
+    """`name=path` of a build: a name usable in a module name and a folder holding the extension's sources."""
+    name, _, path = arg.partition("=")
+    if not name.isidentifier() or not (Path(path) / "q4_int8.cpp").is_file():
+        raise argparse.ArgumentTypeError(f"{arg!r}: expected name=path, the name a Python identifier and the path a "
+                                         "copy of bitquilt/kernels/csrc")
+    return name, Path(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("builds", nargs="+", help="name=path of a copy of bitquilt/kernels/csrc")
+    ap.add_argument("builds", nargs="+", type=named_source, help="name=path of a copy of bitquilt/kernels/csrc")
     ap.add_argument("--bits", type=int, choices=(4, 2), default=4)
     ap.add_argument("--isas", default="vnni,avx2")
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--rounds", type=int, default=60)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    builds = {name: build(name, Path(path)) for name, path in (b.split("=", 1) for b in args.builds)}
+    builds = {name: cpu.build_extension(f"bitquilt_ab_{name}", path, Path("/tmp/bitquilt_ab") / name)
+              for name, path in args.builds}
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"load average {Path('/proc/loadavg').read_text().split()[:3]}")
     compare(builds, shapes, args.bits, args.isas.split(","), args.rounds)

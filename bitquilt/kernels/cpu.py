@@ -61,15 +61,20 @@ def cache_dir() -> Path:
     return cache.cache_dir() / "ext"
 
 
-def _load_extension(verbose: bool = False) -> ModuleType:
+def build_extension(name: str, source_dir: Path, build_dir: Path, verbose: bool = False) -> ModuleType:
+    """The extension's sources as found in `source_dir` (csrc/ or a copy of it), built into `build_dir` and loaded
+    as module `name`: the package's own build, and benchmarks that compare two versions of the kernels."""
     from torch.utils.cpp_extension import load
 
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
         raise RuntimeError("the CPU lacks AVX2")
-    build_dir = cache_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
-    return load(name="bitquilt_cpu", sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
+    return load(name=name, sources=[str(source_dir / s.name) for s in _SOURCES], extra_cflags=_FLAGS,
                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose)
+
+
+def _load_extension(verbose: bool = False) -> ModuleType:
+    return build_extension("bitquilt_cpu", _SOURCES[0].parent, cache_dir(), verbose)
 
 
 def extension() -> ModuleType | None:

@@ -20,7 +20,7 @@
 // once per tile rather than per token: on Zen 4 at 128 tokens the two measured 1.13-1.60x faster on this path
 // and 1.26-1.53x on VNNI, the decoding alone ~30% of the time at group 128. The code stream is sequential, yet
 // at batch 1 the hardware prefetcher alone leaves loads waiting: prefetching each chunk PREFETCH_BYTES ahead
-// measured 1.15-1.45x faster on Zen 3 and up to 1.4x on Zen 4 (q4_int8.h).
+// measured 1.15-1.45x faster on Zen 3 and up to 1.24x on Zen 4's 2-bit VNNI loop (q4_int8.h).
 //
 // 2-bit codes take the same path with half the bytes: a row's 64 codes are 16 bytes, broadcast to both 128-bit
 // lanes and shifted per lane (vpsrlvd by 0 | 4 for columns 0-15 | 32-47, by 2 | 6 for 16-31 | 48-63) before the
@@ -90,8 +90,9 @@ inline __m256 chunk_dot(const Codes& q, __m256i xl, __m256i xh) {
 
 // Panel P's share of the tile's 4 rows for NT tokens at once (NT = 2 for prefill: each code chunk loaded serves
 // both tokens); `codes(p, r)` gives row r's chunk p of the panel (packed, or widened in a buffer), `scales` the
-// tile's decoded groups of the panel (`decode_group`). Token t's rounded activations, block scales and group sums
-// from the panel's start are at xi + t * K, dpair + t * K / 8, X + t * groups; its rows go to out[t * ROWS + r].
+// tile's decoded groups of the panel (`decode_group`), or null for one token: then the packed `sz` (`tile_group`).
+// Token t's rounded activations, block scales and group sums from the panel's start are at xi + t * K,
+// dpair + t * K / 8, X + t * groups; its rows go to out[t * ROWS + r].
 template <int NT, typename CodesOf>
 inline void tile_tokens(const CodesOf& codes, const uint8_t* sz, const float* scales, const Weight& W, const Panel& P,
                         const int8_t* xi, const float* dpair, const float* X, float* out) {
@@ -120,9 +121,7 @@ inline void tile_tokens(const CodesOf& codes, const uint8_t* sz, const float* sc
         for (int t = 0; t < NT; ++t) acc[t][r] = _mm256_fmadd_ps(chunk_dot(q, xl[t], xh[t]), d[t], acc[t][r]);
       }
     }
-    const GroupScales s = scales ? GroupScales{_mm_loadu_ps(scales + g * GROUP_FLOATS),
-                                               _mm_loadu_ps(scales + g * GROUP_FLOATS + ROWS)}
-                                 : group_scales(sz + g * GROUP_BYTES);
+    const GroupScales s = tile_group(scales, sz, g);
     for (int r = 0; r < ROWS; ++r) {
       const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s.s), _mm256_set1_epi32(r));
       for (int t = 0; t < NT; ++t) total[t][r] = _mm256_fmadd_ps(acc[t][r], scale, total[t][r]);

@@ -46,6 +46,13 @@ inline void decode_group(const uint8_t* p, float* out) {
   _mm_storeu_ps(out + ROWS, g.sz);
 }
 
+// Row group g of a tile: from its decoded floats (`decode_group`, several tokens) when `decoded` is given, else
+// unpacked from the packed bytes `sz` in registers (one token).
+inline GroupScales tile_group(const float* decoded, const uint8_t* sz, int64_t g) {
+  if (decoded == nullptr) return group_scales(sz + g * GROUP_BYTES);
+  return {_mm_loadu_ps(decoded + g * GROUP_FLOATS), _mm_loadu_ps(decoded + g * GROUP_FLOATS + ROWS)};
+}
+
 // Adds group g's zero-point term of the tile's 4 rows, (s * z)[r] * X[t, g] (sz: `decode_group`'s floats 4-7, or
 // `group_scales(...).sz`), to offset[t] for NT tokens (group sums X strided by G); every path subtracts it from its
 // row sums.
@@ -57,7 +64,8 @@ inline void add_group_offsets(__m128 sz, const float* X, int64_t G, int64_t g, _
 // How far ahead a batch-1 tile prefetches its code stream, on both paths (the tiles of a panel are back to back,
 // so the prefetch runs on into the next tile). Zen 3: 1.15-1.45x faster than no prefetch, 2 to 8 KB alike. Zen 4,
 // cold weights, 1 thread, builds alternating (docs/benchmarks.md): 2-bit VNNI 1.05-1.13x faster at 4 KB (2 and 8
-// KB alike), 4-bit VNNI 1.00-1.04x at 4 KB but up to 0.92x at 8 KB, AVX2 4 KB ~2% ahead of 8 KB.
+// KB alike; 1.01-1.24x over three runs), 4-bit VNNI 1.00-1.07x at 4 KB but up to 0.92x at 8 KB, AVX2 4 KB ~2%
+// ahead of 8 KB.
 constexpr int64_t PREFETCH_BYTES = 4096;
 
 // Prefetches `lines` cache lines PREFETCH_BYTES past p (past the end is harmless: a prefetch never faults).
@@ -126,34 +134,36 @@ void set_vnni(bool enabled);
 
 // The tile loop both paths share, for T tokens already rounded (xi: codes in chunk order, d: per-chunk block
 // scales, X: group sums), panel by panel: for each tile of the panel its groups are decoded once when T > 1
-// (`decode_group`: per group s[4], s * z[4]; for one token `token` decodes them in registers as it goes, which
-// measured 1.07x faster on weights in cache than this pass), `split(wt, pairs, buffer)` widens the tile's codes `wt` (`pairs` chunks of 64 columns per row) into
-// `buffer` (ROWS bytes per column) once when T > 1, and `token(wt, buffer, sz, scales, xi, d, X, n, panel, out)`
-// computes the panel's share of the tile's 4 rows for n tokens from the given one on (n = 2 while two are left, so
-// each widened chunk loaded serves both; buffer null when T == 1; sz the tile's packed row groups of the panel,
-// scales their decoded floats or null; xi, d and X from the panel's first column and group on, tokens strided by
-// the whole row) into out[n][4], written to y by the first panel and added by the others. Decoding the groups per
-// token instead measured ~30% of the prefill time at group 128.
+// (`decode_group`: per group s[4], s * z[4]; for one token `token` decodes them in registers as it goes,
+// `tile_group`, which measured 1.07x faster on weights in cache than this pass), `split(wt, pairs, buffer)` widens
+// the tile's codes `wt` (`pairs` chunks of 64 columns per row) into `buffer` (ROWS bytes per column) once when
+// T > 1, and `token(wt, buffer, sz, scales, xi, d, X, n, panel, out)` computes the panel's share of the tile's 4
+// rows for n tokens from the given one on (n = 2 while two are left, so each widened chunk loaded serves both;
+// buffer and scales null when T == 1; sz the tile's packed row groups of the panel, scales their decoded floats;
+// xi, d and X from the panel's first column and group on, tokens strided by the whole row) into out[n][4], written
+// to y by the first panel and added by the others. Decoding the groups per token instead measured ~30% of the
+// prefill time at group 128.
 template <typename Split, typename Token>
 void run_tiles(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                float* y, const Split& split, const Token& token) {
-  const bool decode = T > 1;
+  const bool several = T > 1;  // widened codes and decoded groups shared by the tokens; none for one token
   const Panel widest = W.panel(0);  // every panel but the last is whole
-  std::vector<int8_t> buffer(T > 1 ? ROWS * widest.cols : 0);
-  std::vector<float> scales(widest.groups * GROUP_FLOATS);
+  std::vector<int8_t> buffer(several ? ROWS * widest.cols : 0);
+  std::vector<float> scales(several ? widest.groups * GROUP_FLOATS : 0);
   float out[2 * ROWS];
   for (int64_t s = 0; s < W.panels(); ++s) {
     const Panel P = W.panel(s);
     for (int64_t i = i0; i < i1; ++i) {
       const uint8_t* wt = W.codes(P, i);
       const uint8_t* sz = W.scales(P, i);
-      if (decode)
+      if (several) {
         for (int64_t g = 0; g < P.groups; ++g) decode_group(sz + g * GROUP_BYTES, scales.data() + g * GROUP_FLOATS);
+        split(wt, P.cols / PAIR, buffer.data());
+      }
       const int64_t rows = std::min(ROWS, W.N - i * ROWS);
-      if (T > 1) split(wt, P.cols / PAIR, buffer.data());
       for (int64_t t = 0; t < T;) {
         const int n = t + 1 < T ? 2 : 1;
-        token(wt, T > 1 ? buffer.data() : nullptr, sz, decode ? scales.data() : nullptr, xi + t * W.K + P.c0,
+        token(wt, several ? buffer.data() : nullptr, sz, several ? scales.data() : nullptr, xi + t * W.K + P.c0,
               d + (t * W.K + P.c0) / 8,
               X + t * W.groups() + P.g0, n, P, out);
         for (int u = 0; u < n; ++u, ++t) {

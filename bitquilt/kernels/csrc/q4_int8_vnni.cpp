@@ -103,10 +103,7 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const uint8_t* s
         }
       }
     }
-    // the group's 4 row scales: decoded once per tile (buffered, several tokens), or in registers (one token)
-    const GroupScales s = buffered ? GroupScales{_mm_loadu_ps(scales + g * GROUP_FLOATS),
-                                                 _mm_loadu_ps(scales + g * GROUP_FLOATS + ROWS)}
-                                   : group_scales(sz + g * GROUP_BYTES);
+    const GroupScales s = tile_group(scales, sz, g);  // decoded once per tile (several tokens) or in registers
     for (int j = 0; j < 2; ++j) {
       const __m512 scale = _mm512_permutexvar_ps(pair_rows[j], _mm512_castps128_ps512(s.s));  // [s_2j x 8, s_2j+1 x 8]
       for (int t = 0; t < NT; ++t) total[t][j] = _mm512_fmadd_ps(acc[t][j], scale, total[t][j]);
