@@ -40,6 +40,13 @@ def test_pack_roundtrip(bits):
     assert torch.equal(unpack(words, bits, 96).long(), values)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_unpack_reads_strided_words(bits):
+    """Every other row of a packed tensor (a strided view, as a row gather may leave) unpacks to those rows."""
+    values = torch.randint(0, 2**bits, (6, 64))
+    assert torch.equal(unpack(pack(values, bits)[::2], bits, 64).long(), values[::2])
+
+
 def test_pack_rejects_ragged_width():
     with pytest.raises(ValueError, match="multiple of 32"):
         pack(torch.zeros(2, 40, dtype=torch.long), 4)

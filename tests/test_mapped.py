@@ -92,3 +92,26 @@ def test_a_loaded_model_keeps_one_copy_of_its_linears(tmp_path):
     assert mapped.resident_bytes(tmp_path / "q" / WEIGHTS_NAME) < packed / 4
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+@linux_only
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_embedding_gives_its_table_back_after_lookups_unless_a_head_reads_it(tmp_path, tied):
+    """A lookup maps far more of the table than its rows (fault-around, large folios); an embedding whose table no
+    LM head reads in place gives those pages back after each lookup, with the rows unchanged."""
+    config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()  # 8-bit table: 2048 × 256 bytes, 128 pages
+    quantize(model, Recipe("rtn", w_bits=4, group_size=64, head_bits=8, head_group_size=64), None, progress=False)
+    ids = torch.randint(0, 2048, (1, 64), generator=torch.Generator().manual_seed(3))
+    loaded = reload_bit_exact(model, ids, tmp_path / "q")
+    table = loaded.get_input_embeddings()
+    assert table.returns_pages is not tied
+    table.returns_pages = False
+    rows = table(ids)
+    mapped_after_lookup = mapped.resident_bytes(tmp_path / "q" / WEIGHTS_NAME)
+    table.returns_pages = True
+    assert torch.equal(table(ids), rows)
+    given_back = mapped_after_lookup - mapped.resident_bytes(tmp_path / "q" / WEIGHTS_NAME)
+    assert given_back >= 2048 * 256 // 2  # 64 rows spread over the table mapped at least half of it
