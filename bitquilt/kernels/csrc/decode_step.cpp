@@ -45,6 +45,8 @@
 namespace {
 
 using bitquilt_simd::dot;
+using bitquilt_simd::exp8;
+using bitquilt_simd::hsum8;
 
 struct Linear {
   std::optional<bitquilt_q4::Weight> q4;  // 4- or 2-bit codes times int8 activations, or:
@@ -93,6 +95,32 @@ struct Layer {
 void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
   const float inv = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+// out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + e^-gate[i]) * up[i], 8 at a time (exp8).
+void silu_times(const float* gate, const float* up, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                            _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+// s[j] = e^(s[j] - top) for j < n, 8 at a time (exp8); returns their sum (a softmax's denominator).
+float exp_shifted(float* s, int64_t n, float top) {
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = hsum8(sum);
+  for (; j < n; ++j) total += s[j] = std::exp(s[j] - top);
+  return total;
 }
 
 at::Tensor fp32_vector(const at::Tensor& t, int64_t n, const char* what) {
@@ -236,7 +264,7 @@ class FusedDecoder {
       rms_norm(xs, layer.post_norm.data_ptr<float>(), D_, eps_, h_.data());
       linears_[layer.gate].run(h_.data(), gate_.data());
       linears_[layer.up].run(h_.data(), up_.data());
-      for (int64_t i = 0; i < F_; ++i) h_[i] = gate_[i] / (1.0f + std::exp(-gate_[i])) * up_[i];
+      silu_times(gate_.data(), up_.data(), F_, h_.data());
       linears_[layer.down].run(h_.data(), out_.data());
       for (int64_t i = 0; i < D_; ++i) xs[i] += out_[i];
     }
@@ -285,8 +313,7 @@ class FusedDecoder {
       const float* vh = values + h / group * max_len_ * hd_;
       float top = -INFINITY;
       for (int64_t j = 0; j < n; ++j) top = std::max(top, scores_[j] = scaling_ * dot(qh, kh + j * hd_, hd_));
-      float total = 0.0f;
-      for (int64_t j = 0; j < n; ++j) total += scores_[j] = std::exp(scores_[j] - top);
+      const float total = exp_shifted(scores_.data(), n, top);
       float* ah = a_.data() + h * hd_;
       std::fill_n(ah, hd_, 0.0f);
       for (int64_t j = 0; j < n; ++j) {
