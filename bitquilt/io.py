@@ -337,8 +337,9 @@ def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
         parent, _, child = name.rpartition(".")
         host = model.get_submodule(parent)
         setattr(host, child, _quantized_module(kind, fmt, bias, getattr(host, child)))
+    read_by_heads = {info["tied"] for info in layers.values() if "tied" in info}
     for name, info in layers.items():  # a table no LM head reads in place gives its pages back after lookups
-        if info.get("kind") == "embedding" and not any(other.get("tied") == name for other in layers.values()):
+        if info.get("kind") == "embedding" and name not in read_by_heads:
             model.get_submodule(name).returns_pages = True
     online.restore(model, qconfig.get("online", {}))  # before the tensors: some own buffers (key centres)
     expected = model.state_dict(keep_vars=True)
