@@ -131,9 +131,10 @@ def bitquilt_worker(source: str, prompt: list[int], new_tokens: int, threads: in
     model, _ = load(source)
     setup_s = time.perf_counter() - t0
     generate(model, llamacpp.warmup_prompt(prompt, vocab_size), WARMUP_TOKENS, engine)  # kernel layouts, allocator
+    ready_s = time.perf_counter() - t0
     result = generate(model, prompt, new_tokens, engine)
     layouts = sum(kernels.kernel_layout_bytes(m.fmt) for m in model.modules() if isinstance(m, QuantLinear))
-    return {**result, "peak_rss_mb": llamacpp.peak_rss_mb(), "setup_s": setup_s,
+    return {**result, "peak_rss_mb": llamacpp.peak_rss_mb(), "setup_s": setup_s, "ready_s": ready_s,
             "weights_mb": model_nbytes(model) / 2**20, "kernel_layout_mb": layouts / 2**20,
             "bits_per_weight": model_summary(model)["bits_per_weight"], "torch_threads": torch.get_num_threads()}
 
@@ -192,7 +193,7 @@ RATES = ("prefill_tokens_per_s", "prefill_cpu_tokens_per_s", "decode_tokens_per_
 
 def summarize(samples: list[dict]) -> dict[str, Any]:
     """Medians over a row's measurements (peak RSS: the largest)."""
-    out = {k: statistics.median(s[k] for s in samples) for k in (*RATES, "setup_s")}
+    out = {k: statistics.median(s[k] for s in samples) for k in (*RATES, "setup_s", "ready_s")}
     return {**out, "peak_rss_mb": max(s["peak_rss_mb"] for s in samples), "samples": len(samples)}
 
 
@@ -221,7 +222,10 @@ def render(records: list[dict]) -> str:
              "GGUF export of the *uniform w4 g32 sym* row (the same weights bit for bit, F32 embeddings and LM head). "
              "bits/weight as `model_summary` counts it: the linears, plus embeddings and LM head when quantized. "
              "weights MB: bitquilt's stored tensors, llama.cpp's GGUF file. Peak RSS: the worker's (both map their "
-             "weight files). Ratios: rate ÷ the rate of llama.cpp's original GGUF in the same run (> 1: faster).", ""]
+             "weight files). *ready s*: from loading the model to the end of the warm-up (two short forward passes), "
+             "the wait before a first answer: bitquilt builds its kernel layouts on those first calls, llama.cpp "
+             "repacks while loading; median wall seconds. Ratios: rate ÷ the rate of llama.cpp's original GGUF in the "
+             "same run (> 1: faster).", ""]
     for model, threads in dict.fromkeys((r["model"], r["threads"]) for r in records):
         rows = [r for r in records if (r["model"], r["threads"]) == (model, threads)]
         ref = next((r for r in rows if r["engine"] == "llama.cpp" and r["variant"] == "original"), None)
@@ -232,16 +236,18 @@ def render(records: list[dict]) -> str:
                   f"Load average (1, 5, 15 min) {m['loadavg_start']} at the start, {m['loadavg_end']} at the end. "
                   f"Machine: {m['machine']}.", "",
                   f"Command: `{m['command']}`", "",
-                  "| engine | variant | bits/weight | weights MB | kernel layout MB | peak RSS MB "
+                  "| engine | variant | bits/weight | weights MB | kernel layout MB | peak RSS MB | ready s "
                   "| prefill tok/s wall | prefill tok/s CPU | decode tok/s wall | decode tok/s CPU "
                   "| prefill × llama.cpp wall | prefill × llama.cpp CPU | decode × llama.cpp wall "
                   "| decode × llama.cpp CPU | n |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             layout = f"{r['kernel_layout_mb']:.0f}" if r["engine"] == "bitquilt" else ""
+            ready = f"{r['ready_s']:.2f}" if "ready_s" in r else ""  # records of runs before it was measured
             lines.append(
                 f"| {r['engine']} | {r['variant']} | {r['bits_per_weight']:.3f} | {r['weights_mb']:.0f} | {layout} "
-                f"| {r['peak_rss_mb']:.0f} | {r['prefill_tokens_per_s']:.1f} | {r['prefill_cpu_tokens_per_s']:.1f} "
+                f"| {r['peak_rss_mb']:.0f} | {ready} | {r['prefill_tokens_per_s']:.1f} "
+                f"| {r['prefill_cpu_tokens_per_s']:.1f} "
                 f"| {r['decode_tokens_per_s']:.2f} | {r['decode_cpu_tokens_per_s']:.2f} | "
                 + " | ".join(ratio(r, ref, k) for k in RATES) + f" | {r['samples']} |")
         ggufs = [r for r in rows if r["engine"] == "llama.cpp"]

@@ -124,6 +124,7 @@ def speed(gguf: str, prompt: list[int], new_tokens: int, threads: int, vocab_siz
     load_s = time.perf_counter() - t0
     greedy = {"temperature": 0, "ignore_eos": True, "cache_prompt": True}
     complete(srv, {**greedy, "prompt": warmup_prompt(prompt, vocab_size), "n_predict": 2})
+    ready_s = time.perf_counter() - t0
 
     w0, c0 = time.perf_counter(), cpu_seconds()
     first = complete(srv, {**greedy, "prompt": prompt, "n_predict": 1, "logprobs": 1})
@@ -143,7 +144,7 @@ def speed(gguf: str, prompt: list[int], new_tokens: int, threads: int, vocab_siz
             "decode_all_steps_tokens_per_s": steps / all_ms * 1e3,
             "prefill_wall_s": p["prompt_ms"] / 1e3, "prefill_cpu_s": c1 - c0, "prefill_request_s": w1 - w0,
             "decode_wall_s": all_ms / 1e3, "decode_cpu_s": c2 - c1, "decode_request_s": w2 - w1,
-            "decode_steps": steps, "peak_rss_mb": peak_rss_mb(), "setup_s": load_s,
+            "decode_steps": steps, "peak_rss_mb": peak_rss_mb(), "setup_s": load_s, "ready_s": ready_s,
             "timings": {"prefill": p, "decode": d},
             "versions": {"xllamacpp": xlc.__version__, "llama.cpp system": xlc.get_system_info().strip()}}
 

@@ -131,8 +131,6 @@ def test_bit_planes_match_a_bitwise_reference(bits):
 @pytest.mark.parametrize("sym", [False, True])
 def test_uniform_accessors(bits, sym):
     fmt = rtn(torch.randn(16, 128), bits, 32, sym)
-    assert torch.equal(fmt.plane_bytes(), reference_plane_bytes(fmt.codes(), bits))
-    assert torch.equal(fmt.plane_bytes(slice(3, 11)), fmt.plane_bytes()[:, 3:11])  # rows apart, as kernels pack them
     scale, zero = fmt.scale_zero()
     assert scale.dtype == zero.dtype == torch.float32 and scale.shape == zero.shape == (16, 4)
     assert torch.equal(scale, fmt.scales.float())

@@ -366,3 +366,27 @@ def test_read_pass_ors_every_word_with_or_without_prefetch(prefetch):
     assert cpu.extension().read_pass(words, prefetch) == (1 << 40) | 5
     with pytest.raises(RuntimeError, match="multiple of 128 bytes"):
         cpu.extension().read_pass(words[:-1], prefetch)
+
+
+@needs_ext
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_bit_planes_of_the_extension_are_the_reference_ones(bits):
+    """csrc/repack.cpp cuts a uniform weight's codes into the lookup-table kernel's bit-planes; rows taken apart from
+    a larger weight (strided words, as a layout is built a chunk of rows at a time) give the same planes."""
+    from bitquilt.formats.packing import bit_planes
+
+    values = torch.randint(0, 2**bits, (23, 160), generator=torch.Generator().manual_seed(bits))
+    words = pack(values, bits)
+    assert torch.equal(cpu.extension().bit_planes(words, bits, 160), bit_planes(words, bits, 160))
+    assert torch.equal(cpu.extension().bit_planes(words[7:12], bits, 160), bit_planes(words[7:12], bits, 160))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu.extension().bit_planes(words[:, :-1], bits, 160)
+
+
+@needs_ext
+@pytest.mark.parametrize("make", [lambda w: make_uniform(w, 4, 32, sym=False), lambda w: make_bitplane(70, 96, 3, 32)])
+def test_layouts_built_a_few_rows_at_a_time_are_the_whole_ones(make, monkeypatch):
+    w = torch.randn(70, 96)
+    whole = cpu.pack_planes(make(w), 32)
+    monkeypatch.setattr(cpu, "PACK_TILES", 1)  # 32 rows a chunk: two whole tiles and a padded one
+    assert torch.equal(cpu.pack_planes(make(w), 32), whole)

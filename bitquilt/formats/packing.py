@@ -71,11 +71,14 @@ def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 def bit_planes(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Bit planes of `pack`ed values: uint8 [bits, *lead, n/8] from int32 words [*lead, n·bits/32].
 
-    Bit j of byte p of plane i is bit i of value 8p + j.
+    Bit j of byte p of plane i is bit i of value 8p + j. (The kernels cut uniform codes with csrc/repack.cpp; this is
+    its reference, and the planes of bit-plane formats, which at one bit are the stream's bytes.)
     """
     *lead, nw = words.shape
     if nw != packed_words(n, bits):
         raise ValueError(f"{nw} words cannot hold {n} values of {bits} bits")
+    if bits == 1 and sys.byteorder == "little":
+        return words.contiguous().view(torch.uint8).reshape(1, *lead, n // 8).clone()
     shifts = torch.arange(0, WORD_BITS, 8, dtype=torch.int32, device=words.device)
     stream = ((words.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8)  # byte m of a word: its bits 8m..8m+7
     bit = torch.arange(8, dtype=torch.uint8, device=words.device)

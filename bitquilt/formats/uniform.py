@@ -7,7 +7,7 @@ Stored tensors
   g_idx    int32 [in]             only for GPTQ act-order with dynamic groups: group of each column
 
 The constructor checks these shapes against the meta (bits, group_size, in_features).
-Kernels read the weight through `plane_bytes()` (the codes as bit-planes) and `scale_zero()`.
+Kernels cut `qweight` into their own layouts and read the grid through `scale_zero()`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,7 @@ from typing import Any
 import torch
 
 from bitquilt.formats.base import WeightFormat, register_format
-from bitquilt.formats.packing import bit_planes, pack, packed_words, unpack
-
-PLANE_ROWS = 1024  # rows converted to bit-planes at a time (`UniformFormat.plane_bytes`; 4,096 doubled the
-# transient peak of packing an LM head: smollm2-135m's 4-bit head peaked 84 MB above the process, 44 MB at 1,024)
+from bitquilt.formats.packing import pack, packed_words, unpack
 
 
 def resolve_group_size(group_size: int, in_features: int) -> int:
@@ -173,16 +170,6 @@ class UniformFormat(WeightFormat):
     def codes(self) -> torch.Tensor:
         """q as uint8 [out, in]."""
         return unpack(self.qweight, self.bits, self.in_features)
-
-    def plane_bytes(self, rows: slice = slice(None)) -> torch.Tensor:
-        """The codes of `rows` (all by default) as bit-planes, uint8 [bits, rows, in/8]: bit j of byte p of plane i is
-        bit i of q[:, 8p + j]. Built PLANE_ROWS rows at a time: `bit_planes` holds several bytes per bit on the way,
-        which for an LM head (150k rows) would be gigabytes."""
-        words = self.qweight[rows]
-        out = torch.empty(self.bits, words.shape[0], self.in_features // 8, dtype=torch.uint8)
-        for i in range(0, words.shape[0], PLANE_ROWS):
-            out[:, i:i + PLANE_ROWS] = bit_planes(words[i:i + PLANE_ROWS], self.bits, self.in_features)
-        return out
 
     def scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero per (row, group), each fp32 [out, G]; a symmetric grid's zero is 2^(b−1)."""

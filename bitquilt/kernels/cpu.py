@@ -10,7 +10,7 @@ Both formats run through one kernel: a weight matrix is k binary planes with per
 coefficients (a b-bit uniform grid is b planes with C_i = s·2^(i-1), C0 = −s·z), multiplied by
 activation lookup tables (see csrc/lut_matmul.cpp); from a bit-width-dependent batch size on,
 rows are instead dequantized to fp32 in chunks and multiplied by sgemm. The packed layout is
-built on first use from the format's accessors (`plane_bytes()`, `scale_zero()`, coefficients)
+built on first use from the format's codes (cut into bit-planes by csrc/repack.cpp), `scale_zero()` and coefficients
 and kept in this module's `LayoutCache` while the format lives (about the size of the packed
 weights again); the format itself is unchanged. Calls with per-token context are declined.
 `Packed.matmul` also takes an optional sparse 4-bit residual, added inside either path
@@ -40,18 +40,18 @@ import torch
 from bitquilt import cache
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.bitplane import BitplaneFormat
-from bitquilt.formats.uniform import PLANE_ROWS, UniformFormat, resolve_group_size
-from bitquilt.kernels import LayoutCache, fp32_rows, kernels_for, like, register_kernel, takes
+from bitquilt.formats.uniform import UniformFormat, resolve_group_size
+from bitquilt.kernels import PACK_ROWS, LayoutCache, fp32_rows, kernels_for, like, register_kernel, takes
 from bitquilt.mapped import release_chunk
 
 log = logging.getLogger(__name__)
 
 TILE = 32  # output rows per kernel tile
-PACK_TILES = PLANE_ROWS // TILE  # tiles reordered at a time (`pack_planes`): the rows `plane_bytes` converts at once
+PACK_TILES = PACK_ROWS // TILE  # tiles cut into bit-planes and reordered at a time (`pack_planes`)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("lut_matmul.cpp", "mxint_matmul.cpp", "slice_router.cpp", "uniform8_gemv.cpp",
                          "decode_step.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "hadamard.cpp",
-                         "read_rate.cpp")]
+                         "read_rate.cpp", "repack.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _ext: ModuleType | None = None
 _failed = False
@@ -133,18 +133,26 @@ def _pad_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
+def _plane_bytes(fmt: BitplaneFormat | UniformFormat, rows: slice) -> torch.Tensor:
+    """The bit-planes of `rows`, uint8 [k, rows, K/8] (bit j of byte p = column 8p+j): a uniform weight's codes cut by
+    csrc/repack.cpp (`formats.packing.bit_planes` is the reference), a bit-plane weight's planes as stored."""
+    if isinstance(fmt, UniformFormat):
+        return _ext.bit_planes(fmt.qweight[rows], fmt.bits, fmt.in_features)
+    return fmt.plane_bytes(rows)
+
+
 def pack_planes(fmt: BitplaneFormat | UniformFormat, block: int) -> torch.Tensor:
-    """The format's bit-planes (`plane_bytes`: uint8 [k, N, K/8], bit j of byte p = column 8p+j) in the kernel layout
-    [tiles, blocks, k, block/8, 32], PACK_TILES tiles at a time straight into the result: the planes and the
-    reordering's copies of a whole LM head would be several times its layout, a transient peak of the process. The
-    file pages of a loaded uniform weight's rows are given back once packed, and the chunks' temporaries every few
-    chunks (`bitquilt.mapped.release_chunk`), so a head is not resident twice while its layout is built."""
+    """The format's bit-planes (`_plane_bytes`: uint8 [k, N, K/8], bit j of byte p = column 8p+j) in the kernel layout
+    [tiles, blocks, k, block/8, 32] (csrc/repack.cpp), PACK_TILES tiles at a time straight into the result: the planes
+    of a whole LM head would be several times its layout, a transient peak of the process. The file pages of a loaded
+    uniform weight's rows are given back once packed, and the chunks' temporaries every few chunks
+    (`bitquilt.mapped.release_chunk`), so a head is not resident twice while its layout is built."""
     n, k, kb = fmt.out_features, fmt.bits, fmt.in_features // 8
     out = torch.empty(-(-n // TILE), kb * 8 // block, k, block // 8, TILE, dtype=torch.uint8)
     for t0 in range(0, out.shape[0], PACK_TILES):
         rows = slice(t0 * TILE, (t0 + PACK_TILES) * TILE)
-        t = _pad_rows(fmt.plane_bytes(rows), 1).view(k, -1, TILE, kb * 8 // block, block // 8)
-        out[t0:t0 + t.shape[1]] = t[:, :, _ROW_OF_BYTE].permute(1, 3, 0, 4, 2)
+        planes = _pad_rows(_plane_bytes(fmt, rows), 1)
+        _ext.planes_to_tiles(planes, block, _ROW_OF_BYTE, out[t0:t0 + planes.shape[1] // TILE])
         if isinstance(fmt, UniformFormat):  # a loaded model's file pages of these rows, given back as we go
             release_chunk(t0 // PACK_TILES, [fmt.qweight[rows]])
     return out

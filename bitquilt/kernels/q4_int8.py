@@ -28,9 +28,18 @@ from dataclasses import dataclass
 import torch
 
 from bitquilt.formats.base import MatmulContext, WeightFormat
-from bitquilt.formats.packing import unpack
-from bitquilt.formats.uniform import PLANE_ROWS, UniformFormat, resolve_group_size
-from bitquilt.kernels import LayoutCache, cpu, fp32_rows, int8_activations, kernels_for, like, register_kernel, takes
+from bitquilt.formats.uniform import UniformFormat, resolve_group_size
+from bitquilt.kernels import (
+    PACK_ROWS,
+    LayoutCache,
+    cpu,
+    fp32_rows,
+    int8_activations,
+    kernels_for,
+    like,
+    register_kernel,
+    takes,
+)
 from bitquilt.kernels.isa import choose
 from bitquilt.mapped import release_chunk
 
@@ -107,19 +116,11 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
     bits, tiles, groups = fmt.bits, -(-n // ROWS), scale.shape[1]
     width = cpu.extension().q4_int8_panel_columns(group)
     columns = [(c0, min(k, c0 + width)) for c0 in range(0, k, width)]
-    codes = torch.empty(tiles * ROWS * k * bits // 8, dtype=torch.uint8)
-    code_panels = _panels(codes, tiles, [(c0 // PAIR, c1 // PAIR) for c0, c1 in columns], (ROWS, PAIR * bits // 8))
-    for r0 in range(0, n, PLANE_ROWS):  # rows at a time: unpacking holds 8 bytes per code on the way
-        q = _rows_to_tiles(unpack(fmt.qweight[r0:r0 + PLANE_ROWS], bits, k).to(torch.uint8))  # [tiles, 4, K]
-        # the quarters of each 64-column chunk, consecutive ones sharing a byte (8 / bits per byte, the first in the
-        # low bits): bytes [q0 | q1 << 4, q2 | q3 << 4] at 4 bits, [q0 | q1 << 2 | q2 << 4 | q3 << 6] at 2
-        per_byte = 8 // bits
-        q = q.view(q.shape[0], ROWS, -1, 4 // per_byte, per_byte, 16)
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8).view(per_byte, 1)
-        chunks = (q << shifts).sum(-2, dtype=torch.uint8).flatten(-2).permute(0, 2, 1, 3)  # disjoint bits: sum = OR
-        for view, (c0, c1) in zip(code_panels, columns, strict=True):
-            view[r0 // ROWS:r0 // ROWS + q.shape[0]] = chunks[:, c0 // PAIR:c1 // PAIR]
-        release_chunk(r0 // PLANE_ROWS, [fmt.qweight[r0:r0 + PLANE_ROWS]])  # these rows' file pages: cpu.pack_planes
+    codes = (torch.zeros if n % ROWS else torch.empty)(tiles * ROWS * k * bits // 8, dtype=torch.uint8)  # pad rows 0
+    for r0 in range(0, n, PACK_ROWS):  # csrc/repack.cpp writes each row's chunks into their panels
+        rows = fmt.qweight[r0:r0 + PACK_ROWS]
+        cpu.extension().q4_int8_pack_codes(rows, r0, bits, k, width // PAIR, tiles, codes)
+        release_chunk(r0 // PACK_ROWS, [rows])  # these rows' file pages, as cpu.pack_planes does
     zero8 = _rows_to_tiles(zero.to(torch.uint8)).transpose(1, 2)  # [tiles, G, 4]
     per_group = torch.cat([_rows_to_tiles(scale16).transpose(1, 2).contiguous().view(torch.uint8), zero8], dim=-1)
     scales = torch.empty(tiles * groups * 3 * ROWS, dtype=torch.uint8)

@@ -421,6 +421,7 @@ void register_decode_step(pybind11::module& m);  // decode_step.cpp
 void register_q4_int8(pybind11::module& m);  // q4_int8.cpp
 void register_hadamard(pybind11::module& m);  // hadamard.cpp
 void register_read_rate(pybind11::module& m);  // read_rate.cpp
+void register_repack(pybind11::module& m);  // repack.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -447,6 +448,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_uniform8(m);
   register_decode_step(m);
   register_read_rate(m);
+  register_repack(m);
   register_q4_int8(m);
   register_hadamard(m);
 }

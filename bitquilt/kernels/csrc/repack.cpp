@@ -1,0 +1,161 @@
+// Kernel layouts cut from a saved weight's bit stream (bitquilt/formats/packing.py: value j of a row at bits
+// [b*j, b*j + b) of a little-endian stream of 32-bit words). Done with torch ops one pass at a time, the first call
+// of a 1.5B model spent 7 s (int8 layout) to 24 s (bit-planes) here; these loops read each code once.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t VALUES = 32;  // values unpacked at a time: one 256-bit vector of bytes
+constexpr int64_t ROW_GRAIN = 16;
+
+// Values [32v, 32v + 32) of a `bits`-bit stream `s` as bytes, in order.
+inline __m256i unpack32(const uint8_t* s, int64_t bits) {
+  if (bits == 4) {  // 16 bytes, value 2m in the low nibble of byte m
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+    return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+  }
+  if (bits == 2) {  // 8 bytes, value 4m + r at bits 2r of byte m
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
+    const __m128i two = _mm_set1_epi8(0x03);
+    const __m128i v0 = _mm_and_si128(b, two), v1 = _mm_and_si128(_mm_srli_epi16(b, 2), two);
+    const __m128i v2 = _mm_and_si128(_mm_srli_epi16(b, 4), two), v3 = _mm_and_si128(_mm_srli_epi16(b, 6), two);
+    const __m128i v01 = _mm_unpacklo_epi8(v0, v1), v23 = _mm_unpacklo_epi8(v2, v3);
+    return _mm256_set_m128i(_mm_unpackhi_epi16(v01, v23), _mm_unpacklo_epi16(v01, v23));
+  }
+  if (bits == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
+  alignas(32) uint8_t v[VALUES];  // other widths: value by value from a 64-bit window
+  const uint32_t mask = (1u << bits) - 1;
+  for (int64_t j = 0; j < VALUES; ++j) {
+    const int64_t bit = bits * j;
+    uint32_t window = s[bit / 8];  // a value of <= 8 bits spans at most 2 bytes (the second read only if it does)
+    if (bit % 8 + bits > 8) window |= uint32_t{s[bit / 8 + 1]} << 8;
+    v[j] = static_cast<uint8_t>(window >> (bit % 8) & mask);
+  }
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(v));
+}
+
+// uint8 [bits, R, n/8] from int32 words [R, n*bits/32] (rows contiguous): bit j of byte p of plane i is bit i of
+// value 8p + j, as formats.packing.bit_planes (the reference) computes it.
+at::Tensor bit_planes(const at::Tensor& words, int64_t bits, int64_t n) {
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.stride(1) == 1,
+              "words: int32 [rows, n*bits/32] with contiguous rows");
+  TORCH_CHECK(bits >= 1 && bits <= 8 && n % VALUES == 0 && words.size(1) == n * bits / 32,
+              "bits in 1..8 and n a multiple of 32 that the words hold");
+  const int64_t rows = words.size(0), plane = rows * (n / 8);
+  auto out = at::empty({bits, rows, n / 8}, words.options().dtype(at::kByte));
+  const auto* in = reinterpret_cast<const uint8_t*>(words.data_ptr<int32_t>());
+  const int64_t row_stride = words.stride(0) * 4;
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* s = in + r * row_stride;
+      uint8_t* dst = o + r * (n / 8);
+      if (bits == 1) {  // the stream's bytes are the plane
+        std::memcpy(dst, s, n / 8);
+        continue;
+      }
+      for (int64_t v = 0; v < n / VALUES; ++v) {
+        const __m256i x = unpack32(s + v * 4 * bits, bits);
+        for (int64_t i = 0; i < bits; ++i) {  // bit i of each byte to its top bit (16-bit shifts keep bytes apart)
+          const uint32_t m = _mm256_movemask_epi8(_mm256_sll_epi16(x, _mm_cvtsi64_si128(7 - i)));
+          std::memcpy(dst + i * plane + v * 4, &m, 4);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Writes bit-planes uint8 [k, 32 * tiles, K/8] (`bit_planes`) into `out`, the lookup-table kernel's layout
+// [tiles, K/block, k, block/8, 32] (bitquilt/kernels/cpu.py, pack_planes): byte t of a tile's 32 holds its row
+// row_of_byte[t], the order csrc/lut_matmul.cpp widens them in.
+void planes_to_tiles(const at::Tensor& planes, int64_t block, const std::vector<int64_t>& row_of_byte,
+                     at::Tensor& out) {
+  constexpr int64_t TILE = 32;
+  TORCH_CHECK(planes.dim() == 3 && planes.is_contiguous() && planes.scalar_type() == at::kByte &&
+              planes.size(1) % TILE == 0, "planes: contiguous uint8 [k, 32 * tiles, K/8]");
+  const int64_t k = planes.size(0), rows = planes.size(1), kb = planes.size(2), bb = block / 8, tiles = rows / TILE;
+  TORCH_CHECK(row_of_byte.size() == TILE && block % 8 == 0 && kb % bb == 0, "32 rows per tile, K/8 whole blocks");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kByte && out.numel() == planes.numel(),
+              "out: the contiguous uint8 layout of these tiles");
+  const uint8_t* in = planes.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      uint8_t* dst = o + tile * kb * k * TILE;
+      for (int64_t blk = 0; blk < kb / bb; ++blk) {
+        for (int64_t i = 0; i < k; ++i) {
+          const uint8_t* src = in + (i * rows + tile * TILE) * kb + blk * bb;
+          for (int64_t p = 0; p < bb; ++p, dst += TILE) {
+            for (int64_t t = 0; t < TILE; ++t) dst[t] = src[row_of_byte[t] * kb + p];
+          }
+        }
+      }
+    }
+  });
+}
+
+// Writes rows [r0, r0 + R) of a 4- or 2-bit weight (words [R, k*bits/32], rows contiguous) into `codes`, the
+// int8-activation kernel's layout (bitquilt/kernels/q4_int8.py, Q4Layout): panels of `panel_units` 64-column chunks
+// (the last may be narrower), each [tiles, units, 4 rows, 8*bits bytes]; at 4 bits byte j < 16 of a chunk holds
+// columns j | 16+j << 4 and byte 16+j columns 32+j | 48+j << 4, at 2 bits byte j holds j | 16+j << 2 | 32+j << 4 |
+// 48+j << 6.
+void q4_int8_pack_codes(const at::Tensor& words, int64_t r0, int64_t bits, int64_t k, int64_t panel_units,
+                        int64_t tiles, at::Tensor& codes) {
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.stride(1) == 1,
+              "words: int32 [rows, k*bits/32] with contiguous rows");
+  TORCH_CHECK((bits == 4 || bits == 2) && k % 64 == 0 && words.size(1) == k * bits / 32 && panel_units > 0,
+              "4- or 2-bit codes, k a multiple of 64 that the words hold");
+  const int64_t chunk = 8 * bits, units = k / 64, unit_bytes = tiles * 4 * chunk;
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.numel() == units * unit_bytes &&
+              r0 >= 0 && r0 + words.size(0) <= tiles * 4, "codes: the layout's uint8 buffer, rows within its tiles");
+  const auto* in = reinterpret_cast<const uint8_t*>(words.data_ptr<int32_t>());
+  const int64_t row_stride = words.stride(0) * 4;
+  uint8_t* o = codes.data_ptr<uint8_t>();
+  at::parallel_for(0, words.size(0), ROW_GRAIN, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      const uint8_t* s = in + r * row_stride;
+      const int64_t row = r0 + r, tile = row / 4, in_tile = row % 4;
+      for (int64_t u = 0; u < units; ++u) {
+        const int64_t u0 = u / panel_units * panel_units, width = std::min(panel_units, units - u0);
+        uint8_t* dst = o + unit_bytes * u0 + ((tile * width + u - u0) * 4 + in_tile) * chunk;
+        const __m256i lo = unpack32(s + u * chunk, bits), hi = unpack32(s + u * chunk + chunk / 2, bits);
+        const __m128i q0 = _mm256_castsi256_si128(lo), q1 = _mm256_extracti128_si256(lo, 1);
+        const __m128i q2 = _mm256_castsi256_si128(hi), q3 = _mm256_extracti128_si256(hi, 1);
+        if (bits == 4) {  // codes < 16: 16-bit shifts leave each byte's code in its byte
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_or_si128(q0, _mm_slli_epi16(q1, 4)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm_or_si128(q2, _mm_slli_epi16(q3, 4)));
+        } else {
+          const __m128i b = _mm_or_si128(_mm_or_si128(q0, _mm_slli_epi16(q1, 2)),
+                                         _mm_or_si128(_mm_slli_epi16(q2, 4), _mm_slli_epi16(q3, 6)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), b);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Adds the repacking functions to the extension module (called from its PYBIND11_MODULE).
+void register_repack(pybind11::module& m) {
+  m.def("bit_planes", &bit_planes, "bit-planes uint8 [bits, R, n/8] of packed words [R, n*bits/32]",
+        pybind11::arg("words"), pybind11::arg("bits"), pybind11::arg("n"));
+  m.def("planes_to_tiles", &planes_to_tiles, "bit-planes [k, 32 * tiles, K/8] into the lookup-table kernel's layout",
+        pybind11::arg("planes"), pybind11::arg("block"), pybind11::arg("row_of_byte"), pybind11::arg("out"));
+  m.def("q4_int8_pack_codes", &q4_int8_pack_codes,
+        "writes rows r0.. of packed 4- or 2-bit words into the int8-activation kernel's code layout",
+        pybind11::arg("words"), pybind11::arg("r0"), pybind11::arg("bits"), pybind11::arg("k"),
+        pybind11::arg("panel_units"), pybind11::arg("tiles"), pybind11::arg("codes"));
+}
