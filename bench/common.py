@@ -36,7 +36,10 @@ def run(main: Callable[[], None]) -> None:
 
 def command_line() -> str:
     """How this bench was invoked, as a shell line that reruns it (arguments with spaces quoted)."""
-    return f"python bench/{Path(sys.argv[0]).name} {shlex.join(sys.argv[1:])}".rstrip()
+    script = Path(sys.argv[0]).resolve()
+    repo = Path(__file__).resolve().parents[1]
+    where = script.relative_to(repo) if script.is_relative_to(repo) else Path("bench", script.name)
+    return f"python {where} {shlex.join(sys.argv[1:])}".rstrip()
 
 
 def cpu_name() -> str:
