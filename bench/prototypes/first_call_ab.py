@@ -7,7 +7,7 @@ int8 activations in turn, every checkout once per round.
 
     python bench/prototypes/first_call_ab.py /tmp/saved-model old=/tmp/wt_old:/tmp/old_cache new=.:~/.cache/bitquilt
 
-Writes bench/results/first_call_ab.{json,md}.
+Writes bench/results/first_call_ab.{json,md} (--report names another).
 """
 
 from __future__ import annotations
@@ -77,9 +77,11 @@ def main() -> None:
     p.add_argument("model", help="a directory saved by `bitquilt quantize`")
     p.add_argument("builds", nargs="+", help="name=<source tree>:<extension cache directory>")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--activations", default="exact,int8", help="comma-separated: exact, int8")
+    p.add_argument("--report", default="first_call_ab", help="name of the report under bench/results/")
     args = p.parse_args()
     builds = dict(b.split("=", 1) for b in args.builds)
-    samples: dict[str, dict[str, list[dict]]] = {a: {n: [] for n in builds} for a in ("exact", "int8")}
+    samples: dict[str, dict[str, list[dict]]] = {a: {n: [] for n in builds} for a in args.activations.split(",")}
     start = loadavg()
     for r in range(args.rounds):
         for name, spec in builds.items():
@@ -94,8 +96,8 @@ def main() -> None:
     record = {"command": command_line(), "model": args.model, "rounds": args.rounds, "machine": machine(),
               "loadavg_start": start, "loadavg_end": loadavg(), "date": time.strftime("%Y-%m-%d"),
               "medians": medians, "samples": samples}
-    write_atomic(RESULTS / "first_call_ab.json", json.dumps(record, indent=1))
-    write_atomic(RESULTS / "first_call_ab.md", render(record))
+    write_atomic(RESULTS / f"{args.report}.json", json.dumps(record, indent=1))
+    write_atomic(RESULTS / f"{args.report}.md", render(record))
     print(render(record))
 
 

@@ -1,11 +1,12 @@
 """CPU kernel for `MXIntFormat` (microscaled integers): x @ Ŵᵀ with AVX2 or AVX-512, picked at run time.
 
 The kernel lives in the same C++ extension as `bitquilt.kernels.cpu` (csrc/mxint_matmul.cpp) and is
-registered as "cpu_mxint" when that extension loads. Its layout, built on first use from the
-format's `classes()` and `perm` and kept in a `LayoutCache`:
+registered as "cpu_mxint" when that extension loads. Its layout, cut on first use from the
+format's stored classes and `perm` (`build_layout`, csrc/repack.cpp) and kept in a `LayoutCache`:
 
 - the 4-bit class nibble-packed (0.5 byte per weight), padded with zero blocks to a multiple of 4
-  blocks per row so that one 64-byte vector holds 4 blocks;
+  blocks per row so that one 64-byte vector holds 4 blocks: 32-bit word i of each 128-column group
+  holds, in nibble j, column 16·(j % 2) + i of block j // 2;
 - the 6- and 8-bit classes as int8 (1 byte per weight): decoding 6-bit elements from 4+2 bit
   planes would save 0.25 byte on that small class but cost shifts and merges on every call,
   and the kernel is decode-bound while weights sit in cache;
@@ -63,15 +64,6 @@ def active_isa(isa: str | None = None) -> str | None:
     return choose("MXINT", supported_isas(), isa)
 
 
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """int8 codes [out, n] (n a multiple of 128) -> uint8 [out, n/2] in the kernel's group order:
-    32-bit word i of each 128-column group holds, in nibble j, column 16·(j % 2) + i of block j // 2."""
-    out, n = q.shape
-    codes = (q.to(torch.int16) & 0xF).to(torch.uint8).view(out, n // GROUP, 4, 2, 16)  # [row, group, block, half, i]
-    codes = codes.permute(0, 1, 4, 2, 3).reshape(out, n // GROUP, 16, 8)  # [..., word i, nibble j]
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(out, n // 2)
-
-
 @dataclass(frozen=True)
 class MXLayout:
     """An `MXIntFormat` in the kernel's layout (see csrc/mxint_matmul.cpp)."""
@@ -116,39 +108,42 @@ class MXLayout:
         return self.sgemm(xs, isa) if x.shape[0] >= SGEMM_BATCH[isa] else self.gemv(xs, isa)
 
 
-def _exponent_bytes(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes of exponents e [out, n/32], with e = 0 for all-zero blocks of q [out, n]: their step is
-    irrelevant, and the e = −127 that quantization gives them makes a subnormal step, which costs a
-    microcode assist per use (as much as the rest of a short row on the AVX-512 path)."""
-    zero = (q.view(q.shape[0], -1, BLOCK) == 0).all(-1)
-    return torch.where(zero, 0, e).add(EXP_BIAS).to(torch.uint8)
+def _exponent_bytes(codes: torch.Tensor, e: torch.Tensor, bits: int) -> torch.Tensor:
+    """The stored E8M0 bytes e [out, n/32] (e + 127), with e = 0 for blocks whose codes are all zero (`codes`: the
+    class's stored words or int8, 32·bits/8 bytes a block): their step is irrelevant, and the e = −127 that
+    quantization gives them makes a subnormal step, which costs a microcode assist per use (as much as the rest of a
+    short row on the AVX-512 path)."""
+    words = codes.contiguous().view(torch.int64).view(codes.shape[0], e.shape[1], 4 * bits // 8)  # 8 bytes a compare
+    return torch.where((words == 0).all(-1), EXP_BIAS, e)
 
 
 def build_layout(fmt: MXIntFormat) -> MXLayout:
-    """The kernel layout of `fmt` from its classes (a padded 4-bit class gets zero blocks, x zeros)."""
+    """The kernel layout of `fmt`, cut from its stored classes (`MXIntFormat`: q<c> packed words, or int8 at 8 bits,
+    e<c> E8M0 bytes) by csrc/repack.cpp: 4-bit codes into the group order of the module's docstring (a class's last
+    group padded with zero blocks, x zeros), 6-bit ones widened to int8."""
+    ext = cpu.extension()
     source = torch.arange(fmt.in_features) if fmt.perm is None else fmt.perm.long()
     weights, exponents, segments, columns = [], [], [], []
     start = col = byte = 0
-    for m, q, e in fmt.classes():
-        n = q.shape[1]
-        src, eb = source[start:start + n], _exponent_bytes(q, e)
+    for c, (m, n) in enumerate(zip(fmt.widths, fmt.columns)):
+        codes = fmt.stored[f"q{c}"]
+        src, eb = source[start:start + n], _exponent_bytes(codes, fmt.stored[f"e{c}"], m)
         start += n
         if m == 4:
             pad = -n % GROUP
-            q, src = F.pad(q, (0, pad)), F.pad(src, (0, pad), value=-1)
-            eb = F.pad(eb, (0, pad // BLOCK), value=EXP_BIAS)
-            w = pack_nibbles(q)
+            src, eb = F.pad(src, (0, pad), value=-1), F.pad(eb, (0, pad // BLOCK), value=EXP_BIAS)
+            w, n = ext.mxint_pack_nibbles(codes, n), n + pad
         else:
-            w = q.contiguous().view(torch.uint8)
-        w = F.pad(w, (0, -w.shape[1] % ALIGN))  # every segment (and row) starts on a cache line
-        segments.append((m, col, byte, q.shape[1] // BLOCK))
+            w = F.pad((codes if m == 8 else ext.unpack_signed(codes, m, n)).view(torch.uint8), (0, -n % ALIGN))
+        segments.append((m, col, byte, n // BLOCK))  # every segment (and row) starts on a cache line
         weights.append(w)
         exponents.append(eb)
         columns.append(src)
-        col, byte = col + q.shape[1], byte + w.shape[1]
+        col, byte = col + n, byte + w.shape[1]
     gather = torch.cat(columns)
     identity = len(gather) == fmt.in_features and torch.equal(gather, torch.arange(fmt.in_features))
-    return MXLayout(torch.cat(weights, 1).contiguous(), torch.cat(exponents, 1).contiguous(),
+    one = len(weights) == 1  # one class: its tensors are the layout's (no copy)
+    return MXLayout(weights[0] if one else torch.cat(weights, 1), exponents[0] if one else torch.cat(exponents, 1),
                     torch.tensor(segments, dtype=torch.int64), None if identity else gather.to(torch.int32),
                     fmt.in_features)
 

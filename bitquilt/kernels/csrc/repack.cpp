@@ -77,6 +77,69 @@ at::Tensor bit_planes(const at::Tensor& words, int64_t bits, int64_t n) {
   return out;
 }
 
+// int8 [R, n] from `bits`-bit two's-complement codes packed in int32 words [R, n*bits/32] (rows contiguous), as
+// formats.mxint.unpack_signed (the reference) computes them: value u >= 2^(bits-1) is u - 2^bits.
+at::Tensor unpack_signed(const at::Tensor& words, int64_t bits, int64_t n) {
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.stride(1) == 1,
+              "words: int32 [rows, n*bits/32] with contiguous rows");
+  TORCH_CHECK(bits >= 2 && bits <= 7 && n % VALUES == 0 && words.size(1) == n * bits / 32,
+              "bits in 2..7 and n a multiple of 32 that the words hold");
+  const int64_t rows = words.size(0);
+  auto out = at::empty({rows, n}, words.options().dtype(at::kChar));
+  const auto* in = reinterpret_cast<const uint8_t*>(words.data_ptr<int32_t>());
+  const int64_t row_stride = words.stride(0) * 4;
+  auto* o = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
+  const __m256i sign = _mm256_set1_epi8(static_cast<char>(1 << (bits - 1)));
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t v = 0; v < n / VALUES; ++v) {  // (u ^ 2^(b-1)) - 2^(b-1) sign-extends u within its byte
+        const __m256i u = unpack32(in + r * row_stride + v * 4 * bits, bits);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + r * n + v * VALUES),
+                            _mm256_sub_epi8(_mm256_xor_si256(u, sign), sign));
+      }
+    }
+  });
+  return out;
+}
+
+// uint8 [R, ceil(n/128) * 64]: 4-bit MXINT codes packed in int32 words [R, n/8] (rows contiguous, n a multiple of 32)
+// in the MXINT kernel's group order (bitquilt/kernels/mxint.py): byte 4i + b of a 128-column group holds column
+// 32b + i in its low nibble and 32b + 16 + i in its high one; a last group's missing blocks are zero.
+at::Tensor mxint_pack_nibbles(const at::Tensor& words, int64_t n) {
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.stride(1) == 1 && n % VALUES == 0 &&
+              words.size(1) == n / 8, "words: int32 [rows, n/8] of 4-bit codes, rows contiguous, n % 32 == 0");
+  constexpr int64_t GROUP = 128, GROUP_BYTES = 64;
+  const int64_t rows = words.size(0), groups = (n + GROUP - 1) / GROUP, blocks = n / VALUES;
+  auto out = at::empty({rows, groups * GROUP_BYTES}, words.options().dtype(at::kByte));
+  const auto* in = reinterpret_cast<const uint8_t*>(words.data_ptr<int32_t>());
+  const int64_t row_stride = words.stride(0) * 4;
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        __m128i y[4];  // y_b[i] = column 32b + i | column 32b + 16 + i << 4
+        for (int64_t b = 0; b < 4; ++b) {
+          const int64_t block = 4 * g + b;
+          if (block >= blocks) {
+            y[b] = _mm_setzero_si128();
+            continue;
+          }
+          const __m256i x = unpack32(in + r * row_stride + block * 16, 4);
+          y[b] = _mm_or_si128(_mm256_castsi256_si128(x), _mm_slli_epi16(_mm256_extracti128_si256(x, 1), 4));
+        }
+        const __m128i y01l = _mm_unpacklo_epi8(y[0], y[1]), y01h = _mm_unpackhi_epi8(y[0], y[1]);
+        const __m128i y23l = _mm_unpacklo_epi8(y[2], y[3]), y23h = _mm_unpackhi_epi8(y[2], y[3]);
+        auto* dst = reinterpret_cast<__m128i*>(o + (r * groups + g) * GROUP_BYTES);  // bytes 4i..4i+3: y_0..3[i]
+        _mm_storeu_si128(dst, _mm_unpacklo_epi16(y01l, y23l));
+        _mm_storeu_si128(dst + 1, _mm_unpackhi_epi16(y01l, y23l));
+        _mm_storeu_si128(dst + 2, _mm_unpacklo_epi16(y01h, y23h));
+        _mm_storeu_si128(dst + 3, _mm_unpackhi_epi16(y01h, y23h));
+      }
+    }
+  });
+  return out;
+}
+
 // Writes bit-planes uint8 [k, 32 * tiles, K/8] (`bit_planes`) into `out`, the lookup-table kernel's layout
 // [tiles, K/block, k, block/8, 32] (bitquilt/kernels/cpu.py, pack_planes): byte t of a tile's 32 holds its row
 // row_of_byte[t], the order csrc/lut_matmul.cpp widens them in.
@@ -152,6 +215,10 @@ void q4_int8_pack_codes(const at::Tensor& words, int64_t r0, int64_t bits, int64
 void register_repack(pybind11::module& m) {
   m.def("bit_planes", &bit_planes, "bit-planes uint8 [bits, R, n/8] of packed words [R, n*bits/32]",
         pybind11::arg("words"), pybind11::arg("bits"), pybind11::arg("n"));
+  m.def("unpack_signed", &unpack_signed, "int8 [R, n] of bits-bit two's-complement codes packed in int32 words",
+        pybind11::arg("words"), pybind11::arg("bits"), pybind11::arg("n"));
+  m.def("mxint_pack_nibbles", &mxint_pack_nibbles, "4-bit MXINT codes from packed words into the kernel's group order",
+        pybind11::arg("words"), pybind11::arg("n"));
   m.def("planes_to_tiles", &planes_to_tiles, "bit-planes [k, 32 * tiles, K/8] into the lookup-table kernel's layout",
         pybind11::arg("planes"), pybind11::arg("block"), pybind11::arg("row_of_byte"), pybind11::arg("out"));
   m.def("q4_int8_pack_codes", &q4_int8_pack_codes,
