@@ -390,3 +390,16 @@ def test_layouts_built_a_few_rows_at_a_time_are_the_whole_ones(make, monkeypatch
     whole = cpu.pack_planes(make(w), 32)
     monkeypatch.setattr(cpu, "PACK_TILES", 1)  # 32 rows a chunk: two whole tiles and a padded one
     assert torch.equal(cpu.pack_planes(make(w), 32), whole)
+
+
+@needs_ext
+@pytest.mark.parametrize(("bytes_per_row", "block"), [(1120, 128), (36, 32), (24, 64)])  # 16-byte steps, and tails
+def test_planes_to_tiles_is_the_reference_reordering(bytes_per_row, block):
+    """csrc/repack.cpp's transposes put byte (plane i, row, column byte c) where the kernel reads it: tile, block,
+    plane, c within the block, the row's position in the tile (`_ROW_OF_BYTE`)."""
+    k, rows, bb = 3, 64, block // 8
+    planes = torch.randint(0, 256, (k, rows, bytes_per_row), dtype=torch.uint8)
+    out = torch.empty(rows // 32, bytes_per_row // bb, k, bb, 32, dtype=torch.uint8)
+    cpu.extension().planes_to_tiles(planes, block, cpu._ROW_OF_BYTE, out)
+    tiles = planes.view(k, rows // 32, 32, bytes_per_row // bb, bb)[:, :, cpu._ROW_OF_BYTE]
+    assert torch.equal(out, tiles.permute(1, 3, 0, 4, 2))

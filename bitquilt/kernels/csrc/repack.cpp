@@ -140,12 +140,36 @@ at::Tensor mxint_pack_nibbles(const at::Tensor& words, int64_t n) {
   return out;
 }
 
+// The 16 columns of 16 rows of bytes: col[c] = (r[0][c], ..., r[15][c]). Four rounds of interleaving pairs of rows
+// (bytes, then 2-, 4-, 8-byte units) leave column BITREV4[i] in vector i.
+inline void transpose16(const __m128i* r, __m128i* col) {
+  static constexpr int BITREV4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  __m128i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+    a[i + 8] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 8; ++i) {
+    b[i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
+    b[i + 8] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
+  }
+  for (int i = 0; i < 8; ++i) {
+    a[i] = _mm_unpacklo_epi32(b[2 * i], b[2 * i + 1]);
+    a[i + 8] = _mm_unpackhi_epi32(b[2 * i], b[2 * i + 1]);
+  }
+  for (int i = 0; i < 8; ++i) {
+    col[BITREV4[i]] = _mm_unpacklo_epi64(a[2 * i], a[2 * i + 1]);
+    col[BITREV4[i + 8]] = _mm_unpackhi_epi64(a[2 * i], a[2 * i + 1]);
+  }
+}
+
 // Writes bit-planes uint8 [k, 32 * tiles, K/8] (`bit_planes`) into `out`, the lookup-table kernel's layout
 // [tiles, K/block, k, block/8, 32] (bitquilt/kernels/cpu.py, pack_planes): byte t of a tile's 32 holds its row
-// row_of_byte[t], the order csrc/lut_matmul.cpp widens them in.
+// row_of_byte[t], the order csrc/lut_matmul.cpp widens them in. Each plane of a tile is transposed 32 rows x 16
+// columns at a time.
 void planes_to_tiles(const at::Tensor& planes, int64_t block, const std::vector<int64_t>& row_of_byte,
                      at::Tensor& out) {
-  constexpr int64_t TILE = 32;
+  constexpr int64_t TILE = 32, COLS = 16;
   TORCH_CHECK(planes.dim() == 3 && planes.is_contiguous() && planes.scalar_type() == at::kByte &&
               planes.size(1) % TILE == 0, "planes: contiguous uint8 [k, 32 * tiles, K/8]");
   const int64_t k = planes.size(0), rows = planes.size(1), kb = planes.size(2), bb = block / 8, tiles = rows / TILE;
@@ -155,14 +179,25 @@ void planes_to_tiles(const at::Tensor& planes, int64_t block, const std::vector<
   const uint8_t* in = planes.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    const uint8_t* src[TILE];
+    __m128i r[TILE], col[TILE];
     for (int64_t tile = t0; tile < t1; ++tile) {
       uint8_t* dst = o + tile * kb * k * TILE;
-      for (int64_t blk = 0; blk < kb / bb; ++blk) {
-        for (int64_t i = 0; i < k; ++i) {
-          const uint8_t* src = in + (i * rows + tile * TILE) * kb + blk * bb;
-          for (int64_t p = 0; p < bb; ++p, dst += TILE) {
-            for (int64_t t = 0; t < TILE; ++t) dst[t] = src[row_of_byte[t] * kb + p];
+      for (int64_t i = 0; i < k; ++i) {
+        for (int64_t t = 0; t < TILE; ++t) src[t] = in + (i * rows + tile * TILE + row_of_byte[t]) * kb;
+        const auto at = [&](int64_t c) { return dst + ((c / bb * k + i) * bb + c % bb) * TILE; };  // column c's 32
+        int64_t c0 = 0;
+        for (; c0 + COLS <= kb; c0 += COLS) {
+          for (int64_t t = 0; t < TILE; ++t) r[t] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[t] + c0));
+          transpose16(r, col);
+          transpose16(r + COLS, col + COLS);
+          for (int64_t j = 0; j < COLS; ++j) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(at(c0 + j)), col[j]);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(at(c0 + j) + COLS), col[COLS + j]);
           }
+        }
+        for (; c0 < kb; ++c0) {
+          for (int64_t t = 0; t < TILE; ++t) at(c0)[t] = src[t][c0];
         }
       }
     }
