@@ -250,3 +250,13 @@ def test_composite_rejects_bad_parts():
         CompositeFormat({"a.b": a})
     with pytest.raises(ValueError, match="permutation"):
         CompositeFormat({"a": a}, perm=torch.zeros(64, dtype=torch.long))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+def test_pack_writes_the_documented_bit_stream(bits):
+    """Value j at bits [b·j, b·j + b) of a little-endian stream cut into 32-bit words (the saved layout)."""
+    values = torch.randint(0, 2**bits, (3, 64))
+    for row, words in zip(values.tolist(), pack(values, bits).tolist()):
+        stream = sum(v << (bits * j) for j, v in enumerate(row))
+        assert [(w + 2**32) % 2**32 for w in words] == [(stream >> (32 * i)) & 0xFFFFFFFF for i in range(len(words))]
+    assert pack(values[:0], bits).shape == (0, 2 * bits)  # no rows (a residual with no blocks): no words

@@ -25,11 +25,20 @@ def packed_words(n: int, bits: int) -> int:
 
 
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integers in [0, 2**bits) along the last dim into int32 words."""
+    """Pack integers in [0, 2**bits) along the last dim into int32 words. For 1, 2, 4 and 8 bits the values are
+    OR-ed into the stream's bytes directly (a word-by-word loop of int64 arithmetic otherwise, ≈ 1.5 s for the
+    linears of a 0.5B model at 4 bits)."""
     if not 1 <= bits <= 16:
         raise ValueError(f"bits must be in 1..16, got {bits}")
     *lead, n = values.shape
-    words = torch.zeros(*lead, packed_words(n, bits), dtype=torch.int64, device=values.device)
+    nw = packed_words(n, bits)
+    if 8 % bits == 0 and sys.byteorder == "little":  # whole values per byte: value k of a byte at bits kb..
+        v = values.to(torch.uint8).reshape(*lead, n * bits // 8, 8 // bits)
+        stream = v[..., 0].clone(memory_format=torch.contiguous_format)  # also when empty: strides of its shape
+        for k in range(1, 8 // bits):
+            stream |= v[..., k] << (bits * k)
+        return stream.view(torch.int32)
+    words = torch.zeros(*lead, nw, dtype=torch.int64, device=values.device)
     v = values.to(torch.int64).reshape(*lead, n // WORD_BITS, WORD_BITS)
     w = words.view(*lead, n // WORD_BITS, bits)
     for j in range(WORD_BITS):
