@@ -45,21 +45,39 @@ inline __m256i unpack32(const uint8_t* s, int64_t bits) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(v));
 }
 
+// Bytes i < 16: x[i] | x[16 + i] << 4, two 4-bit codes of a 32-byte vector of codes in one byte (16-bit shifts
+// leave each byte's code in its byte).
+inline __m128i nibble_pairs(__m256i x) {
+  return _mm_or_si128(_mm256_castsi256_si128(x), _mm_slli_epi16(_mm256_extracti128_si256(x, 1), 4));
+}
+
+// Rows of `bits`-bit values packed in int32 words [R, n*bits/32], each row contiguous (a row slice of a larger
+// weight is fine), read byte-wise.
+struct PackedRows {
+  const uint8_t* data;
+  int64_t stride;  // bytes from a row to the next
+  int64_t rows;
+  const uint8_t* row(int64_t r) const { return data + r * stride; }
+};
+
+PackedRows packed_rows(const at::Tensor& words, int64_t bits, int64_t n) {
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.stride(1) == 1 && n % VALUES == 0 &&
+              words.size(1) == n * bits / 32, "words: int32 [rows, n*bits/32] with contiguous rows, n a multiple of "
+              "32 that the words hold");
+  return {reinterpret_cast<const uint8_t*>(words.data_ptr<int32_t>()), words.stride(0) * 4, words.size(0)};
+}
+
 // uint8 [bits, R, n/8] from int32 words [R, n*bits/32] (rows contiguous): bit j of byte p of plane i is bit i of
 // value 8p + j, as formats.packing.bit_planes (the reference) computes it.
 at::Tensor bit_planes(const at::Tensor& words, int64_t bits, int64_t n) {
-  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.stride(1) == 1,
-              "words: int32 [rows, n*bits/32] with contiguous rows");
-  TORCH_CHECK(bits >= 1 && bits <= 8 && n % VALUES == 0 && words.size(1) == n * bits / 32,
-              "bits in 1..8 and n a multiple of 32 that the words hold");
-  const int64_t rows = words.size(0), plane = rows * (n / 8);
-  auto out = at::empty({bits, rows, n / 8}, words.options().dtype(at::kByte));
-  const auto* in = reinterpret_cast<const uint8_t*>(words.data_ptr<int32_t>());
-  const int64_t row_stride = words.stride(0) * 4;
+  TORCH_CHECK(bits >= 1 && bits <= 8, "bits in 1..8");
+  const PackedRows in = packed_rows(words, bits, n);
+  const int64_t plane = in.rows * (n / 8);
+  auto out = at::empty({bits, in.rows, n / 8}, words.options().dtype(at::kByte));
   uint8_t* o = out.data_ptr<uint8_t>();
-  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, in.rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* s = in + r * row_stride;
+      const uint8_t* s = in.row(r);
       uint8_t* dst = o + r * (n / 8);
       if (bits == 1) {  // the stream's bytes are the plane
         std::memcpy(dst, s, n / 8);
@@ -80,20 +98,15 @@ at::Tensor bit_planes(const at::Tensor& words, int64_t bits, int64_t n) {
 // int8 [R, n] from `bits`-bit two's-complement codes packed in int32 words [R, n*bits/32] (rows contiguous), as
 // formats.mxint.unpack_signed (the reference) computes them: value u >= 2^(bits-1) is u - 2^bits.
 at::Tensor unpack_signed(const at::Tensor& words, int64_t bits, int64_t n) {
-  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.stride(1) == 1,
-              "words: int32 [rows, n*bits/32] with contiguous rows");
-  TORCH_CHECK(bits >= 2 && bits <= 7 && n % VALUES == 0 && words.size(1) == n * bits / 32,
-              "bits in 2..7 and n a multiple of 32 that the words hold");
-  const int64_t rows = words.size(0);
-  auto out = at::empty({rows, n}, words.options().dtype(at::kChar));
-  const auto* in = reinterpret_cast<const uint8_t*>(words.data_ptr<int32_t>());
-  const int64_t row_stride = words.stride(0) * 4;
+  TORCH_CHECK(bits >= 2 && bits <= 7, "bits in 2..7");
+  const PackedRows in = packed_rows(words, bits, n);
+  auto out = at::empty({in.rows, n}, words.options().dtype(at::kChar));
   auto* o = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
   const __m256i sign = _mm256_set1_epi8(static_cast<char>(1 << (bits - 1)));
-  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, in.rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t v = 0; v < n / VALUES; ++v) {  // (u ^ 2^(b-1)) - 2^(b-1) sign-extends u within its byte
-        const __m256i u = unpack32(in + r * row_stride + v * 4 * bits, bits);
+        const __m256i u = unpack32(in.row(r) + v * 4 * bits, bits);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + r * n + v * VALUES),
                             _mm256_sub_epi8(_mm256_xor_si256(u, sign), sign));
       }
@@ -106,15 +119,12 @@ at::Tensor unpack_signed(const at::Tensor& words, int64_t bits, int64_t n) {
 // in the MXINT kernel's group order (bitquilt/kernels/mxint.py): byte 4i + b of a 128-column group holds column
 // 32b + i in its low nibble and 32b + 16 + i in its high one; a last group's missing blocks are zero.
 at::Tensor mxint_pack_nibbles(const at::Tensor& words, int64_t n) {
-  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.stride(1) == 1 && n % VALUES == 0 &&
-              words.size(1) == n / 8, "words: int32 [rows, n/8] of 4-bit codes, rows contiguous, n % 32 == 0");
+  const PackedRows in = packed_rows(words, 4, n);
   constexpr int64_t GROUP = 128, GROUP_BYTES = 64;
-  const int64_t rows = words.size(0), groups = (n + GROUP - 1) / GROUP, blocks = n / VALUES;
-  auto out = at::empty({rows, groups * GROUP_BYTES}, words.options().dtype(at::kByte));
-  const auto* in = reinterpret_cast<const uint8_t*>(words.data_ptr<int32_t>());
-  const int64_t row_stride = words.stride(0) * 4;
+  const int64_t groups = (n + GROUP - 1) / GROUP, blocks = n / VALUES;
+  auto out = at::empty({in.rows, groups * GROUP_BYTES}, words.options().dtype(at::kByte));
   uint8_t* o = out.data_ptr<uint8_t>();
-  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, in.rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t g = 0; g < groups; ++g) {
         __m128i y[4];  // y_b[i] = column 32b + i | column 32b + 16 + i << 4
@@ -124,8 +134,7 @@ at::Tensor mxint_pack_nibbles(const at::Tensor& words, int64_t n) {
             y[b] = _mm_setzero_si128();
             continue;
           }
-          const __m256i x = unpack32(in + r * row_stride + block * 16, 4);
-          y[b] = _mm_or_si128(_mm256_castsi256_si128(x), _mm_slli_epi16(_mm256_extracti128_si256(x, 1), 4));
+          y[b] = nibble_pairs(unpack32(in.row(r) + block * 16, 4));
         }
         const __m128i y01l = _mm_unpacklo_epi8(y[0], y[1]), y01h = _mm_unpackhi_epi8(y[0], y[1]);
         const __m128i y23l = _mm_unpacklo_epi8(y[2], y[3]), y23h = _mm_unpackhi_epi8(y[2], y[3]);
@@ -211,30 +220,26 @@ void planes_to_tiles(const at::Tensor& planes, int64_t block, const std::vector<
 // 48+j << 6.
 void q4_int8_pack_codes(const at::Tensor& words, int64_t r0, int64_t bits, int64_t k, int64_t panel_units,
                         int64_t tiles, at::Tensor& codes) {
-  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.stride(1) == 1,
-              "words: int32 [rows, k*bits/32] with contiguous rows");
-  TORCH_CHECK((bits == 4 || bits == 2) && k % 64 == 0 && words.size(1) == k * bits / 32 && panel_units > 0,
-              "4- or 2-bit codes, k a multiple of 64 that the words hold");
+  TORCH_CHECK((bits == 4 || bits == 2) && k % 64 == 0 && panel_units > 0, "4- or 2-bit codes, k a multiple of 64");
+  const PackedRows in = packed_rows(words, bits, k);
   const int64_t chunk = 8 * bits, units = k / 64, unit_bytes = tiles * 4 * chunk;
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.numel() == units * unit_bytes &&
-              r0 >= 0 && r0 + words.size(0) <= tiles * 4, "codes: the layout's uint8 buffer, rows within its tiles");
-  const auto* in = reinterpret_cast<const uint8_t*>(words.data_ptr<int32_t>());
-  const int64_t row_stride = words.stride(0) * 4;
+              r0 >= 0 && r0 + in.rows <= tiles * 4, "codes: the layout's uint8 buffer, rows within its tiles");
   uint8_t* o = codes.data_ptr<uint8_t>();
-  at::parallel_for(0, words.size(0), ROW_GRAIN, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, in.rows, ROW_GRAIN, [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) {
-      const uint8_t* s = in + r * row_stride;
+      const uint8_t* s = in.row(r);
       const int64_t row = r0 + r, tile = row / 4, in_tile = row % 4;
       for (int64_t u = 0; u < units; ++u) {
         const int64_t u0 = u / panel_units * panel_units, width = std::min(panel_units, units - u0);
         uint8_t* dst = o + unit_bytes * u0 + ((tile * width + u - u0) * 4 + in_tile) * chunk;
         const __m256i lo = unpack32(s + u * chunk, bits), hi = unpack32(s + u * chunk + chunk / 2, bits);
-        const __m128i q0 = _mm256_castsi256_si128(lo), q1 = _mm256_extracti128_si256(lo, 1);
-        const __m128i q2 = _mm256_castsi256_si128(hi), q3 = _mm256_extracti128_si256(hi, 1);
-        if (bits == 4) {  // codes < 16: 16-bit shifts leave each byte's code in its byte
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_or_si128(q0, _mm_slli_epi16(q1, 4)));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm_or_si128(q2, _mm_slli_epi16(q3, 4)));
+        if (bits == 4) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), nibble_pairs(lo));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), nibble_pairs(hi));
         } else {
+          const __m128i q0 = _mm256_castsi256_si128(lo), q1 = _mm256_extracti128_si256(lo, 1);
+          const __m128i q2 = _mm256_castsi256_si128(hi), q3 = _mm256_extracti128_si256(hi, 1);
           const __m128i b = _mm_or_si128(_mm_or_si128(q0, _mm_slli_epi16(q1, 2)),
                                          _mm_or_si128(_mm_slli_epi16(q2, 4), _mm_slli_epi16(q3, 6)));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), b);
