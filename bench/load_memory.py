@@ -1,19 +1,23 @@
 """Memory of a saved quantized model at run time: what loading and running it adds to the process.
 
-    python bench/load_memory.py --models smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b
+    python bench/load_memory.py --models smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b --runtimes transformers,native
 
 For each model and variant (RTN weights, quantized once with `bitquilt quantize --stream` into --workdir), a child
-process with one thread: imports torch, transformers and the model's modeling code and loads its tokenizer (the
-runtime, *base*), then `bitquilt.load`s the saved directory (RSS *after load*), then runs what `bench/e2e.py` times:
-a 128-token prefill and 31 decode steps with the default engine (optionally with int8 activations). Reported: the
-file's size, the base, the peak above the base (the model's own memory), the whole process's peak, the kernel
-layouts' bytes and what of the mapped file is still resident at the end (`bitquilt.mapped`: a linear's pages are
-given back once its kernel layout is built). Results: bench/results/load_memory.{json,md}.
+process with one thread: imports what the runtime needs and loads the tokenizer (the *base*: torch, transformers
+with the model's modeling code and AutoTokenizer for the transformers runtime; torch, bitquilt and the
+`tokenizers` library alone for the native one, `bitquilt.models.native`), then `bitquilt.load`s the saved
+directory with that runtime (RSS *after load*), then runs what `bench/e2e.py` times: a 128-token prefill and 31
+decode steps with the default engine (optionally with int8 activations). Reported: the file's size, the base, the
+peak above the base (the model's own memory), the whole process's peak, the kernel layouts' bytes and what of the
+mapped file is still resident at the end (`bitquilt.mapped`: a linear's pages are given back once its kernel layout
+is built), and the time from the start of the load to the end of the decode steps (*ready + run s*).
+Results: bench/results/load_memory.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -37,27 +41,39 @@ def rss_mb() -> float:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def child(saved: str, engine: str) -> dict:
-    """The measurement, in this (fresh) process."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (the runtime)
+def _base(directory: Path, runtime: str) -> None:
+    """Import what `runtime` runs on and load the tokenizer once (the skeletons hold nothing)."""
+    if runtime == "native":
+        from bitquilt.models.tokenizer import FastTokenizer
 
+        FastTokenizer(directory)
+        return
+    from transformers import AutoTokenizer
+
+    from bitquilt.io import base_config
+    from bitquilt.models.loading import empty_model
+
+    empty_model(base_config(directory))  # imports the modeling code
+    AutoTokenizer.from_pretrained(directory)
+
+
+def child(saved: str, engine: str, runtime: str) -> dict:
+    """The measurement, in this (fresh) process."""
     from bitquilt import kernels
     from bitquilt.api import load
     from bitquilt.eval.speed import stepper
-    from bitquilt.io import WEIGHTS_NAME, base_config
+    from bitquilt.io import WEIGHTS_NAME
     from bitquilt.mapped import resident_bytes
-    from bitquilt.models.loading import empty_model
     from bitquilt.nn.quant_linear import QuantLinear
     from bitquilt.resources import peak_rss_mb
 
     torch.set_num_threads(1)
     directory = Path(saved)
-    empty_model(base_config(directory))  # imports the modeling code; the skeleton holds nothing
-    AutoTokenizer.from_pretrained(directory)
+    _base(directory, runtime)
     base = rss_mb()
     kernels.set_int8_activations(engine.endswith("+int8"))
     t0 = time.perf_counter()
-    model, _ = load(directory)
+    model, _ = load(directory, runtime)
     load_s, after_load = time.perf_counter() - t0, rss_mb()
     prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -65,10 +81,11 @@ def child(saved: str, engine: str) -> dict:
         token = int(step(prompt).argmax())  # as bench/e2e.py: the step returns the last position's logits
         for _ in range(31):
             token = int(step(torch.tensor([[token]])).argmax())
+    run_s = time.perf_counter() - t0
     layouts = sum(kernels.kernel_layout_bytes(m.fmt) for m in model.modules() if isinstance(m, QuantLinear))
     mapped = resident_bytes(directory / WEIGHTS_NAME) / 2**20
     return {"base_mb": base, "after_load_mb": after_load, "peak_mb": peak_rss_mb(), "load_s": load_s,
-            "layout_mb": layouts / 2**20, "mapped_resident_mb": mapped}
+            "run_s": run_s, "layout_mb": layouts / 2**20, "mapped_resident_mb": mapped}
 
 
 def quantize(model: str, variant: str, out: Path) -> None:
@@ -81,22 +98,29 @@ def quantize(model: str, variant: str, out: Path) -> None:
         raise RuntimeError(f"quantizing {model} {variant} failed: {done.stderr.strip().splitlines()[-1]}")
 
 
+def _runtime(record: dict) -> str:
+    return record["settings"].get("runtime", "transformers")
+
+
 def render(records: list[dict]) -> str:
     lines = ["# Memory of a loaded quantized model", "", __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), "",
              "MB = MiB. *model above base*: peak − base, what the model costs the process; its ratio to the file is "
              "the one the runtime does not set. *process ÷ file*: the whole process's peak over the file.", "",
-             "| model | variant | engine | file MB | base MB | after load MB | peak MB | model above base MB "
+             "| model | variant | runtime | engine | file MB | base MB | after load MB | peak MB | model above base MB "
              "| above base ÷ file | process ÷ file | kernel layouts MB | mapped still resident MB | load s "
-             "| load avg |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| ready + run s | load avg |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     models = list(dict.fromkeys(r["model"] for r in records))
     order = list(VARIANTS)
-    for r in sorted(records, key=lambda r: (models.index(r["model"]), order.index(r["variant"]), r["engine"])):
+    for r in sorted(records, key=lambda r: (models.index(r["model"]), order.index(r["variant"]), _runtime(r),
+                                            r["engine"])):
         above = r["peak_mb"] - r["base_mb"]
-        lines.append(f"| {r['model']} | {r['variant']} | {r['engine']} | {r['file_mb']:.0f} | {r['base_mb']:.0f} | "
+        run_s = f"{r['run_s']:.1f}" if "run_s" in r else "–"
+        lines.append(f"| {r['model']} | {r['variant']} | {_runtime(r)} | {r['engine']} | {r['file_mb']:.0f} | "
+                     f"{r['base_mb']:.0f} | "
                      f"{r['after_load_mb']:.0f} | {r['peak_mb']:.0f} | {above:.0f} | {above / r['file_mb']:.2f} | "
                      f"{r['peak_mb'] / r['file_mb']:.2f} | {r['layout_mb']:.0f} | {r['mapped_resident_mb']:.0f} | "
-                     f"{r['load_s']:.1f} | {r['loadavg']} |")
+                     f"{r['load_s']:.1f} | {run_s} | {r['loadavg']} |")
     commands = dict.fromkeys(r["command"] for r in records)
     lines += ["", machines_line(records) + " Command(s): " + ", ".join(f"`{c}`" for c in commands), ""]
     return "\n".join(lines)
@@ -107,8 +131,9 @@ def main() -> None:
     p.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b")
     p.add_argument("--variants", default="w4 g128,w4 g128 head8,w4 g128 head4")
     p.add_argument("--engines", default="auto,auto+int8")
+    p.add_argument("--runtimes", default="transformers,native", help="transformers, native (bitquilt.load's runtime)")
     p.add_argument("--workdir", default="/tmp/bitquilt-load-memory")
-    p.add_argument("--child", nargs=2, metavar=("SAVED", "ENGINE"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=3, metavar=("SAVED", "ENGINE", "RUNTIME"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(*args.child)))
@@ -119,15 +144,16 @@ def main() -> None:
         for variant in args.variants.split(","):
             saved = Path(args.workdir) / model / variant.replace(" ", "-")
             quantize(model, variant, saved)
-            for engine in args.engines.split(","):
-                out = subprocess.run([sys.executable, __file__, "--child", str(saved), engine], check=True,
+            for runtime, engine in itertools.product(args.runtimes.split(","), args.engines.split(",")):
+                out = subprocess.run([sys.executable, __file__, "--child", str(saved), engine, runtime], check=True,
                                      capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
                 result = json.loads(out.stdout.strip().splitlines()[-1])
-                record = {"model": model, "variant": variant, "engine": engine, "settings": {},
+                settings = {} if runtime == "transformers" else {"runtime": runtime}
+                record = {"model": model, "variant": variant, "engine": engine, "settings": settings,
                           "file_mb": (saved / "model.safetensors").stat().st_size / 2**20, **result,
                           "loadavg": loadavg(), "machine": machine(), "command": command}
-                print(f"{model} {variant} [{engine}]: peak {result['peak_mb']:.0f} MB, base {result['base_mb']:.0f}, "
-                      f"file {record['file_mb']:.0f}", flush=True)
+                print(f"{model} {variant} [{runtime} {engine}]: peak {result['peak_mb']:.0f} MB, "
+                      f"base {result['base_mb']:.0f}, file {record['file_mb']:.0f}", flush=True)
                 write_atomic(RESULTS / "load_memory.md", render(append_record("load_memory", record, KEY)))
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from bitquilt.errors import UserError
 from bitquilt.export import FORMATS as EXPORT_FORMATS
 from bitquilt.io import (  # noqa: F401  (API)
+    RUNTIMES,
     is_quantized_dir,
     load_quantized,
     model_nbytes,
@@ -38,10 +39,20 @@ if TYPE_CHECKING:
     from bitquilt.export.gguf import GGUFExport
 
 
-def load(spec: str | Path) -> tuple[nn.Module, Any]:
-    """A packaged model name, HF directory, .gguf file, or saved quantized directory."""
+def load(spec: str | Path, runtime: str = "transformers") -> tuple[nn.Module, Any]:
+    """A packaged model name, HF directory, .gguf file, or saved quantized directory. runtime (saved directories):
+    "transformers" (default; the transformers model class), "native" (bitquilt's own module tree: generation without
+    importing transformers, less memory and a faster start) or "auto" (native where it covers the model); see
+    `bitquilt.io.load_quantized`."""
+    if runtime not in RUNTIMES:
+        raise UserError(f"unknown runtime {runtime!r}; accepted: {', '.join(RUNTIMES)}")
     path = resolve_path(spec)
-    return load_quantized(path) if is_quantized_dir(path) else load_model(path)
+    if is_quantized_dir(path):
+        return load_quantized(path, runtime)
+    if runtime == "native":
+        raise UserError(f"the native runtime runs directories saved by bitquilt; {spec} is not one (use runtime "
+                        "'transformers' or 'auto')")
+    return load_model(path)
 
 
 def fetch(name: str, force: bool = False) -> Path:

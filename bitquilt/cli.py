@@ -724,6 +724,12 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def _runtime(engine: str) -> str:
+    """The runtime a decoding engine loads a saved model into: bitquilt's own module tree where it covers the model
+    (no transformers import), unless the transformers engine is asked for."""
+    return "transformers" if engine == "transformers" else "auto"
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -733,7 +739,7 @@ def cmd_generate(args) -> int:
     if not args.prompt:
         raise UserError("--prompt is empty; give the text to continue")
     _set_threads(args.threads)
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, _runtime(args.engine))
     if tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files; cannot generate text")
     ids = torch.tensor([tokenizer(args.prompt)["input_ids"]])
@@ -762,7 +768,7 @@ def cmd_bench(args) -> int:
     rows = []
     for spec in args.models:
         reset_peak_rss()
-        model, _ = load(spec)
+        model, _ = load(spec, _runtime(args.engine))
         result = measure_speed(model, model.config.vocab_size, args.prompt_tokens, args.new_tokens, args.repeats,
                                engine=args.engine)
         row = {"model": spec, **model_summary(model), **result.to_dict()}
@@ -795,7 +801,8 @@ def _add_engine(s: argparse.ArgumentParser) -> None:
                    help="decode loop: lean (static KV cache, the model's modules without transformers' per-layer "
                    "glue; llama/mistral/qwen2/qwen3), fused (lean, with every decoder layer of a one-token step in "
                    "one compiled call: weight-only models), transformers, or auto (the first of fused, lean, "
-                   "transformers that runs the model; default)")
+                   "transformers that runs the model; default). Every engine but transformers runs a saved model in "
+                   "bitquilt's own modules (llama/mistral/qwen2/qwen3) without importing transformers' modeling code")
 
 
 def build_parser() -> argparse.ArgumentParser:

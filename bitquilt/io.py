@@ -42,7 +42,9 @@ from bitquilt.errors import UserError
 from bitquilt.formats import format_class
 from bitquilt.formats.base import BUFFER_PREFIX, WeightFormat, split_buffers
 from bitquilt.models.loading import SAVED_MODEL_TYPE, empty_model
+from bitquilt.models.native import NativeCausalLM, NativeConfig
 from bitquilt.models.streaming import TensorFiles
+from bitquilt.models.tokenizer import FastTokenizer
 from bitquilt.nn import online
 from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
@@ -193,24 +195,30 @@ def guard_config(path: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def base_config(directory: Path) -> Any:
-    """The transformers config of a saved directory: its config.json with the base model_type restored (a directory
-    saved before the guard has it unchanged)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
+def saved_config(directory: Path) -> dict[str, Any]:
+    """The config.json of a saved directory as a dict, with the base model_type restored (a directory saved before
+    the guard has it unchanged)."""
     path = directory / "config.json"
     try:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"{path} is not a readable model config: {e}") from None
-    if config.get("model_type") != GUARD_TYPE:
-        return AutoConfig.from_pretrained(directory)
-    model_type = (config.pop(GUARD_TYPE, None) or {}).get("model_type")
+    if config.get("model_type") == GUARD_TYPE:
+        model_type = (config.pop(GUARD_TYPE, None) or {}).get("model_type")
+        config["model_type"] = model_type
+    return config
+
+
+def base_config(directory: Path) -> Any:
+    """The transformers config of a saved directory (`saved_config`)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = saved_config(directory)
+    model_type = config.get("model_type")
     if model_type not in CONFIG_MAPPING:
-        raise UserError(f"{path} is corrupt or was edited: its base model type {model_type!r} is not one transformers "
-                        "knows; quantize the model again")
-    return CONFIG_MAPPING[model_type].from_dict({**config, "model_type": model_type})
+        raise UserError(f"{directory / 'config.json'} is corrupt or was edited: its base model type {model_type!r} is "
+                        "not one transformers knows; quantize the model again")
+    return CONFIG_MAPPING[model_type].from_dict(config)
 
 
 def is_quantized_dir(path: str | Path) -> bool:
@@ -301,16 +309,48 @@ def _quantized_module(kind: str, fmt: WeightFormat, bias: torch.Tensor | None, o
     return QuantLinear(fmt, bias)
 
 
-def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
-    """Rebuild a model saved by `save` (no recalibration); returns (model, tokenizer or None). No full-precision
-    copy of the model is built (see the module's docstring)."""
+RUNTIMES = ("transformers", "native", "auto")
+
+
+def _skeleton(directory: Path, runtime: str) -> tuple[nn.Module, Any]:
+    """(model without weights, its config) for `runtime`: transformers' model class, or bitquilt's own module tree
+    (`bitquilt.models.native`: no transformers import); "auto" takes the native one where it covers the model."""
+    if runtime not in RUNTIMES:
+        raise UserError(f"unknown runtime {runtime!r}; accepted: {', '.join(RUNTIMES)}")
+    if runtime != "transformers":
+        native = NativeConfig.from_dict(saved_config(directory))
+        reason = native.unsupported_reason()
+        if reason is None:
+            return NativeCausalLM(native), native
+        if runtime == "native":
+            raise UserError(f"the native runtime cannot run {directory}: {reason}; use runtime 'transformers'")
+    config = base_config(directory)
+    return empty_model(config, torch.float32), config
+
+
+def _saved_tokenizer(directory: Path, model: nn.Module, config: Any) -> Any:
+    """The tokenizer saved with the model (None if there is none): `FastTokenizer` for the native runtime,
+    transformers' AutoTokenizer otherwise."""
+    if isinstance(model, NativeCausalLM):
+        return FastTokenizer(directory) if FastTokenizer.available(directory) else None
     from transformers import AutoTokenizer
 
+    try:
+        return AutoTokenizer.from_pretrained(directory, config=config)
+    except (OSError, ValueError):
+        return None
+
+
+def load_quantized(directory: str | Path, runtime: str = "transformers") -> tuple[nn.Module, Any]:
+    """Rebuild a model saved by `save` (no recalibration); returns (model, tokenizer or None). No full-precision
+    copy of the model is built (see the module's docstring). runtime: "transformers" (the model class of
+    transformers, with `generate`, masks and caches), "native" (`bitquilt.models.native`: generation through
+    `LeanDecoder` without importing transformers; llama, mistral, qwen2, qwen3), or "auto" (native where it
+    covers the model)."""
     directory = Path(directory)
     qconfig = read_qconfig(directory)
     files = _open_weights(directory)
-    config = base_config(directory)
-    model = empty_model(config, torch.float32)
+    model, config = _skeleton(directory, runtime)
     checked: set[tuple] = set()
     formats: dict[str, WeightFormat] = {}
     consumed: set[str] = set()
@@ -363,9 +403,5 @@ def load_quantized(directory: str | Path) -> tuple[nn.Module, Any]:
     if missing or unexpected:
         raise UserError(f"{directory} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, config=config)
-    except (OSError, ValueError):
-        tokenizer = None
     set_quantization_record(model, qconfig)
-    return model, tokenizer
+    return model, _saved_tokenizer(directory, model, config)

@@ -70,7 +70,7 @@ def stepper(model: nn.Module, max_len: int, engine: str = "auto") -> Callable[[t
         if engine == "fused" and decoder.fused is None:
             raise ValueError(f"fused decoding does not support this model: {decoder.fused_reason}")
         return decoder.forward
-    if engine in ("lean", "fused"):
+    if engine in ("lean", "fused") or getattr(model, "runs_attention_site", False):  # a native model: lean only
         raise ValueError(f"{engine} decoding does not support this model: {reason}")
     state: dict[str, Any] = {}
 

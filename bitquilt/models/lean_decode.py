@@ -211,8 +211,9 @@ class LeanDecoder:
         return attn.o_proj(out.transpose(1, 2).reshape(1, t, -1))
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits [vocab] of the last of `ids` [1, T], appended at the cache's current position.
+    def forward(self, ids: torch.Tensor, every_position: bool = False) -> torch.Tensor:
+        """Logits [vocab] of the last of `ids` [1, T] (every_position: [T, vocab] of each), appended at the
+        cache's current position.
 
         T > 1 (a prompt) only on an empty cache; then one token at a time."""
         if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
@@ -223,7 +224,7 @@ class LeanDecoder:
         if start + t > self.max_len:
             raise ValueError(f"position {start + t} is past the cache's {self.max_len} positions")
         x = self.model.model.embed_tokens(ids)
-        if t == 1 and self.fused is not None and kernels.kernels_enabled():
+        if t == 1 and self.fused is not None and kernels.kernels_enabled() and not every_position:
             self.pos = start + 1
             x = self.fused.step(x, start).view(1, 1, -1)
             return self.model.lm_head(self.final_norm(x))[0, -1]
@@ -233,6 +234,8 @@ class LeanDecoder:
             h = self.mlp_norms[i](x)
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
         self.pos = start + t
+        if every_position:
+            return self.model.lm_head(self.final_norm(x))[0]
         return self.model.lm_head(self.final_norm(x[:, -1:]))[0, -1]
 
     def reset(self) -> None:

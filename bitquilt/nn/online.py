@@ -117,6 +117,8 @@ def enable_attention_site(model: nn.Module) -> None:
     registered implementation runs the attention site of `module` and hands over to the base
     implementation (sdpa, eager, ...) with the base's mask function: no modeling code is copied.
     """
+    if getattr(model, "runs_attention_site", False):  # a runtime that calls the site itself (LeanDecoder's)
+        return
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 

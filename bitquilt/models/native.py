@@ -1,0 +1,243 @@
+"""Llama-family causal LMs without transformers: the runtime's own module tree for a saved model.
+
+Running a saved model needs none of transformers' modeling code: `LeanDecoder` (bitquilt.models.lean_decode)
+calls the embedding, norms, linears, rotary table and LM head itself. Importing a transformers model class
+costs ≈ 1.7 s and ≈ 100 MB of resident memory (sympy, torch._dynamo and torch.distributed come with it), more
+than a 4-bit small model; this module builds the same tree from `config.json` alone:
+
+    NativeCausalLM
+      model.embed_tokens                 nn.Embedding [vocab, hidden]
+      model.layers[i].input_layernorm    RMSNorm
+      model.layers[i].self_attn          {q,k,v,o}_proj (+ q_norm, k_norm on qwen3)
+      model.layers[i].post_attention_layernorm
+      model.layers[i].mlp                {gate,up,down}_proj, SiLU-gated
+      model.norm, model.rotary_emb
+      lm_head                            (tied to embed_tokens when the config says so)
+
+Module names are transformers' so a checkpoint's tensor names, saved layer names and online-module hosts apply
+unchanged. Biases follow each family: qwen2's q/k/v carry one, mistral's nothing; llama and qwen3 follow
+`attention_bias` (and llama `mlp_bias`). RoPE: inverse frequencies θ^(-2i/d), optionally divided by a linear factor or
+rescaled by Llama 3's wavelength bands; `NativeConfig.unsupported_reason` names anything else (another family,
+activation or RoPE type), for which the transformers model stays the runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from bitquilt.models.lean_decode import FAMILIES, LeanDecoder
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class NativeConfig:
+    """The fields of a config.json the runtime reads (names as in transformers' configs)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    hidden_act: str
+    attention_bias: bool
+    mlp_bias: bool
+    rope: dict[str, Any] = field(default_factory=dict)
+    sliding_window: int | None = None
+    use_sliding_window: bool = False
+    partial_rotary_factor: float = 1.0
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> NativeConfig:
+        heads = d["num_attention_heads"]
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        pad = d.get("pad_token_id")
+        return cls(model_type=d["model_type"], vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+                   intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+                   num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
+                   head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                   max_position_embeddings=d.get("max_position_embeddings", 2048),
+                   tie_word_embeddings=d.get("tie_word_embeddings", False), hidden_act=d.get("hidden_act", "silu"),
+                   attention_bias=d.get("attention_bias", False),
+                   mlp_bias=d.get("mlp_bias", False), rope=rope, sliding_window=d.get("sliding_window"),
+                   use_sliding_window=d.get("use_sliding_window", False),
+                   partial_rotary_factor=d.get("partial_rotary_factor", 1.0),
+                   pad_token_id=pad if isinstance(pad, int) and 0 <= pad < d["vocab_size"] else None)
+
+    @classmethod
+    def from_json(cls, path: Path) -> NativeConfig:
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def unsupported_reason(self) -> str | None:
+        """Why this module cannot build the model; None if it can."""
+        if self.model_type not in FAMILIES:
+            return f"model type {self.model_type!r} (the native runtime covers {', '.join(FAMILIES)})"
+        if self.hidden_act != "silu":
+            return f"activation {self.hidden_act!r} (the native runtime runs SiLU-gated MLPs)"
+        if self.rope["rope_type"] not in ROPE_TYPES:
+            return f"RoPE type {self.rope['rope_type']!r} (the native runtime computes {', '.join(ROPE_TYPES)})"
+        if self.partial_rotary_factor != 1.0:
+            return f"a partial rotary factor of {self.partial_rotary_factor}"
+        return None
+
+
+def inverse_frequencies(config: NativeConfig) -> torch.Tensor:
+    """RoPE's ω_i = θ^(-2i/d), i < d/2, with the config's scaling:
+
+    - linear:  ω_i / factor;
+    - llama3:  with λ_i = 2π/ω_i and the original context L, wavelengths longer than L/low_freq_factor get
+      ω_i / factor, shorter than L/high_freq_factor keep ω_i, and those between interpolate
+      (1 − s)·ω_i/factor + s·ω_i with s = (L/λ_i − low_freq_factor) / (high_freq_factor − low_freq_factor).
+    """
+    rope, d = config.rope, config.head_dim
+    omega = 1.0 / (rope["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if rope["rope_type"] == "linear":
+        return omega / rope["factor"]
+    if rope["rope_type"] == "llama3":
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        context = rope["original_max_position_embeddings"]
+        wavelength = 2 * math.pi / omega
+        s = (context / wavelength - low) / (high - low)
+        between = (1 - s) * omega / factor + s * omega
+        return torch.where(wavelength > context / low, omega / factor,
+                           torch.where(wavelength < context / high, omega, between))
+    return omega
+
+
+class RotaryEmbedding(nn.Module):
+    """cos and sin of position·ω for every position asked, [B, T, head_dim] (the halves repeated)."""
+
+    def __init__(self, config: NativeConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [B, heads, T, d] rotated by cos, sin [B, T, d]: x·cos + rotate_half(x)·sin."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + ε) · w over the last dimension."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
+
+
+def _attention_biases(config: NativeConfig) -> tuple[bool, bool]:
+    """(q/k/v, o) bias of each family: qwen2 always has q/k/v biases and no o bias, mistral none, llama and
+    qwen3 follow attention_bias."""
+    if config.model_type == "qwen2":
+        return True, False
+    if config.model_type == "mistral":
+        return False, False
+    return config.attention_bias, config.attention_bias
+
+
+class Attention(nn.Module):
+    def __init__(self, config: NativeConfig):
+        super().__init__()
+        d, heads, kv_heads, hidden = config.head_dim, config.num_attention_heads, config.num_key_value_heads, \
+            config.hidden_size
+        qkv_bias, o_bias = _attention_biases(config)
+        self.head_dim, self.scaling = d, d ** -0.5
+        self.q_proj = nn.Linear(hidden, heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(heads * d, hidden, bias=o_bias)
+        if config.model_type == "qwen3":
+            self.q_norm, self.k_norm = RMSNorm(d, config.rms_norm_eps), RMSNorm(d, config.rms_norm_eps)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: NativeConfig):
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        bias = config.mlp_bias and config.model_type == "llama"
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: NativeConfig):
+        super().__init__()
+        self.self_attn, self.mlp = Attention(config), MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Body(nn.Module):
+    def __init__(self, config: NativeConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class NativeCausalLM(nn.Module):
+    """A Llama-family causal LM built from its config (module docstring). Runs through `LeanDecoder`;
+    `forward` gives every position's logits of unpadded sequences, for scoring."""
+
+    runs_attention_site = True  # LeanDecoder calls the attention site's online modules itself
+
+    def __init__(self, config: NativeConfig):
+        super().__init__()
+        reason = config.unsupported_reason()
+        if reason is not None:
+            raise ValueError(f"the native runtime does not support this model: {reason}")
+        self.config = config
+        with torch.device("meta"):  # the weights come from the checkpoint
+            self.model = Body(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model.rotary_emb = RotaryEmbedding(config)
+
+    def tie_weights(self) -> None:
+        """The LM head reads the embedding table (configs with tie_word_embeddings)."""
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, vocab] of every position of input_ids [B, T] (no padding, no cache)."""
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [batch, tokens] with tokens > 0, got shape {tuple(input_ids.shape)}")
+        decoder = LeanDecoder(self, input_ids.shape[1], fuse=False)
+        rows = []
+        for row in input_ids:
+            decoder.reset()
+            rows.append(decoder.forward(row[None], every_position=True))
+        return torch.stack(rows)

@@ -1,0 +1,57 @@
+"""A model's tokenizer.json run by the `tokenizers` library alone, for the native runtime.
+
+transformers' AutoTokenizer reads the same file but first imports its tokenizer classes and parses the JSON in
+Python again (≈ 0.9 s and ≈ 45 MB more for Qwen's 151,646-token vocabulary). Generating text needs three
+things of a tokenizer: encode a prompt, decode new ids, know the end-of-sequence id; `FastTokenizer` does
+those, with the special tokens tokenizer_config.json names. Tested to give AutoTokenizer's ids and text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bitquilt.errors import UserError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _token_text(entry: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": string, ...}."""
+    return entry.get("content") if isinstance(entry, dict) else entry
+
+
+class FastTokenizer:
+    """Encode and decode with a directory's tokenizer.json (module docstring)."""
+
+    def __init__(self, directory: str | Path):
+        from tokenizers import Tokenizer
+
+        directory = Path(directory)
+        try:
+            self.backend = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
+            config_path = directory / "tokenizer_config.json"
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except Exception as e:  # OSError, JSON errors, and tokenizers' bare Exception for a bad file
+            raise UserError(f"cannot load the tokenizer in {directory}: {e}") from None
+        eos = _token_text(config.get("eos_token"))
+        self.eos_token = eos
+        self.eos_token_id = self.backend.token_to_id(eos) if eos else None
+
+    @staticmethod
+    def available(directory: str | Path) -> bool:
+        return (Path(directory) / TOKENIZER_FILE).is_file()
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text).ids
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        """{"input_ids": ids} as a transformers tokenizer returns for one text."""
+        return {"input_ids": self.encode(text)}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)

@@ -1,0 +1,129 @@
+"""The native runtime (bitquilt.models.native, models.tokenizer): a saved model run without transformers, against
+the transformers model and tokenizer it replaces."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import make_tiny
+
+from bitquilt.api import load, quantize, save
+from bitquilt.errors import UserError
+from bitquilt.eval.speed import decode
+from bitquilt.io import load_quantized
+from bitquilt.models import registry
+from bitquilt.models.native import NativeCausalLM, NativeConfig, inverse_frequencies
+from bitquilt.models.tokenizer import FastTokenizer
+from bitquilt.recipes import Recipe
+
+
+def _ids(n: int, seed: int = 0, vocab: int = 320) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _saved(tmp_path, model_type: str, recipe: Recipe):
+    model = make_tiny(model_type)
+    quantize(model, recipe, _ids(64, seed=2).view(2, 32))
+    save(model, tmp_path / model_type)
+    return tmp_path / model_type
+
+
+@pytest.mark.parametrize("model_type, recipe", [
+    ("llama", Recipe("rtn", w_bits=4, group_size=64, head_bits=8)),
+    ("qwen2", Recipe("rtn", w_bits=4, group_size=64)),
+    ("qwen3", Recipe("rtn", w_bits=2, group_size=32, head_bits=4)),
+    ("llama", Recipe("quarot+rtn", w_bits=4, group_size=32, a_bits=4, kv_bits=4, a_clip=None)),
+], ids=["llama-w4-head8", "qwen2-w4", "qwen3-w2-head4", "llama-quarot-w4a4kv4"])
+def test_native_model_gives_the_transformers_logits_and_tokens(tmp_path, model_type, recipe):
+    path = _saved(tmp_path, model_type, recipe)
+    reference, _ = load_quantized(path)
+    native, _ = load_quantized(path, runtime="native")
+    assert isinstance(native, NativeCausalLM) and not isinstance(reference, NativeCausalLM)
+    assert native.state_dict().keys() == reference.state_dict().keys()
+    ids = _ids(2 * 12, seed=1).view(2, 12)
+    with torch.no_grad():
+        want = reference(ids, use_cache=False).logits
+    assert torch.allclose(native(ids), want, atol=1e-4)
+    prompt = _ids(6, seed=3)
+    assert decode(native, prompt, 8).new_ids == decode(reference, prompt, 8, engine="lean").new_ids
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+], ids=["linear", "llama3"])
+def test_rope_scaling_matches_transformers(rope):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=512,
+                         rope_parameters={"rope_theta": 50000.0, **rope})
+    want, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+    got = inverse_frequencies(NativeConfig.from_dict(config.to_dict()))
+    assert torch.allclose(got, want, rtol=1e-6)
+    assert not torch.allclose(got, inverse_frequencies(NativeConfig.from_dict(
+        {**config.to_dict(), "rope_parameters": {"rope_theta": 50000.0}})))  # the scaling did something
+
+
+def test_runtime_choice_and_bad_input(tmp_path):
+    gemma = _saved(tmp_path, "gemma3_text", Recipe("rtn", w_bits=4, group_size=32))
+    with pytest.raises(UserError, match="native runtime cannot run .*gemma3_text"):
+        load(gemma, runtime="native")
+    assert not isinstance(load(gemma, runtime="auto")[0], NativeCausalLM)  # auto falls back to transformers
+    llama = _saved(tmp_path, "llama", Recipe("rtn", w_bits=4, group_size=64))
+    assert isinstance(load(llama, runtime="auto")[0], NativeCausalLM)
+    with pytest.raises(UserError, match="unknown runtime 'fast'; accepted: transformers, native, auto"):
+        load(llama, runtime="fast")
+    with pytest.raises(UserError, match="runs directories saved by bitquilt"):
+        load("smollm2-135m", runtime="native")
+    with pytest.raises(ValueError, match="transformers decoding does not support"):
+        decode(load(llama, runtime="native")[0], _ids(4), 2, engine="transformers")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(UserError, match="cannot load the tokenizer"):
+        FastTokenizer(tmp_path / "bad")
+
+
+TEXTS = ["The capital of France is", "  leading spaces,\ttabs\nand newlines", "émigré café naïve — 東京 🙂",
+         "<|im_start|>user\nhi<|im_end|>", "x" * 300, ""]
+
+
+def test_fast_tokenizer_gives_the_transformers_ids_and_text():
+    from transformers import AutoTokenizer
+
+    directory = registry.fetched_dir("smollm2-135m")
+    fast, reference = FastTokenizer(directory), AutoTokenizer.from_pretrained(directory)
+    for text in TEXTS:
+        ids = fast(text)["input_ids"]
+        assert ids == reference(text)["input_ids"], text
+        for skip in (False, True):
+            assert fast.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    assert fast.eos_token_id == reference.eos_token_id is not None
+    assert len(fast) == len(reference)
+
+
+GENERATE = """
+import json, sys
+from bitquilt.cli import main
+code = main(["generate", sys.argv[1], "--prompt", "The capital of France is", "--max-new-tokens", "6", "--json"])
+print(json.dumps({"code": code, "transformers": sorted(m for m in sys.modules if m.startswith("transformers"))}))
+"""
+
+
+def test_cli_generate_runs_a_saved_model_without_importing_transformers(tmp_path, capsys):
+    from bitquilt.cli import main
+
+    out = tmp_path / "q4"
+    assert main(["quantize", "smollm2-135m", "--method", "rtn", "--head-bits", "8", "--stream", "-o", str(out)]) == 0
+    capsys.readouterr()
+    done = subprocess.run([sys.executable, "-c", GENERATE, str(out)], capture_output=True, text=True, check=True)
+    lines = done.stdout.strip().splitlines()
+    native, imported = json.loads("\n".join(lines[:-1])), json.loads(lines[-1])
+    assert imported == {"code": 0, "transformers": []}
+    assert main(["generate", str(out), "--prompt", "The capital of France is", "--max-new-tokens", "6", "--json",
+                 "--engine", "transformers"]) == 0
+    assert json.loads(capsys.readouterr().out)["completion"] == native["completion"]
+    assert "Paris" in native["completion"]
