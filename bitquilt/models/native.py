@@ -146,12 +146,27 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose weights come from a checkpoint: no random initialisation (on the meta device, torch's init
+    ops would import torch._dynamo and sympy, ≈ 90 MB, for nothing)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table comes from a checkpoint (as `Linear`)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + ε) · w over the last dimension."""
+    """x / sqrt(mean(x²) + ε) · w over the last dimension (w from the checkpoint)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.empty(size))
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,10 +190,10 @@ class Attention(nn.Module):
             config.hidden_size
         qkv_bias, o_bias = _attention_biases(config)
         self.head_dim, self.scaling = d, d ** -0.5
-        self.q_proj = nn.Linear(hidden, heads * d, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * d, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * d, bias=qkv_bias)
-        self.o_proj = nn.Linear(heads * d, hidden, bias=o_bias)
+        self.q_proj = Linear(hidden, heads * d, bias=qkv_bias)
+        self.k_proj = Linear(hidden, kv_heads * d, bias=qkv_bias)
+        self.v_proj = Linear(hidden, kv_heads * d, bias=qkv_bias)
+        self.o_proj = Linear(heads * d, hidden, bias=o_bias)
         if config.model_type == "qwen3":
             self.q_norm, self.k_norm = RMSNorm(d, config.rms_norm_eps), RMSNorm(d, config.rms_norm_eps)
 
@@ -188,9 +203,9 @@ class MLP(nn.Module):
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
         bias = config.mlp_bias and config.model_type == "llama"
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, inner, bias=bias)
+        self.up_proj = Linear(hidden, inner, bias=bias)
+        self.down_proj = Linear(inner, hidden, bias=bias)
 
 
 class DecoderLayer(nn.Module):
@@ -204,7 +219,7 @@ class DecoderLayer(nn.Module):
 class Body(nn.Module):
     def __init__(self, config: NativeConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -223,7 +238,7 @@ class NativeCausalLM(nn.Module):
         self.config = config
         with torch.device("meta"):  # the weights come from the checkpoint
             self.model = Body(config)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.model.rotary_emb = RotaryEmbedding(config)
 
     def tie_weights(self) -> None:
