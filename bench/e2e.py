@@ -13,7 +13,8 @@ symmetric, saved, `bitquilt.api.export(..., to="gguf")`, which copies that grid 
 writes embeddings and LM head as F32, like the bitquilt rows). xllamacpp has no llama-quantize.
 
 Every measurement is a fresh worker process of its engine (this script, or `bench/llamacpp.py` in .venv-llamacpp):
-load the model (bitquilt: `bitquilt.api.load` of the saved model; llama.cpp: the GGUF), an untimed 8-token warm-up
+load the model (bitquilt: `bitquilt.api.load` of the saved model in the runtime `bitquilt generate` takes, its own
+module tree without transformers where it covers the model; llama.cpp: the GGUF), an untimed 8-token warm-up
 (the prompt's first 8 tokens, the first one changed), then one greedy prefill of the same --prompt-tokens random
 token ids and --new-tokens − 1 single-token decode steps with the KV cache, --threads threads. Engines are
 interleaved: each repeat runs every bitquilt row once, each followed by a llama.cpp row (the llama.cpp rows taken in
@@ -128,7 +129,7 @@ def bitquilt_worker(source: str, prompt: list[int], new_tokens: int, threads: in
     engine, _, option = engine.partition("+")
     kernels.set_int8_activations(option == "int8")
     t0 = time.perf_counter()
-    model, _ = load(source)
+    model, _ = load(source, "transformers" if engine == "transformers" else "auto")  # as `bitquilt generate`
     setup_s = time.perf_counter() - t0
     generate(model, llamacpp.warmup_prompt(prompt, vocab_size), WARMUP_TOKENS, engine)  # kernel layouts, allocator
     ready_s = time.perf_counter() - t0

@@ -387,9 +387,12 @@ def test_bit_planes_of_the_extension_are_the_reference_ones(bits):
 @pytest.mark.parametrize("make", [lambda w: make_uniform(w, 4, 32, sym=False), lambda w: make_bitplane(70, 96, 3, 32)])
 def test_layouts_built_a_few_rows_at_a_time_are_the_whole_ones(make, monkeypatch):
     w = torch.randn(70, 96)
-    whole = cpu.pack_planes(make(w), 32)
+    fmt = make(w)
+    whole = cpu._PACKERS[fmt.name](fmt)
     monkeypatch.setattr(cpu, "PACK_TILES", 1)  # 32 rows a chunk: two whole tiles and a padded one
-    assert torch.equal(cpu.pack_planes(make(w), 32), whole)
+    monkeypatch.setattr(cpu, "PACK_ROWS", 32)  # the same for a uniform grid's coefficients
+    chunked = cpu._PACKERS[fmt.name](fmt)
+    assert torch.equal(chunked.planes, whole.planes) and torch.equal(chunked.coeffs, whole.coeffs)
 
 
 @needs_ext

@@ -50,6 +50,7 @@ def int8_on():
 @pytest.mark.parametrize(("n", "k", "group", "tokens"),
                          [(70, 256, 128, 1), (64, 192, 64, 3), (33, 512, 64, 17), (5, 128, -1, 2), (4, 64, 64, 80),
                           (4102, 64, 64, 2),  # more rows than the layout converts at a time
+                          (1030, 4416, 192, 1),  # and several panels of columns too
                           (9, 8960, 128, 1), (6, 4416, 192, 3),  # several panels of columns (group 192: 21 a panel)
                           (4, 4160, -1, 2)])  # one group wider than a panel: one panel
 def test_kernel_is_the_exact_product_with_the_rounded_activations(n, k, group, tokens, bits, isa):

@@ -171,10 +171,11 @@ class UniformFormat(WeightFormat):
         """q as uint8 [out, in]."""
         return unpack(self.qweight, self.bits, self.in_features)
 
-    def scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scale and zero per (row, group), each fp32 [out, G]; a symmetric grid's zero is 2^(b−1)."""
-        scales = self.scales.float()
-        zeros = self.zeros.float() if self.zeros is not None else torch.full_like(scales, 2 ** (self.bits - 1))
+    def scale_zero(self, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scale and zero per (row, group) of `rows` (all by default), each fp32 [rows, G]; a symmetric grid's zero
+        is 2^(b−1)."""
+        scales = self.scales[rows].float()
+        zeros = self.zeros[rows].float() if self.zeros is not None else torch.full_like(scales, 2 ** (self.bits - 1))
         return scales, zeros
 
     def column_params(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -108,26 +108,39 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
     group = resolve_group_size(fmt.group_size, fmt.in_features)
     if fmt.in_features % PAIR or group % PAIR:
         return None
-    scale, zero = fmt.scale_zero()
-    scale16 = scale.half()
-    if not torch.equal(scale16.float(), scale):  # fp16 scales only (what pack() stores): the layout keeps them so
-        return None
     n, k = fmt.out_features, fmt.in_features
-    bits, tiles, groups = fmt.bits, -(-n // ROWS), scale.shape[1]
+    bits, tiles = fmt.bits, -(-n // ROWS)
     width = cpu.extension().q4_int8_panel_columns(group)
     columns = [(c0, min(k, c0 + width)) for c0 in range(0, k, width)]
+    scales = _scale_panels(fmt, tiles, [(c0 // group, -(-c1 // group)) for c0, c1 in columns])
+    if scales is None:
+        return None
     codes = (torch.zeros if n % ROWS else torch.empty)(tiles * ROWS * k * bits // 8, dtype=torch.uint8)  # pad rows 0
     for r0 in range(0, n, PACK_ROWS):  # csrc/repack.cpp writes each row's chunks into their panels
         rows = fmt.qweight[r0:r0 + PACK_ROWS]
         cpu.extension().q4_int8_pack_codes(rows, r0, bits, k, width // PAIR, tiles, codes)
         release_chunk(r0 // PACK_ROWS, [rows])  # these rows' file pages, as cpu.pack_planes does
-    zero8 = _rows_to_tiles(zero.to(torch.uint8)).transpose(1, 2)  # [tiles, G, 4]
-    per_group = torch.cat([_rows_to_tiles(scale16).transpose(1, 2).contiguous().view(torch.uint8), zero8], dim=-1)
-    scales = torch.empty(tiles * groups * 3 * ROWS, dtype=torch.uint8)
-    group_bounds = [(c0 // group, -(-c1 // group)) for c0, c1 in columns]
-    for view, (g0, g1) in zip(_panels(scales, tiles, group_bounds, (3 * ROWS,)), group_bounds, strict=True):
-        view.copy_(per_group[:, g0:g1])
     return Q4Layout(codes, scales, group, bits)
+
+
+def _scale_panels(fmt: UniformFormat, tiles: int, group_bounds: list[tuple[int, int]]) -> torch.Tensor | None:
+    """The scales and zeros of `Q4Layout`, PACK_ROWS rows at a time (the whole head's temporaries at once were
+    ≈ 30 MB above the layout on Qwen); None unless every scale is an fp16 value (what `pack` stores, and what the
+    layout keeps)."""
+    n, groups = fmt.scales.shape
+    scales = torch.empty(tiles * groups * 3 * ROWS, dtype=torch.uint8)
+    panels = _panels(scales, tiles, group_bounds, (3 * ROWS,))
+    for r0 in range(0, n, PACK_ROWS):
+        scale, zero = fmt.scale_zero(slice(r0, r0 + PACK_ROWS))
+        scale16 = scale.half()
+        if not torch.equal(scale16.float(), scale):
+            return None
+        zero8 = _rows_to_tiles(zero.to(torch.uint8)).transpose(1, 2)  # [tiles, G, 4]
+        per_group = torch.cat([_rows_to_tiles(scale16).transpose(1, 2).contiguous().view(torch.uint8), zero8], dim=-1)
+        t0 = r0 // ROWS
+        for view, (g0, g1) in zip(panels, group_bounds, strict=True):
+            view[t0:t0 + per_group.shape[0]].copy_(per_group[:, g0:g1])
+    return scales
 
 
 _LAYOUTS: LayoutCache[Q4Layout] = LayoutCache(_layout)
