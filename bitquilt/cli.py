@@ -20,7 +20,7 @@ from bitquilt.calib.stages import STAGES
 from bitquilt.errors import USER_ERRORS, UserError
 from bitquilt.eval.speed import ENGINES
 from bitquilt.export import FORMATS as EXPORT_FORMATS
-from bitquilt.io import model_summary
+from bitquilt.io import RUNTIMES, model_summary
 from bitquilt.models.registry import DEFAULT_MODEL
 from bitquilt.recipes import BEST_RECIPES, CalibConfig, Recipe, expand_method, solver_name
 from bitquilt.solvers import SOLVERS
@@ -724,10 +724,15 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def _runtime(engine: str) -> str:
-    """The runtime a decoding engine loads a saved model into: bitquilt's own module tree where it covers the model
-    (no transformers import), unless the transformers engine is asked for."""
-    return "transformers" if engine == "transformers" else "auto"
+def _runtime(args) -> str:
+    """The runtime `--runtime` and `--engine` load a saved model into (the transformers engine needs the transformers
+    model)."""
+    if args.engine != "transformers":
+        return args.runtime
+    if args.runtime == "native":
+        raise UserError("--engine transformers runs the transformers model; drop --runtime native or pick another "
+                        "engine (auto, fused, lean)")
+    return "transformers"
 
 
 def cmd_generate(args) -> int:
@@ -739,7 +744,7 @@ def cmd_generate(args) -> int:
     if not args.prompt:
         raise UserError("--prompt is empty; give the text to continue")
     _set_threads(args.threads)
-    model, tokenizer = load(args.model, _runtime(args.engine))
+    model, tokenizer = load(args.model, _runtime(args))
     if tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files; cannot generate text")
     ids = torch.tensor([tokenizer(args.prompt)["input_ids"]])
@@ -768,7 +773,7 @@ def cmd_bench(args) -> int:
     rows = []
     for spec in args.models:
         reset_peak_rss()
-        model, _ = load(spec, _runtime(args.engine))
+        model, _ = load(spec, _runtime(args))
         result = measure_speed(model, model.config.vocab_size, args.prompt_tokens, args.new_tokens, args.repeats,
                                engine=args.engine)
         row = {"model": spec, **model_summary(model), **result.to_dict()}
@@ -801,8 +806,11 @@ def _add_engine(s: argparse.ArgumentParser) -> None:
                    help="decode loop: lean (static KV cache, the model's modules without transformers' per-layer "
                    "glue; llama/mistral/qwen2/qwen3), fused (lean, with every decoder layer of a one-token step in "
                    "one compiled call: weight-only models), transformers, or auto (the first of fused, lean, "
-                   "transformers that runs the model; default). Every engine but transformers runs a saved model in "
-                   "bitquilt's own modules (llama/mistral/qwen2/qwen3) without importing transformers' modeling code")
+                   "transformers that runs the model; default)")
+    s.add_argument("--runtime", choices=RUNTIMES, default="auto",
+                   help="what a saved model is loaded into: native (bitquilt's own modules, llama/mistral/qwen2/qwen3, "
+                   "no transformers import: less memory, a faster start), transformers, or auto (native where it "
+                   "covers the model; default; transformers with --engine transformers)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -127,3 +127,12 @@ def test_cli_generate_runs_a_saved_model_without_importing_transformers(tmp_path
                  "--engine", "transformers"]) == 0
     assert json.loads(capsys.readouterr().out)["completion"] == native["completion"]
     assert "Paris" in native["completion"]
+    for runtime in ("native", "transformers"):  # forced either way: the same text
+        assert main(["generate", str(out), "--prompt", "The capital of France is", "--max-new-tokens", "6", "--json",
+                     "--runtime", runtime]) == 0
+        assert json.loads(capsys.readouterr().out)["completion"] == native["completion"]
+    code = main(["generate", str(out), "--prompt", "hi", "--engine", "transformers", "--runtime", "native"])
+    assert code == 2 and "drop --runtime native" in capsys.readouterr().err
+    code = main(["bench", str(out), "--runtime", "native", "--engine", "lean", "--prompt-tokens", "8", "--new-tokens",
+                 "3", "--repeats", "1", "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)[0]["decode_tokens_per_s"] > 0
