@@ -1,5 +1,6 @@
 """CPU kernels (bitquilt.kernels.cpu) against the torch reference, and the fallback without them."""
 
+import dataclasses
 import gc
 import logging
 import weakref
@@ -121,6 +122,26 @@ def test_uniform_matches_reference(bits, group, sym):
     fmt = make_uniform(w, bits, group, sym)
     assert_fp32_accurate(cpu.matmul(fmt, x), fmt, x)
     assert_fp32_accurate(cpu.matmul(fmt, x[:1]), fmt, x[:1])
+
+
+@needs_ext
+@pytest.mark.parametrize("sym", [False, True])
+def test_compact_uniform_coefficients_give_the_fp32_ones_results(sym):
+    """A saved grid's (fp16 s, uint8 z) are stored as such (96 bytes per 32 rows and group, not (s, −s·z) in fp32:
+    256): both kernel paths give bit-identical results from either storage; a grid whose scales are not fp16 values
+    keeps the fp32 storage and its exactness."""
+    w, x = llm_like(77, 384, seed=5)
+    fmt = make_uniform(w, 4, 128, sym)
+    p = cpu.packed(fmt)
+    assert p.coeffs.dtype == torch.uint8 and p.coeffs.shape == (3, 3, 96)
+    wide = dataclasses.replace(p, coeffs=torch.empty(3, 3, 2, 32))
+    assert cpu._fill_tiles(wide.coeffs, fmt, cpu._fp32_tiles)
+    for tokens in (1, 5, 64):
+        xt = torch.cat([x] * 16)[:tokens]
+        assert torch.equal(p.lut(xt), wide.lut(xt)) and torch.equal(p.sgemm(xt), wide.sgemm(xt))
+    finer = UniformFormat(fmt.qweight, fmt.scales.float() * (1 + 2**-15), fmt.zeros, 4, 128, 384)
+    assert cpu.packed(finer).coeffs.dtype == torch.float32
+    assert_fp32_accurate(cpu.matmul(finer, x), finer, x)
 
 
 @needs_ext

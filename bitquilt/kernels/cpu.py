@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -180,7 +181,7 @@ class Packed:
     """A weight matrix in the kernel's layout (see csrc/lut_matmul.cpp)."""
 
     planes: torch.Tensor  # uint8 [tiles, blocks, bits, block/8, 32]
-    coeffs: torch.Tensor  # fp16 [tiles, G, bits+1, 32] (C0..Ck), or fp32 [tiles, G, 2, 32] (s, −s·z) if uniform
+    coeffs: torch.Tensor  # fp16 [tiles, G, bits+1, 32] (C0..Ck); if uniform, `_uniform_coefficients`
     out_features: int
     bits: int
     block: int  # columns per activation-table scale
@@ -228,15 +229,40 @@ def _pack_uniform(fmt: UniformFormat) -> Packed | None:
 
 
 def _uniform_coefficients(fmt: UniformFormat) -> torch.Tensor:
-    """(s, −s·z) of every row group in tile order, fp32 [tiles, G, 2, 32], PACK_ROWS rows at a time: the whole
-    matrix's fp32 temporaries at once were ≈ 35 MB above the layout for Qwen's 151,936-row LM head."""
+    """(s, z) of every row group in tile order (csrc/lut_matmul.cpp): uint8 [tiles, G, 96], 32 fp16 s then 32 uint8
+    z, when every s is an fp16 value and every z an integer in [0, 255] (a saved grid always is); fp32 [tiles, G, 2,
+    32] (s, −s·z) otherwise, 2.7× the bytes. Built PACK_ROWS rows at a time (the whole matrix's fp32 temporaries at
+    once were ≈ 35 MB above the layout for Qwen's 151,936-row LM head)."""
     n, groups = fmt.scales.shape
-    out = torch.empty(-(-n // TILE), groups, 2, TILE)
-    for r0 in range(0, n, PACK_ROWS):
-        scale, zero = fmt.scale_zero(slice(r0, r0 + PACK_ROWS))
-        chunk = _tile_coefficients(torch.stack([scale, -scale * zero], dim=-1))
+    compact = torch.empty(-(-n // TILE), groups, 3 * TILE, dtype=torch.uint8)
+    if _fill_tiles(compact, fmt, _compact_tiles):
+        return compact
+    wide = torch.empty(-(-n // TILE), groups, 2, TILE)
+    _fill_tiles(wide, fmt, _fp32_tiles)
+    return wide
+
+
+def _fill_tiles(out: torch.Tensor, fmt: UniformFormat,
+                tiles_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]) -> bool:
+    """out[tiles] = tiles_of(s, z) of each PACK_ROWS rows; False as soon as one chunk cannot be stored so."""
+    for r0 in range(0, fmt.scales.shape[0], PACK_ROWS):
+        chunk = tiles_of(*fmt.scale_zero(slice(r0, r0 + PACK_ROWS)))
+        if chunk is None:
+            return False
         out[r0 // TILE:r0 // TILE + chunk.shape[0]] = chunk
-    return out
+    return True
+
+
+def _compact_tiles(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor | None:
+    s16, z8 = scale.half(), zero.to(torch.uint8)
+    if not (torch.equal(s16.float(), scale) and torch.equal(z8.float(), zero)):
+        return None
+    return torch.cat([_tile_coefficients(s16.unsqueeze(-1)).flatten(2).view(torch.uint8),
+                      _tile_coefficients(z8.unsqueeze(-1)).flatten(2)], dim=-1)
+
+
+def _fp32_tiles(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return _tile_coefficients(torch.stack([scale, -scale * zero], dim=-1))
 
 
 _PACKERS = {"bitplane": _pack_bitplane, "uniform": _pack_uniform}

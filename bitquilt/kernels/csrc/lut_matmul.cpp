@@ -18,7 +18,10 @@
 // holds columns 8p..8p+3 (bit j = column 8p+j) and its high nibble columns 8p+4..8p+7.
 //
 // Coefficients: mode "planes": fp16 [tiles][groups][k+1][32] (C0, C1..Ck per row);
-//               mode "uniform": fp32 [tiles][groups][2][32] (s, -s*z) with C_i = s * 2^(i-1).
+//               mode "uniform" (C0 = -s*z, C_i = s * 2^(i-1)), by the tensor's dtype: uint8 [tiles][groups][96]
+//               (32 fp16 s, then 32 uint8 z: 96 bytes per 32 rows) where s is an fp16 value (what a saved model
+//               holds), or fp32 [tiles][groups][2][32] (s, -s*z) otherwise. -s*z is the same fp32 product either
+//               way, so both give the same result; the compact one reads 96 bytes a group-tile instead of 256.
 //
 // Large batches go through dequant_matmul instead: rows dequantized to fp32 in chunks, then at::mm.
 //
@@ -153,15 +156,30 @@ inline void plane_block(const uint8_t* w, const uint8_t* tab, int64_t pairs, __m
                           _mm256_srai_epi32(_mm256_unpackhi_epi16(z, ho), 2));
 }
 
+// Rows 8m..8m+7 of a uniform part's (s, -s*z) for one (tile, group), from either storage.
+template <Coef MODE>
+inline void uniform_coef(const void* coef, int m, __m256& scale, __m256& neg_sz) {
+  if constexpr (MODE == Coef::uniform32) {
+    const float* c = static_cast<const float*>(coef);
+    scale = _mm256_loadu_ps(c + 8 * m);
+    neg_sz = _mm256_loadu_ps(c + TILE + 8 * m);
+  } else {
+    const uint8_t* c = static_cast<const uint8_t*>(coef);
+    scale = half8(reinterpret_cast<const uint16_t*>(c) + 8 * m);
+    const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(c + 2 * TILE + 8 * m))));
+    neg_sz = _mm256_xor_ps(_mm256_mul_ps(scale, z), _mm256_set1_ps(-0.f));  // -(s z): the fp32 product of (-s) z
+  }
+}
+
 // acc[0..32) += the contribution of block b (all planes) to the 32 rows of one tile, one token.
-template <bool UNIFORM>
+template <Coef MODE>
 inline void tile_block(const uint8_t* w, const void* coef, const uint8_t* tab, float scale, float sum,
                        const Shape& s, float* acc) {
   const int64_t pairs = s.block / 8, plane_bytes = s.block * 4;
   const __m256 sc = _mm256_set1_ps(scale), sx = _mm256_set1_ps(sum);
   __m256i r[4];
-  if constexpr (UNIFORM) {  // C_i = s * 2^(i-1): weight the planes by powers of two, then by s
-    const float* c = static_cast<const float*>(coef);
+  if constexpr (MODE != Coef::planes) {  // C_i = s * 2^(i-1): weight the planes by powers of two, then by s
     __m256 f[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t i = 0; i < s.k; ++i) {
       plane_block(w + i * plane_bytes, tab, pairs, r);
@@ -169,9 +187,11 @@ inline void tile_block(const uint8_t* w, const void* coef, const uint8_t* tab, f
       for (int m = 0; m < 4; ++m) f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r[m]), p2, f[m]);
     }
     for (int m = 0; m < 4; ++m) {
+      __m256 s_m, neg_sz;
+      uniform_coef<MODE>(coef, m, s_m, neg_sz);
       __m256 a = _mm256_loadu_ps(acc + 8 * m);
-      a = _mm256_fmadd_ps(_mm256_mul_ps(f[m], sc), _mm256_loadu_ps(c + 8 * m), a);
-      _mm256_storeu_ps(acc + 8 * m, _mm256_fmadd_ps(_mm256_loadu_ps(c + TILE + 8 * m), sx, a));
+      a = _mm256_fmadd_ps(_mm256_mul_ps(f[m], sc), s_m, a);
+      _mm256_storeu_ps(acc + 8 * m, _mm256_fmadd_ps(neg_sz, sx, a));
     }
   } else {
     const uint16_t* c = static_cast<const uint16_t*>(coef);
@@ -193,6 +213,21 @@ void check_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [T, K]");
 }
 
+Coef coef_mode(const at::Tensor& coef, bool uniform) {
+  const auto type = coef.scalar_type();
+  TORCH_CHECK(uniform ? type == at::kFloat || type == at::kByte : type == at::kHalf,
+              uniform ? "uniform coefficients: fp32 (s, -s*z) or uint8 (fp16 s, uint8 z)" : "plane coefficients: fp16");
+  return !uniform ? Coef::planes : type == at::kByte ? Coef::uniform16 : Coef::uniform32;
+}
+
+int64_t coef_group_bytes(const at::Tensor& coef, int64_t k, bool uniform) {
+  switch (coef_mode(coef, uniform)) {
+    case Coef::planes: return (k + 1) * TILE * 2;
+    case Coef::uniform32: return 2 * TILE * 4;
+    default: return TILE * 3;
+  }
+}
+
 }  // namespace
 
 Shape check_packed(int64_t K, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k, int64_t block,
@@ -203,9 +238,7 @@ Shape check_packed(int64_t K, const at::Tensor& w, const at::Tensor& coef, int64
   TORCH_CHECK(s.K % block == 0 && group % block == 0, "block must divide K and the group size");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == s.tiles() * s.tile_bytes(),
               "packed planes do not match the shape");
-  const int64_t per_tile = s.groups() * (uniform ? 2 : k + 1) * TILE;
-  TORCH_CHECK(coef.is_contiguous() && coef.numel() == s.tiles() * per_tile &&
-                  coef.scalar_type() == (uniform ? at::kFloat : at::kHalf),
+  TORCH_CHECK(coef.is_contiguous() && coef.nbytes() == s.tiles() * s.groups() * coef_group_bytes(coef, k, uniform),
               "coefficients do not match the shape");
   return s;
 }
@@ -213,8 +246,8 @@ Shape check_packed(int64_t K, const at::Tensor& w, const at::Tensor& coef, int64
 Part make_part(int64_t K, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k, int64_t block,
                int64_t group, bool uniform) {
   const Shape s = check_packed(K, w, coef, N, k, block, group, uniform);
-  return {w.data_ptr<uint8_t>(), static_cast<const char*>(coef.data_ptr()), s,
-          (uniform ? 2 : k + 1) * TILE * coef.element_size(), uniform};
+  return {w.data_ptr<uint8_t>(), static_cast<const char*>(coef.data_ptr()), s, coef_group_bytes(coef, k, uniform),
+          coef_mode(coef, uniform)};
 }
 
 // y [T, N] = x [T, K] @ (sum_p W_p + S)^T for the parts W_p in the packed bit-plane layout, S the residual (none
@@ -248,10 +281,11 @@ void lut_parts_into(const float* xp, int64_t T, const std::vector<Part>& parts, 
             for (const Part& p : parts) {
               const uint8_t* wb = p.w + i * p.s.tile_bytes() + b * p.s.k * plane_bytes;
               const void* cb = p.coef + (i * s.groups() + b / per_group) * p.coef_group;
-              if (p.uniform)
-                tile_block<true>(wb, cb, tb, scale[j], sums[j], p.s, out);
-              else
-                tile_block<false>(wb, cb, tb, scale[j], sums[j], p.s, out);
+              switch (p.mode) {
+                case Coef::uniform16: tile_block<Coef::uniform16>(wb, cb, tb, scale[j], sums[j], p.s, out); break;
+                case Coef::uniform32: tile_block<Coef::uniform32>(wb, cb, tb, scale[j], sums[j], p.s, out); break;
+                default: tile_block<Coef::planes>(wb, cb, tb, scale[j], sums[j], p.s, out);
+              }
             }
           }
         }
@@ -306,7 +340,7 @@ at::Tensor lut_matmul_parts(const at::Tensor& x, const std::vector<at::Tensor>& 
 
 // Rows of one tile dequantized to fp32 row-major: out[r * K + c] = C0 + sum_i C_i B_i[r, c], added to what out
 // holds when `accumulate` (the next part of a sum).
-void dequant_tile(const uint8_t* w, const char* coef, int64_t coef_group, bool uniform, const Shape& s,
+void dequant_tile(const uint8_t* w, const char* coef, int64_t coef_group, Coef mode, const Shape& s,
                   const uint8_t* byte_of_row, bool accumulate, float* out) {
   // kBits[b] = the 8 bits of byte b as floats 0/1
   static const std::vector<float> kBits = [] {
@@ -321,10 +355,17 @@ void dequant_tile(const uint8_t* w, const char* coef, int64_t coef_group, bool u
     const char* cg = coef + (b / per_group) * coef_group;
     const uint8_t* wb = w + b * s.k * plane_bytes;
     for (int64_t r = 0; r < TILE; ++r) {
-      if (uniform) {  // (s, -s z) -> C0 = -s z, C_{i+1} = s 2^i
-        const float* u = reinterpret_cast<const float*>(cg);
-        c[0] = u[TILE + r];
-        for (int64_t i = 0; i < s.k; ++i) c[i + 1] = u[r] * static_cast<float>(1 << i);
+      if (mode != Coef::planes) {  // (s, -s z) -> C0 = -s z, C_{i+1} = s 2^i
+        float scale;
+        if (mode == Coef::uniform32) {
+          const float* u = reinterpret_cast<const float*>(cg);
+          scale = u[r];
+          c[0] = u[TILE + r];
+        } else {
+          scale = static_cast<float>(reinterpret_cast<const at::Half*>(cg)[r]);
+          c[0] = -(scale * static_cast<float>(reinterpret_cast<const uint8_t*>(cg)[2 * TILE + r]));
+        }
+        for (int64_t i = 0; i < s.k; ++i) c[i + 1] = scale * static_cast<float>(1 << i);
       } else {
         const at::Half* h = reinterpret_cast<const at::Half*>(cg);
         for (int64_t i = 0; i <= s.k; ++i) c[i] = static_cast<float>(h[i * TILE + r]);
@@ -364,7 +405,7 @@ at::Tensor dequant_parts_matmul(const at::Tensor& x, const std::vector<Part>& pa
         for (size_t p = 0; p < parts.size(); ++p) {
           const Part& part = parts[p];
           dequant_tile(part.w + i * part.s.tile_bytes(), part.coef + i * s.groups() * part.coef_group,
-                       part.coef_group, part.uniform, part.s, bor, p > 0, rows);
+                       part.coef_group, part.mode, part.s, bor, p > 0, rows);
         }
         if (!res.empty()) bitquilt_sparse::tile_residual_rows(res, i, s.K, rows);
       }

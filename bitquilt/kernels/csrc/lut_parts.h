@@ -23,13 +23,16 @@ struct Shape {
   int64_t tile_bytes() const { return K / 8 * TILE * k; }
 };
 
+// How a part's coefficients are stored per (tile, group) (lut_matmul.cpp's header says what each holds).
+enum class Coef : uint8_t { planes, uniform32, uniform16 };
+
 // One weight of a sum: packed planes, coefficients and shape (all parts of a call share K, N, block, group).
 struct Part {
   const uint8_t* w;
   const char* coef;
   Shape s;
   int64_t coef_group;  // bytes of coefficients per (tile, group)
-  bool uniform;
+  Coef mode;
 };
 
 // The packed planes and coefficients of a [N, K] weight checked against its shape (TORCH_CHECK otherwise).
