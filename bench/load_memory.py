@@ -60,9 +60,8 @@ def _base(directory: Path, runtime: str) -> None:
 def child(saved: str, engine: str, runtime: str) -> dict:
     """The measurement, in this (fresh) process."""
     from bitquilt import kernels
-    from bitquilt.api import load
     from bitquilt.eval.speed import stepper
-    from bitquilt.io import WEIGHTS_NAME
+    from bitquilt.io import WEIGHTS_NAME, load
     from bitquilt.mapped import resident_bytes
     from bitquilt.nn.quant_linear import QuantLinear
     from bitquilt.resources import peak_rss_mb

@@ -5,7 +5,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load": "bitquilt.api",
+    "load": "bitquilt.io",
     "fetch": "bitquilt.api",
     "quantize": "bitquilt.api",
     "quantize_streaming": "bitquilt.api",

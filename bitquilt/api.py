@@ -19,13 +19,14 @@ from bitquilt.export import FORMATS as EXPORT_FORMATS
 from bitquilt.io import (  # noqa: F401  (API)
     RUNTIMES,
     is_quantized_dir,
+    load,
     load_quantized,
     model_nbytes,
     model_summary,
     quantization_record,
     set_quantization_record,
 )
-from bitquilt.models.loading import load_model, resolve_path
+from bitquilt.models.loading import resolve_path
 from bitquilt.models.streaming import StreamingCheckpoint
 from bitquilt.pipeline.engine import quantize_model
 from bitquilt.pipeline.head import HEAD_STAGE, quantize_head
@@ -37,22 +38,6 @@ if TYPE_CHECKING:
     from bitquilt.eval.migration import MigrationResult
     from bitquilt.export.compressed_tensors import CompressedTensorsExport
     from bitquilt.export.gguf import GGUFExport
-
-
-def load(spec: str | Path, runtime: str = "transformers") -> tuple[nn.Module, Any]:
-    """A packaged model name, HF directory, .gguf file, or saved quantized directory. runtime (saved directories):
-    "transformers" (default; the transformers model class), "native" (bitquilt's own module tree: generation without
-    importing transformers, less memory and a faster start) or "auto" (native where it covers the model); see
-    `bitquilt.io.load_quantized`."""
-    if runtime not in RUNTIMES:
-        raise UserError(f"unknown runtime {runtime!r}; accepted: {', '.join(RUNTIMES)}")
-    path = resolve_path(spec)
-    if is_quantized_dir(path):
-        return load_quantized(path, runtime)
-    if runtime == "native":
-        raise UserError(f"the native runtime runs directories saved by bitquilt; {spec} is not one (use runtime "
-                        "'transformers' or 'auto')")
-    return load_model(path)
 
 
 def fetch(name: str, force: bool = False) -> Path:

@@ -738,8 +738,8 @@ def _runtime(args) -> str:
 def cmd_generate(args) -> int:
     import torch
 
-    from bitquilt.api import load
     from bitquilt.eval.speed import decode
+    from bitquilt.io import load
 
     if not args.prompt:
         raise UserError("--prompt is empty; give the text to continue")
@@ -764,8 +764,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from bitquilt.api import load
     from bitquilt.eval.speed import check_speed_settings, measure_speed
+    from bitquilt.io import load
     from bitquilt.resources import reset_peak_rss
 
     check_speed_settings(args.prompt_tokens, args.new_tokens, args.repeats)

@@ -41,7 +41,7 @@ from bitquilt.cache import atomic_dir
 from bitquilt.errors import UserError
 from bitquilt.formats import format_class
 from bitquilt.formats.base import BUFFER_PREFIX, WeightFormat, split_buffers
-from bitquilt.models.loading import SAVED_MODEL_TYPE, empty_model
+from bitquilt.models.loading import SAVED_MODEL_TYPE, empty_model, load_model, resolve_path
 from bitquilt.models.native import NativeCausalLM, NativeConfig
 from bitquilt.models.streaming import TensorFiles
 from bitquilt.models.tokenizer import FastTokenizer
@@ -405,3 +405,19 @@ def load_quantized(directory: str | Path, runtime: str = "transformers") -> tupl
     model.eval()
     set_quantization_record(model, qconfig)
     return model, _saved_tokenizer(directory, model, config)
+
+
+def load(spec: str | Path, runtime: str = "transformers") -> tuple[nn.Module, Any]:
+    """A packaged model name, HF directory, .gguf file, or saved quantized directory. runtime (saved directories):
+    "transformers" (default; the transformers model class), "native" (bitquilt's own module tree: generation without
+    importing transformers, less memory and a faster start) or "auto" (native where it covers the model); see
+    `load_quantized`. Defined here, with the runtime, so that loading imports no calibration code."""
+    if runtime not in RUNTIMES:
+        raise UserError(f"unknown runtime {runtime!r}; accepted: {', '.join(RUNTIMES)}")
+    path = resolve_path(spec)
+    if is_quantized_dir(path):
+        return load_quantized(path, runtime)
+    if runtime == "native":
+        raise UserError(f"the native runtime runs directories saved by bitquilt; {spec} is not one (use runtime "
+                        "'transformers' or 'auto')")
+    return load_model(path)

@@ -195,10 +195,12 @@ def test_corrupted_safetensors_is_a_user_error(tiny_dir, damage):
 
 def test_quantized_dir_is_delegated_to_io(monkeypatch, tmp_path):
     import bitquilt.api
+    import bitquilt.io
 
     (tmp_path / "quantization_config.json").write_text("{}")
-    monkeypatch.setattr(bitquilt.api, "load_quantized", lambda p: ("quantized", p))
-    assert bitquilt.api.load(tmp_path) == ("quantized", tmp_path)
+    monkeypatch.setattr(bitquilt.io, "load_quantized", lambda p, runtime: ("quantized", p, runtime))
+    assert bitquilt.api.load(tmp_path) == ("quantized", tmp_path, "transformers")
+    assert bitquilt.load(tmp_path, runtime="auto") == ("quantized", tmp_path, "auto")
 
 
 def test_resolve_model_name(tmp_path):

@@ -113,6 +113,17 @@ print(json.dumps({"code": code, "transformers": sorted(m for m in sys.modules if
 """
 
 
+RUNTIME_ONLY = """
+import sys, torch
+import bitquilt
+from bitquilt.eval.speed import decode
+model, tok = bitquilt.load(sys.argv[1], runtime="native")
+ids = decode(model, torch.tensor([tok("The capital of France is")["input_ids"]]), 4).new_ids
+heavy = ("transformers", "bitquilt.calib", "bitquilt.pipeline", "bitquilt.solvers", "bitquilt.transforms")
+print(sorted({m.split(".")[0] if m.startswith("transformers") else m for m in sys.modules if m.startswith(heavy)}))
+"""
+
+
 def test_cli_generate_runs_a_saved_model_without_importing_transformers(tmp_path, capsys):
     from bitquilt.cli import main
 
@@ -123,6 +134,8 @@ def test_cli_generate_runs_a_saved_model_without_importing_transformers(tmp_path
     lines = done.stdout.strip().splitlines()
     native, imported = json.loads("\n".join(lines[:-1])), json.loads(lines[-1])
     assert imported == {"code": 0, "transformers": []}
+    done = subprocess.run([sys.executable, "-c", RUNTIME_ONLY, str(out)], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"  # bitquilt.load + decode: neither transformers nor any calibration code
     assert main(["generate", str(out), "--prompt", "The capital of France is", "--max-new-tokens", "6", "--json",
                  "--engine", "transformers"]) == 0
     assert json.loads(capsys.readouterr().out)["completion"] == native["completion"]
