@@ -12,11 +12,14 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from bitquilt.errors import USER_ERRORS
-from bitquilt.recipes import CalibConfig
+
+if TYPE_CHECKING:
+    from bitquilt.recipes import CalibConfig
 
 RESULTS = Path(__file__).parent / "results"
 # GPTQ option sets the benches name (GPTQ's default is act-order + static groups + MSE ranges), spelled
@@ -208,6 +211,8 @@ def add_protocol_args(p: argparse.ArgumentParser, calib_samples: int, ppl_window
 def protocol_settings(args: argparse.Namespace) -> tuple[CalibConfig, dict]:
     """The calibration config (seed 0) and the settings dict every record stores and is keyed by; sets
     the torch thread count if --threads was given."""
+    from bitquilt.recipes import CalibConfig  # not at the top: a runtime benchmark's child imports no calibration code
+
     if args.threads:
         torch.set_num_threads(args.threads)
     calib = CalibConfig(args.calib_data, args.calib_samples, args.calib_seqlen, 0)
