@@ -318,7 +318,10 @@ def _skeleton(directory: Path, runtime: str) -> tuple[nn.Module, Any]:
     if runtime not in RUNTIMES:
         raise UserError(f"unknown runtime {runtime!r}; accepted: {', '.join(RUNTIMES)}")
     if runtime != "transformers":
-        native = NativeConfig.from_dict(saved_config(directory))
+        try:
+            native = NativeConfig.from_dict(saved_config(directory))
+        except ValueError as e:
+            raise UserError(f"{directory} is corrupt or was edited: {e}; quantize the model again") from None
         reason = native.unsupported_reason()
         if reason is None:
             return NativeCausalLM(native), native

@@ -81,6 +81,11 @@ def test_runtime_choice_and_bad_input(tmp_path):
         load("smollm2-135m", runtime="native")
     with pytest.raises(ValueError, match="transformers decoding does not support"):
         decode(load(llama, runtime="native")[0], _ids(4), 2, engine="transformers")
+    config = json.loads((llama / "config.json").read_text())
+    del config["bitquilt"]["model_type"]  # the guard's record of the base type, gone
+    (llama / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="corrupt or was edited: config.json has no valid 'model_type'"):
+        load(llama, runtime="native")
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "tokenizer.json").write_text("{not json")
     with pytest.raises(UserError, match="cannot load the tokenizer"):

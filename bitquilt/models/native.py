@@ -23,10 +23,8 @@ activation or RoPE type), for which the transformers model stays the runtime.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +34,7 @@ from torch.nn import functional as F
 from bitquilt.models.lean_decode import FAMILIES, LeanDecoder
 
 ROPE_TYPES = ("default", "linear", "llama3")
+REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass(frozen=True)
@@ -64,6 +63,10 @@ class NativeConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NativeConfig:
+        """From a config.json's dict; ValueError naming the first required field it lacks."""
+        missing = [k for k in REQUIRED if not isinstance(d.get(k), int if k != "model_type" else str)]
+        if missing:
+            raise ValueError(f"config.json has no valid {missing[0]!r}")
         heads = d["num_attention_heads"]
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
@@ -80,10 +83,6 @@ class NativeConfig:
                    use_sliding_window=d.get("use_sliding_window", False),
                    partial_rotary_factor=d.get("partial_rotary_factor", 1.0),
                    pad_token_id=pad if isinstance(pad, int) and 0 <= pad < d["vocab_size"] else None)
-
-    @classmethod
-    def from_json(cls, path: Path) -> NativeConfig:
-        return cls.from_dict(json.loads(path.read_text()))
 
     def unsupported_reason(self) -> str | None:
         """Why this module cannot build the model; None if it can."""

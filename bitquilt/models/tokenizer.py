@@ -54,7 +54,7 @@ class FastTokenizer:
         return {"input_ids": self.encode(text)}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(list(ids), skip_special_tokens=bool(skip_special_tokens))
 
     def __len__(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
