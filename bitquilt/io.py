@@ -312,11 +312,15 @@ def _quantized_module(kind: str, fmt: WeightFormat, bias: torch.Tensor | None, o
 RUNTIMES = ("transformers", "native", "auto")
 
 
+def _check_runtime(runtime: str) -> None:
+    if runtime not in RUNTIMES:
+        raise UserError(f"unknown runtime {runtime!r}; accepted: {', '.join(RUNTIMES)}")
+
+
 def _skeleton(directory: Path, runtime: str) -> tuple[nn.Module, Any]:
     """(model without weights, its config) for `runtime`: transformers' model class, or bitquilt's own module tree
     (`bitquilt.models.native`: no transformers import); "auto" takes the native one where it covers the model."""
-    if runtime not in RUNTIMES:
-        raise UserError(f"unknown runtime {runtime!r}; accepted: {', '.join(RUNTIMES)}")
+    _check_runtime(runtime)
     if runtime != "transformers":
         try:
             native = NativeConfig.from_dict(saved_config(directory))
@@ -415,8 +419,7 @@ def load(spec: str | Path, runtime: str = "transformers") -> tuple[nn.Module, An
     "transformers" (default; the transformers model class), "native" (bitquilt's own module tree: generation without
     importing transformers, less memory and a faster start) or "auto" (native where it covers the model); see
     `load_quantized`. Defined here, with the runtime, so that loading imports no calibration code."""
-    if runtime not in RUNTIMES:
-        raise UserError(f"unknown runtime {runtime!r}; accepted: {', '.join(RUNTIMES)}")
+    _check_runtime(runtime)
     path = resolve_path(spec)
     if is_quantized_dir(path):
         return load_quantized(path, runtime)

@@ -79,7 +79,7 @@ def test_runtime_choice_and_bad_input(tmp_path):
         load(llama, runtime="fast")
     with pytest.raises(UserError, match="runs directories saved by bitquilt"):
         load("smollm2-135m", runtime="native")
-    with pytest.raises(ValueError, match="transformers decoding does not support"):
+    with pytest.raises(ValueError, match="loaded in the native runtime"):
         decode(load(llama, runtime="native")[0], _ids(4), 2, engine="transformers")
     config = json.loads((llama / "config.json").read_text())
     del config["bitquilt"]["model_type"]  # the guard's record of the base type, gone

@@ -61,16 +61,21 @@ def stepper(model: nn.Module, max_len: int, engine: str = "auto") -> Callable[[t
     step in one compiled call, "transformers" the transformers forward with its cache; "auto" takes the
     first of fused, lean, transformers that supports the model."""
     from bitquilt.models.lean_decode import LeanDecoder, unsupported_reason
+    from bitquilt.models.native import NativeCausalLM
 
     if engine not in ENGINES:
         raise ValueError(f"unknown decode engine {engine!r}; engines: {', '.join(ENGINES)}")
+    native = isinstance(model, NativeCausalLM)  # no transformers forward to fall back on
+    if engine == "transformers" and native:
+        raise ValueError("the transformers engine runs the transformers model; this one was loaded in the native "
+                         "runtime (load it with runtime='transformers', or pick engine auto, fused or lean)")
     reason = unsupported_reason(model, max_len) if engine != "transformers" else "transformers requested"
     if reason is None:
         decoder = LeanDecoder(model, max_len, fuse=engine in ("auto", "fused"))
         if engine == "fused" and decoder.fused is None:
             raise ValueError(f"fused decoding does not support this model: {decoder.fused_reason}")
         return decoder.forward
-    if engine in ("lean", "fused") or getattr(model, "runs_attention_site", False):  # a native model: lean only
+    if engine in ("lean", "fused") or native:
         raise ValueError(f"{engine} decoding does not support this model: {reason}")
     state: dict[str, Any] = {}
 
