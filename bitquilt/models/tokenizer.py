@@ -1,10 +1,10 @@
 """A model's tokenizer.json run by the `tokenizers` library alone, for the native runtime.
 
 transformers' AutoTokenizer reads the same file but first imports its tokenizer classes and parses the JSON in
-Python again (≈ 0.9 s and ≈ 45 MB more for Qwen's 151,646-token vocabulary), and the parse's temporaries stay
-in the heap (≈ 40 MB more, given back here). Generating text needs three
-things of a tokenizer: encode a prompt, decode new ids, know the end-of-sequence id; `FastTokenizer` does
-those, with the special tokens tokenizer_config.json names. Tested to give AutoTokenizer's ids and text.
+Python again (≈ 0.9 s and ≈ 45 MB more for Qwen's 151,936-entry vocabulary), and the parse's temporaries stay in
+the heap (≈ 40 MB more, given back here). Generating text needs three things of a tokenizer: encode a prompt,
+decode new ids, know the end-of-sequence id; `FastTokenizer` does those, with the special tokens
+tokenizer_config.json names. Tested to give AutoTokenizer's ids and text.
 """
 
 from __future__ import annotations
