@@ -21,7 +21,8 @@ FLOORS = [
     {"transforms", "policies"},
     {"recipes", "pipeline"},
     {"eval"},
-    {"api"},
+    {"api", "cli_common"},
+    {"commands"},
     {"cli"},
 ]
 RUNTIME = {"formats", "kernels", "nn", "io", "models"}

@@ -74,7 +74,7 @@ def test_models_lists_the_default(capsys):
 def test_default_recipe_is_the_best_measured_per_width():
     """Without --method, `quantize` runs the most accurate recipe measured at the width (bench/results/peers.md):
     awq+rtn with 50 reconstruction steps per block; the Recipe class default stays the fast awq+gptq."""
-    from bitquilt.cli import _recipe_from_args
+    from bitquilt.commands import _recipe_from_args
 
     for bits, group in ((4, 128), (3, 128), (2, 64)):
         args = build_parser().parse_args(["quantize", "smollm2-135m", "-o", "out/q", "--w-bits", str(bits)])

@@ -110,26 +110,27 @@ def test_fast_tokenizer_gives_the_transformers_ids_and_text():
     assert len(fast) == len(reference)
 
 
-GENERATE = """
-import json, sys
+HEAVY = ("transformers", "bitquilt.calib", "bitquilt.pipeline", "bitquilt.solvers", "bitquilt.transforms",
+         "bitquilt.commands")
+HEAVY_IMPORTED = f"HEAVY = {HEAVY!r}\n" + """
+def heavy_imported():
+    return sorted({m.split(".")[0] if m.startswith("transformers") else m for m in sys.modules if m.startswith(HEAVY)})
+"""
+GENERATE = "import json, sys\n" + HEAVY_IMPORTED + """
 from bitquilt.cli import main
 code = main(["generate", sys.argv[1], "--prompt", "The capital of France is", "--max-new-tokens", "6", "--json"])
-print(json.dumps({"code": code, "transformers": sorted(m for m in sys.modules if m.startswith("transformers"))}))
+print(json.dumps({"code": code, "heavy": heavy_imported()}))
 """
-
-
-RUNTIME_ONLY = """
-import sys, torch
+RUNTIME_ONLY = "import sys, torch\n" + HEAVY_IMPORTED + """
 import bitquilt
 from bitquilt.eval.speed import decode
 model, tok = bitquilt.load(sys.argv[1], runtime="native")
 ids = decode(model, torch.tensor([tok("The capital of France is")["input_ids"]]), 4).new_ids
-heavy = ("transformers", "bitquilt.calib", "bitquilt.pipeline", "bitquilt.solvers", "bitquilt.transforms")
-print(sorted({m.split(".")[0] if m.startswith("transformers") else m for m in sys.modules if m.startswith(heavy)}))
+print(heavy_imported())
 """
 
 
-def test_cli_generate_runs_a_saved_model_without_importing_transformers(tmp_path, capsys):
+def test_cli_generate_runs_a_saved_model_without_importing_transformers_or_calibration_code(tmp_path, capsys):
     from bitquilt.cli import main
 
     out = tmp_path / "q4"
@@ -138,7 +139,7 @@ def test_cli_generate_runs_a_saved_model_without_importing_transformers(tmp_path
     done = subprocess.run([sys.executable, "-c", GENERATE, str(out)], capture_output=True, text=True, check=True)
     lines = done.stdout.strip().splitlines()
     native, imported = json.loads("\n".join(lines[:-1])), json.loads(lines[-1])
-    assert imported == {"code": 0, "transformers": []}
+    assert imported == {"code": 0, "heavy": []}
     done = subprocess.run([sys.executable, "-c", RUNTIME_ONLY, str(out)], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"  # bitquilt.load + decode: neither transformers nor any calibration code
     assert main(["generate", str(out), "--prompt", "The capital of France is", "--max-new-tokens", "6", "--json",

@@ -16,7 +16,8 @@ import torch
 
 from bitquilt import cache
 from bitquilt.api import quantize, save
-from bitquilt.cli import EXIT_NON_FINITE, main
+from bitquilt.cli import main
+from bitquilt.commands import EXIT_NON_FINITE
 from bitquilt.errors import UserError
 from bitquilt.eval.ppl import default_seqlen, perplexity
 from bitquilt.io import CONFIG_NAME, load_quantized

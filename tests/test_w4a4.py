@@ -316,7 +316,8 @@ def test_w4a4kv4_save_load_gives_identical_logits(tmp_path, model_type):
 
 
 def test_recipe_validation_and_cli_flags():
-    from bitquilt.cli import _recipe_from_args, build_parser
+    from bitquilt.cli import build_parser
+    from bitquilt.commands import _recipe_from_args
 
     args = build_parser().parse_args(["quantize", "m", "-o", "x", "--recipe", "quarot+gptq", "--w-bits", "4",
                                       "--a-bits", "4", "--kv-bits", "4", "--a-clip", "search"])
