@@ -22,7 +22,10 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
     tokens, k = x.shape
     blocks = x.view(tokens, k // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    codes = (blocks * torch.where(amax > 0, 127 / amax, 0)).round()
+    # 127 / max|x| as one fp32 division, as the kernel computes it (`127 / amax`, a scalar over a tensor, is a
+    # reciprocal times 127 in torch: an ulp off at times, which moves an x·127/max|x| that lands on .5)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)
+    codes = (blocks * inv).round()
     return (codes * (amax / 127)).view(tokens, k)
 
 

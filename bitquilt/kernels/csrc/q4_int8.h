@@ -65,8 +65,11 @@ inline void add_group_offsets(__m128 sz, const float* X, int64_t G, int64_t g, _
 // so the prefetch runs on into the next tile). Zen 3: 1.15-1.45x faster than no prefetch, 2 to 8 KB alike. Zen 4,
 // cold weights, 1 thread, builds alternating (docs/benchmarks.md): 2-bit VNNI 1.05-1.13x faster at 4 KB (2 and 8
 // KB alike; 1.01-1.24x over three runs), 4-bit VNNI 1.00-1.07x at 4 KB but up to 0.92x at 8 KB, AVX2 4 KB ~2%
-// ahead of 8 KB.
-constexpr int64_t PREFETCH_BYTES = 4096;
+// ahead of 8 KB. An Intel Xeon with AVX-512 (2026-12-04, builds alternating, cold 4-bit weights, four shapes): 2 KB
+// 1.05-1.25x faster than 4 KB on both paths (VNNI 10.4-11.6 GB/s of a 12.9 GB/s read ceiling against 8.7-10.8),
+// 1 KB close behind, 512 B and 16 KB slower, none slowest (AVX2 7.6 GB/s); so 2 KB, within the range the AMD
+// machines measured alike.
+constexpr int64_t PREFETCH_BYTES = 2048;
 
 // Prefetches `lines` cache lines PREFETCH_BYTES past p (past the end is harmless: a prefetch never faults).
 inline void prefetch_ahead(const uint8_t* p, int lines) {
