@@ -14,8 +14,8 @@ so the layout is the only resident copy, and so are the build's temporaries.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 from weakref import WeakKeyDictionary
 
 import torch
@@ -23,9 +23,28 @@ import torch
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.mapped import release, return_free_memory
 
+if TYPE_CHECKING:
+    from bitquilt.formats.uniform import UniformFormat
+
 PACK_ROWS = 1024  # rows of a weight re-laid out at a time: each chunk's file pages are given back once copied
 # (`bitquilt.mapped.release_chunk`) and its temporaries stay small (4,096 doubled the transient peak of packing an LM
 # head: smollm2-135m's 4-bit head peaked 84 MB above the process, 44 MB at 1,024)
+
+
+def grid_chunks(fmt: UniformFormat, rows: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(first row, s, z) of each `rows` rows of a uniform grid (`UniformFormat.scale_zero` of those rows): layouts
+    cut their per-group tensors a chunk at a time, so the whole matrix's fp32 temporaries never exist at once."""
+    for r0 in range(0, fmt.scales.shape[0], rows):
+        yield r0, *fmt.scale_zero(slice(r0, r0 + rows))
+
+
+def fp16_grid(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(s as fp16, z as uint8) when those hold them exactly (a saved grid's always do: what `UniformFormat.from_codes`
+    stores), for layouts that keep them so; None otherwise."""
+    s16, z8 = scale.half(), zero.to(torch.uint8)
+    return (s16, z8) if torch.equal(s16.float(), scale) and torch.equal(z8.float(), zero) else None
+
+
 KernelFn = Callable[[WeightFormat, torch.Tensor, "MatmulContext | None"], "torch.Tensor | None"]
 _KERNELS: dict[str, list[tuple[str, KernelFn]]] = {}
 _enabled = True

@@ -42,7 +42,17 @@ from bitquilt import cache
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.bitplane import BitplaneFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
-from bitquilt.kernels import PACK_ROWS, LayoutCache, fp32_rows, kernels_for, like, register_kernel, takes
+from bitquilt.kernels import (
+    PACK_ROWS,
+    LayoutCache,
+    fp16_grid,
+    fp32_rows,
+    grid_chunks,
+    kernels_for,
+    like,
+    register_kernel,
+    takes,
+)
 from bitquilt.mapped import release_chunk
 
 log = logging.getLogger(__name__)
@@ -245,8 +255,8 @@ def _uniform_coefficients(fmt: UniformFormat) -> torch.Tensor:
 def _fill_tiles(out: torch.Tensor, fmt: UniformFormat,
                 tiles_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]) -> bool:
     """out[tiles] = tiles_of(s, z) of each PACK_ROWS rows; False as soon as one chunk cannot be stored so."""
-    for r0 in range(0, fmt.scales.shape[0], PACK_ROWS):
-        chunk = tiles_of(*fmt.scale_zero(slice(r0, r0 + PACK_ROWS)))
+    for r0, scale, zero in grid_chunks(fmt, PACK_ROWS):
+        chunk = tiles_of(scale, zero)
         if chunk is None:
             return False
         out[r0 // TILE:r0 // TILE + chunk.shape[0]] = chunk
@@ -254,9 +264,10 @@ def _fill_tiles(out: torch.Tensor, fmt: UniformFormat,
 
 
 def _compact_tiles(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor | None:
-    s16, z8 = scale.half(), zero.to(torch.uint8)
-    if not (torch.equal(s16.float(), scale) and torch.equal(z8.float(), zero)):
+    grid = fp16_grid(scale, zero)
+    if grid is None:
         return None
+    s16, z8 = grid
     return torch.cat([_tile_coefficients(s16.unsqueeze(-1)).flatten(2).view(torch.uint8),
                       _tile_coefficients(z8.unsqueeze(-1)).flatten(2)], dim=-1)
 

@@ -33,7 +33,9 @@ from bitquilt.kernels import (
     PACK_ROWS,
     LayoutCache,
     cpu,
+    fp16_grid,
     fp32_rows,
+    grid_chunks,
     int8_activations,
     kernels_for,
     like,
@@ -125,18 +127,17 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
 
 def _scale_panels(fmt: UniformFormat, tiles: int, group_bounds: list[tuple[int, int]]) -> torch.Tensor | None:
     """The scales and zeros of `Q4Layout`, PACK_ROWS rows at a time (the whole head's temporaries at once were
-    ≈ 30 MB above the layout on Qwen); None unless every scale is an fp16 value (what `pack` stores, and what the
-    layout keeps)."""
-    n, groups = fmt.scales.shape
-    scales = torch.empty(tiles * groups * 3 * ROWS, dtype=torch.uint8)
+    ≈ 30 MB above the layout on Qwen); None unless every scale is an fp16 value and every zero a byte (what `pack`
+    stores, and what the layout keeps)."""
+    scales = torch.empty(tiles * fmt.scales.shape[1] * 3 * ROWS, dtype=torch.uint8)
     panels = _panels(scales, tiles, group_bounds, (3 * ROWS,))
-    for r0 in range(0, n, PACK_ROWS):
-        scale, zero = fmt.scale_zero(slice(r0, r0 + PACK_ROWS))
-        scale16 = scale.half()
-        if not torch.equal(scale16.float(), scale):
+    for r0, scale, zero in grid_chunks(fmt, PACK_ROWS):
+        grid = fp16_grid(scale, zero)
+        if grid is None:
             return None
-        zero8 = _rows_to_tiles(zero.to(torch.uint8)).transpose(1, 2)  # [tiles, G, 4]
-        per_group = torch.cat([_rows_to_tiles(scale16).transpose(1, 2).contiguous().view(torch.uint8), zero8], dim=-1)
+        scale16, zero8 = grid
+        per_group = torch.cat([_rows_to_tiles(scale16).transpose(1, 2).contiguous().view(torch.uint8),
+                               _rows_to_tiles(zero8).transpose(1, 2)], dim=-1)  # [tiles, G, 4 · 2 + 4]
         t0 = r0 // ROWS
         for view, (g0, g1) in zip(panels, group_bounds, strict=True):
             view[t0:t0 + per_group.shape[0]].copy_(per_group[:, g0:g1])

@@ -220,8 +220,8 @@ Coef coef_mode(const at::Tensor& coef, bool uniform) {
   return !uniform ? Coef::planes : type == at::kByte ? Coef::uniform16 : Coef::uniform32;
 }
 
-int64_t coef_group_bytes(const at::Tensor& coef, int64_t k, bool uniform) {
-  switch (coef_mode(coef, uniform)) {
+int64_t coef_group_bytes(Coef mode, int64_t k) {
+  switch (mode) {
     case Coef::planes: return (k + 1) * TILE * 2;
     case Coef::uniform32: return 2 * TILE * 4;
     default: return TILE * 3;
@@ -238,7 +238,8 @@ Shape check_packed(int64_t K, const at::Tensor& w, const at::Tensor& coef, int64
   TORCH_CHECK(s.K % block == 0 && group % block == 0, "block must divide K and the group size");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == s.tiles() * s.tile_bytes(),
               "packed planes do not match the shape");
-  TORCH_CHECK(coef.is_contiguous() && coef.nbytes() == s.tiles() * s.groups() * coef_group_bytes(coef, k, uniform),
+  TORCH_CHECK(coef.is_contiguous() &&
+                  coef.nbytes() == s.tiles() * s.groups() * coef_group_bytes(coef_mode(coef, uniform), k),
               "coefficients do not match the shape");
   return s;
 }
@@ -246,8 +247,8 @@ Shape check_packed(int64_t K, const at::Tensor& w, const at::Tensor& coef, int64
 Part make_part(int64_t K, const at::Tensor& w, const at::Tensor& coef, int64_t N, int64_t k, int64_t block,
                int64_t group, bool uniform) {
   const Shape s = check_packed(K, w, coef, N, k, block, group, uniform);
-  return {w.data_ptr<uint8_t>(), static_cast<const char*>(coef.data_ptr()), s, coef_group_bytes(coef, k, uniform),
-          coef_mode(coef, uniform)};
+  const Coef mode = coef_mode(coef, uniform);
+  return {w.data_ptr<uint8_t>(), static_cast<const char*>(coef.data_ptr()), s, coef_group_bytes(mode, k), mode};
 }
 
 // y [T, N] = x [T, K] @ (sum_p W_p + S)^T for the parts W_p in the packed bit-plane layout, S the residual (none
