@@ -12,12 +12,32 @@ import logging
 import os
 import sys
 
-from bitquilt.cli_common import MODEL_HELP, add_int8_activations, check_minimums, print_json, print_table, set_threads
+from bitquilt.cli_common import MODEL_HELP, add_int8_activations, print_json, print_table
 from bitquilt.errors import USER_ERRORS, UserError
 from bitquilt.eval.speed import ENGINES
 from bitquilt.io import RUNTIMES, model_summary
 
 RUN_COMMANDS = ("generate", "bench")
+
+# The lowest value of numeric flags (by dest) that would otherwise be checked only after loading a model, or not at
+# all; checked before any work. (Recipe flags are checked when the recipe is built, bench's by its speed check.)
+MINIMUMS = {"seqlen": 1, "ppl_windows": 1, "limit": 1, "calib_samples": 1, "calib_seqlen": 16, "temperature": 0,
+            "threads": 1}
+
+
+def check_minimums(args) -> None:
+    """Refuse a numeric flag below its MINIMUMS value before anything is loaded."""
+    for dest, low in MINIMUMS.items():
+        value = getattr(args, dest, None)
+        if value is not None and value < low:
+            raise UserError(f"--{dest.replace('_', '-')} must be ≥ {low}, got {value}")
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def _runtime(args) -> str:

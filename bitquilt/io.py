@@ -209,11 +209,11 @@ def saved_config(directory: Path) -> dict[str, Any]:
     return config
 
 
-def base_config(directory: Path) -> Any:
-    """The transformers config of a saved directory (`saved_config`)."""
+def base_config(directory: Path, config: dict[str, Any] | None = None) -> Any:
+    """The transformers config of a saved directory, from its `saved_config` (read here unless given)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = saved_config(directory)
+    config = saved_config(directory) if config is None else config
     model_type = config.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise UserError(f"{directory / 'config.json'} is corrupt or was edited: its base model type {model_type!r} is "
@@ -321,9 +321,10 @@ def _skeleton(directory: Path, runtime: str) -> tuple[nn.Module, Any]:
     """(model without weights, its config) for `runtime`: transformers' model class, or bitquilt's own module tree
     (`bitquilt.models.native`: no transformers import); "auto" takes the native one where it covers the model."""
     _check_runtime(runtime)
+    saved = saved_config(directory)
     if runtime != "transformers":
         try:
-            native = NativeConfig.from_dict(saved_config(directory))
+            native = NativeConfig.from_dict(saved)
         except ValueError as e:
             raise UserError(f"{directory} is corrupt or was edited: {e}; quantize the model again") from None
         reason = native.unsupported_reason()
@@ -331,7 +332,7 @@ def _skeleton(directory: Path, runtime: str) -> tuple[nn.Module, Any]:
             return NativeCausalLM(native), native
         if runtime == "native":
             raise UserError(f"the native runtime cannot run {directory}: {reason}; use runtime 'transformers'")
-    config = base_config(directory)
+    config = base_config(directory, saved)
     return empty_model(config, torch.float32), config
 
 
