@@ -12,10 +12,10 @@ import logging
 import os
 import sys
 
-from bitquilt.cli_common import MODEL_HELP, add_int8_activations, print_json, print_table
+from bitquilt.cli_common import MODEL_HELP, add_int8_activations, add_runtime, print_json, print_table
 from bitquilt.errors import USER_ERRORS, UserError
 from bitquilt.eval.speed import ENGINES
-from bitquilt.io import RUNTIMES, model_summary
+from bitquilt.io import model_summary
 
 RUN_COMMANDS = ("generate", "bench")
 
@@ -115,10 +115,7 @@ def _add_engine(s: argparse.ArgumentParser) -> None:
                    "glue; llama/mistral/qwen2/qwen3), fused (lean, with every decoder layer of a one-token step in "
                    "one compiled call: weight-only models), transformers, or auto (the first of fused, lean, "
                    "transformers that runs the model; default)")
-    s.add_argument("--runtime", choices=RUNTIMES, default="auto",
-                   help="what a saved model is loaded into: native (bitquilt's own modules, llama/mistral/qwen2/qwen3, "
-                   "no transformers import: less memory, a faster start), transformers, or auto (native where it "
-                   "covers the model; default; transformers with --engine transformers)")
+    add_runtime(s, "native where it covers the model; default; transformers with --engine transformers")
 
 
 def _add_run_commands(sub: argparse._SubParsersAction) -> None:

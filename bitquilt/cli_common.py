@@ -1,6 +1,6 @@
 """What the run-time commands (`bitquilt.cli`: generate, bench) and the rest (`bitquilt.commands`) share, and nothing
-that quantizes: printing tables and JSON, the model argument's help and the --int8-activations flag; so neither
-imports the other's dependencies."""
+that quantizes: printing tables and JSON, the model argument's help, the --runtime and --int8-activations flags; so
+neither imports the other's dependencies."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import math
 from typing import Any
 
+from bitquilt.io import RUNTIMES
 from bitquilt.models.registry import DEFAULT_MODEL
 from bitquilt.tables import markdown_table
 
@@ -34,6 +35,13 @@ def finite_or_null(obj: Any) -> Any:
 def print_json(obj: Any) -> None:
     """Valid JSON (which has no NaN/Inf: they print as null)."""
     print(json.dumps(finite_or_null(obj), indent=2, default=str, allow_nan=False))
+
+
+def add_runtime(s: argparse.ArgumentParser, auto: str) -> None:
+    """--runtime of the commands that run a saved model (generate, bench, eval); `auto` says what auto picks."""
+    s.add_argument("--runtime", choices=RUNTIMES, default="auto",
+                   help="what a saved model is loaded into: native (bitquilt's own modules, llama/mistral/qwen2/qwen3, "
+                   "no transformers import: less memory, a faster start), transformers, or auto (" + auto + ")")
 
 
 def add_int8_activations(s: argparse.ArgumentParser) -> None:

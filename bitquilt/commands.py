@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bitquilt.calib.stages import STAGES
-from bitquilt.cli_common import MODEL_HELP, add_int8_activations, finite_or_null, print_json, print_table
+from bitquilt.cli_common import MODEL_HELP, add_int8_activations, add_runtime, finite_or_null, print_json, print_table
 from bitquilt.errors import UserError
 from bitquilt.export import FORMATS as EXPORT_FORMATS
 from bitquilt.io import model_summary
@@ -443,13 +443,24 @@ def _precision_settings(model, args) -> list[tuple[str, Any]]:
     return settings
 
 
+def _eval_runtime(args) -> str:
+    """The runtime `eval` loads a saved model into: zero-shot tasks score padded batches of choices, which only the
+    transformers model runs; perplexity (whole windows, no padding) runs in either, the same numbers."""
+    if not [t for t in args.tasks.split(",") if t]:
+        return args.runtime
+    if args.runtime == "native":
+        raise UserError("--tasks score padded batches, which the native runtime does not run; drop --tasks or use "
+                        "--runtime transformers (or auto)")
+    return "transformers"
+
+
 def cmd_eval(args) -> int:
-    from bitquilt.api import load
+    from bitquilt.io import load
     from bitquilt.models.loading import resolve_model_name, source_fingerprint
     from bitquilt.nn.slice_router import realised_bits
 
     _check_task_names(args)
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, _eval_runtime(args))
     if tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files; cannot evaluate")
     rows = []
@@ -741,6 +752,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("model", help=model_help)
     s.add_argument("--json", action="store_true")
     _add_eval_args(s, ppl_flag=True)
+    add_runtime(s, "native for perplexity alone where it covers the model, transformers with --tasks; default")
     add_int8_activations(s)
     s.set_defaults(fn=cmd_eval)
 

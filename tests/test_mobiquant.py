@@ -420,8 +420,10 @@ def test_cli_quantizes_and_evaluates_one_checkpoint_at_many_precisions(tmp_path,
 def test_routing_beats_static_slices_at_equal_average_bits_on_the_default_model(smollm, calib_ids):
     """On smollm2-135m's first block (the others kept in fp), against the block's calibration outputs: routed at 3
     average bits beats every token using the 3-bit prefix (2 + 1) of the same checkpoint, and refitting the slices
-    on every prefix (the default) beats training the routers alone at every static precision and routed below 4 bits
-    (at 4, one bit past the budget, it is even)."""
+    (the default) beats training the routers alone at every precision up to the slices it refits (2 + 1 + 1 for the
+    3-bit budget: static 1-3, routed 2.5 and 3 bits). Past them it gives some back, the trade docs/benchmarks.md
+    measures (MoBiQuant): the full 5-bit prefix 0.0133 vs 0.0104 and routed at 4 bits 0.0295 vs 0.0236 (2026-12-05;
+    at 3 bits 0.054 vs 0.161)."""
     import copy
 
     from bitquilt.api import quantize
@@ -450,9 +452,10 @@ def test_routing_beats_static_slices_at_equal_average_bits_on_the_default_model(
             assert used["avg_bits"] == pytest.approx(bits, abs=0.15)
     refit, routers_only = errors[True], errors[False]
     assert refit["routed 3.0"] < 0.95 * refit["static 2"]  # static 2: slices 2 + 1, 3 bits
-    better = [k for k in refit if k != "routed 4.0"]  # 4.0: measured 0.042 vs 0.041, routers trained at 3 bits
-    assert all(refit[k] < routers_only[k] for k in better), {k: (refit[k], routers_only[k]) for k in refit}
-    assert refit["routed 4.0"] < 1.05 * routers_only["routed 4.0"]
+    past = ("static 4", "routed 4.0")  # beyond the refitted slices
+    assert all(refit[k] < routers_only[k] for k in refit if k not in past), {k: (refit[k], routers_only[k])
+                                                                              for k in refit}
+    assert all(refit[k] < 1.4 * routers_only[k] for k in past), {k: (refit[k], routers_only[k]) for k in past}
     assert all(b < a for a, b in zip(list(refit.values())[:4], list(refit.values())[1:4]))
 
 

@@ -1,6 +1,7 @@
 """The native runtime (bitquilt.models.native, models.tokenizer): a saved model run without transformers, against
 the transformers model and tokenizer it replaces."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -104,6 +105,8 @@ def test_fast_tokenizer_gives_the_transformers_ids_and_text():
     for text in TEXTS:
         ids = fast(text)["input_ids"]
         assert ids == reference(text)["input_ids"], text
+        assert fast(text, add_special_tokens=False) == {"input_ids": reference(text, add_special_tokens=False)[
+            "input_ids"]}, text  # how perplexity windows are tokenized
         for skip in (False, True):
             assert fast.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
     assert fast.eos_token_id == reference.eos_token_id is not None
@@ -130,12 +133,20 @@ print(heavy_imported())
 """
 
 
-def test_cli_generate_runs_a_saved_model_without_importing_transformers_or_calibration_code(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def saved_smollm(tmp_path_factory):
+    """smollm2-135m, RTN W4 g128 with an 8-bit head, saved by the CLI."""
     from bitquilt.cli import main
 
-    out = tmp_path / "q4"
+    out = tmp_path_factory.mktemp("native") / "q4"
     assert main(["quantize", "smollm2-135m", "--method", "rtn", "--head-bits", "8", "--stream", "-o", str(out)]) == 0
-    capsys.readouterr()
+    return out
+
+
+def test_cli_generate_runs_a_saved_model_without_importing_transformers_or_calibration_code(saved_smollm, capsys):
+    from bitquilt.cli import main
+
+    out = saved_smollm
     done = subprocess.run([sys.executable, "-c", GENERATE, str(out)], capture_output=True, text=True, check=True)
     lines = done.stdout.strip().splitlines()
     native, imported = json.loads("\n".join(lines[:-1])), json.loads(lines[-1])
@@ -155,3 +166,21 @@ def test_cli_generate_runs_a_saved_model_without_importing_transformers_or_calib
     code = main(["bench", str(out), "--runtime", "native", "--engine", "lean", "--prompt-tokens", "8", "--new-tokens",
                  "3", "--repeats", "1", "--json"])
     assert code == 0 and json.loads(capsys.readouterr().out)[0]["decode_tokens_per_s"] > 0
+
+
+def test_eval_perplexity_runs_in_the_native_runtime_with_the_transformers_numbers(saved_smollm, capsys):
+    from bitquilt.cli import main
+    from bitquilt.commands import _eval_runtime
+
+    ppl = {}
+    for runtime in ("native", "transformers"):
+        assert main(["eval", str(saved_smollm), "--seqlen", "64", "--ppl-windows", "2", "--json", "--runtime",
+                     runtime]) == 0
+        ppl[runtime] = json.loads(capsys.readouterr().out)["ppl_wiki"]
+    assert ppl["native"] == pytest.approx(ppl["transformers"], rel=1e-4)
+    assert 10 < ppl["native"] < 100  # a working model, not a diverged one
+    tasks = argparse.Namespace(tasks="piqa", runtime="auto")
+    assert _eval_runtime(argparse.Namespace(tasks="", runtime="auto")) == "auto"  # perplexity alone: native
+    assert _eval_runtime(tasks) == "transformers"  # padded zero-shot batches
+    code = main(["eval", str(saved_smollm), "--tasks", "piqa", "--runtime", "native"])
+    assert code == 2 and "drop --tasks or use --runtime transformers" in capsys.readouterr().err

@@ -5,7 +5,8 @@ Documents are joined with blank lines, tokenized without BOS, cut into windows o
 its own: loss = mean over positions t ≥ 1 of −log p(x_t | x_<t), exactly transformers'
 `labels=input_ids` loss, and ppl = exp(mean of the window losses) (windows are equal-length,
 so this is the token mean). A diverged model's perplexity is inf or NaN, reported as it is
-(the CLI prints null and exits non-zero).
+(the CLI prints null and exits non-zero). The windows run in a transformers model or in the native runtime
+(`bitquilt.models.native`: the same logits, without transformers' per-layer glue).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
+
+from bitquilt.models.native import NativeCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +78,21 @@ def _exp(loss: float) -> float:
         return math.inf
 
 
+def _window_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Logits [T, vocab] of every position of one window [1, T], from a transformers model or a native one
+    (`bitquilt.models.native`, whose forward gives them directly)."""
+    if isinstance(model, NativeCausalLM):
+        return model(ids)[0]
+    return model(ids, use_cache=False).logits[0]
+
+
 @torch.no_grad()
 def window_losses(model: nn.Module, windows: torch.Tensor, progress: bool = False) -> list[float]:
     device = next(model.parameters()).device
     losses = []
     for ids in tqdm(windows, desc="perplexity", unit="window", disable=not progress):
         ids = ids.unsqueeze(0).to(device)
-        logits = model(ids, use_cache=False).logits[0, :-1].float()
+        logits = _window_logits(model, ids)[:-1].float()
         losses.append(float(F.cross_entropy(logits, ids[0, 1:])))
     return losses
 

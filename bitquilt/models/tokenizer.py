@@ -46,12 +46,17 @@ class FastTokenizer:
     def available(directory: str | Path) -> bool:
         return (Path(directory) / TOKENIZER_FILE).is_file()
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text).ids
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The `tokenizers.Tokenizer`, under the name transformers' fast tokenizers give it (cache keys read it)."""
+        return self.backend
 
-    def __call__(self, text: str) -> dict[str, list[int]]:
-        """{"input_ids": ids} as a transformers tokenizer returns for one text."""
-        return {"input_ids": self.encode(text)}
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def __call__(self, text: str, add_special_tokens: bool = True, verbose: bool = True) -> dict[str, list[int]]:
+        """{"input_ids": ids} as a transformers tokenizer returns for one text (`verbose`: accepted, unused)."""
+        return {"input_ids": self.encode(text, add_special_tokens)}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=bool(skip_special_tokens))
