@@ -51,6 +51,16 @@ def test_native_model_gives_the_transformers_logits_and_tokens(tmp_path, model_t
     assert decode(native, prompt, 8).new_ids == decode(reference, prompt, 8, engine="lean").new_ids
 
 
+def test_native_window_loss_scores_slices_of_positions_as_the_whole_logits(tmp_path, monkeypatch):
+    from bitquilt.eval import ppl
+
+    path = _saved(tmp_path, "qwen2", Recipe("rtn", w_bits=4, group_size=64, head_bits=4))
+    reference, native = load_quantized(path)[0], load_quantized(path, runtime="native")[0]
+    ids = _ids(50, seed=4)
+    monkeypatch.setattr(ppl, "HEAD_POSITIONS", 16)  # 49 targets: three whole slices and one of 1
+    assert ppl.window_loss(native, ids) == pytest.approx(ppl.window_loss(reference, ids), rel=1e-5)
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "linear", "factor": 4.0},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -211,11 +211,27 @@ class LeanDecoder:
         return attn.o_proj(out.transpose(1, 2).reshape(1, t, -1))
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, every_position: bool = False) -> torch.Tensor:
-        """Logits [vocab] of the last of `ids` [1, T] (every_position: [T, vocab] of each), appended at the
-        cache's current position.
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [vocab] of the last of `ids` [1, T], appended at the cache's current position (`final_hidden`:
+        every position's head input).
 
         T > 1 (a prompt) only on an empty cache; then one token at a time."""
+        t, start = self._check(ids)
+        if t == 1 and self.fused is not None and kernels.kernels_enabled():
+            self.pos = start + 1
+            x = self.fused.step(self.model.model.embed_tokens(ids), start).view(1, 1, -1)
+            return self.model.lm_head(self.final_norm(x))[0, -1]
+        return self.model.lm_head(self.final_norm(self._layers(ids)[:, -1:]))[0, -1]
+
+    @torch.no_grad()
+    def final_hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's input [T, hidden] (the final norm's output) at every position of `ids` [1, T], appended at
+        the cache's current position: what scoring multiplies by the head a slice of positions at a time."""
+        self._check(ids)
+        return self.final_norm(self._layers(ids))[0]
+
+    def _check(self, ids: torch.Tensor) -> tuple[int, int]:
+        """(T, start) of an input the cache can take, else ValueError."""
         if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
             raise ValueError(f"lean decoding takes one sequence [1, T], got shape {tuple(ids.shape)}")
         t, start = ids.shape[1], self.pos
@@ -223,20 +239,19 @@ class LeanDecoder:
             raise ValueError("a multi-token input must start on an empty cache (call reset())")
         if start + t > self.max_len:
             raise ValueError(f"position {start + t} is past the cache's {self.max_len} positions")
+        return t, start
+
+    def _layers(self, ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream [1, T, hidden] after every decoder layer, module by module; advances the cache."""
+        t, start = ids.shape[1], self.pos
         x = self.model.model.embed_tokens(ids)
-        if t == 1 and self.fused is not None and kernels.kernels_enabled() and not every_position:
-            self.pos = start + 1
-            x = self.fused.step(x, start).view(1, 1, -1)
-            return self.model.lm_head(self.final_norm(x))[0, -1]
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer, self.input_norms[i](x), start)
             mlp = layer.mlp
             h = self.mlp_norms[i](x)
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
         self.pos = start + t
-        if every_position:
-            return self.model.lm_head(self.final_norm(x))[0]
-        return self.model.lm_head(self.final_norm(x[:, -1:]))[0, -1]
+        return x
 
     def reset(self) -> None:
         """Forget the sequence (the buffers are overwritten as positions fill again)."""

@@ -247,11 +247,17 @@ class NativeCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, vocab] of every position of input_ids [B, T] (no padding, no cache)."""
+        return self.lm_head(self.final_hidden(input_ids))
+
+    @torch.no_grad()
+    def final_hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's input [B, T, hidden] at every position of input_ids [B, T]: scoring a long window applies
+        the head to a slice of positions at a time instead of holding [T, vocab] logits (`bitquilt.eval.ppl`)."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [batch, tokens] with tokens > 0, got shape {tuple(input_ids.shape)}")
         decoder = LeanDecoder(self, input_ids.shape[1], fuse=False)
         rows = []
         for row in input_ids:
             decoder.reset()
-            rows.append(decoder.forward(row[None], every_position=True))
+            rows.append(decoder.final_hidden(row[None]))
         return torch.stack(rows)
