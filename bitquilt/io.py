@@ -21,7 +21,8 @@ Loading never builds the full-precision model: the skeleton has its parameters o
 (`bitquilt.models.loading.empty_model`, shared with streaming quantization); the packed layers' tensors are
 views of the file mapped into memory (`bitquilt.mapped`): a kernel reads them once to build its own layout and
 their pages are given back right after, so a loaded model running on the kernels holds one copy of its
-linears, not two. The other tensors (norms, biases, full-precision embeddings) are read into memory of their own.
+linears, not two. A full-precision embedding table no LM head reads is mapped too, its pages given back after each
+lookup (`_lookup_tables`). The other tensors (norms, biases, a full-precision head) are read into memory of their own.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from bitquilt.cache import atomic_dir
 from bitquilt.errors import UserError
 from bitquilt.formats import format_class
 from bitquilt.formats.base import BUFFER_PREFIX, WeightFormat, split_buffers
+from bitquilt.mapped import release_after_calls
 from bitquilt.models.loading import SAVED_MODEL_TYPE, empty_model, load_model, resolve_path
 from bitquilt.models.native import NativeCausalLM, NativeConfig
 from bitquilt.models.streaming import TensorFiles
@@ -349,6 +351,20 @@ def _saved_tokenizer(directory: Path, model: nn.Module, config: Any) -> Any:
         return None
 
 
+def _lookup_tables(model: nn.Module, files: TensorFiles, expected: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
+    """{weight key: module} of the full-precision embedding tables stored in the model's own dtype, which load as
+    views of the file (`bitquilt.mapped`) whose pages go back after each lookup: a lookup reads a few rows, so the
+    rest of the table (qwen2.5-1.5b's fp32 one: 933 MB) need never be resident. Not for a table an LM head also
+    reads (tied): every step reads it whole."""
+    tables = {}
+    for name, module in model.named_modules():
+        key = f"{name}.weight"
+        if isinstance(module, nn.Embedding) and key in files and key in expected \
+                and files.entries[key].dtype == expected[key].dtype:
+            tables[key] = module
+    return tables
+
+
 def load_quantized(directory: str | Path, runtime: str = "transformers") -> tuple[nn.Module, Any]:
     """Rebuild a model saved by `save` (no recalibration); returns (model, tokenizer or None). No full-precision
     copy of the model is built (see the module's docstring). runtime: "transformers" (the model class of
@@ -391,9 +407,12 @@ def load_quantized(directory: str | Path, runtime: str = "transformers") -> tupl
             model.get_submodule(name).returns_pages = True
     online.restore(model, qconfig.get("online", {}))  # before the tensors: some own buffers (key centres)
     expected = model.state_dict(keep_vars=True)
+    head = "lm_head"  # tied to the embedding when the config says so and it is neither quantized nor stored
+    tied = getattr(config, "tie_word_embeddings", False) and head not in layers and f"{head}.weight" not in files
+    tables = {} if tied else _lookup_tables(model, files, expected)
     rest = {}
     for key in files.entries.keys() - consumed:
-        t = files.read(key)
+        t = files.mapped(key) if key in tables else files.read(key)
         want = expected.get(key)
         rest[key] = t.to(want.dtype) if want is not None and t.is_floating_point() and want.is_floating_point() else t
     try:
@@ -401,8 +420,8 @@ def load_quantized(directory: str | Path, runtime: str = "transformers") -> tupl
     except RuntimeError as e:  # a tensor of the wrong shape
         raise UserError(f"{directory} is corrupt or was edited: {str(e).splitlines()[-1].strip()}") from None
     del rest, expected
-    head = "lm_head"  # tied to the embedding when the config says so and it is neither quantized nor stored
-    tied = getattr(config, "tie_word_embeddings", False) and head not in layers and f"{head}.weight" not in files
+    for module in tables.values():
+        release_after_calls(module, [module.weight])
     missing = [k for k in missing if not (tied and k == f"{head}.weight") and k.rpartition(".")[0] not in layers]
     if tied:
         model.tie_weights()

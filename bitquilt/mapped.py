@@ -92,6 +92,16 @@ def release(tensors: Iterable[torch.Tensor]) -> int:
 TRIM_EVERY = 4  # chunks of a layout build between two `return_free_memory` calls (`release_chunk`)
 
 
+def release_after_calls(module: Any, tensors: list[torch.Tensor]) -> None:
+    """Give `tensors`' mapped pages back after every call of `module` (a full-precision embedding table viewing its
+    file: a lookup's rows are copies, and a touched page can map far more than the row, see
+    `bitquilt.nn.quant_embedding`)."""
+    def give_back(*_: Any) -> None:  # a hook's return value would replace the module's output
+        release(tensors)
+
+    module.register_forward_hook(give_back)
+
+
 def release_chunk(index: int, tensors: Iterable[torch.Tensor]) -> None:
     """After chunk `index` of a kernel layout built a few rows at a time: `release` the mapped `tensors` it has
     copied and, every TRIM_EVERY chunks, the allocator's free pages. The chunks' temporaries come back fragmented
