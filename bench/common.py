@@ -113,6 +113,12 @@ def machines_line(rows: list[dict]) -> str:
     return f"Machine: {same}{varying}."
 
 
+def provenance(rows: list[dict]) -> list[str]:
+    """A report's closing lines: the machine the rows ran on and every command that contributed some."""
+    commands = dict.fromkeys(r["command"] for r in rows)
+    return ["", machines_line(rows) + " Command(s): " + ", ".join(f"`{c}`" for c in commands), ""]
+
+
 def setting_header(model: str, settings: dict, rows: list[dict]) -> list[str]:
     """Markdown section heading stating calibration, evaluation, machine and the commands that ran."""
     c = settings["calibration"]

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import RESULTS, append_record, command_line, loadavg, machine, machines_line, run, write_atomic
+from common import RESULTS, append_record, command_line, loadavg, machine, provenance, run, write_atomic
 from load_memory import quantize
 
 RUNTIMES = ("transformers", "native")
@@ -55,9 +55,7 @@ def render(records: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['variant']} | {r['runtime']} | {r['windows']} × {r['seqlen']} | "
                      f"{r['threads']} | {r['ppl']:.4f} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['peak_mb']:.0f} | "
                      f"{r['wall_s'] / base['wall_s']:.2f} | {r['peak_mb'] / base['peak_mb']:.2f} | {r['loadavg']} |")
-    commands = dict.fromkeys(r["command"] for r in records)
-    lines += ["", machines_line(records) + " Command(s): " + ", ".join(f"`{c}`" for c in commands), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + provenance(records))
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, append_record, command_line, loadavg, machine, machines_line, run, write_atomic
+from common import RESULTS, append_record, command_line, loadavg, machine, provenance, run, write_atomic
 
 VARIANTS = {  # name: bitquilt quantize arguments
     "w4 g128": ["--w-bits", "4", "--group-size", "128"],
@@ -120,9 +120,7 @@ def render(records: list[dict]) -> str:
                      f"{r['after_load_mb']:.0f} | {r['peak_mb']:.0f} | {above:.0f} | {above / r['file_mb']:.2f} | "
                      f"{r['peak_mb'] / r['file_mb']:.2f} | {r['layout_mb']:.0f} | {r['mapped_resident_mb']:.0f} | "
                      f"{r['load_s']:.1f} | {run_s} | {r['loadavg']} |")
-    commands = dict.fromkeys(r["command"] for r in records)
-    lines += ["", machines_line(records) + " Command(s): " + ", ".join(f"`{c}`" for c in commands), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + provenance(records))
 
 
 def main() -> None:
