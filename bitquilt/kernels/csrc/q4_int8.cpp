@@ -92,7 +92,11 @@ inline __m256 chunk_dot(const Codes& q, __m256i xl, __m256i xh) {
 // both tokens); `codes(p, r)` gives row r's chunk p of the panel (packed, or widened in a buffer), `scales` the
 // tile's decoded groups of the panel (`decode_group`), or null for one token: then the packed `sz` (`tile_group`).
 // Token t's rounded activations, block scales and group sums from the panel's start are at xi + t * K,
-// dpair + t * K / 8, X + t * groups; its rows go to out[t * ROWS + r].
+// dpair + t * K / 8, X + t * groups; its rows go to out[t * ROWS + r]. One loop runs over the panel's chunks, a
+// group's scales applied after its last one, on both paths (q4_int8_vnni.cpp too): against a loop over the groups
+// with one over each group's chunks inside, the same sums in the same order ran (Intel Xeon with AVX-512, builds
+// alternating, 1536² to 4096² in cache) 1.05-1.10x faster at batch 1 in groups of 64 (at 128: 1.00-1.03x),
+// 1.06-1.09x at batch 128 on AVX2 and 1.14-1.22x on VNNI.
 template <int NT, typename CodesOf>
 inline void tile_tokens(const CodesOf& codes, const uint8_t* sz, const float* scales, const Weight& W, const Panel& P,
                         const int8_t* xi, const float* dpair, const float* X, float* out) {
@@ -103,30 +107,35 @@ inline void tile_tokens(const CodesOf& codes, const uint8_t* sz, const float* sc
     offset[t] = _mm_setzero_ps();
     for (int r = 0; r < ROWS; ++r) total[t][r] = _mm256_setzero_ps();
   }
-  for (int64_t g = 0; g < P.groups; ++g) {
-    __m256 acc[NT][ROWS];
-    for (int t = 0; t < NT; ++t)
-      for (int r = 0; r < ROWS; ++r) acc[t][r] = _mm256_setzero_ps();
-    for (int64_t p = g * per_group; p < std::min(P.cols / PAIR, (g + 1) * per_group); ++p) {
-      __m256i xl[NT], xh[NT];
-      __m256 d[NT];
-      for (int t = 0; t < NT; ++t) {
-        const int8_t* x = xi + t * W.K + p * PAIR;
-        xl[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-        xh[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
-        d[t] = _mm256_loadu_ps(dpair + t * W.K / 8 + p * 8);
-      }
-      for (int r = 0; r < ROWS; ++r) {
-        const Codes q = codes(p, r);
-        for (int t = 0; t < NT; ++t) acc[t][r] = _mm256_fmadd_ps(chunk_dot(q, xl[t], xh[t]), d[t], acc[t][r]);
-      }
+  __m256 acc[NT][ROWS];
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < ROWS; ++r) acc[t][r] = _mm256_setzero_ps();
+  const int64_t pairs = P.cols / PAIR;
+  for (int64_t p = 0, g = 0, group_end = std::min(pairs, per_group); p < pairs; ++p) {
+    __m256i xl[NT], xh[NT];
+    __m256 d[NT];
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* x = xi + t * W.K + p * PAIR;
+      xl[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      xh[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+      d[t] = _mm256_loadu_ps(dpair + t * W.K / 8 + p * 8);
     }
-    const GroupScales s = tile_group(scales, sz, g);
+    for (int r = 0; r < ROWS; ++r) {
+      const Codes q = codes(p, r);
+      for (int t = 0; t < NT; ++t) acc[t][r] = _mm256_fmadd_ps(chunk_dot(q, xl[t], xh[t]), d[t], acc[t][r]);
+    }
+    if (p + 1 < group_end) continue;
+    const GroupScales s = tile_group(scales, sz, g);  // group g's last chunk: its scales, then the next group
     for (int r = 0; r < ROWS; ++r) {
       const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s.s), _mm256_set1_epi32(r));
-      for (int t = 0; t < NT; ++t) total[t][r] = _mm256_fmadd_ps(acc[t][r], scale, total[t][r]);
+      for (int t = 0; t < NT; ++t) {
+        total[t][r] = _mm256_fmadd_ps(acc[t][r], scale, total[t][r]);
+        acc[t][r] = _mm256_setzero_ps();
+      }
     }
     add_group_offsets<NT>(s.sz, X, G, g, offset);
+    ++g;
+    group_end = std::min(pairs, group_end + per_group);
   }
   for (int t = 0; t < NT; ++t) {
     float off[ROWS];
