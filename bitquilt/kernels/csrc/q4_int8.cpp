@@ -95,8 +95,8 @@ inline __m256 chunk_dot(const Codes& q, __m256i xl, __m256i xh) {
 // dpair + t * K / 8, X + t * groups; its rows go to out[t * ROWS + r]. One loop runs over the panel's chunks, a
 // group's scales applied after its last one, on both paths (q4_int8_vnni.cpp too): against a loop over the groups
 // with one over each group's chunks inside, the same sums in the same order ran (Intel Xeon with AVX-512, builds
-// alternating, 1536² to 4096² in cache) 1.05-1.10x faster at batch 1 in groups of 64 (at 128: 1.00-1.03x),
-// 1.06-1.09x at batch 128 on AVX2 and 1.14-1.22x on VNNI.
+// alternating, 1536² to 4096² in cache) 1.05-1.12x faster at batch 1 in groups of 64 (at 128: 1.00-1.03x),
+// 1.05-1.08x at batch 128 on AVX2 and 1.13-1.22x on VNNI (cold weights: 1.12-1.14x).
 template <int NT, typename CodesOf>
 inline void tile_tokens(const CodesOf& codes, const uint8_t* sz, const float* scales, const Weight& W, const Panel& P,
                         const int8_t* xi, const float* dpair, const float* X, float* out) {

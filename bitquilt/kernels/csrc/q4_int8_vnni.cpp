@@ -132,7 +132,7 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const uint8_t* s
 // instructions instead of 10, and decodes each row group in registers as it goes (`run_tiles` leaves it undecoded
 // for one token). Measured on Zen 4, batch 1, alternating calls: 1.17-1.26x the row-pair path on weights in L2,
 // 1.14-1.33x on cold ones (the 2-bit stream is bound by instructions, not memory). One loop over the chunks, as
-// tile_tokens: in groups of 64 (a chunk each) 1.05-1.08x faster than a loop per group on weights in cache.
+// tile_tokens: in groups of 64 (a chunk each) 1.05-1.09x faster than a loop per group on weights in cache.
 inline void tile_w2_decode(const uint8_t* wt, const uint8_t* sz, const Weight& W, const Panel& P, const int8_t* xi,
                            const float* dpair, const float* X, float* out) {
   const int64_t per_group = W.group / PAIR, pairs = P.cols / PAIR;
