@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from bitquilt.cli_common import MODEL_HELP, add_int8_activations, add_runtime, print_json, print_table
+from bitquilt.cli_common import MODEL_HELP, add_int8_activations, add_runtime, chosen_runtime, print_json, print_table
 from bitquilt.errors import USER_ERRORS, UserError
 from bitquilt.eval.speed import ENGINES
 from bitquilt.io import model_summary
@@ -43,12 +43,8 @@ def set_threads(threads: int | None) -> None:
 def _runtime(args) -> str:
     """The runtime `--runtime` and `--engine` load a saved model into (the transformers engine needs the transformers
     model)."""
-    if args.engine != "transformers":
-        return args.runtime
-    if args.runtime == "native":
-        raise UserError("--engine transformers runs the transformers model; drop --runtime native or pick another "
-                        "engine (auto, fused, lean)")
-    return "transformers"
+    return chosen_runtime(args, "--engine transformers runs the transformers model; drop --runtime native or pick "
+                          "another engine (auto, fused, lean)" if args.engine == "transformers" else None)
 
 
 def cmd_generate(args) -> int:

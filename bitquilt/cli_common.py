@@ -9,6 +9,7 @@ import json
 import math
 from typing import Any
 
+from bitquilt.errors import UserError
 from bitquilt.io import RUNTIMES
 from bitquilt.models.registry import DEFAULT_MODEL
 from bitquilt.tables import markdown_table
@@ -42,6 +43,16 @@ def add_runtime(s: argparse.ArgumentParser, auto: str) -> None:
     s.add_argument("--runtime", choices=RUNTIMES, default="auto",
                    help="what a saved model is loaded into: native (bitquilt's own modules, llama/mistral/qwen2/qwen3, "
                    "no transformers import: less memory, a faster start), transformers, or auto (" + auto + ")")
+
+
+def chosen_runtime(args, transformers_only: str | None) -> str:
+    """The runtime a saved model loads into: --runtime, or "transformers" when an option runs only on the transformers
+    model; `transformers_only` then says which and why, the error for an explicit --runtime native."""
+    if transformers_only is None:
+        return args.runtime
+    if args.runtime == "native":
+        raise UserError(transformers_only)
+    return "transformers"
 
 
 def add_int8_activations(s: argparse.ArgumentParser) -> None:

@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from bitquilt.calib.stages import STAGES
-from bitquilt.cli_common import MODEL_HELP, add_int8_activations, add_runtime, finite_or_null, print_json, print_table
+from bitquilt.cli_common import (
+    MODEL_HELP,
+    add_int8_activations,
+    add_runtime,
+    chosen_runtime,
+    finite_or_null,
+    print_json,
+    print_table,
+)
 from bitquilt.errors import UserError
 from bitquilt.export import FORMATS as EXPORT_FORMATS
 from bitquilt.io import model_summary
@@ -446,12 +454,8 @@ def _precision_settings(model, args) -> list[tuple[str, Any]]:
 def _eval_runtime(args) -> str:
     """The runtime `eval` loads a saved model into: zero-shot tasks score padded batches of choices, which only the
     transformers model runs; perplexity (whole windows, no padding) runs in either, the same numbers."""
-    if not [t for t in args.tasks.split(",") if t]:
-        return args.runtime
-    if args.runtime == "native":
-        raise UserError("--tasks score padded batches, which the native runtime does not run; drop --tasks or use "
-                        "--runtime transformers (or auto)")
-    return "transformers"
+    return chosen_runtime(args, "--tasks score padded batches, which the native runtime does not run; drop --tasks "
+                          "or use --runtime transformers (or auto)" if any(args.tasks.split(",")) else None)
 
 
 def cmd_eval(args) -> int:

@@ -32,7 +32,7 @@ class FastTokenizer:
 
         directory = Path(directory)
         try:
-            self.backend = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
+            self.backend_tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
             config_path = directory / "tokenizer_config.json"
             config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         except Exception as e:  # OSError, JSON errors, and tokenizers' bare Exception for a bad file
@@ -40,26 +40,21 @@ class FastTokenizer:
         return_free_memory()  # parsing the JSON left ≈ 40 MB of Qwen's free in the heap
         eos = _token_text(config.get("eos_token"))
         self.eos_token = eos
-        self.eos_token_id = self.backend.token_to_id(eos) if eos else None
+        self.eos_token_id = self.backend_tokenizer.token_to_id(eos) if eos else None
 
     @staticmethod
     def available(directory: str | Path) -> bool:
         return (Path(directory) / TOKENIZER_FILE).is_file()
 
-    @property
-    def backend_tokenizer(self) -> Any:
-        """The `tokenizers.Tokenizer`, under the name transformers' fast tokenizers give it (cache keys read it)."""
-        return self.backend
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def __call__(self, text: str, add_special_tokens: bool = True, verbose: bool = True) -> dict[str, list[int]]:
         """{"input_ids": ids} as a transformers tokenizer returns for one text (`verbose`: accepted, unused)."""
         return {"input_ids": self.encode(text, add_special_tokens)}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=bool(skip_special_tokens))
+        return self.backend_tokenizer.decode(list(ids), skip_special_tokens=bool(skip_special_tokens))
 
     def __len__(self) -> int:
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
