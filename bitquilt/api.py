@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from bitquilt.eval.migration import MigrationResult
     from bitquilt.export.compressed_tensors import CompressedTensorsExport
     from bitquilt.export.gguf import GGUFExport
+    from bitquilt.export.standalone import StandaloneExport
 
 
 def fetch(name: str, force: bool = False) -> Path:
@@ -214,21 +215,27 @@ def residual_recovery(model: nn.Module | str | Path) -> list:
 
 def export(saved: str | Path, output: str | Path, to: str = "gguf", overwrite: bool = False,
            tokenizer_from: str | Path | None = None, progress: bool = False
-           ) -> GGUFExport | CompressedTensorsExport:
+           ) -> GGUFExport | CompressedTensorsExport | StandaloneExport:
     """Write the model saved in `saved` (by `save` / `bitquilt quantize`) for another runtime, atomically.
     `to="gguf"`: one GGUF file for llama.cpp / ollama (`bitquilt.export.gguf` says what maps exactly and what is
     refused); `tokenizer_from` is a GGUF file of the same model to copy the tokenizer from.
     `to="compressed-tensors"`: a Hugging Face directory in compressed-tensors' pack-quantized format for vLLM and
-    transformers (`bitquilt.export.compressed_tensors`)."""
+    transformers (`bitquilt.export.compressed_tensors`).
+    `to="standalone"`: the kernel layouts in one mapped file for the torch-free runtime (`bitquilt-run`,
+    `bitquilt.standalone`; `bitquilt.export.standalone`)."""
     if to not in EXPORT_FORMATS:
         raise UserError(f"unknown export format {to!r}; supported: {', '.join(EXPORT_FORMATS)}")
+    if to != "gguf" and tokenizer_from is not None:
+        raise UserError(f"--tokenizer-from (tokenizer_from) applies to GGUF exports; a {to} export copies the saved "
+                        "tokenizer files")
     if to == "compressed-tensors":
-        if tokenizer_from is not None:
-            raise UserError("--tokenizer-from (tokenizer_from) applies to GGUF exports; a compressed-tensors export "
-                            "copies the saved tokenizer files")
         from bitquilt.export.compressed_tensors import export_compressed_tensors
 
         return export_compressed_tensors(saved, output, overwrite=overwrite)
+    if to == "standalone":
+        from bitquilt.export.standalone import export_standalone
+
+        return export_standalone(saved, output, overwrite=overwrite)
     from bitquilt.export.gguf import export_gguf
 
     return export_gguf(saved, output, overwrite=overwrite, tokenizer_from=tokenizer_from, progress=progress)

@@ -812,13 +812,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser("export", help="write a saved quantized model for another runtime: a GGUF file (llama.cpp, "
-                       "ollama) or a compressed-tensors directory (vLLM, transformers)")
+                       "ollama), a compressed-tensors directory (vLLM, transformers) or a standalone directory "
+                       "(bitquilt-run, no torch)")
     s.add_argument("path", help="directory saved by `bitquilt quantize`")
     s.add_argument("--to", choices=EXPORT_FORMATS, default="gguf",
-                   help="output format: gguf (one file) or compressed-tensors (a Hugging Face directory in the "
-                   "pack-quantized format; uniform 2/4/8-bit weights) (default gguf)")
+                   help="output format: gguf (one file), compressed-tensors (a Hugging Face directory in the "
+                   "pack-quantized format; uniform 2/4/8-bit weights) or standalone (a directory of kernel layouts "
+                   "for bitquilt-run; uniform 2/4/8-bit weights) (default gguf)")
     s.add_argument("-o", "--output", required=True,
-                   help="file to write, e.g. model.gguf; a directory for compressed-tensors")
+                   help="file to write, e.g. model.gguf; a directory for compressed-tensors and standalone")
     s.add_argument("--overwrite", action="store_true", help="replace an existing output")
     s.add_argument("--tokenizer-from", default=None, metavar="GGUF",
                    help="copy the tokenizer from this GGUF file of the same model (default: the GGUF a packaged "

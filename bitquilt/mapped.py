@@ -13,16 +13,13 @@ copy only, never the file. Formats are never written in place; `release` drops o
 kernel has copied, so no write could be dropped with them.
 
 Freed tensors below glibc's adaptive mmap threshold (up to 32 MB) stay in the heap, resident, between the tensors
-that outlive them; `return_free_memory` hands those pages back (after each block of streaming quantization, and
-after each kernel layout is built, whose temporaries are a few times the layout).
+that outlive them; `bitquilt.heap.return_free_memory` hands those pages back (after each block of streaming
+quantization, and after each kernel layout is built, whose temporaries are a few times the layout).
 """
 
 from __future__ import annotations
 
 import bisect
-import ctypes
-import ctypes.util
-import functools
 import mmap
 import weakref
 from collections.abc import Iterable
@@ -30,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from bitquilt.heap import return_free_memory
 
 _PAGE = mmap.PAGESIZE
 # (first address, end address, mapping) of the live mappings, sorted by address; a mapping closes when the last
@@ -127,17 +126,3 @@ def resident_bytes(path: Path) -> int:
         elif inside and head[0] == "Rss:":
             total += int(head[1]) * 1024
     return total
-
-
-def return_free_memory() -> None:
-    """Give the allocator's free pages back to the system (glibc `malloc_trim`, about a millisecond; a no-op
-    elsewhere)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    name = ctypes.util.find_library("c")
-    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None

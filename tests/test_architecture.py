@@ -11,11 +11,11 @@ ROOT = Path(bitquilt.__file__).parent
 
 # Lowest floor first. A module may import its own floor and the floors below, never above.
 FLOORS = [
-    {"errors", "cache", "resources", "registry", "tables", "mapped", "__init__"},
+    {"errors", "cache", "resources", "registry", "tables", "mapped", "heap", "isa", "decoding", "__init__"},
     {"formats"},
     {"kernels"},
     {"nn"},
-    {"models", "data"},
+    {"models", "data", "standalone"},
     {"io", "export"},
     {"calib", "solvers"},
     {"transforms", "policies"},
@@ -25,7 +25,10 @@ FLOORS = [
     {"commands"},
     {"cli"},
 ]
-RUNTIME = {"formats", "kernels", "nn", "io", "models"}
+RUNTIME = {"formats", "kernels", "nn", "io", "models", "standalone"}
+# What the standalone runtime may import: modules that import no torch (tests/test_standalone.py runs it to check)
+TORCH_FREE = {"bitquilt.errors", "bitquilt.cache", "bitquilt.heap", "bitquilt.isa", "bitquilt.decoding",
+              "bitquilt.models.tokenizer"}
 ALGORITHMS = {"calib", "solvers", "transforms", "policies", "recipes", "pipeline"}
 
 
@@ -77,6 +80,12 @@ def violations(found: list[tuple[str, str, int]]) -> list[str]:
 def test_no_import_goes_up_a_floor():
     bad = violations(imports())
     assert not bad, "imports from a higher floor:\n" + "\n".join(bad)
+
+
+def test_the_standalone_runtime_imports_only_torch_free_modules():
+    bad = [f"{target} (line {line})" for src, target, line in imports()
+           if src == "standalone" and room(target) != "standalone" and target not in TORCH_FREE]
+    assert not bad, "the standalone runtime imports:\n" + "\n".join(bad)
 
 
 def test_the_check_catches_forbidden_imports():

@@ -9,7 +9,6 @@ kernel's packed layout, so `measure_speed` runs an untimed warm-up first.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -17,16 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from bitquilt.decoding import DecodeRun, run_decode
 from bitquilt.resources import peak_rss_mb
-
-
-@dataclass
-class DecodeRun:
-    """Token ids produced after the prompt, and the seconds spent in prefill and in decode."""
-
-    new_ids: list[int]
-    prefill_seconds: float
-    decode_seconds: float
 
 
 @dataclass
@@ -91,21 +82,15 @@ def stepper(model: nn.Module, max_len: int, engine: str = "auto") -> Callable[[t
 def decode(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
            seed: int = 0, stop_ids: set[int] | None = None, engine: str = "auto") -> DecodeRun:
     """Greedy (temperature 0) or sampled continuation of prompt_ids [1, T], with the KV cache
-    (`stepper` says which engine runs it)."""
+    (`stepper` says which engine runs it; `bitquilt.decoding.run_decode` the loop and its timing)."""
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] == 0:
         raise ValueError(f"decode needs one non-empty prompt [1, T], got shape {tuple(prompt_ids.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
-    t0 = time.perf_counter()
     step = stepper(model, prompt_ids.shape[1] + max_new_tokens, engine)
-    token = _next_token(step(prompt_ids), temperature, generator)
-    t1 = time.perf_counter()
-    new_ids = [token]
-    while len(new_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
-        token = _next_token(step(torch.tensor([[token]])), temperature, generator)
-        new_ids.append(token)
-    return DecodeRun(new_ids, t1 - t0, time.perf_counter() - t1)
+    return run_decode(lambda ids: step(torch.tensor([list(ids)])), prompt_ids[0].tolist(), max_new_tokens,
+                      lambda logits: _next_token(logits, temperature, generator), stop_ids)
 
 
 def kernel_layout_bytes(model: nn.Module) -> int:

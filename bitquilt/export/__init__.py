@@ -1,4 +1,4 @@
-"""Export of saved quantized models to other runtimes' formats: GGUF (llama.cpp / ollama) and compressed-tensors
-(vLLM / transformers)."""
+"""Export of saved quantized models to other runtimes' formats: GGUF (llama.cpp / ollama), compressed-tensors
+(vLLM / transformers) and standalone (bitquilt's own runtime without torch, `bitquilt.standalone`)."""
 
-FORMATS = ("gguf", "compressed-tensors")  # `bitquilt export --to`
+FORMATS = ("gguf", "compressed-tensors", "standalone")  # `bitquilt export --to`

@@ -15,10 +15,12 @@ from bitquilt.nn.quant_linear import QuantLinear
 
 
 def check_layers(model: nn.Module, target: str, runtime_cannot: str,
-                 refusal: Callable[[WeightFormat], str | None], exportable: str) -> None:
+                 refusal: Callable[[WeightFormat], str | None], exportable: str,
+                 quantized_embeddings: bool = False) -> None:
     """Raise for the first part of `model` that `target` (e.g. "GGUF") cannot hold: a module run online at
-    inference (`runtime_cannot` says why, e.g. "which llama.cpp cannot run"), a quantized input embedding,
-    or a QuantLinear for which `refusal(fmt)` gives a reason; `exportable` names what the target takes."""
+    inference (`runtime_cannot` says why, e.g. "which llama.cpp cannot run"), a quantized input embedding (unless
+    `quantized_embeddings`: then its format must pass `refusal` too), or a QuantLinear for which `refusal(fmt)`
+    gives a reason; `exportable` names what the target takes."""
     hosts = online.online_state(model)
     if hosts:
         host, slots = next(iter(hosts.items()))
@@ -26,11 +28,11 @@ def check_layers(model: nn.Module, target: str, runtime_cannot: str,
         raise UserError(f"cannot export {host} to {target}: it runs the online module(s) {modules}, {runtime_cannot}; "
                         f"exportable: weight-only models with {exportable}")
     embeddings = [name for name, m in model.named_modules() if isinstance(m, QuantEmbedding)]
-    if embeddings:
+    if embeddings and not quantized_embeddings:
         raise UserError(f"cannot export {embeddings[0]} to {target}: quantized input embeddings (--head-bits) are "
                         "not exported yet; quantize with --head-bits 16")
     refused = [(name, m.fmt, why) for name, m in model.named_modules()
-               if isinstance(m, QuantLinear) and (why := refusal(m.fmt)) is not None]
+               if isinstance(m, QuantLinear | QuantEmbedding) and (why := refusal(m.fmt)) is not None]
     if refused:
         name, fmt, why = refused[0]
         more = f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""

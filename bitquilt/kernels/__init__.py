@@ -21,7 +21,8 @@ from weakref import WeakKeyDictionary
 import torch
 
 from bitquilt.formats.base import MatmulContext, WeightFormat
-from bitquilt.mapped import release, return_free_memory
+from bitquilt.heap import return_free_memory
+from bitquilt.mapped import release
 
 if TYPE_CHECKING:
     from bitquilt.formats.uniform import UniformFormat

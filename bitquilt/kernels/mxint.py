@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.mxint import BLOCK, EXP_BIAS, MXIntFormat
+from bitquilt.isa import choose
 from bitquilt.kernels import LayoutCache, cpu, fp32_rows, kernels_for, like, register_kernel, takes
-from bitquilt.kernels.isa import choose
 
 ISAS = ("avx2", "avx512")
 _ISA_CODE = {"avx2": 0, "avx512": 1}
@@ -59,7 +59,7 @@ def supported_isas() -> tuple[str, ...]:
 
 
 def active_isa(isa: str | None = None) -> str | None:
-    """The path a call runs (`bitquilt.kernels.isa.choose`): `isa` if given, else `$BITQUILT_ISA` if supported,
+    """The path a call runs (`bitquilt.isa.choose`): `isa` if given, else `$BITQUILT_ISA` if supported,
     else the widest supported; None without the extension."""
     return choose("MXINT", supported_isas(), isa)
 

@@ -29,6 +29,8 @@ import torch
 
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
+from bitquilt.isa import INT8_ISAS as ISAS
+from bitquilt.isa import choose
 from bitquilt.kernels import (
     PACK_ROWS,
     LayoutCache,
@@ -42,11 +44,9 @@ from bitquilt.kernels import (
     register_kernel,
     takes,
 )
-from bitquilt.kernels.isa import choose
 from bitquilt.mapped import release_chunk
 
 ROWS, PAIR = 4, 64  # output rows per tile, columns per packed row chunk (csrc/q4_int8.h)
-ISAS = ("avx2", "avx512")  # avx512: F, BW, VL, DQ and VNNI
 
 
 def supported_isas() -> tuple[str, ...]:

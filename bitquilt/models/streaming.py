@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from bitquilt.errors import UserError
-from bitquilt.mapped import map_file, return_free_memory, tensor_view
+from bitquilt.heap import return_free_memory
+from bitquilt.mapped import map_file, tensor_view
 from bitquilt.models.adapters import architecture_of, decoder_layers
 from bitquilt.models.loading import TOKENIZER_FILES, _load_tokenizer, check_safetensors, empty_model
 from bitquilt.nn.quant_linear import QuantLinear

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bitquilt.errors import UserError
-from bitquilt.mapped import return_free_memory
+from bitquilt.heap import return_free_memory
 
 TOKENIZER_FILE = "tokenizer.json"
 

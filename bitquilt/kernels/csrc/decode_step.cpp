@@ -3,18 +3,8 @@
 //
 // A batch-1 decode step of a small model run module by module spends more time in the framework's
 // per-op overhead (hundreds of views, slices and element-wise ops per token, a few µs each) than in
-// its matmuls. Here a layer is, for the token's hidden state x (fp32, D values):
-//
-//   h = RMSNorm(x) * w_in                                  (mean of squares in fp32, then rsqrt(. + eps))
-//   q = W_q h + b_q,  k = W_k h + b_k,  v = W_v h + b_v     (biases optional: Qwen2)
-//   q, k per head: RMSNorm over head_dim * w_qn / w_kn      (optional: Qwen3)
-//   q, k per head: RoPE, out = u * cos[pos] + rotate_half(u) * sin[pos],
-//                  rotate_half(u) = [-u[d/2:], u[:d/2]]     (cos/sin tables from the model's rotary module)
-//   K[g, pos] = k_g, V[g, pos] = v_g                        (the static cache, [kv_heads, max_len, head_dim])
-//   a_h = sum_{j <= pos} softmax_j(scaling * <q_h, K[g(h), j]>) V[g(h), j],   g(h) = h / (heads / kv_heads)
-//   x = x + W_o a
-//   h = RMSNorm(x) * w_post
-//   x = x + W_down (silu(W_gate h) * (W_up h))
+// its matmuls. The layer math is decoder_core.h's (shared with the standalone runtime); this file holds the
+// linears and the torch bindings.
 //
 // Every W is a sum of bit-plane packed parts run by the lookup-table kernel (lut_parts.h: one part for a
 // bitplane or uniform format, the first k slices for a MoBiQuant checkpoint in static mode), a 4- or 2-bit
@@ -30,23 +20,17 @@
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <vector>
 
-#include "avx2_simd.h"
+#include "decoder_core.h"
 #include "lut_parts.h"
 #include "q4_int8.h"
 #include "slice_router.h"
 #include "uniform8.h"
 
 namespace {
-
-using bitquilt_simd::dot;
-using bitquilt_simd::exp8;
-using bitquilt_simd::hsum8;
 
 struct Linear {
   std::optional<bitquilt_q4::Weight> q4;  // 4- or 2-bit codes times int8 activations, or:
@@ -86,43 +70,6 @@ struct Linear {
   }
 };
 
-struct Layer {
-  at::Tensor in_norm, post_norm, q_norm, k_norm;  // q_norm / k_norm undefined unless the family has them
-  int64_t q, k, v, o, gate, up, down;            // indices into the decoder's linears
-  at::Tensor keys, values;                       // fp32 [kv_heads, max_len, head_dim], written in place
-};
-
-void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
-  const float inv = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
-}
-
-// out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + e^-gate[i]) * up[i], 8 at a time (exp8).
-void silu_times(const float* gate, const float* up, int64_t n, float* out) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
-                                            _mm256_loadu_ps(up + i)));
-  }
-  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-}
-
-// s[j] = e^(s[j] - top) for j < n, 8 at a time (exp8); returns their sum (a softmax's denominator).
-float exp_shifted(float* s, int64_t n, float top) {
-  __m256 sum = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
-    _mm256_storeu_ps(s + j, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  float total = hsum8(sum);
-  for (; j < n; ++j) total += s[j] = std::exp(s[j] - top);
-  return total;
-}
-
 at::Tensor fp32_vector(const at::Tensor& t, int64_t n, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n, what, ": contiguous fp32 [",
               n, "]");
@@ -133,23 +80,7 @@ class FusedDecoder {
  public:
   FusedDecoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
                double scaling, const at::Tensor& cos, const at::Tensor& sin)
-      : D_(hidden), H_(heads), G_(kv_heads), hd_(head_dim), F_(intermediate), eps_(static_cast<float>(eps)),
-        scaling_(static_cast<float>(scaling)), cos_(cos), sin_(sin) {
-    TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
-    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim && cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                    sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && sin.is_contiguous(),
-                "cos, sin: contiguous fp32 [max_len, head_dim]");
-    max_len_ = cos.size(0);
-    h_.resize(std::max(D_, F_));
-    q_.resize(H_ * hd_);
-    k_.resize(G_ * hd_);
-    v_.resize(G_ * hd_);
-    a_.resize(H_ * hd_);
-    out_.resize(D_);
-    gate_.resize(F_);
-    up_.resize(F_);
-    scores_.resize(max_len_);
-  }
+      : core_(dims(hidden, heads, kv_heads, head_dim, intermediate, eps, scaling, cos, sin)), cos_(cos), sin_(sin) {}
 
   // A linear of N outputs and K inputs: packed parts (planes, coefficients, plane counts, uniform flags, one
   // block and group), optionally plus a sparse residual in sparse_residual.h's segments, or, with no parts, a
@@ -230,106 +161,71 @@ class FusedDecoder {
                  const std::optional<at::Tensor>& k_norm, const std::vector<int64_t>& linears, const at::Tensor& keys,
                  const at::Tensor& values) {
     TORCH_CHECK(linears.size() == 7, "seven linears per layer: q, k, v, o, gate, up, down");
-    for (int64_t i : linears) TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(linears_.size()), "unknown linear ", i);
-    const int64_t shapes[7][2] = {{H_ * hd_, D_}, {G_ * hd_, D_}, {G_ * hd_, D_}, {D_, H_ * hd_},
-                                  {F_, D_},       {F_, D_},       {D_, F_}};
+    int64_t N[7], K[7];
     for (int j = 0; j < 7; ++j) {
-      const Linear& lin = linears_[linears[j]];
-      TORCH_CHECK(lin.N == shapes[j][0] && lin.K == shapes[j][1], "linear ", j, " of the layer is [", lin.N, ", ",
-                  lin.K, "], expected [", shapes[j][0], ", ", shapes[j][1], "]");
+      TORCH_CHECK(linears[j] >= 0 && linears[j] < static_cast<int64_t>(linears_.size()), "unknown linear ",
+                  linears[j]);
+      N[j] = linears_[linears[j]].N;
+      K[j] = linears_[linears[j]].K;
     }
+    const std::string error = bitquilt_decoder::linears_error(core_.dims(), N, K);
+    TORCH_CHECK(error.empty(), error);
+    const auto& d = core_.dims();
+    const int64_t D = d.D, hd = d.hd;
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
     for (const at::Tensor* cache : {&keys, &values})
-      TORCH_CHECK(cache->dim() == 3 && cache->size(0) == G_ && cache->size(1) == max_len_ && cache->size(2) == hd_ &&
+      TORCH_CHECK(cache->dim() == 3 && cache->size(0) == d.G && cache->size(1) == d.max_len && cache->size(2) == hd &&
                       cache->scalar_type() == at::kFloat && cache->is_contiguous(),
                   "caches: contiguous fp32 [kv_heads, max_len, head_dim]");
-    Layer layer{fp32_vector(in_norm, D_, "input norm"), fp32_vector(post_norm, D_, "post-attention norm"),
-                q_norm ? fp32_vector(*q_norm, hd_, "q norm") : at::Tensor(),
-                k_norm ? fp32_vector(*k_norm, hd_, "k norm") : at::Tensor(),
-                linears[0], linears[1], linears[2], linears[3], linears[4], linears[5], linears[6], keys, values};
-    layers_.push_back(std::move(layer));
+    const bitquilt_decoder::Layer layer{
+        fp32_vector(in_norm, D, "input norm").data_ptr<float>(),
+        fp32_vector(post_norm, D, "post-attention norm").data_ptr<float>(),
+        q_norm ? fp32_vector(*q_norm, hd, "q norm").data_ptr<float>() : nullptr,
+        k_norm ? fp32_vector(*k_norm, hd, "k norm").data_ptr<float>() : nullptr,
+        linears[0], linears[1], linears[2], linears[3], linears[4], linears[5], linears[6],
+        keys.data_ptr<float>(), values.data_ptr<float>()};
+    keep_.insert(keep_.end(), {in_norm, post_norm, keys, values});
+    if (q_norm) keep_.insert(keep_.end(), {*q_norm, *k_norm});
+    core_.add_layer(layer);
   }
 
   // The hidden state [D] of the token at position `pos` after every layer (the caches' row pos written).
   at::Tensor step(const at::Tensor& x, int64_t pos) {
-    TORCH_CHECK(x.scalar_type() == at::kFloat && x.numel() == D_, "x: fp32 with ", D_, " values");
-    TORCH_CHECK(pos >= 0 && pos < max_len_, "position ", pos, " outside the cache's ", max_len_);
-    at::Tensor y = x.contiguous().clone().view({D_});
-    float* xs = y.data_ptr<float>();
-    for (Layer& layer : layers_) {
-      rms_norm(xs, layer.in_norm.data_ptr<float>(), D_, eps_, h_.data());
-      attention(layer, pos);
-      linears_[layer.o].run(a_.data(), out_.data());
-      for (int64_t i = 0; i < D_; ++i) xs[i] += out_[i];
-      rms_norm(xs, layer.post_norm.data_ptr<float>(), D_, eps_, h_.data());
-      linears_[layer.gate].run(h_.data(), gate_.data());
-      linears_[layer.up].run(h_.data(), up_.data());
-      silu_times(gate_.data(), up_.data(), F_, h_.data());
-      linears_[layer.down].run(h_.data(), out_.data());
-      for (int64_t i = 0; i < D_; ++i) xs[i] += out_[i];
-    }
+    const int64_t D = core_.dims().D;
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.numel() == D, "x: fp32 with ", D, " values");
+    TORCH_CHECK(pos >= 0 && pos < core_.dims().max_len, "position ", pos, " outside the cache's ",
+                core_.dims().max_len);
+    at::Tensor y = x.contiguous().clone().view({D});
+    core_.forward(y.data_ptr<float>(), 1, pos,
+                  [this](int64_t i, const float* in, int64_t, float* out) { linears_[i].run(in, out); });
     return y;
   }
 
  private:
+  static bitquilt_decoder::Dims dims(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                     int64_t intermediate, double eps, double scaling, const at::Tensor& cos,
+                                     const at::Tensor& sin) {
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim && cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && sin.is_contiguous(),
+                "cos, sin: contiguous fp32 [max_len, head_dim]");
+    const bitquilt_decoder::Dims d{hidden, heads, kv_heads, head_dim, intermediate, cos.size(0),
+                                   static_cast<float>(eps), static_cast<float>(scaling), cos.data_ptr<float>(),
+                                   sin.data_ptr<float>()};
+    const std::string error = bitquilt_decoder::dims_error(d);
+    TORCH_CHECK(error.empty(), error);
+    return d;
+  }
+
   int64_t push(Linear lin, const std::optional<at::Tensor>& bias) {
     if (bias.has_value()) lin.bias = fp32_vector(*bias, lin.N, "bias");
     linears_.push_back(std::move(lin));
     return static_cast<int64_t>(linears_.size()) - 1;
   }
 
-  // u [hd] rotated in place by the tables' row pos
-  void rope(float* u, int64_t pos) const {
-    const float* c = cos_.data_ptr<float>() + pos * hd_;
-    const float* s = sin_.data_ptr<float>() + pos * hd_;
-    const int64_t half = hd_ / 2;
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = u[i], b = u[i + half];
-      u[i] = a * c[i] - b * s[i];
-      u[i + half] = b * c[i + half] + a * s[i + half];
-    }
-  }
-
-  // a_ = attention of the token at pos over the cache's rows 0..pos (h_ holds the normed input)
-  void attention(Layer& layer, int64_t pos) {
-    linears_[layer.q].run(h_.data(), q_.data());
-    linears_[layer.k].run(h_.data(), k_.data());
-    linears_[layer.v].run(h_.data(), v_.data());
-    float* keys = layer.keys.data_ptr<float>();
-    float* values = layer.values.data_ptr<float>();
-    for (int64_t g = 0; g < G_; ++g) {
-      float* kg = k_.data() + g * hd_;
-      if (layer.k_norm.defined()) rms_norm(kg, layer.k_norm.data_ptr<float>(), hd_, eps_, kg);
-      rope(kg, pos);
-      std::copy_n(kg, hd_, keys + (g * max_len_ + pos) * hd_);
-      std::copy_n(v_.data() + g * hd_, hd_, values + (g * max_len_ + pos) * hd_);
-    }
-    const int64_t group = H_ / G_, n = pos + 1;
-    for (int64_t h = 0; h < H_; ++h) {
-      float* qh = q_.data() + h * hd_;
-      if (layer.q_norm.defined()) rms_norm(qh, layer.q_norm.data_ptr<float>(), hd_, eps_, qh);
-      rope(qh, pos);
-      const float* kh = keys + h / group * max_len_ * hd_;
-      const float* vh = values + h / group * max_len_ * hd_;
-      float top = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) top = std::max(top, scores_[j] = scaling_ * dot(qh, kh + j * hd_, hd_));
-      const float total = exp_shifted(scores_.data(), n, top);
-      float* ah = a_.data() + h * hd_;
-      std::fill_n(ah, hd_, 0.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = scores_[j] / total;
-        const float* vj = vh + j * hd_;
-        for (int64_t i = 0; i < hd_; ++i) ah[i] += p * vj[i];
-      }
-    }
-  }
-
-  int64_t D_, H_, G_, hd_, F_, max_len_;
-  float eps_, scaling_;
+  bitquilt_decoder::Decoder core_;
   at::Tensor cos_, sin_;
+  std::vector<at::Tensor> keep_;  // the tensors the layers point into
   std::vector<Linear> linears_;
-  std::vector<Layer> layers_;
-  std::vector<float> h_, q_, k_, v_, a_, out_, gate_, up_, scores_;
 };
 
 }  // namespace

@@ -28,10 +28,7 @@
 
 #include "q4_int8.h"
 
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 #include <immintrin.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -39,6 +36,12 @@
 
 #include "avx2_simd.h"
 #include "int8_round.h"
+#include "parallel.h"
+
+#ifdef TORCH_EXTENSION_NAME
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+#endif
 
 namespace bitquilt_q4 {
 
@@ -146,16 +149,48 @@ inline void tile_tokens(const CodesOf& codes, const uint8_t* sz, const float* sc
 
 }  // namespace
 
-Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t K, int64_t group, int64_t bits) {
-  TORCH_CHECK(K % PAIR == 0 && group % PAIR == 0 && group > 0, "columns and group size must be multiples of 64");
-  TORCH_CHECK(bits == 4 || bits == 2, "codes of 4 or 2 bits, not ", bits);
+std::string layout_error(int64_t N, int64_t K, int64_t group, int64_t bits, int64_t w_bytes, int64_t sz_bytes) {
+  if (K % PAIR || group % PAIR || group <= 0) return "columns and group size must be multiples of 64";
+  if (bits != 4 && bits != 2) return "codes of 4 or 2 bits, not " + std::to_string(bits);
   const Weight W{nullptr, nullptr, N, K, group, static_cast<int>(bits)};
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == W.tiles() * W.tile_bytes(),
-              "packed codes do not match the shape");
-  TORCH_CHECK(sz.scalar_type() == at::kByte && sz.is_contiguous() && sz.numel() == W.tiles() * W.groups() * GROUP_BYTES,
-              "scales do not match the shape");
-  return {w.data_ptr<uint8_t>(), sz.data_ptr<uint8_t>(), N, K, group, W.bits};
+  if (w_bytes != W.code_bytes()) return "packed codes do not match the shape";
+  if (sz_bytes != W.scale_bytes()) return "scales do not match the shape";
+  return "";
 }
+
+void row_into(const Weight& W, int64_t r, float* out) {
+  const int64_t tile = r / ROWS, row = r % ROWS, chunk = chunk_bytes(W.bits);
+  for (int64_t s = 0; s < W.panels(); ++s) {
+    const Panel P = W.panel(s);
+    const uint8_t* wt = W.codes(P, tile);
+    const uint8_t* sz = W.scales(P, tile);
+    for (int64_t p = 0; p < P.cols / PAIR; ++p) {
+      const uint8_t* bytes = wt + (p * ROWS + row) * chunk;
+      float* o = out + P.c0 + p * PAIR;
+      for (int64_t j = 0; j < 16; ++j) {  // the chunk's columns j, 16 + j, 32 + j, 48 + j (q4_int8.h's layout)
+        for (int m = 0; m < 4; ++m)
+          o[16 * m + j] = W.bits == 4 ? static_cast<float>((bytes[j + 16 * (m / 2)] >> (4 * (m % 2))) & 15)
+                                      : static_cast<float>((bytes[j] >> (2 * m)) & 3);
+      }
+    }
+    for (int64_t g = 0; g < P.groups; ++g) {
+      float sc[2 * ROWS];
+      decode_group(sz + g * GROUP_BYTES, sc);
+      const int64_t c0 = P.c0 + g * W.group, c1 = std::min(P.c0 + P.cols, c0 + W.group);
+      for (int64_t c = c0; c < c1; ++c) out[c] = sc[row] * out[c] - sc[ROWS + row];
+    }
+  }
+}
+
+#ifdef TORCH_EXTENSION_NAME
+Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t K, int64_t group, int64_t bits) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && sz.scalar_type() == at::kByte &&
+                  sz.is_contiguous(), "packed codes and scales: contiguous uint8");
+  const std::string error = layout_error(N, K, group, bits, w.numel(), sz.numel());
+  TORCH_CHECK(error.empty(), error);
+  return {w.data_ptr<uint8_t>(), sz.data_ptr<uint8_t>(), N, K, group, static_cast<int>(bits)};
+}
+#endif
 
 namespace {
 
@@ -212,28 +247,29 @@ bool g_vnni = has_vnni();  // the widest path by default
 
 bool vnni_enabled() { return g_vnni; }
 
-void set_vnni(bool enabled) {
-  TORCH_CHECK(!enabled || has_vnni(), "the AVX-512 VNNI path of the int8-activation kernel needs a CPU with "
-              "AVX-512 F/BW/VL/DQ and VNNI");
+bool set_vnni(bool enabled) {
+  if (enabled && !has_vnni()) return false;
   g_vnni = enabled;
+  return true;
 }
 
 void matmul_into(const float* x, int64_t T, const Weight& W, float* y) {
   const int64_t K = W.K, G = W.groups(), pairs = K / PAIR, tile_bytes = W.tile_bytes();
   std::vector<int8_t> xi(T * K);
   std::vector<float> d(T * pairs * 8), X(T * G);
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+  bitquilt_par::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       round_token(x + t * K, K, W.group, xi.data() + t * K, d.data() + t * pairs * 8, X.data() + t * G);
   });
   const int64_t grain = std::max<int64_t>(4, (1 << 15) / tile_bytes);  // tiles per task: ~32 KB of codes
   const auto tiles = W.bits == 4 ? (g_vnni ? &tiles_vnni<4> : &tiles_avx2<4>)
                                  : (g_vnni ? &tiles_vnni<2> : &tiles_avx2<2>);
-  at::parallel_for(0, W.tiles(), grain, [&](int64_t i0, int64_t i1) {
+  bitquilt_par::parallel_for(0, W.tiles(), grain, [&](int64_t i0, int64_t i1) {
     tiles(W, i0, i1, T, xi.data(), d.data(), X.data(), y);
   });
 }
 
+#ifdef TORCH_EXTENSION_NAME
 namespace {
 
 at::Tensor q4_int8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t group,
@@ -246,9 +282,11 @@ at::Tensor q4_int8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Te
 }
 
 }  // namespace
+#endif
 
 }  // namespace bitquilt_q4
 
+#ifdef TORCH_EXTENSION_NAME
 // Adds the int8-activation 4-bit matmul to the extension module (called from its PYBIND11_MODULE).
 void register_q4_int8(pybind11::module& m) {
   m.def("q4_int8_matmul", &bitquilt_q4::q4_int8_matmul,
@@ -257,5 +295,9 @@ void register_q4_int8(pybind11::module& m) {
   m.def("q4_int8_panel_columns", &bitquilt_q4::panel_columns, "columns per panel of the layout for this group size");
   m.def("q4_int8_has_vnni", &bitquilt_q4::has_vnni, "whether the CPU runs the AVX-512 VNNI path");
   m.def("q4_int8_vnni_enabled", &bitquilt_q4::vnni_enabled, "whether the kernel takes the AVX-512 VNNI path");
-  m.def("q4_int8_set_vnni", &bitquilt_q4::set_vnni, "take the AVX-512 VNNI path (true) or AVX2 (false)");
+  m.def("q4_int8_set_vnni", [](bool enabled) {
+    TORCH_CHECK(bitquilt_q4::set_vnni(enabled), "the AVX-512 VNNI path of the int8-activation kernel needs a CPU "
+                "with AVX-512 F/BW/VL/DQ and VNNI");
+  }, "take the AVX-512 VNNI path (true) or AVX2 (false)");
 }
+#endif

@@ -3,13 +3,12 @@
 
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "int8_round.h"
@@ -120,10 +119,17 @@ struct Weight {
     return w + (tiles() * p.c0 + i * p.cols) / PAIR * ROWS * chunk_bytes(bits);
   }
   const uint8_t* scales(const Panel& p, int64_t i) const { return sz + (tiles() * p.g0 + i * p.groups) * GROUP_BYTES; }
+  int64_t code_bytes() const { return tiles() * tile_bytes(); }
+  int64_t scale_bytes() const { return tiles() * groups() * GROUP_BYTES; }
 };
 
-// The layout's tensors checked against the shape (TORCH_CHECK otherwise); K and group multiples of 64, bits 4 or 2.
-Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t K, int64_t group, int64_t bits);
+// Why a [N, K] weight of `bits`-bit codes in groups of `group` columns, `w_bytes` of codes and `sz_bytes` of
+// scales, is not a layout the kernel takes; empty if it is (K and group multiples of 64, bits 4 or 2, sizes as
+// Weight::code_bytes and scale_bytes).
+std::string layout_error(int64_t N, int64_t K, int64_t group, int64_t bits, int64_t w_bytes, int64_t sz_bytes);
+
+// Row r of W in fp32 [K]: s * q - s * z per group (an embedding lookup from a tied, quantized LM head).
+void row_into(const Weight& W, int64_t r, float* out);
 
 // y [T, N] = x [T, K] @ W^T with each token's activations rounded to int8 per block of 32 (scale max|x| / 127),
 // rows contiguous; on the AVX-512 VNNI path when `vnni_enabled()`.
@@ -133,7 +139,7 @@ void matmul_into(const float* x, int64_t T, const Weight& W, float* y);
 // when the CPU has it; `set_vnni(false)` forces AVX2).
 bool has_vnni();
 bool vnni_enabled();
-void set_vnni(bool enabled);
+bool set_vnni(bool enabled);  // false (and nothing changed) when asked for VNNI on a CPU without it
 
 // The tile loop both paths share, for T tokens already rounded (xi: codes in chunk order, d: per-chunk block
 // scales, X: group sums), panel by panel: for each tile of the panel its groups are decoded once when T > 1
@@ -184,3 +190,14 @@ void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
                 float* y);
 
 }  // namespace bitquilt_q4
+
+#ifdef TORCH_EXTENSION_NAME
+#include <ATen/core/Tensor.h>
+
+namespace bitquilt_q4 {
+
+// The layout's tensors checked against the shape (TORCH_CHECK otherwise: layout_error, uint8, contiguous).
+Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t K, int64_t group, int64_t bits);
+
+}  // namespace bitquilt_q4
+#endif

@@ -16,7 +16,6 @@
 // This file is compiled for AVX-512 VNNI (pragma below, after every include, so that no inline function of a
 // shared header is built for that target); its one entry point runs only after `has_vnni()`.
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>

@@ -3,9 +3,8 @@
 
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <cstdint>
+#include <string>
 
 namespace bitquilt_u8 {
 
@@ -17,9 +16,11 @@ struct Weight {
   int64_t groups() const { return (K + group - 1) / group; }
 };
 
-// The tensors checked against the shape (TORCH_CHECK otherwise): K and group multiples of 32.
-Weight make_weight(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& scale_zero, int64_t K,
-                   int64_t group);
+// Why K inputs in groups of `group` are not a shape the GEMV takes; empty if they are (multiples of 32).
+std::string shape_error(int64_t K, int64_t group);
+
+// Row r of W in fp32 [K]: s * q - s * z per group (an embedding lookup from a tied, quantized LM head).
+void row_into(const Weight& W, int64_t r, float* out);
 
 // y [T, N] = x [T, K] @ W^T, rows contiguous.
 void gemv_into(const float* x, int64_t T, const Weight& W, float* y);
@@ -28,3 +29,15 @@ void gemv_into(const float* x, int64_t T, const Weight& W, float* y);
 void gemv_int8_into(const float* x, int64_t T, const Weight& W, float* y);
 
 }  // namespace bitquilt_u8
+
+#ifdef TORCH_EXTENSION_NAME
+#include <ATen/core/Tensor.h>
+
+namespace bitquilt_u8 {
+
+// The tensors checked against the shape (TORCH_CHECK otherwise): shape_error, uint8 / fp32, contiguous.
+Weight make_weight(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& scale_zero, int64_t K,
+                   int64_t group);
+
+}  // namespace bitquilt_u8
+#endif

@@ -18,11 +18,7 @@
 // exactly x_hat @ W^T; pair sums |128 * 127 * 2| fit int16. Six integer instructions per 32 weights instead of
 // twelve fp32 ones.
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <immintrin.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -30,7 +26,13 @@
 
 #include "avx2_simd.h"
 #include "int8_round.h"
+#include "parallel.h"
 #include "uniform8.h"
+
+#ifdef TORCH_EXTENSION_NAME
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+#endif
 
 namespace {
 
@@ -114,6 +116,7 @@ using RowsFn = void (*)(const uint8_t*, const float*, const float*, const float*
                         int64_t, int64_t, int64_t, int64_t, float*, int64_t);
 constexpr RowsFn ROWS[MAX_TOKENS] = {rows<1>, rows<2>, rows<3>, rows<4>};
 
+#ifdef TORCH_EXTENSION_NAME
 at::Tensor uniform8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                          const at::Tensor& scale_zero, int64_t group, bool int8) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [T, K]");
@@ -123,22 +126,38 @@ at::Tensor uniform8_gemv(const at::Tensor& x, const at::Tensor& codes, const at:
                                                                  y.data_ptr<float>());
   return y;
 }
+#endif
 
 }  // namespace
 
+std::string bitquilt_u8::shape_error(int64_t K, int64_t group) {
+  return K % 32 == 0 && group % 32 == 0 && group > 0 ? "" : "columns and group size must be multiples of 32";
+}
+
+void bitquilt_u8::row_into(const Weight& W, int64_t r, float* out) {
+  const uint8_t* q = W.q + r * W.K;
+  for (int64_t c = 0; c < W.K; ++c) {
+    const int64_t g = r * W.groups() + c / W.group;
+    out[c] = W.s[g] * static_cast<float>(q[c]) - W.sz[g];
+  }
+}
+
+#ifdef TORCH_EXTENSION_NAME
 bitquilt_u8::Weight bitquilt_u8::make_weight(const at::Tensor& codes, const at::Tensor& scale,
                                              const at::Tensor& scale_zero, int64_t K, int64_t group) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "codes: contiguous uint8 [N, K]");
   const int64_t N = codes.size(0), G = (K + group - 1) / group;
   TORCH_CHECK(codes.size(1) == K, "codes have ", codes.size(1), " columns for ", K, " inputs");
-  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && group > 0, "columns and group size must be multiples of 32");
+  const std::string error = shape_error(K, group);
+  TORCH_CHECK(error.empty(), error);
   for (const auto* t : {&scale, &scale_zero})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
                     t->size(1) == G,
                 "scale, scale * zero: contiguous fp32 [N, groups]");
   return {codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), scale_zero.data_ptr<float>(), N, K, group};
 }
+#endif
 
 void bitquilt_u8::gemv_into(const float* xp, int64_t T, const Weight& W, float* yp) {
   const int64_t K = W.K, G = W.groups(), N = W.N, group = W.group;
@@ -146,7 +165,7 @@ void bitquilt_u8::gemv_into(const float* xp, int64_t T, const Weight& W, float* 
   for (int64_t t = 0; t < T; ++t)
     for (int64_t c = 0; c < K; ++c) xsum[t * G + c / group] += xp[t * K + c];
   const int64_t grain = std::max<int64_t>(16, (1 << 16) / K);  // rows per task: ~64 KB of codes
-  at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
+  bitquilt_par::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t t0 = 0; t0 < T; t0 += MAX_TOKENS) {
       const int64_t n = std::min<int64_t>(MAX_TOKENS, T - t0);
       ROWS[n - 1](W.q, W.s, W.sz, xp + t0 * K, xsum.data() + t0 * G, K, G, group, K, r0, r1, yp + t0 * N, N);
@@ -166,13 +185,14 @@ void bitquilt_u8::gemv_int8_into(const float* xp, int64_t T, const Weight& W, fl
       X[t * G + 32 * b / group] += r.d * r.sum;
     }
   const int64_t grain = std::max<int64_t>(16, (1 << 16) / K);  // rows per task: ~64 KB of codes
-  at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
+  bitquilt_par::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t t = 0; t < T; ++t)
       rows_int8(W.q, W.s, W.sz, codes.data() + t * K, d.data() + t * blocks, X.data() + t * G, K, G, group, r0, r1,
                 yp + t * N);
   });
 }
 
+#ifdef TORCH_EXTENSION_NAME
 // Adds the 8-bit uniform GEMV to the extension module (called from its PYBIND11_MODULE).
 void register_uniform8(pybind11::module& m) {
   namespace py = pybind11;
@@ -181,3 +201,4 @@ void register_uniform8(pybind11::module& m) {
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("scale_zero"), py::arg("group"),
         py::arg("int8") = false);
 }
+#endif

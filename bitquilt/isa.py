@@ -1,8 +1,9 @@
 """Which instruction-set path a compiled kernel takes: the widest the CPU runs, unless `BITQUILT_ISA` or the
 caller names one.
 
-Kernels with an AVX-512 twin (the MXINT GEMV, the 4- and 2-bit × int8 matmul) detect the CPU in C++ and report the
-paths they support, in order, AVX2 first; `choose` picks among them. `BITQUILT_ISA=avx2` forces the baseline
+Kernels with an AVX-512 twin (the MXINT GEMV, the 4- and 2-bit × int8 matmul, in the torch extension and in the
+standalone runtime's library) detect the CPU in C++ and report the paths they support, in order, AVX2 first;
+`choose` picks among them. No torch here: the standalone runtime imports it. `BITQUILT_ISA=avx2` forces the baseline
 everywhere (to compare paths, or to rule one out); a value a kernel does not support warns once and is ignored.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
+INT8_ISAS = ("avx2", "avx512")  # the 4- and 2-bit × int8 kernel's paths; avx512: F, BW, VL, DQ and VNNI
 log = logging.getLogger(__name__)
 _warned: set[tuple[str, str]] = set()
 

@@ -1,0 +1,39 @@
+"""The decode loop every runtime shares, free of any tensor library: prompt, then one token at a time.
+
+`run_decode(step, prompt, max_new_tokens, pick, stop_ids)` calls `step(ids)` (logits of the last of `ids`,
+appended to the sequence's cache) on the prompt, then on each new token, `pick(logits)` choosing it, until
+`max_new_tokens` or a stop id; it times the prompt (prefill) and the steps after it (decode) apart. The torch
+runtimes (`bitquilt.eval.speed.decode`) and the standalone runtime (`bitquilt.standalone.generate`) bring their
+own step and pick.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class DecodeRun:
+    new_ids: list[int]
+    prefill_seconds: float  # prompt forward + first token
+    decode_seconds: float  # the remaining tokens
+
+
+def run_decode(step: Callable[[Sequence[int]], Any], prompt: Sequence[int], max_new_tokens: int,
+               pick: Callable[[Any], int], stop_ids: set[int] | None = None) -> DecodeRun:
+    """Continue `prompt` (module docstring)."""
+    if len(prompt) == 0:
+        raise ValueError("decode needs a non-empty prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    t0 = time.perf_counter()
+    token = pick(step(prompt))
+    t1 = time.perf_counter()
+    new_ids = [token]
+    while len(new_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
+        token = pick(step([token]))
+        new_ids.append(token)
+    return DecodeRun(new_ids, t1 - t0, time.perf_counter() - t1)

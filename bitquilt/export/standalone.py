@@ -1,0 +1,179 @@
+"""Standalone export: a saved model as the kernel layouts themselves, for `bitquilt.standalone` (no torch at run time).
+
+The file is what the runtime's kernels read, so loading it is mapping it: nothing is repacked, and the process
+holds one copy of each weight (the file's pages). `standalone.safetensors` holds, per linear (HF module names):
+
+  kind "q4"     4- or 2-bit uniform grid: `.codes` uint8 and `.scales` uint8, `bitquilt.kernels.q4_int8.Q4Layout`
+                (codes two or four per byte in tiles of 4 rows and panels of columns, fp16 s and uint8 z per group)
+  kind "u8"     8-bit uniform grid: `.codes` uint8 [out, in], `.scale` and `.scale_zero` fp32 [out, groups]
+                (`bitquilt.kernels.uniform8`)
+  kind "dense"  a linear kept in full precision: `.weight` fp32 [out, in]
+  and `.bias` fp32 where the linear has one; the input embedding as one more such matrix [vocab, hidden] read by rows
+  (or, tied, the LM head's own), the norms' weights, and RoPE's inverse frequencies (`rope.inv_freq`, the native
+  runtime's, so scaled RoPE variants need no code of their own at run time). The header's metadata
+  "bitquilt.standalone" is JSON: the dimensions, each linear's kind and shape, what the embedding reads.
+
+Both 4/2- and 8-bit weights run on int8-rounded activations (the native runtime's `--int8-activations` engine), so
+the standalone runtime computes what `bitquilt generate --int8-activations` does, in another fp32 order.
+Exportable: llama, mistral, qwen2 and qwen3 models whose linears are uniform 4- or 2-bit grids (width and groups
+multiples of 64 columns, fp16 scales, no act-order g_idx), uniform 8-bit grids (multiples of 32) or full precision,
+with no online modules; the rest is refused with one line naming the first layer. The tokenizer and generation
+files are copied; the directory is written beside the target and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from bitquilt.cache import atomic_dir
+from bitquilt.errors import UserError
+from bitquilt.export.checks import check_layers
+from bitquilt.formats.base import WeightFormat
+from bitquilt.formats.uniform import UniformFormat, resolve_group_size
+from bitquilt.io import CONFIG_NAME, WEIGHTS_NAME, check_output, is_quantized_dir, load_quantized
+from bitquilt.kernels import q4_int8, uniform8
+from bitquilt.models.native import NativeCausalLM, inverse_frequencies
+from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.standalone.model import FILE, FORMAT_VERSION, METADATA_KEY, PROJECTIONS
+
+EXPORTABLE = ("uniform 4- and 2-bit grids (width and groups multiples of 64 columns, no act-order), uniform 8-bit "
+              "grids (multiples of 32) and linears in full precision")
+
+
+@dataclass
+class StandaloneExport:
+    """What `export_standalone` wrote."""
+
+    output: str
+    format: str
+    kinds: dict[str, int]  # linears (embedding and head included) per kind
+    file_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def refusal(fmt: WeightFormat) -> str | None:
+    """Why the standalone runtime cannot run `fmt`; None if it can."""
+    if not isinstance(fmt, UniformFormat):
+        return f"the standalone runtime runs uniform grids, not {type(fmt).__name__}"
+    if fmt.bits not in (*q4_int8.BITS, 8):
+        return f"{fmt.bits}-bit codes (the standalone runtime runs 4, 2 and 8 bits)"
+    if fmt.g_idx is not None:
+        return "act-order columns (g_idx)"
+    return None
+
+
+def _quantized(tensors: dict[str, torch.Tensor], name: str, fmt: WeightFormat) -> dict[str, Any]:
+    """The kernel layout of `fmt` into `tensors` under `name`; its metadata entry."""
+    why = refusal(fmt)
+    if why is None and fmt.bits == 8:
+        found = uniform8.operands(fmt)
+        if found is not None:
+            codes, groups = found
+            tensors.update({f"{name}.codes": codes.contiguous(), f"{name}.scale": groups.scale,
+                            f"{name}.scale_zero": groups.scale_zero})
+            return {"kind": "u8", "group": groups.group}
+        why = "8-bit columns or groups that are not multiples of 32"
+    elif why is None:
+        layout = q4_int8.layout(fmt)
+        if layout is not None:
+            tensors.update({f"{name}.codes": layout.codes, f"{name}.scales": layout.scales})
+            return {"kind": "q4", "bits": layout.bits, "group": layout.group}
+        group = resolve_group_size(fmt.group_size, fmt.in_features)
+        why = (f"{fmt.in_features} columns in groups of {group} (multiples of 64 needed)"
+               if fmt.in_features % 64 or group % 64 else "scales that are not fp16 values or zeros beyond a byte")
+    raise UserError(f"cannot export {name} ({fmt.describe()}) to the standalone runtime: {why}; exportable: "
+                    f"{EXPORTABLE}")
+
+
+def _linear(tensors: dict[str, torch.Tensor], name: str, module: nn.Module) -> dict[str, Any]:
+    """A linear (QuantLinear or nn.Linear) or embedding table into `tensors`; its metadata entry."""
+    fmt = getattr(module, "fmt", None)
+    if fmt is not None:
+        entry = _quantized(tensors, name, fmt)
+        shape = (fmt.out_features, fmt.in_features)
+    else:
+        weight = module.weight.detach().float().contiguous()
+        tensors[f"{name}.weight"] = weight
+        entry, shape = {"kind": "dense"}, tuple(weight.shape)
+    bias = module._parameters.get("bias") if isinstance(module, QuantLinear | nn.Linear) else None
+    if bias is not None:
+        tensors[f"{name}.bias"] = bias.detach().float().contiguous()
+    return {**entry, "out": shape[0], "in": shape[1], "bias": bias is not None}
+
+
+def _same_table(embedding: nn.Module, head: nn.Module) -> bool:
+    """Whether the embedding reads the head's own weight (tied): the same format or the same tensor."""
+    fmt = getattr(embedding, "fmt", None)
+    if fmt is not None:
+        return fmt is getattr(head, "fmt", None)
+    return isinstance(head, nn.Linear) and embedding.weight is head.weight
+
+
+def standalone_tensors(model: NativeCausalLM) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every tensor of the standalone file and its metadata (module docstring)."""
+    check_layers(model, "the standalone runtime", "which the standalone runtime does not run", refusal, EXPORTABLE,
+                 quantized_embeddings=True)
+    config = model.config
+    tensors: dict[str, torch.Tensor] = {}
+    linears: dict[str, Any] = {}
+    layers = []
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}"
+        for proj in PROJECTIONS:
+            linears[f"{prefix}.{proj}"] = _linear(tensors, f"{prefix}.{proj}", layer.get_submodule(proj))
+        norms = {"input_layernorm": layer.input_layernorm, "post_attention_layernorm": layer.post_attention_layernorm}
+        if hasattr(layer.self_attn, "q_norm"):
+            norms.update({"self_attn.q_norm": layer.self_attn.q_norm, "self_attn.k_norm": layer.self_attn.k_norm})
+        for norm_name, norm in norms.items():
+            tensors[f"{prefix}.{norm_name}.weight"] = norm.weight.detach().float().contiguous()
+        layers.append(sorted(norms))
+    tensors["model.norm.weight"] = model.model.norm.weight.detach().float().contiguous()
+    linears["lm_head"] = _linear(tensors, "lm_head", model.lm_head)
+    embedding = model.model.embed_tokens
+    embed = "lm_head" if _same_table(embedding, model.lm_head) else "model.embed_tokens"
+    if embed != "lm_head":
+        linears[embed] = _linear(tensors, embed, embedding)
+    tensors["rope.inv_freq"] = inverse_frequencies(config).float().contiguous()
+    window = config.sliding_window if config.model_type == "mistral" or config.use_sliding_window else None
+    metadata = {
+        "format_version": FORMAT_VERSION, "model_type": config.model_type, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "vocab_size": config.vocab_size,
+        "attention_scaling": model.model.layers[0].self_attn.scaling,
+        "max_positions": min(config.max_position_embeddings, window or config.max_position_embeddings),
+        "qk_norms": hasattr(model.model.layers[0].self_attn, "q_norm"), "embed": embed, "linears": linears,
+    }
+    return tensors, metadata
+
+
+def export_standalone(directory: str | Path, output: str | Path, overwrite: bool = False) -> StandaloneExport:
+    """Write the model saved in `directory` as a standalone directory at `output` (module docstring)."""
+    directory, output = Path(directory), Path(output)
+    if not is_quantized_dir(directory):
+        raise UserError(f"{directory} is not a directory saved by bitquilt (no {CONFIG_NAME}); quantize a model first")
+    check_output(output, overwrite)
+    model, _ = load_quantized(directory, runtime="native")
+    if not isinstance(model, NativeCausalLM):
+        raise UserError(f"cannot export {directory} to the standalone runtime: its model type is not one the native "
+                        "runtime covers (llama, mistral, qwen2, qwen3)")
+    tensors, metadata = standalone_tensors(model)
+    with atomic_dir(output) as tmp:
+        save_file(tensors, str(tmp / FILE), metadata={METADATA_KEY: json.dumps(metadata)})
+        for f in sorted(directory.iterdir()):
+            if f.is_file() and f.name not in (WEIGHTS_NAME, CONFIG_NAME):
+                shutil.copy2(f, tmp / f.name)
+    kinds: dict[str, int] = {}
+    for entry in metadata["linears"].values():
+        kinds[entry["kind"]] = kinds.get(entry["kind"], 0) + 1
+    return StandaloneExport(str(output), "standalone", kinds, (output / FILE).stat().st_size)

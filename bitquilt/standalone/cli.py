@@ -1,0 +1,63 @@
+"""`bitquilt-run`: generate text with a standalone export, without torch.
+
+    bitquilt-run OUT_DIR --prompt "The capital of France is" --max-new-tokens 32 --threads 2
+
+prints the prompt and its continuation, then (stderr) the prompt and new token counts, prefill and decode tokens/s,
+the seconds from start to loaded, and the process's peak resident memory. Errors are one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+from bitquilt.errors import USER_ERRORS
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bitquilt-run", description="generate text with a standalone export "
+                                "(`bitquilt export SAVED -o OUT --to standalone`), without torch")
+    p.add_argument("model", help="directory written by `bitquilt export --to standalone`")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above: sampled")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads (default: every core)")
+    p.add_argument("--isa", choices=("avx2", "avx512"), help="kernel path (default: $BITQUILT_ISA, else the widest)")
+    p.add_argument("--json", action="store_true", help="print the completion and figures as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    start = time.perf_counter()
+    args = parser().parse_args(argv)
+    try:
+        from bitquilt.standalone.generate import generate
+        from bitquilt.standalone.model import StandaloneModel, set_isa, set_threads
+
+        set_threads(args.threads)
+        model = StandaloneModel(args.model)
+        if args.isa:
+            set_isa(args.isa)
+        loaded = time.perf_counter() - start
+        result = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.ignore_eos)
+    except USER_ERRORS as e:
+        print(f"bitquilt-run: error: {e}", file=sys.stderr)
+        return 2
+    stats = {**result.stats(), "load_seconds": loaded,
+             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "completion": result.text, **stats}, indent=2))
+    else:
+        print(args.prompt + result.text)
+        print(", ".join(f"{k}={v:.4g}" for k, v in stats.items() if v is not None), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Text from a standalone model: the shared decode loop (`bitquilt.decoding`) with numpy sampling.
+
+Greedy at temperature 0, else one draw from softmax(logits / temperature) with numpy's generator seeded by `seed`
+(reproducible here, not the same draws as the torch runtimes' generator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from bitquilt.decoding import DecodeRun, run_decode
+from bitquilt.errors import UserError
+from bitquilt.standalone.model import StandaloneModel
+
+
+@dataclass
+class Generation:
+    text: str
+    prompt_tokens: int
+    run: DecodeRun
+
+    def stats(self) -> dict[str, float | int | None]:
+        n = len(self.run.new_ids)
+        return {"prompt_tokens": self.prompt_tokens, "new_tokens": n,
+                "prefill_tokens_per_s": self.prompt_tokens / self.run.prefill_seconds,
+                "decode_tokens_per_s": (n - 1) / self.run.decode_seconds if n > 1 else None}
+
+
+def picker(temperature: float, seed: int):
+    """logits -> token: argmax at temperature 0, else a draw from softmax(logits / temperature)."""
+    if temperature <= 0:
+        return lambda logits: int(np.argmax(logits))
+    rng = np.random.default_rng(seed)
+
+    def pick(logits: np.ndarray) -> int:
+        z = logits.astype(np.float64) / temperature
+        p = np.exp(z - z.max())
+        return int(rng.choice(len(p), p=p / p.sum()))
+
+    return pick
+
+
+def generate_ids(model: StandaloneModel, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0, stop_ids: set[int] | None = None) -> DecodeRun:
+    """New token ids after `prompt` (and the prefill and decode seconds), from an empty sequence."""
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if not prompt:
+        raise UserError("the prompt has no tokens; give the text to continue")
+    model.begin(len(prompt) + max_new_tokens)
+    return run_decode(model.forward, prompt, max_new_tokens, picker(temperature, seed), stop_ids)
+
+
+def generate(model: StandaloneModel, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
+             ignore_eos: bool = False) -> Generation:
+    """Continue `prompt` (text), stopping at the tokenizer's end-of-sequence token unless `ignore_eos`."""
+    if not prompt:
+        raise UserError("--prompt is empty; give the text to continue")
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise UserError(f"{model.directory} has no tokenizer files; cannot generate text")
+    ids = tokenizer.encode(prompt)
+    eos = tokenizer.eos_token_id
+    run = generate_ids(model, ids, max_new_tokens, temperature, seed, None if ignore_eos or eos is None else {eos})
+    return Generation(tokenizer.decode(run.new_ids, skip_special_tokens=True), len(ids), run)

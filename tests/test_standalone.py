@@ -1,0 +1,148 @@
+"""The standalone runtime (bitquilt.standalone) and its export (bitquilt.export.standalone): the torch runtime's
+fused int8 layers, bit for bit, from a mapped file, in a process that never imports torch."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny
+
+from bitquilt import kernels
+from bitquilt.api import export, quantize, save
+from bitquilt.errors import UserError
+from bitquilt.io import load_quantized
+from bitquilt.models.lean_decode import LeanDecoder
+from bitquilt.recipes import Recipe
+from bitquilt.standalone.file import MappedTensors
+from bitquilt.standalone.generate import generate, generate_ids
+from bitquilt.standalone.model import FILE, StandaloneModel, rope_tables
+
+
+def _saved(tmp_path, model_type: str, recipe: Recipe):
+    model = make_tiny(model_type)
+    ids = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(2))
+    quantize(model, recipe, ids)
+    save(model, tmp_path / "saved")
+    return tmp_path / "saved"
+
+
+def _reference(saved, monkeypatch, inv_freq: np.ndarray, max_len: int) -> LeanDecoder:
+    """The native runtime's fused int8 decoder for `saved`, its RoPE tables the standalone runtime's."""
+    model, _ = load_quantized(saved, runtime="native")
+    cos, sin = (torch.from_numpy(t)[None] for t in rope_tables(inv_freq, max_len))
+    monkeypatch.setattr(model.model.rotary_emb, "forward", lambda x, positions: (cos, sin))
+    monkeypatch.setattr(kernels, "_int8_activations", True)
+    decoder = LeanDecoder(model, max_len)
+    assert decoder.fused is not None, decoder.fused_reason
+    return decoder
+
+
+@pytest.mark.parametrize("model_type, recipe, kinds", [
+    ("llama", Recipe("rtn", w_bits=4, group_size=64, head_bits=8), {"q4", "u8"}),
+    ("qwen2", Recipe("rtn", w_bits=4, group_size=64), {"q4", "dense"}),
+    ("qwen3", Recipe("rtn", w_bits=2, group_size=64, head_bits=4), {"q4"}),
+], ids=["llama-w4-head8", "qwen2-w4-biases", "qwen3-w2-head4-qknorms"])
+def test_standalone_runs_the_fused_int8_runtimes_layers_bit_for_bit(tmp_path, monkeypatch, model_type, recipe, kinds):
+    saved = _saved(tmp_path, model_type, recipe)
+    summary = export(saved, tmp_path / "out", to="standalone")
+    assert set(summary.kinds) == kinds and summary.file_bytes == (tmp_path / "out" / FILE).stat().st_size
+    model = StandaloneModel(tmp_path / "out")
+    ids = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    reference = _reference(saved, monkeypatch, model.tensors["rope.inv_freq"], 16)
+    model.begin(16)
+    for token in ids:  # one token at a time: the same kernels and layer math in the same order, so the same caches
+        expected = reference.forward(torch.tensor([[token]])).numpy()
+        got = model.forward([token])  # the final norm runs in another order: the head's input differs by ulps
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+    for (keys, values), ref_keys, ref_values in zip(model.caches, reference.keys, reference.values, strict=True):
+        assert np.array_equal(keys, ref_keys[0].numpy()) and np.array_equal(values, ref_values[0].numpy())
+    model.begin(16)  # the prompt in one batched pass: the same logits (exactly so but for the 2-bit single-token
+    np.testing.assert_allclose(model.forward(ids), got, rtol=1e-4, atol=1e-5 * np.abs(got).max())  # VNNI order)
+    greedy = generate_ids(model, ids[:4], 6)
+    reference.reset()
+    tokens = [int(reference.forward(torch.tensor([ids[:4]])).argmax())]
+    while len(tokens) < 6:
+        tokens.append(int(reference.forward(torch.tensor([[tokens[-1]]])).argmax()))
+    assert greedy.new_ids == tokens
+
+
+def test_standalone_export_refuses_what_the_runtime_cannot_run(tmp_path):
+    saved = _saved(tmp_path, "llama", Recipe("rtn", w_bits=3, group_size=64))
+    with pytest.raises(UserError, match=r"cannot export model\.layers\.0\.self_attn\.q_proj .*3-bit codes"):
+        export(saved, tmp_path / "out", to="standalone")
+    saved = _saved(tmp_path / "g32", "llama", Recipe("rtn", w_bits=4, group_size=32))
+    with pytest.raises(UserError, match="groups of 32 .multiples of 64 needed"):
+        export(saved, tmp_path / "out", to="standalone")
+    with pytest.raises(UserError, match="applies to GGUF exports"):
+        export(saved, tmp_path / "out", to="standalone", tokenizer_from="x.gguf")
+    with pytest.raises(UserError, match="not a directory saved by bitquilt"):
+        export(tmp_path, tmp_path / "out", to="standalone")
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_standalone_bad_input(tmp_path):
+    saved = _saved(tmp_path, "llama", Recipe("rtn", w_bits=4, group_size=64))
+    export(saved, tmp_path / "out", to="standalone")
+    with pytest.raises(UserError, match="is not a standalone export"):
+        StandaloneModel(saved)
+    model = StandaloneModel(tmp_path / "out")
+    with pytest.raises(UserError, match="call begin"):
+        model.forward([1])
+    with pytest.raises(UserError, match="does not fit the model's 512"):
+        model.begin(513)
+    model.begin(4)
+    with pytest.raises(UserError, match="token id 320 outside the vocabulary of 320"):
+        model.forward([320])
+    with pytest.raises(UserError, match="outside the cache's 4"):
+        model.forward([1, 2, 3, 4, 5])
+    with pytest.raises(UserError, match="no tokenizer files"):
+        generate(model, "hi")
+    data = (tmp_path / "out" / FILE).read_bytes()
+    (tmp_path / "out" / FILE).write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(UserError, match="truncated or corrupt"):
+        StandaloneModel(tmp_path / "out").begin(4)
+    (tmp_path / "out" / FILE).write_bytes(b"not a safetensors file")
+    with pytest.raises(UserError, match="not a readable safetensors file"):
+        MappedTensors(tmp_path / "out" / FILE)
+
+
+RUN = """
+import json, sys
+from bitquilt.standalone.cli import main
+code = main([sys.argv[1], "--prompt", "The capital of France is", "--max-new-tokens", "8", "--threads", "1", "--json"])
+print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
+"""
+
+
+@pytest.fixture(scope="module")
+def exported_smollm(tmp_path_factory):
+    """smollm2-135m, RTN W4 g128 with an 8-bit head (tied: the embedding reads the head's rows), exported."""
+    from bitquilt.cli import main
+
+    root = tmp_path_factory.mktemp("standalone")
+    assert main(["quantize", "smollm2-135m", "--method", "rtn", "--head-bits", "8", "--stream", "-o",
+                 str(root / "saved")]) == 0
+    assert main(["export", str(root / "saved"), "-o", str(root / "out"), "--to", "standalone", "--json"]) == 0
+    return root
+
+
+def test_bitquilt_run_generates_text_without_importing_torch(exported_smollm, capsys):
+    from bitquilt.cli import main
+
+    done = subprocess.run([sys.executable, "-c", RUN, str(exported_smollm / "out")], capture_output=True, text=True,
+                          check=True)
+    lines = done.stdout.strip().splitlines()
+    result, status = json.loads("\n".join(lines[:-1])), json.loads(lines[-1])
+    assert status == {"code": 0, "torch": False}
+    assert "Paris" in result["completion"] and result["new_tokens"] == 8 and result["peak_rss_mb"] > 0
+    assert result["decode_tokens_per_s"] > 0 and result["prefill_tokens_per_s"] > 0
+    done = subprocess.run([sys.executable, "-m", "bitquilt.standalone.cli", str(exported_smollm / "saved"),
+                           "--prompt", "hi"], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "is not a standalone export" in done.stderr
+    capsys.readouterr()
+    assert main(["export", str(exported_smollm / "saved"), "-o", str(exported_smollm / "out"), "--to",
+                 "standalone"]) == 2
+    assert "already exists" in capsys.readouterr().err
