@@ -12,6 +12,9 @@ smollm2-135m, Q4_K_M for qwen2.5-1.5b), `q4_0` a Q4_0 GGUF of the same fp32 weig
 symmetric, saved, `bitquilt.api.export(..., to="gguf")`, which copies that grid into Q4_0 blocks exactly; it
 writes embeddings and LM head as F32, like the bitquilt rows). xllamacpp has no llama-quantize.
 
+Rows with the decode engine `standalone` run the variant's standalone export (`bitquilt export --to standalone`,
+written once beside the saved model) with the torch-free runtime, in `bench/standalone_worker.py`.
+
 Every measurement is a fresh worker process of its engine (this script, or `bench/llamacpp.py` in .venv-llamacpp):
 load the model (bitquilt: `bitquilt.api.load` of the saved model in the runtime `bitquilt generate` takes, its own
 module tree without transformers where it covers the model; llama.cpp: the GGUF), an untimed 8-token warm-up
@@ -104,19 +107,13 @@ def to_bitplane(model: nn.Module) -> None:
 @torch.no_grad()
 def generate(model: nn.Module, prompt: list[int], new_tokens: int, engine: str) -> dict[str, float]:
     """The forward passes of `bitquilt.eval.speed.decode` with `engine` (greedy prefill in one pass, then
-    `new_tokens` − 1 single-token steps with the KV cache), timed on the wall clock and on this process's CPU time."""
-    w0, c0 = time.perf_counter(), llamacpp.cpu_seconds()
-    step = stepper(model, len(prompt) + new_tokens, engine)
-    token = int(step(torch.tensor([prompt])).argmax())
-    w1, c1 = time.perf_counter(), llamacpp.cpu_seconds()
-    for _ in range(new_tokens - 1):
-        token = int(step(torch.tensor([[token]])).argmax())
-    w2, c2 = time.perf_counter(), llamacpp.cpu_seconds()
-    n, steps = len(prompt), new_tokens - 1
-    return {"prefill_tokens_per_s": n / (w1 - w0), "prefill_cpu_tokens_per_s": n / (c1 - c0),
-            "decode_tokens_per_s": steps / (w2 - w1), "decode_cpu_tokens_per_s": steps / (c2 - c1),
-            "prefill_wall_s": w1 - w0, "prefill_cpu_s": c1 - c0, "decode_wall_s": w2 - w1, "decode_cpu_s": c2 - c1,
-            "decode_steps": steps}
+    `new_tokens` − 1 single-token steps with the KV cache), timed by `llamacpp.timed_decode`."""
+
+    def start(max_len: int):
+        step = stepper(model, max_len, engine)
+        return lambda ids: int(step(torch.tensor([ids])).argmax())
+
+    return llamacpp.timed_decode(start, prompt, new_tokens)
 
 
 def bitquilt_worker(source: str, prompt: list[int], new_tokens: int, threads: int, vocab_size: int,
@@ -156,7 +153,13 @@ def save_worker(model: str, variant: str, saved: str, gguf: str | None = None) -
     return result
 
 
-WORKERS = {"bitquilt": bitquilt_worker, "save": save_worker}
+def export_worker(saved: str, output: str) -> dict[str, Any]:
+    """The standalone export of the saved model `saved` at `output` (for the *[standalone]* rows)."""
+    return export(saved, output, to="standalone", overwrite=True).to_dict()
+
+
+WORKERS = {"bitquilt": bitquilt_worker, "save": save_worker, "export": export_worker}
+STANDALONE = "standalone"  # the decode engine of rows run by bench/standalone_worker.py
 
 
 # ---------------------------------------------------------------- the bench
@@ -218,7 +221,10 @@ def render(records: list[dict]) -> str:
              "`bitquilt.eval.speed.decode`'s default engine (*auto*: *fused*, every decoder layer of a one-token step "
              "in one compiled call, for weight-only models of a supported family; else *lean*, the static KV cache and "
              "the model's own modules; a row named *[engine]* runs that engine, *+int8* with int8 activations for "
-             "the 4- and 2-bit linears, `--int8-activations`; the others exact). llama.cpp "
+             "the 4- and 2-bit linears, `--int8-activations`; the others exact; *[standalone]*: the variant "
+             "exported with `bitquilt export --to standalone` and run by the torch-free runtime, `bitquilt-run` (int8 "
+             "activations, the fused layers' arithmetic; its worker imports no torch; weights MB: the export's "
+             "file, whose layouts are the kernels' own)). llama.cpp "
              "(xllamacpp CPU wheel, default settings): *original* the packaged model's own GGUF; *q4_0* bitquilt's "
              "GGUF export of the *uniform w4 g32 sym* row (the same weights bit for bit, F32 embeddings and LM head). "
              "bits/weight as `model_summary` counts it: the linears, plus embeddings and LM head when quantized. "
@@ -303,8 +309,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch and llama.cpp threads")
     p.add_argument("--decode-engines", default="auto",
                    help=f"bitquilt's decode loops, comma-separated ({', '.join(ENGINES)}), each optionally with "
-                        "'+int8' (int8 activations for 4- and 2-bit linears, `--int8-activations`); several: each "
-                        "bitquilt row once per engine, named 'variant [engine]'")
+                        "'+int8' (int8 activations for 4- and 2-bit linears, `--int8-activations`), or standalone "
+                        "(the variant's standalone export run without torch by bench/standalone_worker.py); several: "
+                        "each bitquilt row once per engine, named 'variant [engine]'")
     p.add_argument("--results", default=str(RESULTS), help="folder for e2e.json and e2e.md")
     p.add_argument("--workdir", default=str(llamacpp.ROOT / "out" / "e2e"),
                    help="the saved quantized models (deleted once measured, unless --keep-saved) and the q4_0 GGUF")
@@ -314,7 +321,7 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v]
     ggufs = [g for g in args.ggufs.split(",") if g]
     unknown = [v for v in variants if v not in VARIANTS] + [g for g in ggufs if g not in GGUFS] + \
-        [e for e in args.decode_engines.split(",") if e.removesuffix("+int8") not in ENGINES]
+        [e for e in args.decode_engines.split(",") if e.removesuffix("+int8") not in (*ENGINES, STANDALONE)]
     if unknown:
         raise UserError(f"unknown rows or engines {unknown}; bitquilt: {', '.join(VARIANTS)}; llama.cpp: "
                         f"{', '.join(GGUFS)}; decode engines: {', '.join(ENGINES)}")
@@ -336,6 +343,7 @@ def main() -> None:
             if not args.keep_saved:
                 for row in builds:
                     shutil.rmtree(sources[row], ignore_errors=True)
+                    shutil.rmtree(f"{sources[row]}-standalone", ignore_errors=True)
         write_atomic(results / "e2e.json", json.dumps({"records": records}, indent=1))
         write_atomic(results / "e2e.md", render(records))
     print(f"wrote {results / 'e2e.md'}", file=sys.stderr)
@@ -355,9 +363,16 @@ def measure(name: str, variants: list[str], ggufs: list[str], sources: dict[str,
     engines = args.decode_engines.split(",")
     rows = {v if engines == ["auto"] else f"{v} [{e}]": (v, e) for v in variants for e in engines}
     start = loadavg()
+    exports = {v: f"{sources[v]}-standalone" for v, e in rows.values() if e == STANDALONE}
+    for variant, out in exports.items():
+        worker("export", {"saved": sources[variant], "output": out}, f"exporting {variant} of {name}")
     for repeat in range(args.repeats):
         for engine, row in interleave(list(rows), ggufs, repeat):
-            if engine == "bitquilt":
+            if engine == "bitquilt" and rows[row][1] == STANDALONE:
+                s = llamacpp.run_json_worker([sys.executable, str(Path(__file__).with_name("standalone_worker.py")),
+                                              json.dumps({"export": exports[rows[row][0]], **spec})],
+                                             f"bitquilt {row} on {name}")
+            elif engine == "bitquilt":
                 variant, decode_engine = rows[row]
                 s = worker("bitquilt", {"source": sources[variant], "engine": decode_engine, **spec},
                            f"bitquilt {row} on {name}")
@@ -379,7 +394,8 @@ def measure(name: str, variants: list[str], ggufs: list[str], sources: dict[str,
             v = VARIANTS[variant]
             about = {"format": v.format, "bits": v.bits, "group": v.group, "sym": v.sym, "head_bits": v.head_bits,
                      **{k: rs[0][k] for k in ("weights_mb", "kernel_layout_mb", "bits_per_weight")},
-                     "source": sources[variant], "build_s": builds.get(variant), "decode_engine": decode_engine}
+                     "source": exports.get(variant, sources[variant]) if decode_engine == STANDALONE
+                     else sources[variant], "build_s": builds.get(variant), "decode_engine": decode_engine}
         else:
             about = {k: x for k, x in info[row].items() if k != "vocab_size"}
         records.append({"model": name, "engine": engine, "variant": row, **about, **summarize(rs),

@@ -19,6 +19,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,25 @@ def peak_rss_mb() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def timed_decode(start: Callable[[int], Callable[[list[int]], int]], prompt: list[int], new_tokens: int
+                 ) -> dict[str, float]:
+    """A bitquilt runtime's greedy prefill of `prompt` in one pass and `new_tokens` − 1 single-token steps, timed on
+    the wall clock and on this process's CPU time: `start(max_len)` readies a sequence (inside the prefill's time)
+    and returns `step(ids) -> the next token`."""
+    w0, c0 = time.perf_counter(), cpu_seconds()
+    step = start(len(prompt) + new_tokens)
+    token = step(prompt)
+    w1, c1 = time.perf_counter(), cpu_seconds()
+    for _ in range(new_tokens - 1):
+        token = step([token])
+    w2, c2 = time.perf_counter(), cpu_seconds()
+    n, steps = len(prompt), new_tokens - 1
+    return {"prefill_tokens_per_s": n / (w1 - w0), "prefill_cpu_tokens_per_s": n / (c1 - c0),
+            "decode_tokens_per_s": steps / (w2 - w1), "decode_cpu_tokens_per_s": steps / (c2 - c1),
+            "prefill_wall_s": w1 - w0, "prefill_cpu_s": c1 - c0, "decode_wall_s": w2 - w1, "decode_cpu_s": c2 - c1,
+            "decode_steps": steps}
 
 
 def warmup_prompt(prompt: list[int], vocab_size: int) -> list[int]:

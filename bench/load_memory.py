@@ -1,17 +1,21 @@
 """Memory of a saved quantized model at run time: what loading and running it adds to the process.
 
-    python bench/load_memory.py --models smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b --runtimes transformers,native
+    python bench/load_memory.py --models smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b \
+        --runtimes transformers,native,standalone
 
 For each model and variant (RTN weights, quantized once with `bitquilt quantize --stream` into --workdir), a child
 process with one thread: imports what the runtime needs and loads the tokenizer (the *base*: torch, transformers
 with the model's modeling code and AutoTokenizer for the transformers runtime; torch, bitquilt and the
-`tokenizers` library alone for the native one, `bitquilt.models.native`), then `bitquilt.load`s the saved
-directory with that runtime (RSS *after load*), then runs what `bench/e2e.py` times: a 128-token prefill and 31
-decode steps with the default engine (optionally with int8 activations). Reported: the file's size, the base, the
-peak above the base (the model's own memory), the whole process's peak, the kernel layouts' bytes and what of the
-mapped file is still resident at the end (`bitquilt.mapped`: a linear's pages are given back once its kernel layout
-is built), and the time from the start of the load to the end of the decode steps (*ready + run s*).
-Results: bench/results/load_memory.{json,md}.
+`tokenizers` library alone for the native one, `bitquilt.models.native`; numpy, the `tokenizers` library and the
+C library for the standalone one, no torch), then loads the model with that runtime (`bitquilt.load` of the saved
+directory; for the standalone runtime, `StandaloneModel` of its export, `bitquilt export --to standalone`, written
+once beside the saved directory) (RSS *after load*), then runs what `bench/e2e.py` times: a 128-token prefill and
+31 decode steps with the default engine (optionally with int8 activations; the standalone runtime runs int8
+activations only). Reported: the file's size (the saved model's, or the standalone export's for that runtime), the
+base, the peak above the base (the model's own memory), the whole process's peak, the kernel layouts' bytes (the
+standalone runtime's are the file) and what of the mapped file is still resident at the end (`bitquilt.mapped`: a
+linear's pages are given back once its kernel layout is built), and the time from the start of the load to the end
+of the decode steps (*ready + run s*). Results: bench/results/load_memory.{json,md}.
 """
 
 from __future__ import annotations
@@ -24,9 +28,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import torch
-from common import RESULTS, append_record, command_line, loadavg, machine, provenance, run, write_atomic
 
 VARIANTS = {  # name: bitquilt quantize arguments
     "w4 g128": ["--w-bits", "4", "--group-size", "128"],
@@ -59,12 +60,15 @@ def _base(directory: Path, runtime: str) -> None:
 
 def child(saved: str, engine: str, runtime: str) -> dict:
     """The measurement, in this (fresh) process."""
+    if runtime == "standalone":
+        return standalone_child(Path(saved))
+    import torch
+
     from bitquilt import kernels
     from bitquilt.eval.speed import stepper
     from bitquilt.io import WEIGHTS_NAME, load
-    from bitquilt.mapped import resident_bytes
     from bitquilt.nn.quant_linear import QuantLinear
-    from bitquilt.resources import peak_rss_mb
+    from bitquilt.resources import peak_rss_mb, resident_bytes
 
     torch.set_num_threads(1)
     directory = Path(saved)
@@ -85,6 +89,38 @@ def child(saved: str, engine: str, runtime: str) -> dict:
     mapped = resident_bytes(directory / WEIGHTS_NAME) / 2**20
     return {"base_mb": base, "after_load_mb": after_load, "peak_mb": peak_rss_mb(), "load_s": load_s,
             "run_s": run_s, "layout_mb": layouts / 2**20, "mapped_resident_mb": mapped}
+
+
+def standalone_child(exported: Path) -> dict:
+    """`child` for the standalone runtime: the same steps without torch."""
+    import numpy as np
+
+    from bitquilt.models.tokenizer import FastTokenizer
+    from bitquilt.resources import peak_rss_mb, resident_bytes
+    from bitquilt.standalone.model import FILE, StandaloneModel, set_threads
+
+    set_threads(1)  # builds and loads the library
+    FastTokenizer(exported)
+    base = rss_mb()
+    t0 = time.perf_counter()
+    model = StandaloneModel(exported)
+    load_s, after_load = time.perf_counter() - t0, rss_mb()
+    model.begin(160)
+    token = int(model.forward(np.random.default_rng(0).integers(0, model.vocab_size, 128)).argmax())
+    for _ in range(31):
+        token = int(model.forward([token]).argmax())
+    run_s = time.perf_counter() - t0
+    assert "torch" not in sys.modules, "the standalone runtime imported torch"
+    return {"base_mb": base, "after_load_mb": after_load, "peak_mb": peak_rss_mb(), "load_s": load_s,
+            "run_s": run_s, "layout_mb": 0.0, "mapped_resident_mb": resident_bytes(exported / FILE) / 2**20}
+
+
+def export_standalone(saved: Path) -> Path:
+    out = saved.with_name(saved.name + "-standalone")
+    if not (out / "standalone.safetensors").exists():
+        subprocess.run([sys.executable, "-m", "bitquilt.cli", "export", str(saved), "-o", str(out), "--to",
+                        "standalone", "--overwrite"], check=True, capture_output=True)
+    return out
 
 
 def quantize(model: str, variant: str, out: Path) -> None:
@@ -120,21 +156,23 @@ def render(records: list[dict]) -> str:
                      f"{r['after_load_mb']:.0f} | {r['peak_mb']:.0f} | {above:.0f} | {above / r['file_mb']:.2f} | "
                      f"{r['peak_mb'] / r['file_mb']:.2f} | {r['layout_mb']:.0f} | {r['mapped_resident_mb']:.0f} | "
                      f"{r['load_s']:.1f} | {run_s} | {r['loadavg']} |")
+    from common import provenance
+
     return "\n".join(lines + provenance(records))
 
 
 def main() -> None:
+    import torch
+    from common import RESULTS, append_record, command_line, loadavg, machine, write_atomic
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b")
     p.add_argument("--variants", default="w4 g128,w4 g128 head8,w4 g128 head4")
     p.add_argument("--engines", default="auto,auto+int8")
-    p.add_argument("--runtimes", default="transformers,native", help="transformers, native (bitquilt.load's runtime)")
+    p.add_argument("--runtimes", default="transformers,native,standalone",
+                   help="transformers, native (bitquilt.load's runtimes), standalone (bitquilt.standalone)")
     p.add_argument("--workdir", default="/tmp/bitquilt-load-memory")
-    p.add_argument("--child", nargs=3, metavar=("SAVED", "ENGINE", "RUNTIME"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child:
-        print(json.dumps(child(*args.child)))
-        return
     torch.set_num_threads(1)  # as the children (the machine record states it)
     command = command_line()
     for model in args.models.split(","):
@@ -142,12 +180,16 @@ def main() -> None:
             saved = Path(args.workdir) / model / variant.replace(" ", "-")
             quantize(model, variant, saved)
             for runtime, engine in itertools.product(args.runtimes.split(","), args.engines.split(",")):
-                out = subprocess.run([sys.executable, __file__, "--child", str(saved), engine, runtime], check=True,
+                if runtime == "standalone" and not engine.endswith("+int8"):
+                    continue  # int8 activations only
+                target, weights = (export_standalone(saved), "standalone.safetensors") if runtime == "standalone" \
+                    else (saved, "model.safetensors")
+                out = subprocess.run([sys.executable, __file__, "--child", str(target), engine, runtime], check=True,
                                      capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
                 result = json.loads(out.stdout.strip().splitlines()[-1])
                 settings = {} if runtime == "transformers" else {"runtime": runtime}
                 record = {"model": model, "variant": variant, "engine": engine, "settings": settings,
-                          "file_mb": (saved / "model.safetensors").stat().st_size / 2**20, **result,
+                          "file_mb": (target / weights).stat().st_size / 2**20, **result,
                           "loadavg": loadavg(), "machine": machine(), "command": command}
                 print(f"{model} {variant} [{runtime} {engine}]: peak {result['peak_mb']:.0f} MB, "
                       f"base {result['base_mb']:.0f}, file {record['file_mb']:.0f}", flush=True)
@@ -155,4 +197,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run(main)
+    if sys.argv[1:2] == ["--child"]:  # a measurement: imports only what its runtime needs (no torch for standalone)
+        print(json.dumps(child(*sys.argv[2:5])))
+    else:
+        from common import run
+
+        run(main)

@@ -110,19 +110,3 @@ def release_chunk(index: int, tensors: Iterable[torch.Tensor]) -> None:
     release(tensors)
     if index % TRIM_EVERY == TRIM_EVERY - 1:
         return_free_memory()
-
-
-def resident_bytes(path: Path) -> int:
-    """Resident bytes of this process's mappings of the file `path` (Linux /proc/self/smaps; 0 elsewhere): what of
-    a mapped model is still in memory."""
-    smaps = Path("/proc/self/smaps")
-    if not smaps.exists():
-        return 0
-    total, inside, name = 0, False, str(Path(path).resolve())
-    for line in smaps.read_text().splitlines():
-        head = line.split()
-        if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's header line
-            inside = head[-1] == name
-        elif inside and head[0] == "Rss:":
-            total += int(head[1]) * 1024
-    return total

@@ -28,7 +28,7 @@ FLOORS = [
 RUNTIME = {"formats", "kernels", "nn", "io", "models", "standalone"}
 # What the standalone runtime may import: modules that import no torch (tests/test_standalone.py runs it to check)
 TORCH_FREE = {"bitquilt.errors", "bitquilt.cache", "bitquilt.heap", "bitquilt.isa", "bitquilt.decoding",
-              "bitquilt.models.tokenizer"}
+              "bitquilt.resources", "bitquilt.models.tokenizer"}
 ALGORITHMS = {"calib", "solvers", "transforms", "policies", "recipes", "pipeline"}
 
 

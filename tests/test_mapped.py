@@ -11,6 +11,7 @@ from bitquilt.api import quantize
 from bitquilt.io import WEIGHTS_NAME
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import Recipe
+from bitquilt.resources import resident_bytes
 from tests.conftest import reload_bit_exact
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/smaps")
@@ -31,10 +32,10 @@ def test_release_drops_the_pages_and_keeps_the_data(mapped_bytes):
     mm = mapped.map_file(path)
     view = mapped.tensor_view(mm, 8, data.numel() - 8, torch.uint8, (data.numel() - 8,))
     assert torch.equal(view, data[8:])  # touches every page
-    assert mapped.resident_bytes(path) >= data.numel() - mapped.mmap.PAGESIZE
+    assert resident_bytes(path) >= data.numel() - mapped.mmap.PAGESIZE
     released = mapped.release([view])
     assert released == data.numel() - mapped.mmap.PAGESIZE  # whole pages inside the view only: not the first
-    assert mapped.resident_bytes(path) <= mapped.mmap.PAGESIZE
+    assert resident_bytes(path) <= mapped.mmap.PAGESIZE
     assert torch.equal(view, data[8:])  # read back from the file
 
 
@@ -45,13 +46,13 @@ def test_releasing_some_rows_keeps_the_others(mapped_bytes, monkeypatch):
     rows = mapped.tensor_view(mm, 0, data.numel(), torch.uint8, (64, mapped.mmap.PAGESIZE))
     assert torch.equal(rows, data.view(64, -1))
     assert mapped.release([rows[:16]]) == 16 * mapped.mmap.PAGESIZE  # a contiguous view: its own pages only
-    assert mapped.resident_bytes(path) >= 48 * mapped.mmap.PAGESIZE
+    assert resident_bytes(path) >= 48 * mapped.mmap.PAGESIZE
     trims = []
     monkeypatch.setattr(mapped, "return_free_memory", lambda: trims.append(1))
     for i in range(2 * mapped.TRIM_EVERY):  # a layout built chunk by chunk: pages each chunk, the heap every few
         mapped.release_chunk(i, [rows[16 + i:17 + i]])
     assert len(trims) == 2
-    assert mapped.resident_bytes(path) <= (48 - 2 * mapped.TRIM_EVERY) * mapped.mmap.PAGESIZE
+    assert resident_bytes(path) <= (48 - 2 * mapped.TRIM_EVERY) * mapped.mmap.PAGESIZE
     assert torch.equal(rows, data.view(64, -1))
 
 
@@ -89,7 +90,7 @@ def test_a_loaded_model_keeps_one_copy_of_its_linears(tmp_path):
     packed = sum(t.numel() * t.element_size() for m in linears for t in m.fmt.tensors().values())
     # what stays: the pages each tensor shares with its neighbours and those the kernel maps around a fault
     # (measured 17% of these small tensors; on qwen2.5-1.5b only the LM head, which its kernel reads in place)
-    assert mapped.resident_bytes(tmp_path / "q" / WEIGHTS_NAME) < packed / 4
+    assert resident_bytes(tmp_path / "q" / WEIGHTS_NAME) < packed / 4
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
 
@@ -110,10 +111,10 @@ def test_an_embedding_gives_its_table_back_after_lookups_unless_a_head_reads_it(
     assert table.returns_pages is not tied
     table.returns_pages = False
     rows = table(ids)
-    mapped_after_lookup = mapped.resident_bytes(tmp_path / "q" / WEIGHTS_NAME)
+    mapped_after_lookup = resident_bytes(tmp_path / "q" / WEIGHTS_NAME)
     table.returns_pages = True
     assert torch.equal(table(ids), rows)
-    given_back = mapped_after_lookup - mapped.resident_bytes(tmp_path / "q" / WEIGHTS_NAME)
+    given_back = mapped_after_lookup - resident_bytes(tmp_path / "q" / WEIGHTS_NAME)
     assert given_back >= 2048 * 256 // 2  # 64 rows spread over the table mapped at least half of it
 
 
@@ -140,4 +141,4 @@ def test_a_full_precision_table_is_mapped_and_given_back_unless_a_head_reads_it(
         logits = loaded(ids) if runtime == "native" else loaded(ids).logits
         assert torch.allclose(logits[0], model(ids).logits[0], atol=1e-5)
     if not tied:  # 64 looked-up rows spread over the table; their pages are back after the call
-        assert mapped.resident_bytes(tmp_path / "q" / WEIGHTS_NAME) < table.numel() * 4 // 8
+        assert resident_bytes(tmp_path / "q" / WEIGHTS_NAME) < table.numel() * 4 // 8

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 
 from bitquilt.errors import USER_ERRORS
+from bitquilt.resources import peak_rss_mb
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"bitquilt-run: error: {e}", file=sys.stderr)
         return 2
-    stats = {**result.stats(), "load_seconds": loaded,
-             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    stats = {**result.stats(), "load_seconds": loaded, "peak_rss_mb": peak_rss_mb()}
     if args.json:
         print(json.dumps({"prompt": args.prompt, "completion": result.text, **stats}, indent=2))
     else:

@@ -1,0 +1,57 @@
+"""`bench/e2e.py`'s worker for its *[standalone]* rows: one measurement of a standalone export (`bitquilt export
+--to standalone`) run by `bitquilt.standalone`, in a process that imports no torch, as llama.cpp's worker imports
+none: load (map) the export, the untimed warm-up, one timed greedy prefill + decode (`llamacpp.timed_decode`).
+
+    python bench/standalone_worker.py '{"export": DIR, "prompt": [...], "new_tokens": 32, "threads": 1,
+                                        "vocab_size": V}'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import llamacpp
+import numpy as np
+
+from bitquilt.standalone.model import FILE, StandaloneModel, set_threads
+
+WARMUP_TOKENS = 2  # as e2e.py's bitquilt rows
+
+
+def bits_per_weight(model: StandaloneModel) -> float:
+    """Bits per weight as the export stores them, counted as `model_summary` counts: the decoder's linears, plus
+    the embedding and LM head when quantized."""
+    bits = weights = 0
+    for name, entry in model.config["linears"].items():
+        if entry["kind"] == "dense" and not name.startswith("model.layers."):
+            continue
+        names = [f"{name}.{t}" for t in ("codes", "scales", "scale", "scale_zero", "weight")]
+        bits += sum(8 * model.tensors[t].nbytes for t in names if t in model.tensors)
+        weights += entry["out"] * entry["in"]
+    return bits / weights
+
+
+def measure(export: str, prompt: list[int], new_tokens: int, threads: int, vocab_size: int) -> dict[str, Any]:
+    set_threads(threads)
+    t0 = time.perf_counter()
+    model = StandaloneModel(export)
+    setup_s = time.perf_counter() - t0
+
+    def start(max_len: int):
+        model.begin(max_len)
+        return lambda ids: int(np.argmax(model.forward(ids)))
+
+    llamacpp.timed_decode(start, llamacpp.warmup_prompt(prompt, vocab_size), WARMUP_TOKENS)
+    ready_s = time.perf_counter() - t0
+    result = llamacpp.timed_decode(start, prompt, new_tokens)
+    assert "torch" not in sys.modules, "the standalone runtime imported torch"
+    return {**result, "peak_rss_mb": llamacpp.peak_rss_mb(), "setup_s": setup_s, "ready_s": ready_s,
+            "weights_mb": (model.directory / FILE).stat().st_size / 2**20, "kernel_layout_mb": 0.0,
+            "bits_per_weight": bits_per_weight(model), "torch_threads": threads}
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(**json.loads(sys.argv[1]))), flush=True)
