@@ -3,6 +3,7 @@
 import dataclasses
 import gc
 import logging
+import sys
 import weakref
 
 import pytest
@@ -427,3 +428,18 @@ def test_planes_to_tiles_is_the_reference_reordering(bytes_per_row, block):
     cpu.extension().planes_to_tiles(planes, block, cpu._ROW_OF_BYTE, out)
     tiles = planes.view(k, rows // 32, 32, bytes_per_row // bb, bb)[:, :, cpu._ROW_OF_BYTE]
     assert torch.equal(out, tiles.permute(1, 3, 0, 4, 2))
+
+
+def test_layouts_from_2mb_start_on_a_huge_page_advised_for_transparent_huge_pages():
+    from bitquilt.heap import HUGE_PAGE, advise_huge_pages
+    from bitquilt.kernels import layout_empty
+
+    small = layout_empty(1000, torch.float16)
+    assert small.shape == (1000,) and small.dtype == torch.float16
+    big = layout_empty(3 * HUGE_PAGE // 4 + 5, torch.float32)
+    assert big.shape == (3 * HUGE_PAGE // 4 + 5,) and big.data_ptr() % HUGE_PAGE == 0
+    big.fill_(1.5)
+    assert float(big.sum()) == 1.5 * big.numel()
+    if sys.platform == "linux":  # madvise(MADV_HUGEPAGE) is accepted, whatever the system's THP mode
+        assert advise_huge_pages(big.data_ptr(), big.nbytes)
+    assert not advise_huge_pages(small.data_ptr(), small.nbytes)  # no whole huge page inside

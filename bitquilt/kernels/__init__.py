@@ -21,11 +21,26 @@ from weakref import WeakKeyDictionary
 import torch
 
 from bitquilt.formats.base import MatmulContext, WeightFormat
-from bitquilt.heap import return_free_memory
+from bitquilt.heap import HUGE_PAGE, advise_huge_pages, return_free_memory
 from bitquilt.mapped import release
 
 if TYPE_CHECKING:
     from bitquilt.formats.uniform import UniformFormat
+
+def layout_empty(numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """An uninitialised 1-D tensor for a kernel layout of `numel` elements: from 2 MB on, it starts on a huge-page
+    boundary with its whole 2 MB pages advised to be transparent huge pages before anything touches them
+    (`bitquilt.heap.advise_huge_pages`; the allocation is up to 2 MB longer, never touched). A batch-1 kernel reads
+    its whole layout at every call: on 4 KB pages qwen2.5-1.5b's W4 decode measured 1.2x slower."""
+    nbytes = numel * dtype.itemsize
+    if nbytes < HUGE_PAGE:
+        return torch.empty(numel, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % HUGE_PAGE
+    out = raw[skip:skip + nbytes]
+    advise_huge_pages(out.data_ptr(), nbytes)
+    return out.view(dtype)
+
 
 PACK_ROWS = 1024  # rows of a weight re-laid out at a time: each chunk's file pages are given back once copied
 # (`bitquilt.mapped.release_chunk`) and its temporaries stay small (4,096 doubled the transient peak of packing an LM

@@ -49,6 +49,7 @@ from bitquilt.kernels import (
     fp32_rows,
     grid_chunks,
     kernels_for,
+    layout_empty,
     like,
     register_kernel,
     takes,
@@ -159,7 +160,7 @@ def pack_planes(fmt: BitplaneFormat | UniformFormat, block: int) -> torch.Tensor
     uniform weight's rows are given back once packed, and the chunks' temporaries every few chunks
     (`bitquilt.mapped.release_chunk`), so a head is not resident twice while its layout is built."""
     n, k, kb = fmt.out_features, fmt.bits, fmt.in_features // 8
-    out = torch.empty(-(-n // TILE), kb * 8 // block, k, block // 8, TILE, dtype=torch.uint8)
+    out = layout_empty(-(-n // TILE) * kb * k * TILE).view(-1, kb * 8 // block, k, block // 8, TILE)
     for t0 in range(0, out.shape[0], PACK_TILES):
         rows = slice(t0 * TILE, (t0 + PACK_TILES) * TILE)
         planes = _pad_rows(_plane_bytes(fmt, rows), 1)

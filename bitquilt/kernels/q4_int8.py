@@ -40,6 +40,7 @@ from bitquilt.kernels import (
     grid_chunks,
     int8_activations,
     kernels_for,
+    layout_empty,
     like,
     register_kernel,
     takes,
@@ -117,7 +118,9 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
     scales = _scale_panels(fmt, tiles, [(c0 // group, -(-c1 // group)) for c0, c1 in columns])
     if scales is None:
         return None
-    codes = (torch.zeros if n % ROWS else torch.empty)(tiles * ROWS * k * bits // 8, dtype=torch.uint8)  # pad rows 0
+    codes = layout_empty(tiles * ROWS * k * bits // 8)
+    if n % ROWS:
+        codes.zero_()  # pad rows 0
     for r0 in range(0, n, PACK_ROWS):  # csrc/repack.cpp writes each row's chunks into their panels
         rows = fmt.qweight[r0:r0 + PACK_ROWS]
         cpu.extension().q4_int8_pack_codes(rows, r0, bits, k, width // PAIR, tiles, codes)
