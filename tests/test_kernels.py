@@ -430,7 +430,7 @@ def test_planes_to_tiles_is_the_reference_reordering(bytes_per_row, block):
     assert torch.equal(out, tiles.permute(1, 3, 0, 4, 2))
 
 
-def test_layouts_from_2mb_start_on_a_huge_page_advised_for_transparent_huge_pages():
+def test_layouts_from_2mb_start_on_a_huge_page_advised_for_transparent_huge_pages(monkeypatch):
     from bitquilt.heap import HUGE_PAGE, advise_huge_pages
     from bitquilt.kernels import layout_empty
 
@@ -443,3 +443,6 @@ def test_layouts_from_2mb_start_on_a_huge_page_advised_for_transparent_huge_page
     if sys.platform == "linux":  # madvise(MADV_HUGEPAGE) is accepted, whatever the system's THP mode
         assert advise_huge_pages(big.data_ptr(), big.nbytes)
     assert not advise_huge_pages(small.data_ptr(), small.nbytes)  # no whole huge page inside
+    monkeypatch.setenv("BITQUILT_HUGE_PAGES", "0")  # off: a plain allocation of the size asked
+    plain = layout_empty(3 * HUGE_PAGE // 4 + 5, torch.float32)
+    assert plain.untyped_storage().nbytes() == plain.nbytes
