@@ -38,7 +38,7 @@ from common import RESULTS, cpu_name, loadavg, run, write_atomic
 
 from bitquilt.formats import BitplaneFormat, UniformFormat
 from bitquilt.formats.mxint import BLOCK, MXIntFormat
-from bitquilt.kernels import composite, cpu, q4_int8, uniform8
+from bitquilt.kernels import composite, cpu, layout_empty, q4_int8, uniform8
 from bitquilt.kernels import mxint as mxk
 from bitquilt.nn.hadamard import hadamard_transform, random_signs, reference_transform
 from bitquilt.solvers import get_solver
@@ -454,7 +454,9 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
         int8_args = [(lay.codes, lay.scales, n, lay.group, lay.bits) for lay in layouts]
         exact = [cpu.packed(f) for f in fmts]
         nbytes = layouts[0].nbytes()
-        buffers = [torch.randn(nbytes // 128 * 32, generator=gen) for _ in range(cold_copies(nbytes))]  # whole 128 B
+        # whole 128 B, in pages like the layouts' (huge pages from 2 MB on: `kernels.layout_empty`)
+        buffers = [layout_empty(nbytes // 128 * 32, torch.float32).normal_(generator=gen)
+                   for _ in range(cold_copies(nbytes))]
         fp32 = [torch.randn(n, k, generator=gen) for _ in range(cold_copies(n * k * 4))]
         for batch in I8_BATCHES:
             x = torch.randn(batch, k, generator=gen)
@@ -491,7 +493,8 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
              "to int8 per 32; vpmaddubsw, or one AVX-512 VNNI vpdpbusd per 64 codes); *exact*: the bit-plane kernel "
              f"the {bits}-bit format runs without `--int8-activations` (lookup tables, from a width-dependent batch "
              "dequantize + sgemm). GB/s: the int8 kernel's layout bytes (codes + scales) per second; *ceiling*: one "
-             "streaming read of a cold buffer of the same bytes, timed in the same alternating rounds as the kernels "
+             "streaming read of a cold buffer of the same bytes in the same kind of pages (huge pages from 2 MB on, as "
+             "the layouts), timed in the same alternating rounds as the kernels "
              "(csrc/read_rate.cpp: 256-bit loads OR-ed together, 1 thread; the faster of a plain pass and one "
              f"prefetching {PREFETCH} bytes ahead, as the kernels do), the read rate a batch-1 kernel can reach; "
              "% of it at batch 1. Ratios against "

@@ -41,7 +41,6 @@ from bitquilt.formats.uniform import UniformFormat, resolve_group_size
 from bitquilt.io import CONFIG_NAME, WEIGHTS_NAME, check_output, is_quantized_dir, load_quantized
 from bitquilt.kernels import q4_int8, uniform8
 from bitquilt.models.native import NativeCausalLM, inverse_frequencies
-from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.standalone.model import FILE, FORMAT_VERSION, METADATA_KEY, PROJECTIONS
 
 EXPORTABLE = ("uniform 4- and 2-bit grids (width and groups multiples of 64 columns, no act-order), uniform 8-bit "
@@ -105,7 +104,7 @@ def _linear(tensors: dict[str, torch.Tensor], name: str, module: nn.Module) -> d
         weight = module.weight.detach().float().contiguous()
         tensors[f"{name}.weight"] = weight
         entry, shape = {"kind": "dense"}, tuple(weight.shape)
-    bias = module._parameters.get("bias") if isinstance(module, QuantLinear | nn.Linear) else None
+    bias = module._parameters.get("bias")  # None for embeddings
     if bias is not None:
         tensors[f"{name}.bias"] = bias.detach().float().contiguous()
     return {**entry, "out": shape[0], "in": shape[1], "bias": bias is not None}
