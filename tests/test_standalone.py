@@ -14,11 +14,12 @@ from bitquilt import kernels
 from bitquilt.api import export, quantize, save
 from bitquilt.errors import UserError
 from bitquilt.io import load_quantized
+from bitquilt.kernels import q4_int8
 from bitquilt.models.lean_decode import LeanDecoder
 from bitquilt.recipes import Recipe
 from bitquilt.standalone.file import MappedTensors
 from bitquilt.standalone.generate import generate, generate_ids
-from bitquilt.standalone.model import FILE, StandaloneModel, rope_tables
+from bitquilt.standalone.model import FILE, StandaloneModel, rope_tables, set_isa
 
 
 def _saved(tmp_path, model_type: str, recipe: Recipe):
@@ -27,6 +28,14 @@ def _saved(tmp_path, model_type: str, recipe: Recipe):
     quantize(model, recipe, ids)
     save(model, tmp_path / "saved")
     return tmp_path / "saved"
+
+
+@pytest.fixture
+def widest_path():
+    """Both runtimes back on their default kernel path after the test."""
+    yield
+    q4_int8.set_isa()
+    set_isa()
 
 
 def _reference(saved, monkeypatch, inv_freq: np.ndarray, max_len: int) -> LeanDecoder:
@@ -40,16 +49,20 @@ def _reference(saved, monkeypatch, inv_freq: np.ndarray, max_len: int) -> LeanDe
     return decoder
 
 
+@pytest.mark.parametrize("isa", ["avx2", "widest"])  # the baseline every CPU here runs, and this CPU's widest path
 @pytest.mark.parametrize("model_type, recipe, kinds", [
     ("llama", Recipe("rtn", w_bits=4, group_size=64, head_bits=8), {"q4", "u8"}),
     ("qwen2", Recipe("rtn", w_bits=4, group_size=64), {"q4", "dense"}),
     ("qwen3", Recipe("rtn", w_bits=2, group_size=64, head_bits=4), {"q4"}),
 ], ids=["llama-w4-head8", "qwen2-w4-biases", "qwen3-w2-head4-qknorms"])
-def test_standalone_runs_the_fused_int8_runtimes_layers_bit_for_bit(tmp_path, monkeypatch, model_type, recipe, kinds):
+def test_standalone_runs_the_fused_int8_runtimes_layers_bit_for_bit(tmp_path, monkeypatch, widest_path, model_type,
+                                                                    recipe, kinds, isa):
     saved = _saved(tmp_path, model_type, recipe)
     summary = export(saved, tmp_path / "out", to="standalone")
     assert set(summary.kinds) == kinds and summary.file_bytes == (tmp_path / "out" / FILE).stat().st_size
     model = StandaloneModel(tmp_path / "out")
+    path = set_isa(None if isa == "widest" else isa)
+    assert q4_int8.set_isa(path) == path  # both runtimes on the same kernel path (`widest_path` restores it)
     ids = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(5)).tolist()
     reference = _reference(saved, monkeypatch, model.tensors["rope.inv_freq"], 16)
     model.begin(16)

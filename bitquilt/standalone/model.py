@@ -52,7 +52,7 @@ def set_isa(isa: str | None = None) -> str:
 def rope_tables(inv_freq: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin [max_len, head_dim] of position·ω (the halves repeated): the angle in fp32 as the torch runtimes
     compute it, its cos and sin in fp64 rounded to fp32 (numpy's fp32 cos and sin differ from torch's by an ulp
-    here and there; these are the correctly rounded values)."""
+    here and there; these are, but for rare double roundings, the correctly rounded values)."""
     angles = np.arange(max_len, dtype=np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
     angles = np.concatenate([angles, angles], axis=1).astype(np.float64)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
