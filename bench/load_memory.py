@@ -42,20 +42,35 @@ def rss_mb() -> float:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _base(directory: Path, runtime: str) -> None:
-    """Import what `runtime` runs on and load the tokenizer once (the skeletons hold nothing)."""
-    if runtime == "native":
+def _base(directory: Path, runtime: str) -> float:
+    """Import what `runtime` runs on and load its tokenizer once (the skeletons hold nothing): RSS then, the base.
+    That tokenizer is dropped again and the heap trimmed before the measured load, which reads its own: a second copy
+    on a heap still holding the first's freed blocks measured up to 61 MB (Qwen's) above the real one-tokenizer peak."""
+    import gc
+
+    from bitquilt.heap import return_free_memory
+
+    if runtime in ("native", "standalone"):
+        if runtime == "standalone":
+            from bitquilt.standalone.model import set_threads
+
+            set_threads(1)  # builds and loads the library
         from bitquilt.models.tokenizer import FastTokenizer
 
-        FastTokenizer(directory)
-        return
-    from transformers import AutoTokenizer
+        tokenizer = FastTokenizer(directory)
+    else:
+        from transformers import AutoTokenizer
 
-    from bitquilt.io import base_config
-    from bitquilt.models.loading import empty_model
+        from bitquilt.io import base_config
+        from bitquilt.models.loading import empty_model
 
-    empty_model(base_config(directory))  # imports the modeling code
-    AutoTokenizer.from_pretrained(directory)
+        empty_model(base_config(directory))  # imports the modeling code
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    base = rss_mb()
+    del tokenizer
+    gc.collect()
+    return_free_memory()
+    return base
 
 
 def child(saved: str, engine: str, runtime: str) -> dict:
@@ -72,8 +87,7 @@ def child(saved: str, engine: str, runtime: str) -> dict:
 
     torch.set_num_threads(1)
     directory = Path(saved)
-    _base(directory, runtime)
-    base = rss_mb()
+    base = _base(directory, runtime)
     kernels.set_int8_activations(engine.endswith("+int8"))
     t0 = time.perf_counter()
     model, _ = load(directory, runtime)
@@ -95,13 +109,10 @@ def standalone_child(exported: Path) -> dict:
     """`child` for the standalone runtime: the same steps without torch."""
     import numpy as np
 
-    from bitquilt.models.tokenizer import FastTokenizer
     from bitquilt.resources import peak_rss_mb, resident_bytes
-    from bitquilt.standalone.model import FILE, StandaloneModel, set_threads
+    from bitquilt.standalone.model import FILE, StandaloneModel
 
-    set_threads(1)  # builds and loads the library
-    FastTokenizer(exported)
-    base = rss_mb()
+    base = _base(exported, "standalone")
     t0 = time.perf_counter()
     model = StandaloneModel(exported)
     load_s, after_load = time.perf_counter() - t0, rss_mb()
