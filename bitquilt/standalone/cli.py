@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"prompt": args.prompt, "completion": result.text, **stats}, indent=2))
     else:
-        print(args.prompt + result.text)
+        print(args.prompt + result.text, flush=True)  # before the figures on stderr
         print(", ".join(f"{k}={v:.4g}" for k, v in stats.items() if v is not None), file=sys.stderr)
     return 0
 
