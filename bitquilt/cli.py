@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from bitquilt.cli_common import MODEL_HELP, add_int8_activations, add_runtime, chosen_runtime, print_json, print_table
 from bitquilt.errors import USER_ERRORS, UserError
@@ -48,13 +49,16 @@ def _runtime(args) -> str:
 
 
 def cmd_generate(args) -> int:
+    if not args.prompt:
+        raise UserError("--prompt is empty; give the text to continue")
+    if _is_standalone_export(args.model):
+        return _generate_standalone(args)
     import torch
 
+    from bitquilt.decoding import generation_stats
     from bitquilt.eval.speed import decode
     from bitquilt.io import load
 
-    if not args.prompt:
-        raise UserError("--prompt is empty; give the text to continue")
     set_threads(args.threads)
     model, tokenizer = load(args.model, _runtime(args))
     if tokenizer is None:
@@ -64,15 +68,39 @@ def cmd_generate(args) -> int:
                  stop_ids=None if args.ignore_eos or tokenizer.eos_token_id is None else {tokenizer.eos_token_id},
                  engine=args.engine)
     text = tokenizer.decode(run.new_ids, skip_special_tokens=True)
-    stats = {"prompt_tokens": ids.shape[1], "new_tokens": len(run.new_ids),
-             "prefill_tokens_per_s": ids.shape[1] / run.prefill_seconds,
-             "decode_tokens_per_s": (len(run.new_ids) - 1) / run.decode_seconds if len(run.new_ids) > 1 else None}
+    _print_generation(args, text, generation_stats(ids.shape[1], run))
+    return 0
+
+
+def _is_standalone_export(model: str) -> bool:
+    from bitquilt.standalone.model import FILE
+
+    return (Path(model) / FILE).is_file()
+
+
+def _generate_standalone(args) -> int:
+    """`generate` of a standalone export (`bitquilt export --to standalone`): the standalone runtime's, as
+    `bitquilt-run` (int8 activations; no engine or runtime to choose)."""
+    if args.engine != "auto" or args.runtime != "auto":
+        raise UserError(f"{args.model} is a standalone export, which runs in the standalone runtime only; drop "
+                        "--engine and --runtime")
+    from bitquilt.standalone.generate import generate
+    from bitquilt.standalone.model import StandaloneModel
+    from bitquilt.standalone.model import set_threads as set_standalone_threads
+
+    set_standalone_threads(args.threads or os.cpu_count() or 1)
+    result = generate(StandaloneModel(args.model), args.prompt, args.max_new_tokens, args.temperature, args.seed,
+                      args.ignore_eos)
+    _print_generation(args, result.text, result.stats())
+    return 0
+
+
+def _print_generation(args, text: str, stats: dict) -> None:
     if args.json:
         print_json({"prompt": args.prompt, "completion": text, **stats})
     else:
-        print(args.prompt + text)
+        print(args.prompt + text, flush=True)
         print(", ".join(f"{k}={v:.4g}" for k, v in stats.items() if v is not None), file=sys.stderr)
-    return 0
 
 
 def cmd_bench(args) -> int:

@@ -37,3 +37,12 @@ def run_decode(step: Callable[[Sequence[int]], Any], prompt: Sequence[int], max_
         token = pick(step([token]))
         new_ids.append(token)
     return DecodeRun(new_ids, t1 - t0, time.perf_counter() - t1)
+
+
+def generation_stats(prompt_tokens: int, run: DecodeRun) -> dict[str, float | int | None]:
+    """What `bitquilt generate` and `bitquilt-run` report of a run: token counts and prefill / decode tokens/s (the
+    decode rate over the tokens after the first; None with a single token)."""
+    n = len(run.new_ids)
+    return {"prompt_tokens": prompt_tokens, "new_tokens": n,
+            "prefill_tokens_per_s": prompt_tokens / run.prefill_seconds,
+            "decode_tokens_per_s": (n - 1) / run.decode_seconds if n > 1 else None}

@@ -156,6 +156,11 @@ def test_bitquilt_run_generates_text_without_importing_torch(exported_smollm, ca
                            "--prompt", "hi"], capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "is not a standalone export" in done.stderr
     capsys.readouterr()
+    assert main(["generate", str(exported_smollm / "out"), "--prompt", "The capital of France is", "--max-new-tokens",
+                 "8", "--threads", "1", "--json"]) == 0  # `bitquilt generate` runs a standalone export as bitquilt-run
+    assert json.loads(capsys.readouterr().out)["completion"] == result["completion"]
+    assert main(["generate", str(exported_smollm / "out"), "--prompt", "hi", "--runtime", "native"]) == 2
+    assert "runs in the standalone runtime only" in capsys.readouterr().err
     assert main(["export", str(exported_smollm / "saved"), "-o", str(exported_smollm / "out"), "--to",
                  "standalone"]) == 2
     assert "already exists" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bitquilt.decoding import DecodeRun, run_decode
+from bitquilt.decoding import DecodeRun, generation_stats, run_decode
 from bitquilt.errors import UserError
 from bitquilt.standalone.model import StandaloneModel
 
@@ -22,10 +22,7 @@ class Generation:
     run: DecodeRun
 
     def stats(self) -> dict[str, float | int | None]:
-        n = len(self.run.new_ids)
-        return {"prompt_tokens": self.prompt_tokens, "new_tokens": n,
-                "prefill_tokens_per_s": self.prompt_tokens / self.run.prefill_seconds,
-                "decode_tokens_per_s": (n - 1) / self.run.decode_seconds if n > 1 else None}
+        return generation_stats(self.prompt_tokens, self.run)
 
 
 def picker(temperature: float, seed: int):
