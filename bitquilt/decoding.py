@@ -23,8 +23,9 @@ class DecodeRun:
 
 
 def run_decode(step: Callable[[Sequence[int]], Any], prompt: Sequence[int], max_new_tokens: int,
-               pick: Callable[[Any], int], stop_ids: set[int] | None = None) -> DecodeRun:
-    """Continue `prompt` (module docstring)."""
+               pick: Callable[[Any], int], stop_ids: set[int] | None = None,
+               on_token: Callable[[int], None] | None = None) -> DecodeRun:
+    """Continue `prompt` (module docstring); `on_token` sees each new token as it is picked (streaming output)."""
     if len(prompt) == 0:
         raise ValueError("decode needs a non-empty prompt")
     if max_new_tokens < 1:
@@ -33,9 +34,13 @@ def run_decode(step: Callable[[Sequence[int]], Any], prompt: Sequence[int], max_
     token = pick(step(prompt))
     t1 = time.perf_counter()
     new_ids = [token]
+    if on_token is not None:
+        on_token(token)
     while len(new_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
         token = pick(step([token]))
         new_ids.append(token)
+        if on_token is not None:
+            on_token(token)
     return DecodeRun(new_ids, t1 - t0, time.perf_counter() - t1)
 
 

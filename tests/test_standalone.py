@@ -152,6 +152,11 @@ def test_bitquilt_run_generates_text_without_importing_torch(exported_smollm, ca
     assert status == {"code": 0, "torch": False}
     assert "Paris" in result["completion"] and result["new_tokens"] == 8 and result["peak_rss_mb"] > 0
     assert result["decode_tokens_per_s"] > 0 and result["prefill_tokens_per_s"] > 0
+    done = subprocess.run([sys.executable, "-m", "bitquilt.standalone.cli", str(exported_smollm / "out"), "--prompt",
+                           "The capital of France is", "--max-new-tokens", "8", "--threads", "1"],
+                          capture_output=True, text=True, check=True)  # streamed: the same text, figures on stderr
+    assert done.stdout == "The capital of France is" + result["completion"] + "\n"
+    assert "decode_tokens_per_s" in done.stderr
     done = subprocess.run([sys.executable, "-m", "bitquilt.standalone.cli", str(exported_smollm / "saved"),
                            "--prompt", "hi"], capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "is not a standalone export" in done.stderr

@@ -2,8 +2,9 @@
 
     bitquilt-run OUT_DIR --prompt "The capital of France is" --max-new-tokens 32 --threads 2
 
-prints the prompt and its continuation, then (stderr) the prompt and new token counts, prefill and decode tokens/s,
-the seconds from start to loaded, and the process's peak resident memory. Errors are one line and exit 2.
+prints the prompt and its continuation as it is generated, then (stderr) the prompt and new token counts, prefill
+and decode tokens/s, the seconds from start to loaded, and the process's peak resident memory (`--json`: all of it
+at the end, as JSON). Errors are one line and exit 2.
 """
 
 from __future__ import annotations
@@ -45,7 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.isa:
             set_isa(args.isa)
         loaded = time.perf_counter() - start
-        result = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.ignore_eos)
+        shown = []  # the prompt, then the completion's pieces as they come (nothing before the first token)
+
+        def show(piece: str) -> None:
+            print(("" if shown else args.prompt) + piece, end="", flush=True)
+            shown.append(piece)
+
+        result = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.ignore_eos,
+                          None if args.json else show)
     except USER_ERRORS as e:
         print(f"bitquilt-run: error: {e}", file=sys.stderr)
         return 2
@@ -53,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"prompt": args.prompt, "completion": result.text, **stats}, indent=2))
     else:
-        print(args.prompt + result.text, flush=True)  # before the figures on stderr
+        print("" if shown else args.prompt, flush=True)  # the completion streamed above, then the figures on stderr
         print(", ".join(f"{k}={v:.4g}" for k, v in stats.items() if v is not None), file=sys.stderr)
     return 0
 

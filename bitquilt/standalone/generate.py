@@ -6,6 +6,7 @@ Greedy at temperature 0, else one draw from softmax(logits / temperature) with n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,19 +41,22 @@ def picker(temperature: float, seed: int):
 
 
 def generate_ids(model: StandaloneModel, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
-                 seed: int = 0, stop_ids: set[int] | None = None) -> DecodeRun:
-    """New token ids after `prompt` (and the prefill and decode seconds), from an empty sequence."""
+                 seed: int = 0, stop_ids: set[int] | None = None,
+                 on_token: Callable[[int], None] | None = None) -> DecodeRun:
+    """New token ids after `prompt` (and the prefill and decode seconds), from an empty sequence; `on_token` sees each
+    as it comes."""
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if not prompt:
         raise UserError("the prompt has no tokens; give the text to continue")
     model.begin(len(prompt) + max_new_tokens)
-    return run_decode(model.forward, prompt, max_new_tokens, picker(temperature, seed), stop_ids)
+    return run_decode(model.forward, prompt, max_new_tokens, picker(temperature, seed), stop_ids, on_token)
 
 
 def generate(model: StandaloneModel, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
-             ignore_eos: bool = False) -> Generation:
-    """Continue `prompt` (text), stopping at the tokenizer's end-of-sequence token unless `ignore_eos`."""
+             ignore_eos: bool = False, on_text: Callable[[str], None] | None = None) -> Generation:
+    """Continue `prompt` (text), stopping at the tokenizer's end-of-sequence token unless `ignore_eos`; `on_text`
+    receives the completion piece by piece as tokens come (a piece held back while it ends inside a character)."""
     if not prompt:
         raise UserError("--prompt is empty; give the text to continue")
     tokenizer = model.tokenizer
@@ -60,5 +64,19 @@ def generate(model: StandaloneModel, prompt: str, max_new_tokens: int = 64, temp
         raise UserError(f"{model.directory} has no tokenizer files; cannot generate text")
     ids = tokenizer.encode(prompt)
     eos = tokenizer.eos_token_id
-    run = generate_ids(model, ids, max_new_tokens, temperature, seed, None if ignore_eos or eos is None else {eos})
-    return Generation(tokenizer.decode(run.new_ids, skip_special_tokens=True), len(ids), run)
+    new_ids: list[int] = []
+    shown = [""]
+
+    def stream(token: int) -> None:
+        new_ids.append(token)
+        text = tokenizer.decode(new_ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd") and len(text) > len(shown[0]) and text.startswith(shown[0]):
+            on_text(text[len(shown[0]):])
+            shown[0] = text
+
+    run = generate_ids(model, ids, max_new_tokens, temperature, seed, None if ignore_eos or eos is None else {eos},
+                       stream if on_text is not None else None)
+    text = tokenizer.decode(run.new_ids, skip_special_tokens=True)
+    if on_text is not None and len(text) > len(shown[0]) and text.startswith(shown[0]):
+        on_text(text[len(shown[0]):])
+    return Generation(text, len(ids), run)
