@@ -45,7 +45,6 @@ from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec
 
 COLD_BYTES = 96 << 20
-PREFETCH = 4096  # bytes ahead the prefetching read pass hints (the batch-1 kernels' distance, csrc/q4_int8.cpp)
 GROUP = 128
 SHAPES = [(2048, 2048), (4096, 4096), (4096, 11008), (11008, 4096)]  # (N out, K in)
 REPEATS = {1: 25, 16: 7, 128: 3}
@@ -442,6 +441,7 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
     isas = q4_int8.supported_isas()
     meta = run_meta(isas=list(isas))
     ext = cpu.extension()
+    prefetch = ext.q4_int8_prefetch_bytes()  # the batch-1 kernels' distance on this CPU (csrc/q4_int8.h)
 
     def on(isa: str, *args):  # the path switch is one store in the extension: nothing measurable
         ext.q4_int8_set_vnni(isa == "avx512")
@@ -469,7 +469,7 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
                                       # two copies of their own per round: a copy the other pass read the round
                                       # before would still be in L3 (1536²'s ceiling read warm until 2026-12-04)
                                       "read": (ext.read_pass, buffers[2 * r % len(buffers)], 0),
-                                      "read_prefetch": (ext.read_pass, buffers[(2 * r + 1) % len(buffers)], PREFETCH)}
+                                      "read_prefetch": (ext.read_pass, buffers[(2 * r + 1) % len(buffers)], prefetch)}
                                      for r in range(reps)])
             # the ceiling, timed in the same rounds as the kernels: the faster pass, plain or prefetching
             ceiling = nbytes / min(ms.pop("read"), ms.pop("read_prefetch")) / 1e6
@@ -496,7 +496,8 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
              "streaming read of a cold buffer of the same bytes in the same kind of pages (huge pages from 2 MB on, as "
              "the layouts), timed in the same alternating rounds as the kernels "
              "(csrc/read_rate.cpp: 256-bit loads OR-ed together, 1 thread; the faster of a plain pass and one "
-             f"prefetching {PREFETCH} bytes ahead, as the kernels do), the read rate a batch-1 kernel can reach; "
+             f"prefetching {prefetch} bytes ahead, as the kernels do on this CPU), the read rate a batch-1 kernel can "
+             "reach; "
              "% of it at batch 1. Ratios against "
              f"*{best}*.", "",
              "| N×K | batch | ceiling GB/s | " + " | ".join(f"{isa} ms | {isa} GB/s | {isa} %" for isa in isas)

@@ -6,9 +6,9 @@
 For each model and variant (RTN weights, quantized once with `bitquilt quantize --stream` into --workdir), a child
 process with one thread: imports what the runtime needs and loads the tokenizer (the *base*: torch, transformers
 with the model's modeling code and AutoTokenizer for the transformers runtime; torch, bitquilt and the
-`tokenizers` library alone for the native one, `bitquilt.models.native`; numpy, the `tokenizers` library and the
-C library for the standalone one, no torch), then loads the model with that runtime (`bitquilt.load` of the saved
-directory; for the standalone runtime, `StandaloneModel` of its export, `bitquilt export --to standalone`, written
+`tokenizers` library alone for the native one, `bitquilt.models.native`; the `tokenizers` library and the
+C library for the standalone one, no torch or numpy), then loads the model with that runtime (`bitquilt.load` of the
+saved directory; for the standalone runtime, `StandaloneModel` of its export, `bitquilt export --to standalone`, written
 once beside the saved directory) (RSS *after load*), then runs what `bench/e2e.py` times: a 128-token prefill and
 31 decode steps with the default engine (optionally with int8 activations; the standalone runtime runs int8
 activations only). Reported: the file's size (the saved model's, or the standalone export's for that runtime), the
@@ -106,10 +106,11 @@ def child(saved: str, engine: str, runtime: str) -> dict:
 
 
 def standalone_child(exported: Path) -> dict:
-    """`child` for the standalone runtime: the same steps without torch."""
-    import numpy as np
+    """`child` for the standalone runtime: the same steps without torch (or numpy)."""
+    import random
 
     from bitquilt.resources import peak_rss_mb, resident_bytes
+    from bitquilt.standalone.generate import picker
     from bitquilt.standalone.model import FILE, StandaloneModel
 
     base = _base(exported, "standalone")
@@ -117,11 +118,12 @@ def standalone_child(exported: Path) -> dict:
     model = StandaloneModel(exported)
     load_s, after_load = time.perf_counter() - t0, rss_mb()
     model.begin(160)
-    token = int(model.forward(np.random.default_rng(0).integers(0, model.vocab_size, 128)).argmax())
+    greedy, draws = picker(), random.Random(0)
+    token = greedy(model.forward([draws.randrange(model.vocab_size) for _ in range(128)]))
     for _ in range(31):
-        token = int(model.forward([token]).argmax())
+        token = greedy(model.forward([token]))
     run_s = time.perf_counter() - t0
-    assert "torch" not in sys.modules, "the standalone runtime imported torch"
+    assert "torch" not in sys.modules and "numpy" not in sys.modules, "the standalone runtime imported torch or numpy"
     return {"base_mb": base, "after_load_mb": after_load, "peak_mb": peak_rss_mb(), "load_s": load_s,
             "run_s": run_s, "layout_mb": 0.0, "mapped_resident_mb": resident_bytes(exported / FILE) / 2**20}
 

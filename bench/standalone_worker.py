@@ -14,8 +14,8 @@ import time
 from typing import Any
 
 import llamacpp
-import numpy as np
 
+from bitquilt.standalone.generate import picker
 from bitquilt.standalone.model import FILE, StandaloneModel, set_threads
 
 WARMUP_TOKENS = 2  # as e2e.py's bitquilt rows
@@ -42,12 +42,13 @@ def measure(export: str, prompt: list[int], new_tokens: int, threads: int, vocab
 
     def start(max_len: int):
         model.begin(max_len)
-        return lambda ids: int(np.argmax(model.forward(ids)))
+        greedy = picker()
+        return lambda ids: greedy(model.forward(ids))
 
     llamacpp.timed_decode(start, llamacpp.warmup_prompt(prompt, vocab_size), WARMUP_TOKENS)
     ready_s = time.perf_counter() - t0
     result = llamacpp.timed_decode(start, prompt, new_tokens)
-    assert "torch" not in sys.modules, "the standalone runtime imported torch"
+    assert "torch" not in sys.modules and "numpy" not in sys.modules, "the standalone runtime imported torch or numpy"
     return {**result, "peak_rss_mb": llamacpp.peak_rss_mb(), "setup_s": setup_s, "ready_s": ready_s,
             "weights_mb": (model.directory / FILE).stat().st_size / 2**20, "kernel_layout_mb": 0.0,
             "bits_per_weight": bits_per_weight(model), "torch_threads": threads}

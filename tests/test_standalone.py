@@ -4,6 +4,7 @@ fused int8 layers, bit for bit, from a mapped file, in a process that never impo
 import json
 import subprocess
 import sys
+from array import array
 
 import numpy as np
 import pytest
@@ -18,8 +19,8 @@ from bitquilt.kernels import q4_int8
 from bitquilt.models.lean_decode import LeanDecoder
 from bitquilt.recipes import Recipe
 from bitquilt.standalone.file import MappedTensors
-from bitquilt.standalone.generate import generate, generate_ids
-from bitquilt.standalone.model import FILE, StandaloneModel, rope_tables, set_isa
+from bitquilt.standalone.generate import generate, generate_ids, picker
+from bitquilt.standalone.model import FILE, StandaloneModel, set_isa
 
 
 def _saved(tmp_path, model_type: str, recipe: Recipe):
@@ -38,13 +39,17 @@ def widest_path():
     set_isa()
 
 
-def _reference(saved, monkeypatch, inv_freq: np.ndarray, max_len: int) -> LeanDecoder:
-    """The native runtime's fused int8 decoder for `saved`, its RoPE tables the standalone runtime's."""
+def _reference(saved, monkeypatch, standalone: StandaloneModel) -> LeanDecoder:
+    """The native runtime's fused int8 decoder for `saved`, its RoPE tables those of `standalone` (begun)."""
     model, _ = load_quantized(saved, runtime="native")
-    cos, sin = (torch.from_numpy(t)[None] for t in rope_tables(inv_freq, max_len))
+    cos, sin = (torch.tensor(np.asarray(t))[None] for t in standalone.rope())
+    angles = torch.arange(standalone.max_len, dtype=torch.float32)[:, None] * \
+        torch.tensor(np.asarray(standalone.tensors["rope.inv_freq"].values()))[None]
+    angles = torch.cat([angles, angles], 1).double()  # the C tables: fp32 angles, cos and sin in double
+    assert torch.equal(cos[0], angles.cos().float()) and torch.equal(sin[0], angles.sin().float())
     monkeypatch.setattr(model.model.rotary_emb, "forward", lambda x, positions: (cos, sin))
     monkeypatch.setattr(kernels, "_int8_activations", True)
-    decoder = LeanDecoder(model, max_len)
+    decoder = LeanDecoder(model, standalone.max_len)
     assert decoder.fused is not None, decoder.fused_reason
     return decoder
 
@@ -64,13 +69,14 @@ def test_standalone_runs_the_fused_int8_runtimes_layers_bit_for_bit(tmp_path, mo
     path = set_isa(None if isa == "widest" else isa)
     assert q4_int8.set_isa(path) == path  # both runtimes on the same kernel path (`widest_path` restores it)
     ids = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(5)).tolist()
-    reference = _reference(saved, monkeypatch, model.tensors["rope.inv_freq"], 16)
     model.begin(16)
+    reference = _reference(saved, monkeypatch, model)
     for token in ids:  # one token at a time: the same kernels and layer math in the same order, so the same caches
         expected = reference.forward(torch.tensor([[token]])).numpy()
         got = model.forward([token])  # the final norm runs in another order: the head's input differs by ulps
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
-    for (keys, values), ref_keys, ref_values in zip(model.caches, reference.keys, reference.values, strict=True):
+    caches = [model.cache(i) for i in range(len(reference.keys))]
+    for (keys, values), ref_keys, ref_values in zip(caches, reference.keys, reference.values, strict=True):
         assert np.array_equal(keys, ref_keys[0].numpy()) and np.array_equal(values, ref_values[0].numpy())
     model.begin(16)  # the prompt in one batched pass: the same logits (exactly so but for the 2-bit single-token
     np.testing.assert_allclose(model.forward(ids), got, rtol=1e-4, atol=1e-5 * np.abs(got).max())  # VNNI order)
@@ -80,6 +86,17 @@ def test_standalone_runs_the_fused_int8_runtimes_layers_bit_for_bit(tmp_path, mo
     while len(tokens) < 6:
         tokens.append(int(reference.forward(torch.tensor([[tokens[-1]]])).argmax()))
     assert greedy.new_ids == tokens
+
+
+def test_standalone_sampling_follows_the_softmax():
+    logits = array("f", [0.0, 1.0, 2.0, -1.0])
+    assert picker()(logits) == 2
+    draws = [picker(0.7, seed)(logits) for seed in range(4000)]
+    p = np.exp(np.array(logits) / 0.7)
+    np.testing.assert_allclose(np.bincount(draws, minlength=4) / len(draws), p / p.sum(), atol=0.025)
+    first, again, other = picker(1.0, 3), picker(1.0, 3), picker(1.0, 4)
+    sequence = [first(logits) for _ in range(50)]
+    assert sequence == [again(logits) for _ in range(50)] != [other(logits) for _ in range(50)]  # seeded
 
 
 def test_standalone_export_refuses_what_the_runtime_cannot_run(tmp_path):
@@ -126,7 +143,7 @@ RUN = """
 import json, sys
 from bitquilt.standalone.cli import main
 code = main([sys.argv[1], "--prompt", "The capital of France is", "--max-new-tokens", "8", "--threads", "1", "--json"])
-print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
+print(json.dumps({"code": code, "torch": "torch" in sys.modules, "numpy": "numpy" in sys.modules}))
 """
 
 
@@ -142,14 +159,14 @@ def exported_smollm(tmp_path_factory):
     return root
 
 
-def test_bitquilt_run_generates_text_without_importing_torch(exported_smollm, capsys):
+def test_bitquilt_run_generates_text_without_importing_torch_or_numpy(exported_smollm, capsys):
     from bitquilt.cli import main
 
     done = subprocess.run([sys.executable, "-c", RUN, str(exported_smollm / "out")], capture_output=True, text=True,
                           check=True)
     lines = done.stdout.strip().splitlines()
     result, status = json.loads("\n".join(lines[:-1])), json.loads(lines[-1])
-    assert status == {"code": 0, "torch": False}
+    assert status == {"code": 0, "torch": False, "numpy": False}
     assert "Paris" in result["completion"] and result["new_tokens"] == 8 and result["peak_rss_mb"] > 0
     assert result["decode_tokens_per_s"] > 0 and result["prefill_tokens_per_s"] > 0
     done = subprocess.run([sys.executable, "-m", "bitquilt.standalone.cli", str(exported_smollm / "out"), "--prompt",

@@ -1,23 +1,46 @@
-"""A safetensors file as read-only numpy views of its memory map (no torch, nothing read ahead of use).
+"""A safetensors file mapped into memory, its tensors as addresses in the mapping (no torch, no numpy, nothing read
+ahead of use).
 
 The layout: an 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}, "__metadata__":
-{str: str}}, then the tensors' bytes. Every tensor here is a view of the mapping, so its pages are the page cache's
-and count once, as they are first touched.
+{str: str}}, then the tensors' bytes. The mapping is private and never written, so its pages are the page cache's
+and count once, as they are first touched; a tensor is where it lies (`MappedTensor.address`), handed to the C
+library as a pointer, or read as a memoryview (`values`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bitquilt.errors import UserError
 
-DTYPES = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "I8": np.int8, "I32": np.int32, "I64": np.int64}
+# safetensors dtype: (bytes per value, the struct format of memoryview.cast)
+DTYPES = {"F32": (4, "f"), "U8": (1, "B"), "I8": (1, "b"), "I32": (4, "i"), "I64": (8, "q")}
+
+
+@dataclass(frozen=True)
+class MappedTensor:
+    """One tensor of the mapping: dtype (safetensors' name), shape, address and size in bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    address: int
+    nbytes: int
+    _buffer: Any  # the ctypes array over the tensor's bytes: keeps the mapping alive and gives `values`
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def values(self) -> memoryview:
+        """The tensor's values in place, shaped (numpy.asarray of it is a view)."""
+        return memoryview(self._buffer).cast("B").cast(DTYPES[self.dtype][1], self.shape or [1])
 
 
 class MappedTensors:
@@ -27,11 +50,15 @@ class MappedTensors:
         self.path = Path(path)
         try:
             with open(self.path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            (length,) = struct.unpack("<Q", self._map[:8])
-            header = json.loads(self._map[8:8 + length])
+                (length,) = struct.unpack("<Q", f.read(8))
+                if 8 + length > self.path.stat().st_size:
+                    raise ValueError(f"its header length {length} runs past the end of the file")
+                header = json.loads(f.read(length))
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError, struct.error) as e:
             raise UserError(f"{self.path} is not a readable safetensors file: {e}") from None
+        if not isinstance(header, dict):
+            raise UserError(f"{self.path} is not a readable safetensors file: its header is not a JSON object")
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self._entries: dict[str, Any] = header
         self._start = 8 + length
@@ -39,16 +66,16 @@ class MappedTensors:
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 
-    def __getitem__(self, name: str) -> np.ndarray:
+    def __getitem__(self, name: str) -> MappedTensor:
         entry = self._entries.get(name)
         if entry is None:
             raise UserError(f"{self.path} has no tensor {name!r}; the file is incomplete or not a standalone export")
-        dtype = DTYPES.get(entry["dtype"])
-        if dtype is None:
+        if entry["dtype"] not in DTYPES:
             raise UserError(f"{self.path}: tensor {name!r} is {entry['dtype']}; the standalone runtime reads "
                             f"{', '.join(DTYPES)}")
         begin, end = entry["data_offsets"]
-        count = int(np.prod(entry["shape"], dtype=np.int64))
-        if end - begin != count * np.dtype(dtype).itemsize or self._start + end > len(self._map):
+        shape = tuple(entry["shape"])
+        if end - begin != math.prod(shape) * DTYPES[entry["dtype"]][0] or self._start + end > len(self._map):
             raise UserError(f"{self.path}: tensor {name!r} does not fit its offsets; the file is truncated or corrupt")
-        return np.frombuffer(self._map, dtype, count, self._start + begin).reshape(entry["shape"])
+        buffer = (ctypes.c_char * (end - begin)).from_buffer(self._map, self._start + begin)
+        return MappedTensor(entry["dtype"], shape, ctypes.addressof(buffer), end - begin, buffer)

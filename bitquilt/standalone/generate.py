@@ -1,18 +1,19 @@
-"""Text from a standalone model: the shared decode loop (`bitquilt.decoding`) with numpy sampling.
+"""Text from a standalone model: the shared decode loop (`bitquilt.decoding`) with the C library's sampling.
 
-Greedy at temperature 0, else one draw from softmax(logits / temperature) with numpy's generator seeded by `seed`
-(reproducible here, not the same draws as the torch runtimes' generator).
+Greedy at temperature 0, else one draw from softmax(logits / temperature) (`bq_sample`) at a uniform number from
+Python's generator seeded by `seed` (reproducible here, not the same draws as the torch runtimes' generator).
 """
 
 from __future__ import annotations
 
+import random
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from bitquilt.decoding import DecodeRun, generation_stats, run_decode
 from bitquilt.errors import UserError
+from bitquilt.standalone.library import library
 from bitquilt.standalone.model import StandaloneModel
 
 
@@ -26,18 +27,13 @@ class Generation:
         return generation_stats(self.prompt_tokens, self.run)
 
 
-def picker(temperature: float, seed: int):
-    """logits -> token: argmax at temperature 0, else a draw from softmax(logits / temperature)."""
+def picker(temperature: float = 0.0, seed: int = 0) -> Callable[[array], int]:
+    """logits (fp32 `array.array`) -> token: argmax at temperature 0, else a draw from softmax(logits / temperature)."""
+    lib = library()
     if temperature <= 0:
-        return lambda logits: int(np.argmax(logits))
-    rng = np.random.default_rng(seed)
-
-    def pick(logits: np.ndarray) -> int:
-        z = logits.astype(np.float64) / temperature
-        p = np.exp(z - z.max())
-        return int(rng.choice(len(p), p=p / p.sum()))
-
-    return pick
+        return lambda logits: lib.bq_argmax(logits.buffer_info()[0], len(logits))
+    draws = random.Random(seed)
+    return lambda logits: lib.bq_sample(logits.buffer_info()[0], len(logits), temperature, draws.random())
 
 
 def generate_ids(model: StandaloneModel, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,

@@ -26,7 +26,7 @@ HEADERS = ("avx2_simd.h", "decoder_core.h", "int8_round.h", "parallel.h", "q4_in
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 CPU_FLAGS = ("avx2", "fma", "f16c")  # the baseline the library is compiled for
 
-_p, _i64, _i64p = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)  # any pointer, int64, int64*
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64  # any pointer, int64
 SIGNATURES = {  # name: (result, arguments)
     "bq_error": (ctypes.c_char_p, []),
     "bq_has_vnni": (ctypes.c_int, []),
@@ -34,14 +34,18 @@ SIGNATURES = {  # name: (result, arguments)
     "bq_set_vnni": (ctypes.c_int, [ctypes.c_int]),
     "bq_set_threads": (None, [ctypes.c_int]),
     "bq_threads": (ctypes.c_int, []),
-    "bq_new": (_p, [_i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_double, ctypes.c_double, _p, _p]),
+    "bq_new": (_p, [_i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_double, ctypes.c_double, _p]),
     "bq_free": (None, [_p]),
     "bq_add_q4": (_i64, [_p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _p]),
     "bq_add_u8": (_i64, [_p, _p, _p, _p, _i64, _i64, _i64, _p]),
     "bq_add_dense": (_i64, [_p, _p, _i64, _i64, _p]),
-    "bq_add_layer": (ctypes.c_int, [_p, _p, _p, _p, _p, _i64p, _p, _p]),
+    "bq_add_layer": (ctypes.c_int, [_p, _p, _p, _p, _p, _p]),
+    "bq_cache": (_p, [_p, _i64, ctypes.c_int]),
+    "bq_rope": (_p, [_p, ctypes.c_int]),
     "bq_set_ends": (ctypes.c_int, [_p, _i64, _p, _i64]),
-    "bq_forward": (ctypes.c_int, [_p, _i64p, _i64, _i64, _p]),
+    "bq_forward": (ctypes.c_int, [_p, _p, _i64, _i64, _p]),
+    "bq_argmax": (_i64, [_p, _i64]),
+    "bq_sample": (_i64, [_p, _i64, ctypes.c_double, ctypes.c_double]),
 }
 
 

@@ -1,25 +1,26 @@
-"""A standalone export loaded for generation: numpy arrays over the mapped file, one C call per forward.
+"""A standalone export loaded for generation: the mapped file's tensors handed to the C library, one C call per
+forward, no array library.
 
 `StandaloneModel(directory)` maps `standalone.safetensors` (`bitquilt.export.standalone` writes it), reads its
 metadata and loads the tokenizer; `begin(max_len)` builds the library's model for a sequence of up to `max_len`
-positions (RoPE tables for those positions, zeroed key/value caches whose pages are touched only as positions
-fill), and `forward(ids)` appends ids at the current position and returns the last one's logits. The weights are
-never copied: the library's linears point into the mapping.
+positions (its RoPE tables for those positions and zeroed key/value caches whose pages are touched only as
+positions fill), and `forward(ids)` appends ids at the current position and returns the last one's logits
+(`array.array` of fp32). The weights are never copied: the library's linears point into the mapping.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bitquilt.errors import UserError
 from bitquilt.isa import INT8_ISAS, choose
 from bitquilt.models.tokenizer import FastTokenizer
-from bitquilt.standalone.file import MappedTensors
+from bitquilt.standalone.file import MappedTensor, MappedTensors
 from bitquilt.standalone.library import last_error, library
 
 FILE = "standalone.safetensors"  # what bitquilt.export.standalone writes, and its metadata
@@ -29,8 +30,16 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.up_proj", "mlp.down_proj")  # a layer's linears in the order of csrc/standalone.cpp's bq_add_layer
 
 
-def _pointer(a: np.ndarray | None) -> int | None:
-    return None if a is None else a.ctypes.data
+def _pointer(t: MappedTensor | None) -> int | None:
+    return None if t is None else t.address
+
+
+def _floats(address: int, shape: tuple[int, ...]) -> memoryview:
+    """fp32 values [shape] at `address` (the library's memory), in place."""
+    count = 1
+    for n in shape:
+        count *= n
+    return memoryview((ctypes.c_float * count).from_address(address)).cast("B").cast("f", shape)
 
 
 def set_threads(threads: int) -> None:
@@ -47,15 +56,6 @@ def set_isa(isa: str | None = None) -> str:
     chosen = choose("standalone", INT8_ISAS if lib.bq_has_vnni() else INT8_ISAS[:1], isa)
     lib.bq_set_vnni(int(chosen == "avx512"))
     return chosen
-
-
-def rope_tables(inv_freq: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [max_len, head_dim] of position·ω (the halves repeated): the angle in fp32 as the torch runtimes
-    compute it, its cos and sin in fp64 rounded to fp32 (numpy's fp32 cos and sin differ from torch's by an ulp
-    here and there; these are, but for rare double roundings, the correctly rounded values)."""
-    angles = np.arange(max_len, dtype=np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
-    angles = np.concatenate([angles, angles], axis=1).astype(np.float64)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 class StandaloneModel:
@@ -80,8 +80,7 @@ class StandaloneModel:
         self.vocab_size: int = self.config["vocab_size"]
         self.max_positions: int = self.config["max_positions"]
         self.pos = 0
-        self._keep: list[np.ndarray] = []
-        self.caches: list[tuple[np.ndarray, np.ndarray]] = []  # per layer, keys and values [kv_heads, max_len, hd]
+        self.max_len = 0
         self._lib = library()
         set_isa()
 
@@ -91,28 +90,24 @@ class StandaloneModel:
             raise UserError(f"a sequence of {max_len} positions does not fit the model's {self.max_positions}")
         self.close()
         c, t = self.config, self.tensors
-        cos, sin = rope_tables(t["rope.inv_freq"], max_len)
-        self._keep = [cos, sin]
-        handle = self._lib.bq_new(c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
-                                  c["intermediate_size"], max_len, c["rms_norm_eps"], c["attention_scaling"],
-                                  _pointer(cos), _pointer(sin))
+        inv_freq = t["rope.inv_freq"]
+        if inv_freq.dtype != "F32" or inv_freq.shape != (c["head_dim"] // 2,):
+            raise UserError(f"{self.directory}: rope.inv_freq is {inv_freq.dtype} {inv_freq.shape}, expected fp32 "
+                            f"[{c['head_dim'] // 2}]")
+        handle = self._lib.bq_new(c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"],
+                                  c["num_key_value_heads"], c["head_dim"], c["intermediate_size"], max_len,
+                                  c["rms_norm_eps"], c["attention_scaling"], inv_freq.address)
         if not handle:
             raise UserError(f"{self.directory}: {last_error()}")
-        self._handle = handle
-        cache_shape = (c["num_key_value_heads"], max_len, c["head_dim"])
+        self._handle, self.max_len = handle, max_len
         for i in range(c["num_hidden_layers"]):
             prefix = f"model.layers.{i}"
-            indices = np.array([self._add_linear(f"{prefix}.{p}") for p in PROJECTIONS], dtype=np.int64)
-            keys, values = np.zeros(cache_shape, np.float32), np.zeros(cache_shape, np.float32)
+            indices = array("q", [self._add_linear(f"{prefix}.{p}") for p in PROJECTIONS])
             q_norm, k_norm = (t[f"{prefix}.self_attn.q_norm.weight"], t[f"{prefix}.self_attn.k_norm.weight"]) \
                 if c["qk_norms"] else (None, None)
-            self._keep.append(indices)
-            self.caches.append((keys, values))
             self._check(self._lib.bq_add_layer(handle, _pointer(t[f"{prefix}.input_layernorm.weight"]),
                                                _pointer(t[f"{prefix}.post_attention_layernorm.weight"]),
-                                               _pointer(q_norm), _pointer(k_norm),
-                                               indices.ctypes.data_as(self._lib.bq_add_layer.argtypes[5]),
-                                               _pointer(keys), _pointer(values)))
+                                               _pointer(q_norm), _pointer(k_norm), indices.buffer_info()[0]))
         head = self._add_linear("lm_head")
         embed = head if c["embed"] == "lm_head" else self._add_linear(c["embed"])
         self._check(self._lib.bq_set_ends(handle, embed, _pointer(t["model.norm.weight"]), head))
@@ -128,44 +123,64 @@ class StandaloneModel:
         entry, t, lib = self.config["linears"][name], self.tensors, self._lib
         n, k = entry["out"], entry["in"]
         bias = t[f"{name}.bias"] if entry["bias"] else None
-        if bias is not None and bias.shape != (n,):
+        if bias is not None and (bias.dtype, bias.shape) != ("F32", (n,)):
             raise UserError(f"{self.directory}: {name}.bias is {bias.shape}, expected ({n},)")
         if entry["kind"] == "q4":
             codes, scales = t[f"{name}.codes"], t[f"{name}.scales"]
-            return self._check(lib.bq_add_q4(self._handle, _pointer(codes), codes.size, _pointer(scales), scales.size,
+            return self._check(lib.bq_add_q4(self._handle, codes.address, codes.nbytes, scales.address, scales.nbytes,
                                              entry["group"], entry["bits"], n, k, _pointer(bias)))
         if entry["kind"] == "u8":
             codes, scale, scale_zero = t[f"{name}.codes"], t[f"{name}.scale"], t[f"{name}.scale_zero"]
             groups = -(-k // entry["group"])
-            if codes.shape != (n, k) or scale.shape != (n, groups) or scale_zero.shape != (n, groups):
+            if (codes.dtype, codes.shape, scale.dtype, scale.shape, scale_zero.dtype, scale_zero.shape) != \
+                    ("U8", (n, k), "F32", (n, groups), "F32", (n, groups)):
                 raise UserError(f"{self.directory}: {name}'s 8-bit codes or scales do not match [{n}, {k}]")
             return self._check(lib.bq_add_u8(self._handle, _pointer(codes), _pointer(scale), _pointer(scale_zero),
                                              entry["group"], n, k, _pointer(bias)))
         if entry["kind"] == "dense":
             weight = t[f"{name}.weight"]
-            if weight.shape != (n, k) or weight.dtype != np.float32:
+            if weight.shape != (n, k) or weight.dtype != "F32":
                 raise UserError(f"{self.directory}: {name}.weight is {weight.dtype} {weight.shape}, expected fp32 "
                                 f"[{n}, {k}]")
             return self._check(lib.bq_add_dense(self._handle, _pointer(weight), n, k, _pointer(bias)))
         raise UserError(f"{self.directory}: {name} is of kind {entry['kind']!r}, which this bitquilt does not run")
 
-    def forward(self, ids: Sequence[int]) -> np.ndarray:
-        """Logits [vocab] (fp32) of the last of `ids`, appended at the current position."""
+    def forward(self, ids: Sequence[int]) -> array:
+        """Logits [vocab] (fp32 `array.array`) of the last of `ids`, appended at the current position."""
         if self._handle is None:
             raise UserError("call begin(max_len) before forward")
-        tokens = np.ascontiguousarray(ids, dtype=np.int64)
-        logits = np.empty(self.vocab_size, np.float32)
-        self._check(self._lib.bq_forward(self._handle, tokens.ctypes.data_as(self._lib.bq_forward.argtypes[1]),
-                                         len(tokens), self.pos, _pointer(logits)))
+        try:
+            tokens = array("q", ids)
+        except (TypeError, OverflowError):
+            raise UserError(f"token ids must be integers, got {list(ids)[:8]}") from None
+        logits = array("f", bytes(4 * self.vocab_size))
+        self._check(self._lib.bq_forward(self._handle, tokens.buffer_info()[0], len(tokens), self.pos,
+                                         logits.buffer_info()[0]))
         self.pos += len(tokens)
         return logits
+
+    def cache(self, layer: int) -> tuple[memoryview, memoryview]:
+        """Layer `layer`'s keys and values, fp32 [kv_heads, max_len, head_dim], in place (for inspection)."""
+        if self._handle is None:
+            raise UserError("call begin(max_len) before reading the caches")
+        shape = (self.config["num_key_value_heads"], self.max_len, self.config["head_dim"])
+        keys, values = (self._lib.bq_cache(self._handle, layer, which) for which in (0, 1))
+        if not keys:
+            raise UserError(f"layer {layer} is outside the model's {self.config['num_hidden_layers']}")
+        return _floats(keys, shape), _floats(values, shape)
+
+    def rope(self) -> tuple[memoryview, memoryview]:
+        """The cos and sin tables in use, fp32 [max_len, head_dim], in place."""
+        if self._handle is None:
+            raise UserError("call begin(max_len) before reading the RoPE tables")
+        shape = (self.max_len, self.config["head_dim"])
+        return _floats(self._lib.bq_rope(self._handle, 0), shape), _floats(self._lib.bq_rope(self._handle, 1), shape)
 
     def close(self) -> None:
         """Free the library's model (the mapping stays)."""
         if self._handle is not None:
             self._lib.bq_free(self._handle)
             self._handle = None
-        self._keep, self.caches = [], []
 
     def __del__(self) -> None:
         self.close()

@@ -232,6 +232,11 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
 
 }  // namespace
 
+int64_t default_prefetch_bytes() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") ? 8192 : 2048;  // q4_int8.h
+}
+
 bool has_vnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -294,6 +299,8 @@ void register_q4_int8(pybind11::module& m) {
         "AVX-512 VNNI)");
   m.def("q4_int8_panel_columns", &bitquilt_q4::panel_columns, "columns per panel of the layout for this group size");
   m.def("q4_int8_has_vnni", &bitquilt_q4::has_vnni, "whether the CPU runs the AVX-512 VNNI path");
+  m.def("q4_int8_prefetch_bytes", [] { return bitquilt_q4::PREFETCH_BYTES; },
+        "how far ahead the batch-1 tiles prefetch their codes on this CPU");
   m.def("q4_int8_vnni_enabled", &bitquilt_q4::vnni_enabled, "whether the kernel takes the AVX-512 VNNI path");
   m.def("q4_int8_set_vnni", [](bool enabled) {
     TORCH_CHECK(bitquilt_q4::set_vnni(enabled), "the AVX-512 VNNI path of the int8-activation kernel needs a CPU "

@@ -61,14 +61,14 @@ inline void add_group_offsets(__m128 sz, const float* X, int64_t G, int64_t g, _
 }
 
 // How far ahead a batch-1 tile prefetches its code stream, on both paths (the tiles of a panel are back to back,
-// so the prefetch runs on into the next tile). Zen 3: 1.15-1.45x faster than no prefetch, 2 to 8 KB alike. Zen 4,
-// cold weights, 1 thread, builds alternating (docs/benchmarks.md): 2-bit VNNI 1.05-1.13x faster at 4 KB (2 and 8
-// KB alike; 1.01-1.24x over three runs), 4-bit VNNI 1.00-1.07x at 4 KB but up to 0.92x at 8 KB, AVX2 4 KB ~2%
-// ahead of 8 KB. An Intel Xeon with AVX-512 (2026-12-04, builds alternating, cold 4-bit weights, four shapes): 2 KB
-// 1.05-1.25x faster than 4 KB on both paths (VNNI 10.4-11.6 GB/s of a 12.9 GB/s read ceiling against 8.7-10.8),
-// 1 KB close behind, 512 B and 16 KB slower, none slowest (AVX2 7.6 GB/s); so 2 KB, within the range the AMD
-// machines measured alike.
-constexpr int64_t PREFETCH_BYTES = 2048;
+// so the prefetch runs on into the next tile), chosen once per process by CPU vendor. The layouts sit on huge pages
+// (kernels.layout_empty); on them, cold 4-bit weights, 1 thread, 1536² to 8960 x 1536, builds alternating in two
+// rounds: an AMD Zen 4 (2026-12-05) ran its VNNI path at 85-90% of the read ceiling 8 KB ahead against 74-78% at
+// 2 KB, 76-80% at 4 KB and 77-84% at 16 KB (AVX2 ~70% at every distance: it is bound by instructions there, as is
+// the 2-bit path, 52-62% alike); an Intel Xeon with AVX-512 (2026-12-04) 1.05-1.25x faster at 2 KB than at 4 KB on
+// both paths, 1 KB close behind, 512 B and 16 KB slower. Zen 3 (on 4 KB pages): 2 to 8 KB alike.
+int64_t default_prefetch_bytes();
+inline const int64_t PREFETCH_BYTES = default_prefetch_bytes();
 
 // Prefetches `lines` cache lines PREFETCH_BYTES past p (past the end is harmless: a prefetch never faults).
 inline void prefetch_ahead(const uint8_t* p, int lines) {

@@ -5,11 +5,15 @@
 // int8-rounded activations, and a plain fp32 product for linears kept in full precision; the layer math is
 // decoder_core.h's, as in the torch extension's fused decode step.
 //
-// The caller owns every array (the weights are views of the mapped export, the caches its own buffers); a model
-// here holds pointers. Functions that can fail return -1 (or null) and leave the reason in bq_error().
+// The caller owns the weights (views of the mapped export): a model here holds pointers to them. A model owns its
+// RoPE tables and its key/value caches, the caches in one anonymous mapping whose zero pages become memory only as
+// positions fill. Sampling is here too, so that the caller needs no array library. Functions that can fail return
+// -1 (or null) and leave the reason in bq_error().
 
 #include <omp.h>
+#include <sys/mman.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -69,9 +73,57 @@ struct Linear {
   }
 };
 
+// Zeroed floats in an anonymous mapping: untouched pages cost nothing (a heap calloc may clear them all at once).
+class ZeroPages {
+ public:
+  explicit ZeroPages(int64_t floats) : bytes_(floats * sizeof(float)) {
+    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    data_ = p == MAP_FAILED ? nullptr : static_cast<float*>(p);
+  }
+  ~ZeroPages() {
+    if (data_ != nullptr) munmap(data_, bytes_);
+  }
+  ZeroPages(const ZeroPages&) = delete;
+  ZeroPages& operator=(const ZeroPages&) = delete;
+  float* data() const { return data_; }
+
+ private:
+  size_t bytes_;
+  float* data_;
+};
+
+// cos and sin [max_len, head_dim] of position * inv_freq, the halves repeated: the angle in fp32 as the torch
+// runtimes compute it, its cos and sin in double rounded to fp32 (correctly rounded but for rare double roundings,
+// where fp32 cos and sin libraries differ by an ulp here and there).
+struct Rope {
+  Rope(const float* inv_freq, int64_t head_dim, int64_t max_len) : cos(max_len * head_dim), sin(max_len * head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t p = 0; p < max_len; ++p)
+      for (int64_t i = 0; i < head_dim; ++i) {
+        const double angle = static_cast<float>(p) * inv_freq[i % half];
+        cos[p * head_dim + i] = static_cast<float>(std::cos(angle));
+        sin[p * head_dim + i] = static_cast<float>(std::sin(angle));
+      }
+  }
+  std::vector<float> cos, sin;
+};
+
 struct Model {
-  explicit Model(const bitquilt_decoder::Dims& d) : core(d) {}
+  Model(const bitquilt_decoder::Dims& d, const float* inv_freq, int64_t layers)
+      : rope(inv_freq, d.hd, d.max_len), core(with_tables(d)), cache_floats(d.G * d.max_len * d.hd),
+        caches(2 * layers * cache_floats), layers(layers) {}
+  bitquilt_decoder::Dims with_tables(bitquilt_decoder::Dims d) const {
+    d.cos = rope.cos.data();
+    d.sin = rope.sin.data();
+    return d;
+  }
+  float* cache(int64_t layer, int which) const { return caches.data() + (2 * layer + which) * cache_floats; }
+
+  Rope rope;
   bitquilt_decoder::Decoder core;
+  int64_t cache_floats;  // one layer's keys (or values), [kv_heads, max_len, head_dim]
+  ZeroPages caches;      // per layer, keys then values
+  int64_t layers;
   std::vector<Linear> linears;
   int64_t embed = -1, head = -1;
   const float* final_norm = nullptr;
@@ -101,17 +153,24 @@ int bq_set_vnni(int enabled) {
 void bq_set_threads(int threads) { omp_set_num_threads(threads); }
 int bq_threads() { return omp_get_max_threads(); }
 
-// A model of `layers` decoder layers to be added; cos, sin fp32 [max_len, head_dim].
-void* bq_new(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, int64_t max_len,
-             double eps, double scaling, const float* cos, const float* sin) {
+// A model of `layers` decoder layers, to be added, for up to `max_len` positions; inv_freq fp32 [head_dim / 2].
+void* bq_new(int64_t layers, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
+             int64_t max_len, double eps, double scaling, const float* inv_freq) {
   const bitquilt_decoder::Dims d{hidden, heads, kv_heads, head_dim, intermediate, max_len, static_cast<float>(eps),
-                                 static_cast<float>(scaling), cos, sin};
-  const std::string error = bitquilt_decoder::dims_error(d);
+                                 static_cast<float>(scaling), inv_freq, inv_freq};
+  std::string error = bitquilt_decoder::dims_error(d);
+  if (error.empty() && (layers <= 0 || head_dim % 2)) error = "layers must be positive and the head dim even";
   if (!error.empty()) {
     fail(error);
     return nullptr;
   }
-  return new Model(d);
+  auto* m = new Model(d, inv_freq, layers);
+  if (m->caches.data() == nullptr) {
+    delete m;
+    fail("no memory for the key/value caches");
+    return nullptr;
+  }
+  return m;
 }
 
 void bq_free(void* handle) { delete model(handle); }
@@ -149,11 +208,13 @@ int64_t bq_add_dense(void* handle, const float* weight, int64_t N, int64_t K, co
   return push(handle, lin, bias);
 }
 
-// A layer: norm weights (q_norm, k_norm null unless the family has them), its linears' indices (q, k, v, o, gate,
-// up, down) and its caches fp32 [kv_heads, max_len, head_dim].
+// The next layer: norm weights (q_norm, k_norm null unless the family has them) and its linears' indices (q, k, v,
+// o, gate, up, down).
 int bq_add_layer(void* handle, const float* in_norm, const float* post_norm, const float* q_norm, const float* k_norm,
-                 const int64_t* linears, float* keys, float* values) {
+                 const int64_t* linears) {
   Model* m = model(handle);
+  const int64_t layer = m->core.layers();
+  if (layer == m->layers) return static_cast<int>(fail("the model has its " + std::to_string(layer) + " layers"));
   int64_t N[7], K[7];
   for (int j = 0; j < 7; ++j) {
     if (linears[j] < 0 || linears[j] >= static_cast<int64_t>(m->linears.size()))
@@ -165,8 +226,19 @@ int bq_add_layer(void* handle, const float* in_norm, const float* post_norm, con
   if (!error.empty()) return static_cast<int>(fail(error));
   if ((q_norm == nullptr) != (k_norm == nullptr)) return static_cast<int>(fail("q and k norms come together"));
   m->core.add_layer({in_norm, post_norm, q_norm, k_norm, linears[0], linears[1], linears[2], linears[3], linears[4],
-                     linears[5], linears[6], keys, values});
+                     linears[5], linears[6], m->cache(layer, 0), m->cache(layer, 1)});
   return 0;
+}
+
+// Layer `layer`'s keys (which = 0) or values (1), fp32 [kv_heads, max_len, head_dim]; null outside the model.
+const float* bq_cache(void* handle, int64_t layer, int which) {
+  Model* m = model(handle);
+  return layer < 0 || layer >= m->core.layers() || which < 0 || which > 1 ? nullptr : m->cache(layer, which);
+}
+
+// The RoPE table in use: cos (which = 0) or sin (1), fp32 [max_len, head_dim].
+const float* bq_rope(void* handle, int which) {
+  return which == 0 ? model(handle)->rope.cos.data() : model(handle)->rope.sin.data();
 }
 
 // The embedding table (a linear [vocab, hidden] read by rows), the final norm and the LM head.
@@ -187,7 +259,8 @@ int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* 
   Model* m = model(handle);
   const auto& d = m->core.dims();
   if (m->embed < 0) return static_cast<int>(fail("bq_set_ends was not called"));
-  if (m->core.layers() == 0) return static_cast<int>(fail("no layers"));
+  if (m->core.layers() != m->layers)
+    return static_cast<int>(fail(std::to_string(m->core.layers()) + " of " + std::to_string(m->layers) + " layers"));
   if (T <= 0 || pos < 0 || pos + T > d.max_len)
     return static_cast<int>(fail("positions " + std::to_string(pos) + ".." + std::to_string(pos + T) +
                                  " outside the cache's " + std::to_string(d.max_len)));
@@ -204,6 +277,29 @@ int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* 
   bitquilt_decoder::rms_norm(m->x.data() + (T - 1) * d.D, m->final_norm, d.D, d.eps, m->last.data());
   m->linears[m->head].run(m->last.data(), 1, logits);
   return 0;
+}
+
+// The index of the largest of logits [n] (the first of equals).
+int64_t bq_argmax(const float* logits, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (logits[i] > logits[best]) best = i;
+  return best;
+}
+
+// A draw from softmax(logits / temperature) [n], `uniform` in [0, 1) the caller's random number: the first index
+// whose cumulative probability exceeds it (in double, so that no token's share is lost to rounding).
+int64_t bq_sample(const float* logits, int64_t n, double temperature, double uniform) {
+  const double top = logits[bq_argmax(logits, n)];
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) total += std::exp((logits[i] - top) / temperature);
+  const double target = uniform * total;
+  double cumulative = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    cumulative += std::exp((logits[i] - top) / temperature);
+    if (cumulative > target) return i;
+  }
+  return n - 1;
 }
 
 }  // extern "C"
