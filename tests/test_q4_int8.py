@@ -78,7 +78,7 @@ def test_kernel_is_the_exact_product_with_the_rounded_activations(n, k, group, t
 
 @needs_ext
 @pytest.mark.parametrize(("sym", "tokens"), [(True, 1), (False, 3), (True, 16)])
-def test_8bit_gemv_on_int8_activations_is_the_exact_product_with_the_rounded_activations(sym, tokens, int8_on):
+def test_8bit_gemv_on_int8_activations_is_the_exact_product_with_the_rounded_activations(sym, tokens, int8_on, isa):
     from bitquilt.kernels import uniform8
 
     w, x = llm_like(48, 256)

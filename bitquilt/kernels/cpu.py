@@ -17,7 +17,8 @@ weights again); the format itself is unchanged. Calls with per-token context are
 (csrc/sparse_residual.h; the MosaicQuant kernels in `bitquilt.kernels.mosaic`).
 
 The same extension also holds the MXINT kernel (csrc/mxint_matmul.cpp), registered by
-`bitquilt.kernels.mxint`, the 8-bit uniform GEMV (csrc/uniform8_gemv.cpp, `bitquilt.kernels.uniform8`),
+`bitquilt.kernels.mxint`, the 8-bit uniform GEMV (csrc/uniform8_gemv.cpp, `bitquilt.kernels.uniform8`; its
+AVX-512 VNNI row loop in csrc/uniform8_vnni.cpp),
 the MoBiRoute slice counts (csrc/slice_router.cpp, used by `bitquilt.kernels.router`), the fused
 decoder layers of a batch-1 decode step (csrc/decode_step.cpp, `bitquilt.kernels.decode_step`) and the
 4- and 2-bit × int8-activation matmul (csrc/q4_int8.cpp, `bitquilt.kernels.q4_int8`; its AVX-512 VNNI path in
@@ -62,7 +63,7 @@ TILE = 32  # output rows per kernel tile
 PACK_TILES = PACK_ROWS // TILE  # tiles cut into bit-planes and reordered at a time (`pack_planes`)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("lut_matmul.cpp", "mxint_matmul.cpp", "slice_router.cpp", "uniform8_gemv.cpp",
-                         "decode_step.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "hadamard.cpp",
+                         "uniform8_vnni.cpp", "decode_step.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "hadamard.cpp",
                          "read_rate.cpp", "repack.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _ext: ModuleType | None = None

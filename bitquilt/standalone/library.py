@@ -21,7 +21,7 @@ from bitquilt import cache
 from bitquilt.errors import UserError
 
 CSRC = Path(__file__).resolve().parent.parent / "kernels" / "csrc"
-SOURCES = ("standalone.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "uniform8_gemv.cpp")
+SOURCES = ("standalone.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "uniform8_gemv.cpp", "uniform8_vnni.cpp")
 HEADERS = ("avx2_simd.h", "decoder_core.h", "int8_round.h", "parallel.h", "q4_int8.h", "uniform8.h")
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 CPU_FLAGS = ("avx2", "fma", "f16c")  # the baseline the library is compiled for

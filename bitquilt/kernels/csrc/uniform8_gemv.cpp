@@ -16,7 +16,8 @@
 //   y[r] = sum_g s[r, g] * sum_{b in g} d_b * <q'[r, b], i_b>  +  sum_g (128 s - s z)[r, g] * X_g,
 //   X_g  = sum_{b in g} d_b * sum_{c in b} i_c,
 // exactly x_hat @ W^T; pair sums |128 * 127 * 2| fit int16. Six integer instructions per 32 weights instead of
-// twelve fp32 ones.
+// twelve fp32 ones. Where the int8-activation kernels run AVX-512 VNNI, uniform8_vnni.cpp's loop takes the codes
+// unshifted, one vpdpbusd per 32.
 
 #include <immintrin.h>
 
@@ -27,6 +28,7 @@
 #include "avx2_simd.h"
 #include "int8_round.h"
 #include "parallel.h"
+#include "q4_int8.h"
 #include "uniform8.h"
 
 #ifdef TORCH_EXTENSION_NAME
@@ -36,11 +38,12 @@
 
 namespace {
 
+using bitquilt_u8::PREFETCH_BYTES;
+
 constexpr int MAX_TOKENS = 4;  // tokens per pass over the weights
 // Each row's codes are read once, in order; the next row's first line is hinted, and every 32-byte step prefetches
-// 4 KB ahead in the (row-major, contiguous) code stream: on Zen 3 (AVX2 only) 1.2-1.5x faster at one token, where
-// the hardware prefetcher alone left the loop waiting on memory (the same measure as q4_int8.cpp's).
-constexpr int64_t PREFETCH_BYTES = 4096;
+// PREFETCH_BYTES ahead in the (row-major, contiguous) code stream (uniform8.h), where the hardware prefetcher alone
+// left the loop waiting on memory.
 
 inline __m256 widen(const uint8_t* q) {  // 8 codes -> 8 exact floats
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
@@ -130,6 +133,11 @@ at::Tensor uniform8_gemv(const at::Tensor& x, const at::Tensor& codes, const at:
 
 }  // namespace
 
+int64_t bitquilt_u8::default_prefetch_bytes() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") ? 8192 : 4096;  // uniform8.h
+}
+
 std::string bitquilt_u8::shape_error(int64_t K, int64_t group) {
   return K % 32 == 0 && group % 32 == 0 && group > 0 ? "" : "columns and group size must be multiples of 32";
 }
@@ -185,9 +193,10 @@ void bitquilt_u8::gemv_int8_into(const float* xp, int64_t T, const Weight& W, fl
       X[t * G + 32 * b / group] += r.d * r.sum;
     }
   const int64_t grain = std::max<int64_t>(16, (1 << 16) / K);  // rows per task: ~64 KB of codes
+  const auto row_loop = bitquilt_q4::vnni_enabled() ? bitquilt_u8::rows_int8_vnni : rows_int8;
   bitquilt_par::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t t = 0; t < T; ++t)
-      rows_int8(W.q, W.s, W.sz, codes.data() + t * K, d.data() + t * blocks, X.data() + t * G, K, G, group, r0, r1,
+      row_loop(W.q, W.s, W.sz, codes.data() + t * K, d.data() + t * blocks, X.data() + t * G, K, G, group, r0, r1,
                 yp + t * N);
   });
 }
