@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel_speed import PREFETCH, alternating_cpu_ms, cold_copies, random_uniform  # noqa: E402
+from kernel_speed import alternating_cpu_ms, cold_copies, random_uniform  # noqa: E402
 
 from bitquilt.kernels import cpu, q4_int8  # noqa: E402
 
@@ -44,7 +44,8 @@ def measure(n: int, k: int, rounds: int, gen: torch.Generator) -> tuple[dict[str
     ms = alternating_cpu_ms([{**{f"hot {isa}": (on, isa, layouts[0]) for isa in isas},
                               **{f"cold {isa}": (on, isa, cold(r, j)) for j, isa in enumerate(isas)},
                               "read": (ext.read_pass, buffers[2 * r % len(buffers)], 0),
-                              "read prefetching": (ext.read_pass, buffers[(2 * r + 1) % len(buffers)], PREFETCH)}
+                              "read prefetching": (ext.read_pass, buffers[(2 * r + 1) % len(buffers)],
+                                                      ext.q4_int8_prefetch_bytes())}
                              for r in range(rounds)])
     q4_int8.set_isa()
     return {name: v * 1e3 for name, v in ms.items()}, layouts[0].nbytes()
