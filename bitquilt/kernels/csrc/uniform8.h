@@ -30,7 +30,7 @@ void gemv_int8_into(const float* x, int64_t T, const Weight& W, float* y);
 
 // How far ahead the row loops prefetch the code stream, chosen once per process by CPU vendor: on Zen 4 (huge
 // pages, cold codes, 1 thread, builds alternating, 2026-12-05) 8 KB ran the AVX2 loop 1.02-1.13x faster than 4 KB,
-// and the VNNI loop 1.05-1.35x faster than 2 KB, 4 KB or none; Zen 3 (AVX2 only): 4 KB 1.2-1.5x faster than none;
+// and the VNNI loop 1.03-1.35x faster than 4 KB, 2 KB or none; Zen 3 (AVX2 only): 4 KB 1.2-1.5x faster than none;
 // Intel not measured apart (4 KB kept).
 int64_t default_prefetch_bytes();
 inline const int64_t PREFETCH_BYTES = default_prefetch_bytes();

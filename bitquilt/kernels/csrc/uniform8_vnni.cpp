@@ -6,8 +6,9 @@
 // AVX2 loop needs for vpmaddubsw (whose int16 pair sums 2 * 255 * 127 would overflow). Per row:
 //   y[r] = sum_g s[r, g] * sum_{b in g} d_b * <q[r, b], i_b>  -  sum_g (s z)[r, g] * X_g,
 // exactly x_hat @ W^T, as the AVX2 loop. The same 32 columns per step (256-bit): on Zen 4, cold codes, 1 thread,
-// the loop at 64 columns per 512-bit step ran in-cache 1.4x faster yet cold up to 0.6x slower, whatever its
-// prefetch; this one 1.07-1.17x the AVX2 loop cold (82-91% of the read ceiling), 1.3x in cache.
+// builds alternating, a loop at 64 columns per 512-bit step ran 1.4x faster in cache yet 0.65-0.96x on cold codes,
+// whatever its prefetch; this one 1.06-1.21x the AVX2 loop (1.01-1.10x with both at 8 KB), 83-88% of the read
+// ceiling timed in C (bench/prototypes/c_kernel_timing.cpp), 1.1-1.4x the AVX2 loop in cache.
 //
 // Compiled for AVX-512 VNNI (pragma after every include, as q4_int8_vnni.cpp); runs only after has_vnni().
 
