@@ -79,13 +79,14 @@ def timed(fn, *args) -> tuple[float, float]:
     return (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
 
 
-def alternating_cpu_ms(rounds: list[dict[str, tuple]]) -> dict[str, float]:
+def alternating_cpu_ms(rounds: list[dict[str, tuple]], self_timed: frozenset[str] = frozenset()) -> dict[str, float]:
     """Median CPU ms of each named call over the rounds, the calls alternating within a round so all see the same
-    load; a round maps each name to its (function, *args), e.g. another cold copy of the weights each round."""
+    load; a round maps each name to its (function, *args), e.g. another cold copy of the weights each round. The
+    calls named in `self_timed` time themselves: they return their own thread CPU seconds (timed in C)."""
     times: dict[str, list[float]] = {name: [] for name in rounds[0]}
     for calls in rounds:
         for name, (fn, *args) in calls.items():
-            times[name].append(timed(fn, *args)[1])
+            times[name].append(fn(*args) * 1e3 if name in self_timed else timed(fn, *args)[1])
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -447,6 +448,12 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
         ext.q4_int8_set_vnni(isa == "avx512")
         return ext.q4_int8_matmul(*args)
 
+    def on_in_c(isa: str, *args) -> float:  # the same call timed in C, as the decode step makes it
+        ext.q4_int8_set_vnni(isa == "avx512")
+        return ext.q4_int8_seconds(*args)
+
+    self_timed = frozenset({*(f"{isa} C" for isa in isas), "read", "read_prefetch"})
+
     rows = []
     for n, k in I8_SHAPES:
         fmts = [random_uniform(n, k, bits, gen, I8_GROUP[bits]) for _ in range(cold_copies(n * k * bits // 8))]
@@ -462,21 +469,26 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
             x = torch.randn(batch, k, generator=gen)
             reps = REPEATS[batch]
             # each path reads its own cold copy: the same copy twice in a round would be warm in L3 the second time
-            ms = alternating_cpu_ms([{**{isa: (on, isa, x, *int8_args[(r * len(isas) + j) % len(int8_args)])
+            paths = len(isas)
+            ms = alternating_cpu_ms([{**{isa: (on, isa, x, *int8_args[(2 * r * paths + j) % len(int8_args)])
+                                         for j, isa in enumerate(isas)},
+                                      **{f"{isa} C": (on_in_c, isa, x,
+                                                      *int8_args[((2 * r + 1) * paths + j) % len(int8_args)])
                                          for j, isa in enumerate(isas)},
                                       "exact": (exact[r % len(exact)].matmul, x),
                                       "fp32": (torch.nn.functional.linear, x, fp32[r % len(fp32)]),
                                       # two copies of their own per round: a copy the other pass read the round
                                       # before would still be in L3 (1536²'s ceiling read warm until 2026-12-04)
-                                      "read": (ext.read_pass, buffers[2 * r % len(buffers)], 0),
-                                      "read_prefetch": (ext.read_pass, buffers[(2 * r + 1) % len(buffers)], prefetch)}
-                                     for r in range(reps)])
-            # the ceiling, timed in the same rounds as the kernels: the faster pass, plain or prefetching
+                                      "read": (ext.read_pass_seconds, buffers[2 * r % len(buffers)], 0),
+                                      "read_prefetch": (ext.read_pass_seconds, buffers[(2 * r + 1) % len(buffers)],
+                                                        prefetch)}
+                                     for r in range(reps)], self_timed)
+            # the ceiling, timed in C in the same rounds as the kernels: the faster pass, plain or prefetching
             ceiling = nbytes / min(ms.pop("read"), ms.pop("read_prefetch")) / 1e6
-            row = dict(N=n, K=k, batch=batch, **{f"{name}_cpu_ms": v for name, v in ms.items()},
-                       **{f"{isa}_GBps": nbytes / ms[isa] / 1e6 for isa in isas}, ceiling_GBps=ceiling)
-            print(f"{n}x{k} batch {batch:3d}: " + ", ".join(f"{isa} {ms[isa]:.3f} ms ({row[isa + '_GBps']:.1f} GB/s)"
-                                                             for isa in isas)
+            row = dict(N=n, K=k, batch=batch, **{f"{name.replace(' C', '_c')}_cpu_ms": v for name, v in ms.items()},
+                       **{f"{isa}_GBps": nbytes / ms[f"{isa} C"] / 1e6 for isa in isas}, ceiling_GBps=ceiling)
+            print(f"{n}x{k} batch {batch:3d}: " + ", ".join(f"{isa} {ms[isa]:.3f} ms, in C {ms[isa + ' C']:.3f} ms "
+                                                             f"({row[isa + '_GBps']:.1f} GB/s)" for isa in isas)
                   + f" of {ceiling:.1f}; exact {ms['exact']:.3f}, fp32 {ms['fp32']:.2f} ms (CPU time)", flush=True)
             rows.append(row)
     q4_int8.set_isa()
@@ -490,24 +502,29 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
              f"{I8_GROUP[bits]}; "
              "median CPU time of the calling thread over alternating calls, each reading another copy of the "
              "weights. *avx2*, *avx512*: `bitquilt.kernels.q4_int8` on each path this CPU runs (activations rounded "
-             "to int8 per 32; vpmaddubsw, or one AVX-512 VNNI vpdpbusd per 64 codes); *exact*: the bit-plane kernel "
+             "to int8 per 32; vpmaddubsw, or one AVX-512 VNNI vpdpbusd per 64 codes), *ms* through its Python call "
+             "(binding, checks, the output's allocation), *C ms* the same kernel timed in C around the call alone "
+             "(csrc/read_rate.cpp's `q4_int8_seconds`), as the fused decode step and the standalone runtime call "
+             "it; GB/s and % from the C time; *exact*: the bit-plane kernel "
              f"the {bits}-bit format runs without `--int8-activations` (lookup tables, from a width-dependent batch "
              "dequantize + sgemm). GB/s: the int8 kernel's layout bytes (codes + scales) per second; *ceiling*: one "
              "streaming read of a cold buffer of the same bytes in the same kind of pages (huge pages from 2 MB on, as "
              "the layouts), timed in the same alternating rounds as the kernels "
-             "(csrc/read_rate.cpp: 256-bit loads OR-ed together, 1 thread; the faster of a plain pass and one "
+             "(csrc/read_rate.cpp: 256-bit loads OR-ed together, 1 thread, timed in C; the faster of a plain pass "
+             "and one "
              f"prefetching {prefetch} bytes ahead, as the kernels do on this CPU), the read rate a batch-1 kernel can "
              "reach; "
              "% of it at batch 1. Ratios against "
              f"*{best}*.", "",
-             "| N×K | batch | ceiling GB/s | " + " | ".join(f"{isa} ms | {isa} GB/s | {isa} %" for isa in isas)
+             "| N×K | batch | ceiling GB/s | " + " | ".join(f"{isa} ms | {isa} C ms | {isa} GB/s | {isa} %"
+                                                         for isa in isas)
              + " | exact ms | fp32 ms | exact ÷ int8 | fp32 ÷ int8 |",
-             "|---|---:|---:|" + "---:|---:|---:|" * len(isas) + "---:|---:|---:|---:|"]
+             "|---|---:|---:|" + "---:|---:|---:|---:|" * len(isas) + "---:|---:|---:|---:|"]
     for r in rows:
         cells = []
         for isa in isas:
             share = f"{100 * r[isa + '_GBps'] / r['ceiling_GBps']:.0f}%" if r["batch"] == 1 else ""
-            cells += [f"{r[isa + '_cpu_ms']:.3f}", f"{r[isa + '_GBps']:.1f}", share]
+            cells += [f"{r[isa + '_cpu_ms']:.3f}", f"{r[isa + '_c_cpu_ms']:.3f}", f"{r[isa + '_GBps']:.1f}", share]
         int8_ms = r[best + "_cpu_ms"]
         lines.append(f"| {r['N']}×{r['K']} | {r['batch']} | {r['ceiling_GBps']:.1f} | " + " | ".join(cells)
                      + f" | {r['exact_cpu_ms']:.3f} | {r['fp32_cpu_ms']:.2f} | "

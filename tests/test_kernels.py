@@ -388,6 +388,20 @@ def test_read_pass_ors_every_word_with_or_without_prefetch(prefetch):
     assert cpu.extension().read_pass(words, prefetch) == (1 << 40) | 5
     with pytest.raises(RuntimeError, match="multiple of 128 bytes"):
         cpu.extension().read_pass(words[:-1], prefetch)
+    assert 0 < cpu.extension().read_pass_seconds(words, prefetch) < 1  # the same pass, timed in C
+
+
+@needs_ext
+def test_the_int8_kernel_timed_in_c_runs_the_kernel_on_checked_arguments():
+    from bitquilt.kernels import q4_int8
+
+    w, x = llm_like(64, 256)
+    layout = q4_int8.layout(make_uniform(w, 4, 128, sym=False))
+    ext = cpu.extension()
+    args = (layout.codes, layout.scales, 64, layout.group, layout.bits)
+    assert 0 < ext.q4_int8_seconds(x[:1].contiguous(), *args) < 1
+    with pytest.raises(RuntimeError, match="packed codes do not match the shape"):
+        ext.q4_int8_seconds(x[:1, :192].contiguous(), *args)
 
 
 @needs_ext

@@ -8,8 +8,8 @@
 //     OMP_NUM_THREADS=1 /tmp/c_kernel_timing 4      # 4-bit codes, group 128 (2: 2-bit, group 64; 8: the 8-bit GEMV)
 //
 // Each of the int8 kernels' paths the CPU runs (AVX2; AVX-512 VNNI where present), qwen2.5-1.5b's shapes and 4096²
-// for 4 and 2 bits, a small and two LM-head-like shapes for 8 bits. Codes are random, the layouts on huge pages as
-// kernels.layout_empty allocates them.
+// for 4 and 2 bits, a small and two LM-head-like shapes for 8 bits. Codes are random, the layouts (and the read
+// buffers) on huge pages from 2 MB on, as kernels.layout_empty allocates them.
 
 #include <immintrin.h>
 #include <sys/mman.h>
@@ -33,7 +33,12 @@ double thread_seconds() {
   return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-uint8_t* huge_pages(size_t n) {  // 2 MB-aligned, advised MADV_HUGEPAGE, touched
+uint8_t* huge_pages(size_t n) {  // as kernels.layout_empty: from 2 MB on, 2 MB-aligned and advised MADV_HUGEPAGE
+  if (n < (2u << 20)) {
+    auto* p = static_cast<uint8_t*>(std::malloc(n));
+    std::memset(p, 1, n);
+    return p;
+  }
   const size_t bytes = (n + (2 << 20) - 1) / (2 << 20) * (2 << 20);
   auto* p = static_cast<uint8_t*>(aligned_alloc(2 << 20, bytes));
   madvise(p, bytes, MADV_HUGEPAGE);

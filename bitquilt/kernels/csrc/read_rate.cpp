@@ -2,12 +2,19 @@
 // buffer that does as little as a read can, four 256-bit loads OR-ed into four accumulators per step. A batch-1
 // matmul reads its weights once, so this pass's bytes per second bound its rate on the same thread and data.
 // (torch.sum of fp32, the ceiling used before, adds per element and ran below what the AVX-512 kernels reach.)
+// Both it and the int8 kernel can also be timed here, in C (`*_seconds`: thread CPU time around the call alone), as
+// the fused decode step and the standalone runtime call the kernel: without the Python binding, the checks and the
+// output's allocation (≈ 3 µs of a 1536² call's 60 on Zen 4).
 
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
+#include <time.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
+#include <vector>
+
+#include "q4_int8.h"
 
 namespace {
 
@@ -35,9 +42,38 @@ int64_t read_pass(const at::Tensor& t, int64_t prefetch) {
          _mm256_extract_epi64(all, 3);
 }
 
+double thread_seconds() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
+// Thread CPU seconds of one read_pass.
+double read_pass_seconds(const at::Tensor& t, int64_t prefetch) {
+  const double start = thread_seconds();
+  volatile int64_t sink = read_pass(t, prefetch);
+  static_cast<void>(sink);
+  return thread_seconds() - start;
+}
+
+// Thread CPU seconds of one int8-activation matmul of x [T, K] by the layout (q4_int8_matmul's arguments), the
+// output allocated before the clock starts.
+double q4_int8_seconds(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t group,
+                       int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [T, K]");
+  const bitquilt_q4::Weight W = bitquilt_q4::make_weight(w, sz, N, x.size(1), group, bits);
+  std::vector<float> y(x.size(0) * N);
+  const double start = thread_seconds();
+  bitquilt_q4::matmul_into(x.data_ptr<float>(), x.size(0), W, y.data());
+  return thread_seconds() - start;
+}
+
 }  // namespace
 
 void register_read_rate(pybind11::module& m) {
   m.def("read_pass", &read_pass, "one streaming read over a buffer (the bandwidth ceiling of batch-1 kernels)",
         pybind11::arg("t"), pybind11::arg("prefetch") = 0);
+  m.def("read_pass_seconds", &read_pass_seconds, "thread CPU seconds of one read_pass", pybind11::arg("t"),
+        pybind11::arg("prefetch") = 0);
+  m.def("q4_int8_seconds", &q4_int8_seconds, "thread CPU seconds of one q4_int8 matmul, timed in C");
 }

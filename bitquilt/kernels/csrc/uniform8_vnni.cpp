@@ -7,7 +7,7 @@
 //   y[r] = sum_g s[r, g] * sum_{b in g} d_b * <q[r, b], i_b>  -  sum_g (s z)[r, g] * X_g,
 // exactly x_hat @ W^T, as the AVX2 loop. The same 32 columns per step (256-bit): on Zen 4, cold codes, 1 thread,
 // builds alternating, a loop at 64 columns per 512-bit step ran 1.4x faster in cache yet 0.65-0.96x on cold codes,
-// whatever its prefetch; this one 1.06-1.21x the AVX2 loop (1.01-1.10x with both at 8 KB), 83-88% of the read
+// whatever its prefetch; this one 1.06-1.21x the AVX2 loop (1.01-1.10x with both at 8 KB), 81-89% of the read
 // ceiling timed in C (bench/prototypes/c_kernel_timing.cpp), 1.1-1.4x the AVX2 loop in cache.
 //
 // The row loop around the dot product is rows_int8's (uniform8_gemv.cpp). One template serving both, instantiated
