@@ -63,15 +63,28 @@ def _remove_stale(path: Path) -> None:
                 p.unlink(missing_ok=True)
 
 
+def _readable_as_umask_allows(path: Path) -> None:
+    """Give `path` (a file, or every file below a directory) the read bits the process's umask allows: safetensors
+    writes its files owner-only (0600), which would leave a saved model unreadable to the other users of a machine or
+    container that the rest of its directory is readable to."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in (path.rglob("*") if path.is_dir() else [path]):
+        if f.is_file() and not f.is_symlink():
+            f.chmod(f.stat().st_mode | (0o444 & ~mask))
+
+
 @contextmanager
 def atomic_dir(path: Path) -> Iterator[Path]:
-    """Yield an empty temporary directory that replaces `path` only if the block succeeds."""
+    """Yield an empty temporary directory that replaces `path` only if the block succeeds (its files readable as the
+    umask allows)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(path)
     tmp = _temp_sibling(path)
     tmp.mkdir()
     try:
         yield tmp
+        _readable_as_umask_allows(tmp)
         old = _temp_sibling(path) if path.exists() else None
         if old is not None:
             path.rename(old)
@@ -90,12 +103,13 @@ def atomic_dir(path: Path) -> Iterator[Path]:
 
 @contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
-    """Yield a temporary file path that replaces `path` only if the block succeeds."""
+    """Yield a temporary file path that replaces `path` only if the block succeeds (readable as the umask allows)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(path)
     tmp = _temp_sibling(path)
     try:
         yield tmp
+        _readable_as_umask_allows(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

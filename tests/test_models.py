@@ -119,6 +119,30 @@ def test_atomic_dir_replaces_only_on_success(tmp_path):
     assert (target / "a").read_text() == "1" and _cache_entries(tmp_path) == ["entry"]
 
 
+def test_atomic_outputs_are_readable_as_the_umask_allows(tmp_path):
+    """safetensors writes owner-only files; a saved directory's files get the read bits the umask allows."""
+    from safetensors.torch import save_file
+
+    mask = os.umask(0o022)
+    try:
+        with cache.atomic_dir(tmp_path / "saved") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "x").write_text("1")
+            (tmp / "sub" / "x").chmod(0o600)
+        with cache.atomic_file(tmp_path / "one.safetensors") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp))
+        os.umask(0o077)
+        with cache.atomic_file(tmp_path / "private") as tmp:
+            tmp.write_text("1")
+            tmp.chmod(0o600)
+    finally:
+        os.umask(mask)
+    for f in ("saved/model.safetensors", "saved/sub/x", "one.safetensors"):
+        assert (tmp_path / f).stat().st_mode & 0o777 == 0o644, f
+    assert (tmp_path / "private").stat().st_mode & 0o777 == 0o600  # a stricter umask is kept
+
+
 def test_atomic_dir_removes_temporaries_of_killed_processes(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
