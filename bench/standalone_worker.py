@@ -16,22 +16,9 @@ from typing import Any
 import llamacpp
 
 from bitquilt.standalone.generate import picker
-from bitquilt.standalone.model import FILE, StandaloneModel, set_threads
+from bitquilt.standalone.model import StandaloneModel, set_threads
 
 WARMUP_TOKENS = 2  # as e2e.py's bitquilt rows
-
-
-def bits_per_weight(model: StandaloneModel) -> float:
-    """Bits per weight as the export stores them, counted as `model_summary` counts: the decoder's linears, plus
-    the embedding and LM head when quantized."""
-    bits = weights = 0
-    for name, entry in model.config["linears"].items():
-        if entry["kind"] == "dense" and not name.startswith("model.layers."):
-            continue
-        names = [f"{name}.{t}" for t in ("codes", "scales", "scale", "scale_zero", "weight")]
-        bits += sum(8 * model.tensors[t].nbytes for t in names if t in model.tensors)
-        weights += entry["out"] * entry["in"]
-    return bits / weights
 
 
 def measure(export: str, prompt: list[int], new_tokens: int, threads: int, vocab_size: int) -> dict[str, Any]:
@@ -50,8 +37,8 @@ def measure(export: str, prompt: list[int], new_tokens: int, threads: int, vocab
     result = llamacpp.timed_decode(start, prompt, new_tokens)
     assert "torch" not in sys.modules and "numpy" not in sys.modules, "the standalone runtime imported torch or numpy"
     return {**result, "peak_rss_mb": llamacpp.peak_rss_mb(), "setup_s": setup_s, "ready_s": ready_s,
-            "weights_mb": (model.directory / FILE).stat().st_size / 2**20, "kernel_layout_mb": 0.0,
-            "bits_per_weight": bits_per_weight(model), "torch_threads": threads}
+            "weights_mb": model.size_mb(), "kernel_layout_mb": 0.0, "bits_per_weight": model.bits_per_weight(),
+            "torch_threads": threads}
 
 
 if __name__ == "__main__":

@@ -78,18 +78,24 @@ def _is_standalone_export(model: str) -> bool:
     return (Path(model) / FILE).is_file()
 
 
-def _generate_standalone(args) -> int:
-    """`generate` of a standalone export (`bitquilt export --to standalone`): the standalone runtime's, as
-    `bitquilt-run` (int8 activations; no engine or runtime to choose)."""
+def _standalone(args, model: str):
+    """A standalone export (`bitquilt export --to standalone`) for `generate` or `bench`, in the standalone runtime
+    (int8 activations; no engine or runtime to choose) on --threads (default: every core)."""
     if args.engine != "auto" or args.runtime != "auto":
-        raise UserError(f"{args.model} is a standalone export, which runs in the standalone runtime only; drop "
+        raise UserError(f"{model} is a standalone export, which runs in the standalone runtime only; drop "
                         "--engine and --runtime")
-    from bitquilt.standalone.generate import generate
     from bitquilt.standalone.model import StandaloneModel
     from bitquilt.standalone.model import set_threads as set_standalone_threads
 
     set_standalone_threads(args.threads or os.cpu_count() or 1)
-    result = generate(StandaloneModel(args.model), args.prompt, args.max_new_tokens, args.temperature, args.seed,
+    return StandaloneModel(model)
+
+
+def _generate_standalone(args) -> int:
+    """`generate` of a standalone export: the standalone runtime's, as `bitquilt-run`."""
+    from bitquilt.standalone.generate import generate
+
+    result = generate(_standalone(args, args.model), args.prompt, args.max_new_tokens, args.temperature, args.seed,
                       args.ignore_eos)
     _print_generation(args, result.text, result.stats())
     return 0
@@ -113,10 +119,17 @@ def cmd_bench(args) -> int:
     rows = []
     for spec in args.models:
         reset_peak_rss()
-        model, _ = load(spec, _runtime(args))
-        result = measure_speed(model, model.config.vocab_size, args.prompt_tokens, args.new_tokens, args.repeats,
-                               engine=args.engine)
-        row = {"model": spec, **model_summary(model), **result.to_dict()}
+        if _is_standalone_export(spec):  # the standalone runtime's measurement, same protocol and fields
+            from bitquilt.standalone.generate import measure_speed as measure_standalone
+
+            model = _standalone(args, spec)
+            row = {"model": spec, "size_mb": model.size_mb(), "bits_per_weight": model.bits_per_weight(),
+                   **measure_standalone(model, args.prompt_tokens, args.new_tokens, args.repeats)}
+        else:
+            model, _ = load(spec, _runtime(args))
+            result = measure_speed(model, model.config.vocab_size, args.prompt_tokens, args.new_tokens, args.repeats,
+                                   engine=args.engine)
+            row = {"model": spec, **model_summary(model), **result.to_dict()}
         if rows:
             row["decode_speedup"] = row["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
             row["prefill_speedup"] = row["prefill_tokens_per_s"] / rows[0]["prefill_tokens_per_s"]
@@ -161,7 +174,8 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
 
     s = sub.add_parser("bench", help="prefill and batch-1 decode tokens/s and memory of one or more models")
     s.add_argument("models", nargs="+", metavar="model",
-                   help=model_help + "; speedups are relative to the first, e.g. `bench smollm2-135m out/q4`")
+                   help=model_help + ", or a standalone export (`export --to standalone`: run in the standalone "
+                   "runtime); speedups are relative to the first, e.g. `bench smollm2-135m out/q4 out/q4-run`")
     s.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for prefill (default 128)")
     s.add_argument("--new-tokens", type=int, default=32, help="decode steps per run (default 32)")
     s.add_argument("--repeats", type=int, default=3, help="runs per model; the median is reported (default 3)")

@@ -186,3 +186,20 @@ def test_bitquilt_run_generates_text_without_importing_torch_or_numpy(exported_s
     assert main(["export", str(exported_smollm / "saved"), "-o", str(exported_smollm / "out"), "--to",
                  "standalone"]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_bitquilt_bench_measures_a_standalone_export_beside_its_saved_model(exported_smollm, capsys):
+    from bitquilt.cli import main
+
+    saved, out = str(exported_smollm / "saved"), str(exported_smollm / "out")
+    assert main(["bench", saved, out, "--prompt-tokens", "16", "--new-tokens", "4", "--repeats", "1", "--threads",
+                 "1", "--int8-activations", "--json"]) == 0
+    torch_row, standalone_row = json.loads(capsys.readouterr().out)
+    assert set(standalone_row) == set(torch_row) | {"decode_speedup", "prefill_speedup"}  # the same fields, and
+    assert standalone_row["decode_speedup"] > 0  # the speedup against the first (saved) model
+    assert standalone_row["decode_tokens_per_s"] > 0 and standalone_row["prefill_tokens_per_s"] > 0
+    assert standalone_row["threads"] == 1 and standalone_row["kernel_layout_mb"] == 0
+    assert standalone_row["bits_per_weight"] == pytest.approx(torch_row["bits_per_weight"], rel=0.03)  # + fp32 s, s·z
+    assert standalone_row["weights_mb"] == pytest.approx(torch_row["weights_mb"], rel=0.03)
+    assert main(["bench", out, "--engine", "lean"]) == 2
+    assert "runs in the standalone runtime only" in capsys.readouterr().err

@@ -113,6 +113,22 @@ class StandaloneModel:
         self._check(self._lib.bq_set_ends(handle, embed, _pointer(t["model.norm.weight"]), head))
         self.pos = 0
 
+    def bits_per_weight(self) -> float:
+        """Bits per weight as the export stores them, counted as `bitquilt.io.model_summary` counts: the decoder's
+        linears, plus the embedding and LM head when quantized (a tied table once)."""
+        bits = weights = 0
+        for name, entry in self.config["linears"].items():
+            if entry["kind"] == "dense" and not name.startswith("model.layers."):
+                continue
+            tensors = [f"{name}.{t}" for t in ("codes", "scales", "scale", "scale_zero", "weight")]
+            bits += sum(8 * self.tensors[t].nbytes for t in tensors if t in self.tensors)
+            weights += entry["out"] * entry["in"]
+        return bits / weights
+
+    def size_mb(self) -> float:
+        """The export's file, MiB."""
+        return (self.directory / FILE).stat().st_size / 2**20
+
     def _check(self, result: int) -> int:
         if result < 0:
             raise UserError(f"{self.directory}: {last_error()}")
