@@ -110,7 +110,8 @@ def _print_generation(args, text: str, stats: dict) -> None:
 
 
 def cmd_bench(args) -> int:
-    from bitquilt.eval.speed import check_speed_settings, measure_speed
+    from bitquilt.decoding import check_speed_settings
+    from bitquilt.eval.speed import measure_speed
     from bitquilt.io import load
     from bitquilt.resources import reset_peak_rss
 

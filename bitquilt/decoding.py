@@ -9,6 +9,7 @@ own step and pick.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,3 +52,18 @@ def generation_stats(prompt_tokens: int, run: DecodeRun) -> dict[str, float | in
     return {"prompt_tokens": prompt_tokens, "new_tokens": n,
             "prefill_tokens_per_s": prompt_tokens / run.prefill_seconds,
             "decode_tokens_per_s": (n - 1) / run.decode_seconds if n > 1 else None}
+
+
+def check_speed_settings(prompt_tokens: int, new_tokens: int, repeats: int) -> None:
+    """The settings of a speed measurement (`bitquilt bench`): a prompt, at least one decode step, one run."""
+    if prompt_tokens < 1 or new_tokens < 2 or repeats < 1:
+        raise ValueError(f"need prompt_tokens >= 1, new_tokens >= 2 and repeats >= 1, got {prompt_tokens}, "
+                         f"{new_tokens} and {repeats}")
+
+
+def median_rates(runs: Sequence[DecodeRun], prompt_tokens: int) -> tuple[float, float]:
+    """Prefill and decode tokens/s of repeated runs on one prompt, each the median over the runs (decode: per step
+    after the first token): what every runtime's speed measurement reports."""
+    prefill = statistics.median(r.prefill_seconds for r in runs)
+    per_token = statistics.median(r.decode_seconds / (len(r.new_ids) - 1) for r in runs)
+    return prompt_tokens / prefill, 1.0 / per_token

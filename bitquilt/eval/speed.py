@@ -8,7 +8,6 @@ kernel's packed layout, so `measure_speed` runs an untimed warm-up first.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bitquilt.decoding import DecodeRun, run_decode
+from bitquilt.decoding import DecodeRun, check_speed_settings, median_rates, run_decode
 from bitquilt.resources import peak_rss_mb
 
 
@@ -101,12 +100,6 @@ def kernel_layout_bytes(model: nn.Module) -> int:
     return sum(kernels.kernel_layout_bytes(m.fmt) for m in model.modules() if isinstance(m, QuantLinear))
 
 
-def check_speed_settings(prompt_tokens: int, new_tokens: int, repeats: int) -> None:
-    if prompt_tokens < 1 or new_tokens < 2 or repeats < 1:
-        raise ValueError(f"need prompt_tokens >= 1, new_tokens >= 2 and repeats >= 1, got {prompt_tokens}, "
-                         f"{new_tokens} and {repeats}")
-
-
 @torch.no_grad()
 def measure_speed(model: nn.Module, vocab_size: int, prompt_tokens: int = 128, new_tokens: int = 32,
                   repeats: int = 3, seed: int = 0, engine: str = "auto") -> SpeedResult:
@@ -121,8 +114,6 @@ def measure_speed(model: nn.Module, vocab_size: int, prompt_tokens: int = 128, n
     prompt = torch.randint(0, vocab_size, (1, prompt_tokens), generator=gen)
     decode(model, prompt[:, : min(8, prompt_tokens)], 2, engine=engine)  # warm-up: kernel layouts, allocator
     runs = [decode(model, prompt, new_tokens, engine=engine) for _ in range(repeats)]
-    prefill = statistics.median(r.prefill_seconds for r in runs)
-    per_token = statistics.median(r.decode_seconds / (len(r.new_ids) - 1) for r in runs)
-    return SpeedResult(prompt_tokens, new_tokens, prompt_tokens / prefill, 1.0 / per_token,
+    return SpeedResult(prompt_tokens, new_tokens, *median_rates(runs, prompt_tokens),
                        model_nbytes(model) / 2**20, kernel_layout_bytes(model) / 2**20, peak_rss_mb(),
                        torch.get_num_threads())

@@ -7,13 +7,12 @@ Python's generator seeded by `seed` (reproducible here, not the same draws as th
 from __future__ import annotations
 
 import random
-import statistics
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bitquilt.decoding import DecodeRun, generation_stats, run_decode
+from bitquilt.decoding import DecodeRun, check_speed_settings, generation_stats, median_rates, run_decode
 from bitquilt.errors import UserError
 from bitquilt.resources import peak_rss_mb
 from bitquilt.standalone.library import library
@@ -85,15 +84,12 @@ def measure_speed(model: StandaloneModel, prompt_tokens: int = 128, new_tokens: 
                   seed: int = 0) -> dict[str, Any]:
     """Median prefill and decode throughput over `repeats` greedy runs on a random-token prompt, after a short
     warm-up: `bitquilt.eval.speed.measure_speed`'s protocol and fields (`bitquilt bench`), for a standalone export."""
-    if prompt_tokens < 1 or new_tokens < 2 or repeats < 1:
-        raise UserError(f"need prompt_tokens >= 1, new_tokens >= 2 and repeats >= 1, got {prompt_tokens}, "
-                        f"{new_tokens} and {repeats}")
+    check_speed_settings(prompt_tokens, new_tokens, repeats)
     draws = random.Random(seed)
     prompt = [draws.randrange(model.vocab_size) for _ in range(prompt_tokens)]
     generate_ids(model, prompt[:8], 2)  # warm-up: the first pages of the mapping, the allocator
     runs = [generate_ids(model, prompt, new_tokens) for _ in range(repeats)]
-    prefill = statistics.median(r.prefill_seconds for r in runs)
-    per_token = statistics.median(r.decode_seconds / (len(r.new_ids) - 1) for r in runs)
-    return {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "prefill_tokens_per_s": prompt_tokens / prefill,
-            "decode_tokens_per_s": 1.0 / per_token, "weights_mb": model.size_mb(), "kernel_layout_mb": 0.0,
+    prefill, decode = median_rates(runs, prompt_tokens)
+    return {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "prefill_tokens_per_s": prefill,
+            "decode_tokens_per_s": decode, "weights_mb": model.size_mb(), "kernel_layout_mb": 0.0,
             "peak_rss_mb": peak_rss_mb(), "threads": library().bq_threads()}

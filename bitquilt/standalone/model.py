@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,10 +37,7 @@ def _pointer(t: MappedTensor | None) -> int | None:
 
 def _floats(address: int, shape: tuple[int, ...]) -> memoryview:
     """fp32 values [shape] at `address` (the library's memory), in place."""
-    count = 1
-    for n in shape:
-        count *= n
-    return memoryview((ctypes.c_float * count).from_address(address)).cast("B").cast("f", shape)
+    return memoryview((ctypes.c_float * math.prod(shape)).from_address(address)).cast("B").cast("f", shape)
 
 
 def set_threads(threads: int) -> None:

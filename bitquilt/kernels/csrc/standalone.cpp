@@ -14,6 +14,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -318,18 +319,16 @@ int64_t bq_argmax(const float* logits, int64_t n) {
 }
 
 // A draw from softmax(logits / temperature) [n], `uniform` in [0, 1) the caller's random number: the first index
-// whose cumulative probability exceeds it (in double, so that no token's share is lost to rounding).
+// whose cumulative probability exceeds it (in double, so that no token's share is lost to rounding). Each weight's
+// exponential is computed once, kept as the running sum of the weights before it.
 int64_t bq_sample(const float* logits, int64_t n, double temperature, double uniform) {
   const double top = logits[bq_argmax(logits, n)];
+  thread_local std::vector<double> cumulative;
+  cumulative.resize(n);
   double total = 0;
-  for (int64_t i = 0; i < n; ++i) total += std::exp((logits[i] - top) / temperature);
+  for (int64_t i = 0; i < n; ++i) cumulative[i] = total += std::exp((logits[i] - top) / temperature);
   const double target = uniform * total;
-  double cumulative = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    cumulative += std::exp((logits[i] - top) / temperature);
-    if (cumulative > target) return i;
-  }
-  return n - 1;
+  return std::min<int64_t>(std::upper_bound(cumulative.begin(), cumulative.end(), target) - cumulative.begin(), n - 1);
 }
 
 }  // extern "C"
