@@ -22,7 +22,8 @@ from bitquilt.errors import UserError
 
 CSRC = Path(__file__).resolve().parent.parent / "kernels" / "csrc"
 SOURCES = ("standalone.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "uniform8_gemv.cpp", "uniform8_vnni.cpp")
-HEADERS = ("avx2_simd.h", "decoder_core.h", "int8_round.h", "parallel.h", "q4_int8.h", "uniform8.h")
+HEADERS = ("avx2_simd.h", "decoder_core.h", "int8_round.h", "json_value.h", "parallel.h", "q4_int8.h",
+           "standalone_file.h", "uniform8.h")
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 CPU_FLAGS = ("avx2", "fma", "f16c")  # the baseline the library is compiled for
 
@@ -34,15 +35,11 @@ SIGNATURES = {  # name: (result, arguments)
     "bq_set_vnni": (ctypes.c_int, [ctypes.c_int]),
     "bq_set_threads": (None, [ctypes.c_int]),
     "bq_threads": (ctypes.c_int, []),
-    "bq_new": (_p, [_i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_double, ctypes.c_double, _p]),
+    "bq_open": (_p, [ctypes.c_char_p, _i64]),
     "bq_free": (None, [_p]),
-    "bq_add_q4": (_i64, [_p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _p]),
-    "bq_add_u8": (_i64, [_p, _p, _p, _p, _i64, _i64, _i64, _p]),
-    "bq_add_dense": (_i64, [_p, _p, _i64, _i64, _p]),
-    "bq_add_layer": (ctypes.c_int, [_p, _p, _p, _p, _p, _p]),
     "bq_cache": (_p, [_p, _i64, ctypes.c_int]),
     "bq_rope": (_p, [_p, ctypes.c_int]),
-    "bq_set_ends": (ctypes.c_int, [_p, _i64, _p, _i64]),
+    "bq_vocab": (_i64, [_p]),
     "bq_forward": (ctypes.c_int, [_p, _p, _i64, _i64, _p]),
     "bq_argmax": (_i64, [_p, _i64]),
     "bq_sample": (_i64, [_p, _i64, ctypes.c_double, ctypes.c_double]),

@@ -1,11 +1,12 @@
-"""A standalone export loaded for generation: the mapped file's tensors handed to the C library, one C call per
-forward, no array library.
+"""A standalone export loaded for generation: the C library's model of the file, one C call per forward, no array
+library.
 
 `StandaloneModel(directory)` maps `standalone.safetensors` (`bitquilt.export.standalone` writes it), reads its
-metadata and loads the tokenizer; `begin(max_len)` builds the library's model for a sequence of up to `max_len`
-positions (its RoPE tables for those positions and zeroed key/value caches whose pages are touched only as
-positions fill), and `forward(ids)` appends ids at the current position and returns the last one's logits
-(`array.array` of fp32). The weights are never copied: the library's linears point into the mapping.
+metadata and loads the tokenizer; `begin(max_len)` has the library open the file for a sequence of up to `max_len`
+positions (`bq_open`: the same loader as the native runner's; its RoPE tables for those positions and zeroed
+key/value caches whose pages are touched only as positions fill), and `forward(ids)` appends ids at the current
+position and returns the last one's logits (`array.array` of fp32). The weights are never copied: the library's
+linears point into its mapping of the file.
 """
 
 from __future__ import annotations
@@ -21,19 +22,14 @@ from typing import Any
 from bitquilt.errors import UserError
 from bitquilt.isa import INT8_ISAS, choose
 from bitquilt.models.tokenizer import FastTokenizer
-from bitquilt.standalone.file import MappedTensor, MappedTensors
+from bitquilt.standalone.file import MappedTensors
 from bitquilt.standalone.library import last_error, library
 
 FILE = "standalone.safetensors"  # what bitquilt.export.standalone writes, and its metadata
 METADATA_KEY = "bitquilt.standalone"
 FORMAT_VERSION = 1
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-               "mlp.up_proj", "mlp.down_proj")  # a layer's linears in the order of csrc/standalone.cpp's bq_add_layer
-
-
-def _pointer(t: MappedTensor | None) -> int | None:
-    return None if t is None else t.address
-
+               "mlp.up_proj", "mlp.down_proj")  # a layer's linears, as csrc/standalone.cpp's loader reads them
 
 def _floats(address: int, shape: tuple[int, ...]) -> memoryview:
     """fp32 values [shape] at `address` (the library's memory), in place."""
@@ -84,32 +80,11 @@ class StandaloneModel:
 
     def begin(self, max_len: int) -> None:
         """Start a sequence of up to `max_len` positions (the previous one, if any, is dropped)."""
-        if not 0 < max_len <= self.max_positions:
-            raise UserError(f"a sequence of {max_len} positions does not fit the model's {self.max_positions}")
         self.close()
-        c, t = self.config, self.tensors
-        inv_freq = t["rope.inv_freq"]
-        if inv_freq.dtype != "F32" or inv_freq.shape != (c["head_dim"] // 2,):
-            raise UserError(f"{self.directory}: rope.inv_freq is {inv_freq.dtype} {inv_freq.shape}, expected fp32 "
-                            f"[{c['head_dim'] // 2}]")
-        handle = self._lib.bq_new(c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"],
-                                  c["num_key_value_heads"], c["head_dim"], c["intermediate_size"], max_len,
-                                  c["rms_norm_eps"], c["attention_scaling"], inv_freq.address)
+        handle = self._lib.bq_open(str(self.directory / FILE).encode(), max_len)
         if not handle:
-            raise UserError(f"{self.directory}: {last_error()}")
-        self._handle, self.max_len = handle, max_len
-        for i in range(c["num_hidden_layers"]):
-            prefix = f"model.layers.{i}"
-            indices = array("q", [self._add_linear(f"{prefix}.{p}") for p in PROJECTIONS])
-            q_norm, k_norm = (t[f"{prefix}.self_attn.q_norm.weight"], t[f"{prefix}.self_attn.k_norm.weight"]) \
-                if c["qk_norms"] else (None, None)
-            self._check(self._lib.bq_add_layer(handle, _pointer(t[f"{prefix}.input_layernorm.weight"]),
-                                               _pointer(t[f"{prefix}.post_attention_layernorm.weight"]),
-                                               _pointer(q_norm), _pointer(k_norm), indices.buffer_info()[0]))
-        head = self._add_linear("lm_head")
-        embed = head if c["embed"] == "lm_head" else self._add_linear(c["embed"])
-        self._check(self._lib.bq_set_ends(handle, embed, _pointer(t["model.norm.weight"]), head))
-        self.pos = 0
+            raise UserError(last_error())
+        self._handle, self.max_len, self.pos = handle, max_len, 0
 
     def bits_per_weight(self) -> float:
         """Bits per weight as the export stores them, counted as `bitquilt.io.model_summary` counts: the decoder's
@@ -127,38 +102,6 @@ class StandaloneModel:
         """The export's file, MiB."""
         return (self.directory / FILE).stat().st_size / 2**20
 
-    def _check(self, result: int) -> int:
-        if result < 0:
-            raise UserError(f"{self.directory}: {last_error()}")
-        return result
-
-    def _add_linear(self, name: str) -> int:
-        """Linear `name` added to the library's model from its views; its index."""
-        entry, t, lib = self.config["linears"][name], self.tensors, self._lib
-        n, k = entry["out"], entry["in"]
-        bias = t[f"{name}.bias"] if entry["bias"] else None
-        if bias is not None and (bias.dtype, bias.shape) != ("F32", (n,)):
-            raise UserError(f"{self.directory}: {name}.bias is {bias.shape}, expected ({n},)")
-        if entry["kind"] == "q4":
-            codes, scales = t[f"{name}.codes"], t[f"{name}.scales"]
-            return self._check(lib.bq_add_q4(self._handle, codes.address, codes.nbytes, scales.address, scales.nbytes,
-                                             entry["group"], entry["bits"], n, k, _pointer(bias)))
-        if entry["kind"] == "u8":
-            codes, scale, scale_zero = t[f"{name}.codes"], t[f"{name}.scale"], t[f"{name}.scale_zero"]
-            groups = -(-k // entry["group"])
-            if (codes.dtype, codes.shape, scale.dtype, scale.shape, scale_zero.dtype, scale_zero.shape) != \
-                    ("U8", (n, k), "F32", (n, groups), "F32", (n, groups)):
-                raise UserError(f"{self.directory}: {name}'s 8-bit codes or scales do not match [{n}, {k}]")
-            return self._check(lib.bq_add_u8(self._handle, _pointer(codes), _pointer(scale), _pointer(scale_zero),
-                                             entry["group"], n, k, _pointer(bias)))
-        if entry["kind"] == "dense":
-            weight = t[f"{name}.weight"]
-            if weight.shape != (n, k) or weight.dtype != "F32":
-                raise UserError(f"{self.directory}: {name}.weight is {weight.dtype} {weight.shape}, expected fp32 "
-                                f"[{n}, {k}]")
-            return self._check(lib.bq_add_dense(self._handle, _pointer(weight), n, k, _pointer(bias)))
-        raise UserError(f"{self.directory}: {name} is of kind {entry['kind']!r}, which this bitquilt does not run")
-
     def forward(self, ids: Sequence[int]) -> array:
         """Logits [vocab] (fp32 `array.array`) of the last of `ids`, appended at the current position."""
         if self._handle is None:
@@ -168,8 +111,9 @@ class StandaloneModel:
         except (TypeError, OverflowError):
             raise UserError(f"token ids must be integers, got {list(ids)[:8]}") from None
         logits = array("f", bytes(4 * self.vocab_size))
-        self._check(self._lib.bq_forward(self._handle, tokens.buffer_info()[0], len(tokens), self.pos,
-                                         logits.buffer_info()[0]))
+        if self._lib.bq_forward(self._handle, tokens.buffer_info()[0], len(tokens), self.pos,
+                                logits.buffer_info()[0]) < 0:
+            raise UserError(f"{self.directory}: {last_error()}")
         self.pos += len(tokens)
         return logits
 

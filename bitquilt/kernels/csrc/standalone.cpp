@@ -5,10 +5,11 @@
 // int8-rounded activations, and a plain fp32 product for linears kept in full precision; the layer math is
 // decoder_core.h's, as in the torch extension's fused decode step.
 //
-// The caller owns the weights (views of the mapped export): a model here holds pointers to them. A model owns its
-// RoPE tables and its key/value caches, the caches in one anonymous mapping whose zero pages become memory only as
-// positions fill. Sampling is here too, so that the caller needs no array library. Functions that can fail return
-// -1 (or null) and leave the reason in bq_error().
+// A model is opened from the file itself (bq_open: standalone_file.h maps it and parses its header; the linears
+// point into the mapping, which the model keeps), so that the Python runtime and the native runner (native_runner.cpp)
+// share one loader. A model owns its RoPE tables and its key/value caches, the caches in one anonymous mapping whose
+// zero pages become memory only as positions fill. Sampling is here too, so that the caller needs no array
+// library. Functions that can fail return -1 (or null) and leave the reason in bq_error().
 
 #include <omp.h>
 #include <sys/mman.h>
@@ -18,7 +19,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -26,6 +29,7 @@
 #include "decoder_core.h"
 #include "parallel.h"
 #include "q4_int8.h"
+#include "standalone_file.h"
 #include "uniform8.h"
 
 namespace {
@@ -137,16 +141,22 @@ struct Rope {
 };
 
 struct Model {
-  Model(const bitquilt_decoder::Dims& d, const float* inv_freq, int64_t layers)
-      : rope(inv_freq, d.hd, d.max_len), core(with_tables(d)), cache_floats(d.G * d.max_len * d.hd),
-        caches(2 * layers * cache_floats), layers(layers) {}
+  Model(const bitquilt_decoder::Dims& d, const float* inv_freq, int64_t layers,
+        std::shared_ptr<const bitquilt_standalone::MappedFile> file)
+      : file(std::move(file)), rope(inv_freq, d.hd, d.max_len), core(with_tables(d)),
+        cache_floats(d.G * d.max_len * d.hd), caches(2 * layers * cache_floats), layers(layers) {}
   bitquilt_decoder::Dims with_tables(bitquilt_decoder::Dims d) const {
     d.cos = rope.cos.data();
     d.sin = rope.sin.data();
     return d;
   }
   float* cache(int64_t layer, int which) const { return caches.data() + (2 * layer + which) * cache_floats; }
+  int64_t add(const Linear& lin) {
+    linears.push_back(lin);
+    return static_cast<int64_t>(linears.size()) - 1;
+  }
 
+  std::shared_ptr<const bitquilt_standalone::MappedFile> file;  // the weights the linears point into
   Rope rope;
   bitquilt_decoder::Decoder core;
   int64_t cache_floats;  // one layer's keys (or values), [kv_heads, max_len, head_dim]
@@ -160,10 +170,110 @@ struct Model {
 
 Model* model(void* handle) { return static_cast<Model*>(handle); }
 
-int64_t push(void* handle, Linear lin, const float* bias) {
-  lin.bias = bias;
-  model(handle)->linears.push_back(lin);
-  return static_cast<int64_t>(model(handle)->linears.size()) - 1;
+using bitquilt_json::Value;
+using bitquilt_standalone::MappedFile;
+using bitquilt_standalone::Tensor;
+
+[[noreturn]] void refuse(const MappedFile& f, const std::string& why) { throw std::runtime_error(f.path() + ": " + why); }
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// Tensor `name`, fp32 of `shape`.
+const float* floats(const MappedFile& f, const std::string& name, const std::vector<int64_t>& shape) {
+  const Tensor t = f.tensor(name, "F32");
+  if (t.shape != shape) refuse(f, name + " is " + shape_text(t.shape) + ", expected " + shape_text(shape));
+  return t.as<float>();
+}
+
+int64_t integer(const MappedFile& f, const Value& v, const std::string& what) {
+  if (v.kind != Value::Number) refuse(f, "its metadata lacks " + what + "; re-export the model");
+  return v.integer();
+}
+
+// Linear `name` of the file, as its metadata entry describes it (kinds: bitquilt.export.standalone).
+Linear load_linear(const MappedFile& f, const std::string& name) {
+  const Value& entry = f.config()["linears"][name];
+  if (entry.kind != Value::Object) refuse(f, "its metadata has no linear '" + name + "'; re-export the model");
+  Linear lin;
+  const int64_t N = lin.N = integer(f, entry["out"], name + ".out");
+  const int64_t K = lin.K = integer(f, entry["in"], name + ".in");
+  if (entry["bias"].boolean) lin.bias = floats(f, name + ".bias", {N});
+  const std::string& kind = entry["kind"].string;
+  if (kind == "q4") {
+    const Tensor codes = f.tensor(name + ".codes", "U8"), scales = f.tensor(name + ".scales", "U8");
+    const int64_t group = integer(f, entry["group"], name + ".group"), bits = integer(f, entry["bits"], name + ".bits");
+    const std::string error = bitquilt_q4::layout_error(N, K, group, bits, codes.nbytes, scales.nbytes);
+    if (!error.empty()) refuse(f, name + ": " + error);
+    lin.q4 = bitquilt_q4::Weight{codes.as<uint8_t>(), scales.as<uint8_t>(), N, K, group, static_cast<int>(bits)};
+  } else if (kind == "u8") {
+    const int64_t group = integer(f, entry["group"], name + ".group");
+    const std::string error = bitquilt_u8::shape_error(K, group);
+    if (!error.empty()) refuse(f, name + ": " + error);
+    const int64_t groups = (K + group - 1) / group;
+    const Tensor codes = f.tensor(name + ".codes", "U8");
+    if (codes.shape != std::vector<int64_t>{N, K})
+      refuse(f, name + ".codes is " + shape_text(codes.shape) + ", expected " + shape_text({N, K}));
+    lin.u8 = bitquilt_u8::Weight{codes.as<uint8_t>(), floats(f, name + ".scale", {N, groups}),
+                                 floats(f, name + ".scale_zero", {N, groups}), N, K, group};
+  } else if (kind == "dense") {
+    lin.dense = floats(f, name + ".weight", {N, K});
+  } else {
+    refuse(f, name + " is of kind '" + kind + "', which this bitquilt does not run");
+  }
+  return lin;
+}
+
+// The model of a standalone file for sequences of up to `max_len` positions.
+std::unique_ptr<Model> load_model(const std::string& path, int64_t max_len) {
+  auto file = std::make_shared<const MappedFile>(path);
+  const MappedFile& f = *file;
+  const Value& c = f.config();
+  auto dim = [&](const char* key) { return integer(f, c[key], key); };
+  const int64_t layers = dim("num_hidden_layers"), D = dim("hidden_size"), hd = dim("head_dim");
+  if (max_len <= 0 || max_len > dim("max_positions"))
+    refuse(f, "a sequence of " + std::to_string(max_len) + " positions does not fit the model's " +
+                  std::to_string(dim("max_positions")));
+  const float* inv_freq = floats(f, "rope.inv_freq", {hd / 2});
+  const bitquilt_decoder::Dims d{D, dim("num_attention_heads"), dim("num_key_value_heads"), hd,
+                                 dim("intermediate_size"), max_len, static_cast<float>(c["rms_norm_eps"].number),
+                                 static_cast<float>(c["attention_scaling"].number), inv_freq, inv_freq};
+  std::string error = bitquilt_decoder::dims_error(d);
+  if (error.empty() && (layers <= 0 || hd % 2)) error = "layers must be positive and the head dim even";
+  if (!error.empty()) refuse(f, error);
+  auto m = std::make_unique<Model>(d, inv_freq, layers, file);
+  if (m->caches.data() == nullptr) refuse(f, "no memory for the key/value caches");
+  static const char* const projections[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                             "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
+                                             "mlp.down_proj"};
+  const bool qk_norms = c["qk_norms"].boolean;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const std::string prefix = "model.layers." + std::to_string(layer) + ".";
+    int64_t index[7], N[7], K[7];
+    for (int j = 0; j < 7; ++j) {
+      const Linear lin = load_linear(f, prefix + projections[j]);
+      N[j] = lin.N;
+      K[j] = lin.K;
+      index[j] = m->add(lin);
+    }
+    error = bitquilt_decoder::linears_error(d, N, K);
+    if (!error.empty()) refuse(f, "layer " + std::to_string(layer) + ": " + error);
+    m->core.add_layer({floats(f, prefix + "input_layernorm.weight", {D}),
+                       floats(f, prefix + "post_attention_layernorm.weight", {D}),
+                       qk_norms ? floats(f, prefix + "self_attn.q_norm.weight", {hd}) : nullptr,
+                       qk_norms ? floats(f, prefix + "self_attn.k_norm.weight", {hd}) : nullptr, index[0], index[1],
+                       index[2], index[3], index[4], index[5], index[6], m->cache(layer, 0), m->cache(layer, 1)});
+  }
+  m->head = m->add(load_linear(f, "lm_head"));
+  const std::string& embed = c["embed"].string;
+  m->embed = embed == "lm_head" ? m->head : m->add(load_linear(f, embed));
+  const Linear &e = m->linears[m->embed], &h = m->linears[m->head];
+  if (e.K != D || h.K != D || h.N != e.N) refuse(f, "the embedding and the head must be [vocab, hidden]");
+  m->final_norm = floats(f, "model.norm.weight", {D});
+  return m;
 }
 
 }  // namespace
@@ -181,82 +291,18 @@ int bq_set_vnni(int enabled) {
 void bq_set_threads(int threads) { omp_set_num_threads(threads); }
 int bq_threads() { return omp_get_max_threads(); }
 
-// A model of `layers` decoder layers, to be added, for up to `max_len` positions; inv_freq fp32 [head_dim / 2].
-void* bq_new(int64_t layers, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
-             int64_t max_len, double eps, double scaling, const float* inv_freq) {
-  const bitquilt_decoder::Dims d{hidden, heads, kv_heads, head_dim, intermediate, max_len, static_cast<float>(eps),
-                                 static_cast<float>(scaling), inv_freq, inv_freq};
-  std::string error = bitquilt_decoder::dims_error(d);
-  if (error.empty() && (layers <= 0 || head_dim % 2)) error = "layers must be positive and the head dim even";
-  if (!error.empty()) {
-    fail(error);
+// The model of the standalone file at `path` (its weights mapped, not read) for up to `max_len` positions; null
+// with the reason in bq_error() when the file cannot be run.
+void* bq_open(const char* path, int64_t max_len) {
+  try {
+    return load_model(path, max_len).release();
+  } catch (const std::exception& e) {
+    fail(e.what());
     return nullptr;
   }
-  auto* m = new Model(d, inv_freq, layers);
-  if (m->caches.data() == nullptr) {
-    delete m;
-    fail("no memory for the key/value caches");
-    return nullptr;
-  }
-  return m;
 }
 
 void bq_free(void* handle) { delete model(handle); }
-
-// A 4- or 2-bit linear in the layout of q4_int8.h; its index.
-int64_t bq_add_q4(void* handle, const uint8_t* codes, int64_t code_bytes, const uint8_t* scales, int64_t scale_bytes,
-                  int64_t group, int64_t bits, int64_t N, int64_t K, const float* bias) {
-  const std::string error = bitquilt_q4::layout_error(N, K, group, bits, code_bytes, scale_bytes);
-  if (!error.empty()) return fail(error);
-  Linear lin;
-  lin.q4 = bitquilt_q4::Weight{codes, scales, N, K, group, static_cast<int>(bits)};
-  lin.N = N;
-  lin.K = K;
-  return push(handle, lin, bias);
-}
-
-// An 8-bit linear: codes uint8 [N, K], s and s * z fp32 [N, groups]; its index.
-int64_t bq_add_u8(void* handle, const uint8_t* codes, const float* scale, const float* scale_zero, int64_t group,
-                  int64_t N, int64_t K, const float* bias) {
-  const std::string error = bitquilt_u8::shape_error(K, group);
-  if (!error.empty()) return fail(error);
-  Linear lin;
-  lin.u8 = bitquilt_u8::Weight{codes, scale, scale_zero, N, K, group};
-  lin.N = N;
-  lin.K = K;
-  return push(handle, lin, bias);
-}
-
-// A full-precision linear, fp32 [N, K]; its index.
-int64_t bq_add_dense(void* handle, const float* weight, int64_t N, int64_t K, const float* bias) {
-  Linear lin;
-  lin.dense = weight;
-  lin.N = N;
-  lin.K = K;
-  return push(handle, lin, bias);
-}
-
-// The next layer: norm weights (q_norm, k_norm null unless the family has them) and its linears' indices (q, k, v,
-// o, gate, up, down).
-int bq_add_layer(void* handle, const float* in_norm, const float* post_norm, const float* q_norm, const float* k_norm,
-                 const int64_t* linears) {
-  Model* m = model(handle);
-  const int64_t layer = m->core.layers();
-  if (layer == m->layers) return static_cast<int>(fail("the model has its " + std::to_string(layer) + " layers"));
-  int64_t N[7], K[7];
-  for (int j = 0; j < 7; ++j) {
-    if (linears[j] < 0 || linears[j] >= static_cast<int64_t>(m->linears.size()))
-      return static_cast<int>(fail("unknown linear " + std::to_string(linears[j])));
-    N[j] = m->linears[linears[j]].N;
-    K[j] = m->linears[linears[j]].K;
-  }
-  const std::string error = bitquilt_decoder::linears_error(m->core.dims(), N, K);
-  if (!error.empty()) return static_cast<int>(fail(error));
-  if ((q_norm == nullptr) != (k_norm == nullptr)) return static_cast<int>(fail("q and k norms come together"));
-  m->core.add_layer({in_norm, post_norm, q_norm, k_norm, linears[0], linears[1], linears[2], linears[3], linears[4],
-                     linears[5], linears[6], m->cache(layer, 0), m->cache(layer, 1)});
-  return 0;
-}
 
 // Layer `layer`'s keys (which = 0) or values (1), fp32 [kv_heads, max_len, head_dim]; null outside the model.
 const float* bq_cache(void* handle, int64_t layer, int which) {
@@ -269,26 +315,13 @@ const float* bq_rope(void* handle, int which) {
   return which == 0 ? model(handle)->rope.cos.data() : model(handle)->rope.sin.data();
 }
 
-// The embedding table (a linear [vocab, hidden] read by rows), the final norm and the LM head.
-int bq_set_ends(void* handle, int64_t embed, const float* final_norm, int64_t head) {
-  Model* m = model(handle);
-  const int64_t n = static_cast<int64_t>(m->linears.size()), D = m->core.dims().D;
-  if (embed < 0 || embed >= n || head < 0 || head >= n) return static_cast<int>(fail("unknown embedding or head"));
-  if (m->linears[embed].K != D || m->linears[head].K != D || m->linears[head].N != m->linears[embed].N)
-    return static_cast<int>(fail("the embedding and the head must be [vocab, hidden]"));
-  m->embed = embed;
-  m->head = head;
-  m->final_norm = final_norm;
-  return 0;
-}
+// The rows of the embedding table (the vocabulary the model reads).
+int64_t bq_vocab(void* handle) { return model(handle)->linears[model(handle)->embed].N; }
 
 // Tokens ids [T] at positions pos..pos+T-1 through the model (caches written); logits [vocab] of the last one.
 int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* logits) {
   Model* m = model(handle);
   const auto& d = m->core.dims();
-  if (m->embed < 0) return static_cast<int>(fail("bq_set_ends was not called"));
-  if (m->core.layers() != m->layers)
-    return static_cast<int>(fail(std::to_string(m->core.layers()) + " of " + std::to_string(m->layers) + " layers"));
   if (T <= 0 || pos < 0 || pos + T > d.max_len)
     return static_cast<int>(fail("positions " + std::to_string(pos) + ".." + std::to_string(pos + T) +
                                  " outside the cache's " + std::to_string(d.max_len)));
