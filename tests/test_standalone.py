@@ -203,3 +203,56 @@ def test_bitquilt_bench_measures_a_standalone_export_beside_its_saved_model(expo
     assert standalone_row["weights_mb"] == pytest.approx(torch_row["weights_mb"], rel=0.03)
     assert main(["bench", out, "--engine", "lean"]) == 2
     assert "runs in the standalone runtime only" in capsys.readouterr().err
+
+
+def _native(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bitquilt.standalone.native", *args], capture_output=True, text=True)
+
+
+def _run_json(command: list[str]) -> dict:
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+def test_bitquilt_native_runs_the_export_without_python_as_bitquilt_run_does(exported_smollm):
+    out = str(exported_smollm / "out")
+    runner = _native("--path").stdout.strip()
+    common = ["--prompt", "The capital of France is", "--max-new-tokens", "12", "--threads", "1", "--json"]
+    completions = []
+    for extra in ([], ["--temperature", "0.9", "--seed", "7"]):  # greedy, and the same draws as Python's generator
+        native = _run_json([runner, out, *common, *extra])
+        python = _run_json([sys.executable, "-m", "bitquilt.standalone.cli", out, *common, *extra])
+        assert native["completion"] == python["completion"] and native["new_tokens"] == python["new_tokens"]
+        assert native["prompt_tokens"] == python["prompt_tokens"] == 5
+        assert native["decode_tokens_per_s"] > 0 and native["prefill_tokens_per_s"] > 0
+        completions.append(native["completion"])
+        file_mb = (exported_smollm / "out" / FILE).stat().st_size / 2**20
+        assert native["peak_rss_mb"] < file_mb + 30 < python["peak_rss_mb"] + 30  # the weights' pages, little else
+    greedy, sampled = completions
+    assert "Paris" in greedy and sampled != greedy
+    streamed = _native(out, *common[:-1])  # through the wrapper: exec'd in place, text streamed, figures on stderr
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == "The capital of France is" + greedy + "\n"
+    assert "decode_tokens_per_s=" in streamed.stderr and "peak_rss_mb=" in streamed.stderr
+    special = _run_json([runner, out, "--prompt", "<|im_start|>user\nHi<|im_end|>", "--max-new-tokens", "2",
+                         "--ignore-eos", "--json"])
+    assert special["prompt_tokens"] == len(StandaloneModel(out).tokenizer.encode("<|im_start|>user\nHi<|im_end|>"))
+
+
+def test_bitquilt_native_bad_input(exported_smollm, tmp_path):
+    out = str(exported_smollm / "out")
+    cases = [([out], "the following arguments are required"), ([out, "--prompt", ""], "--prompt is empty"),
+             ([out, "--prompt", "x", "--max-new-tokens", "0"], "must be at least 1"),
+             ([out, "--prompt", "x", "--threads", "two"], "invalid int value: 'two'"),
+             ([out, "--prompt", "x", "--isa", "sse"], "invalid choice: 'sse'"),
+             ([out, "--prompt", "x", "--bogus"], "unrecognized argument: --bogus"),
+             ([str(exported_smollm / "saved"), "--prompt", "x"], "is not a standalone export"),
+             ([out, "--prompt", "x", "--max-new-tokens", "9000"], "does not fit the model's 8192")]
+    for args, message in cases:
+        done = _native(*args)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, (args, done.stderr)
+    saved = _saved(tmp_path, "llama", Recipe("rtn", w_bits=4, group_size=64))  # a tiny model: no tokenizer.json
+    export(saved, tmp_path / "bare", to="standalone")
+    done = _native(str(tmp_path / "bare"), "--prompt", "x")
+    assert done.returncode == 2 and "tokenizer is not one the native runner reads (no tokenizer.json)" in done.stderr
+    assert "usage: bitquilt-native" in _native("--help").stdout

@@ -52,6 +52,7 @@ from bitquilt.formats.uniform import UniformFormat
 from bitquilt.io import check_writable, is_quantized_dir, load_quantized
 from bitquilt.models import registry
 from bitquilt.models.loading import TOKENIZER_FILES
+from bitquilt.models.tokenizer import QWEN2_SPLIT, pre_tokenizer_steps
 from bitquilt.nn.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,6 @@ OWN_KEYS = {gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE, gguf.Ke
 # config keys that identify a packaged model (its GGUF then supplies the tokenizer)
 MATCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads")
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-               r"|\s+(?!\S)|\s+")
 # Hugging Face pre-tokenizer steps -> llama.cpp's pre-tokenizer that splits text the same way
 PRE_TOKENIZERS = {
     ("ByteLevel regex",): "gpt-2",
@@ -236,21 +235,9 @@ def hf_tokens(tokenizer: Any, vocab_size: int) -> list[str]:
     return [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
 
 
-def _step(step: dict[str, Any]) -> str:
-    kind = step["type"]
-    if kind == "Split":
-        return f"Split {step['pattern'].get('Regex')}"
-    if kind == "ByteLevel" and not step.get("add_prefix_space", False):
-        return "ByteLevel regex" if step.get("use_regex", True) else "ByteLevel"
-    if kind == "Digits" and step.get("individual_digits"):
-        return "Digits individual"
-    return json.dumps(step, sort_keys=True)
-
-
 def pre_tokenizer_name(pre: dict[str, Any] | None) -> str | None:
     """llama.cpp's name for a Hugging Face pre-tokenizer (tokenizer.json's `pre_tokenizer`), if it has one."""
-    steps = [] if pre is None else pre["pretokenizers"] if pre["type"] == "Sequence" else [pre]
-    return PRE_TOKENIZERS.get(tuple(_step(s) for s in steps))
+    return PRE_TOKENIZERS.get(pre_tokenizer_steps(pre))
 
 
 def tokenizer_fields(tokenizer: Any, vocab_size: int) -> dict[str, Field]:

@@ -18,7 +18,9 @@ the standalone runtime computes what `bitquilt generate --int8-activations` does
 Exportable: llama, mistral, qwen2 and qwen3 models whose linears are uniform 4- or 2-bit grids (width and groups
 multiples of 64 columns, fp16 scales, no act-order g_idx), uniform 8-bit grids (multiples of 32) or full precision,
 with no online modules; the rest is refused with one line naming the first layer. The tokenizer and generation
-files are copied; the directory is written beside the target and renamed into place.
+files are copied, and a byte-level BPE tokenizer is also written as tables for the native runner
+(`bitquilt.export.tokenizer_tables`; metadata "tokenizer", or why not); the directory is written beside the target
+and renamed into place.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch import nn
 from bitquilt.cache import atomic_dir
 from bitquilt.errors import UserError
 from bitquilt.export.checks import check_layers
+from bitquilt.export.tokenizer_tables import Unsupported, tokenizer_tables
 from bitquilt.formats.base import WeightFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
 from bitquilt.io import CONFIG_NAME, WEIGHTS_NAME, check_output, is_quantized_dir, load_quantized
@@ -167,6 +170,11 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
         raise UserError(f"cannot export {directory} to the standalone runtime: its model type is not one the native "
                         "runtime covers (llama, mistral, qwen2, qwen3)")
     tensors, metadata = standalone_tensors(model)
+    try:
+        tables, metadata["tokenizer"] = tokenizer_tables(directory)
+        tensors.update(tables)
+    except Unsupported as e:
+        metadata["tokenizer"] = {"unsupported": str(e)}
     with atomic_dir(output) as tmp:
         save_file(tensors, str(tmp / FILE), metadata={METADATA_KEY: json.dumps(metadata)})
         for f in sorted(directory.iterdir()):

@@ -17,6 +17,27 @@ from bitquilt.errors import UserError
 from bitquilt.heap import return_free_memory
 
 TOKENIZER_FILE = "tokenizer.json"
+# Qwen2's pre-tokenizer regex (tokenizer.json's Split step before its ByteLevel step)
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+
+
+def _step(step: dict[str, Any]) -> str:
+    kind = step["type"]
+    if kind == "Split":
+        return f"Split {step['pattern'].get('Regex')}"
+    if kind == "ByteLevel" and not step.get("add_prefix_space", False):
+        return "ByteLevel regex" if step.get("use_regex", True) else "ByteLevel"
+    if kind == "Digits" and step.get("individual_digits"):
+        return "Digits individual"
+    return json.dumps(step, sort_keys=True)
+
+
+def pre_tokenizer_steps(pre: dict[str, Any] | None) -> tuple[str, ...]:
+    """tokenizer.json's `pre_tokenizer` as named steps: "ByteLevel regex" (GPT-2's split, then bytes as characters),
+    "ByteLevel" (bytes as characters only), "Digits individual", "Split <regex>", or the step's JSON."""
+    steps = [] if pre is None else pre["pretokenizers"] if pre["type"] == "Sequence" else [pre]
+    return tuple(_step(s) for s in steps)
 
 
 def _token_text(entry: Any) -> str | None:

@@ -1,10 +1,12 @@
-"""The standalone runtime's C library (csrc/standalone.cpp and the torch-free kernels), compiled on first use.
+"""The standalone runtime's C library (csrc/standalone.cpp and the torch-free kernels) and the native runner
+(`bitquilt-native`, csrc/native_runner.cpp on the same sources), compiled on first use.
 
 Built with the system's C++ compiler (`$CXX`, default g++) for the AVX2 baseline, with the AVX-512 VNNI path
 compiled in and taken at run time where the CPU has it (as the torch extension does), into
 `$BITQUILT_CACHE/standalone/` under a name hashed from the sources and flags: an edit rebuilds, concurrent first
 uses wait on one build (`bitquilt.cache.file_lock`), and a failed build leaves nothing behind. Loaded with ctypes;
-`library()` returns the loaded library with every function's argument and result types declared.
+`library()` returns the loaded library with every function's argument and result types declared; `runner_path()`
+the runner's executable.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from bitquilt import cache
 from bitquilt.errors import UserError
 
 CSRC = Path(__file__).resolve().parent.parent / "kernels" / "csrc"
-SOURCES = ("standalone.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "uniform8_gemv.cpp", "uniform8_vnni.cpp")
-HEADERS = ("avx2_simd.h", "decoder_core.h", "int8_round.h", "json_value.h", "parallel.h", "q4_int8.h",
-           "standalone_file.h", "uniform8.h")
-FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
+SOURCES = ("standalone.cpp", "bpe_tokenizer.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "uniform8_gemv.cpp",
+           "uniform8_vnni.cpp")
+HEADERS = ("avx2_simd.h", "bpe_tokenizer.h", "decoder_core.h", "int8_round.h", "json_value.h", "parallel.h",
+           "q4_int8.h", "standalone_file.h", "uniform8.h")
+RUNNER = "native_runner.cpp"  # main() of bitquilt-native, on the library's sources
+FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 CPU_FLAGS = ("avx2", "fma", "f16c")  # the baseline the library is compiled for
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64  # any pointer, int64
@@ -41,6 +45,11 @@ SIGNATURES = {  # name: (result, arguments)
     "bq_rope": (_p, [_p, ctypes.c_int]),
     "bq_vocab": (_i64, [_p]),
     "bq_forward": (ctypes.c_int, [_p, _p, _i64, _i64, _p]),
+    "bq_tokenizer_open": (_p, [ctypes.c_char_p]),
+    "bq_tokenizer_free": (None, [_p]),
+    "bq_tokenizer_eos": (_i64, [_p]),
+    "bq_tokenize": (_i64, [_p, ctypes.c_char_p, _i64, _p, _i64]),
+    "bq_detokenize": (_i64, [_p, _p, _i64, ctypes.c_int, _p, _i64]),
     "bq_argmax": (_i64, [_p, _i64]),
     "bq_sample": (_i64, [_p, _i64, ctypes.c_double, ctypes.c_double]),
 }
@@ -56,17 +65,18 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build_key(compiler: str) -> str:
-    h = hashlib.sha256(" ".join((compiler, *FLAGS)).encode())
-    for name in (*SOURCES, *HEADERS):
+def _build_key(compiler: str, sources: tuple[str, ...], flags: tuple[str, ...]) -> str:
+    h = hashlib.sha256(" ".join((compiler, *flags)).encode())
+    for name in (*sources, *HEADERS):
         h.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
     return h.hexdigest()[:16]
 
 
-def library_path() -> Path:
-    """The compiled library, built first if this version of the sources has not been."""
-    flags = _cpu_flags()
-    missing = [f for f in CPU_FLAGS if flags and f not in flags]
+def _built(name: str, sources: tuple[str, ...], flags: tuple[str, ...]) -> Path:
+    """`name` (a file name, "{key}" for the build key) compiled from `sources` with FLAGS and `flags`, built first
+    if this version of the sources has not been."""
+    cpu = _cpu_flags()
+    missing = [f for f in CPU_FLAGS if cpu and f not in cpu]
     if missing:
         raise UserError(f"the standalone runtime needs a CPU with AVX2, FMA and F16C; this one lacks "
                         f"{', '.join(missing)}")
@@ -74,20 +84,31 @@ def library_path() -> Path:
     if shutil.which(compiler) is None:
         raise UserError(f"the standalone runtime compiles its kernels on first use with a C++ compiler; {compiler!r} "
                         "was not found (install g++, or set CXX)")
-    path = cache.cache_dir() / "standalone" / f"libbitquilt_standalone-{_build_key(compiler)}.so"
+    flags = (*FLAGS, *flags)
+    path = cache.cache_dir() / "standalone" / name.format(key=_build_key(compiler, sources, flags))
     if path.is_file():
         return path
     with cache.file_lock("standalone-build"):
         if path.is_file():
             return path
         with cache.atomic_file(path) as tmp:
-            result = subprocess.run([compiler, *FLAGS, "-o", str(tmp), *(str(CSRC / s) for s in SOURCES)],
+            result = subprocess.run([compiler, *flags, "-o", str(tmp), *(str(CSRC / s) for s in sources)],
                                     capture_output=True, text=True)
             if result.returncode != 0:
                 errors = [line for line in result.stderr.splitlines() if "error" in line][:5]
                 raise UserError(f"compiling the standalone runtime's kernels failed ({compiler}):\n" +
                                 "\n".join(errors or result.stderr.splitlines()[-5:]))
     return path
+
+
+def library_path() -> Path:
+    """The compiled library, built first if this version of the sources has not been."""
+    return _built("libbitquilt_standalone-{key}.so", SOURCES, ("-fPIC", "-shared"))
+
+
+def runner_path() -> Path:
+    """The compiled native runner (`bitquilt-native`: a program without Python), built first if needed."""
+    return _built("bitquilt-native-{key}", (RUNNER, *SOURCES), ())
 
 
 @functools.cache

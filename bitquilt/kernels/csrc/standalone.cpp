@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "avx2_simd.h"
+#include "bpe_tokenizer.h"
 #include "decoder_core.h"
 #include "parallel.h"
 #include "q4_int8.h"
@@ -341,6 +342,38 @@ int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* 
   bitquilt_decoder::rms_norm(m->x.data() + (T - 1) * d.D, m->final_norm, d.D, d.eps, m->last.data());
   m->linears[m->head].run(m->last.data(), 1, logits);
   return 0;
+}
+
+// The tokenizer of the standalone file at `path` (bpe_tokenizer.h); null with the reason in bq_error().
+void* bq_tokenizer_open(const char* path) {
+  try {
+    return new bitquilt_tokenizer::Tokenizer(std::make_shared<const MappedFile>(path));
+  } catch (const std::exception& e) {
+    fail(e.what());
+    return nullptr;
+  }
+}
+
+void bq_tokenizer_free(void* tokenizer) { delete static_cast<bitquilt_tokenizer::Tokenizer*>(tokenizer); }
+
+int64_t bq_tokenizer_eos(void* tokenizer) { return static_cast<bitquilt_tokenizer::Tokenizer*>(tokenizer)->eos(); }
+
+// The ids of UTF-8 text [n bytes], the first `capacity` of them written to ids; how many there are (-1: not UTF-8).
+int64_t bq_tokenize(void* tokenizer, const char* text, int64_t n, int64_t* ids, int64_t capacity) {
+  try {
+    const auto found = static_cast<bitquilt_tokenizer::Tokenizer*>(tokenizer)->encode(std::string(text, n));
+    std::copy_n(found.begin(), std::min<int64_t>(capacity, found.size()), ids);
+    return static_cast<int64_t>(found.size());
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  }
+}
+
+// The bytes of tokens ids [n] (special ones left out if skip_special), the first `capacity` written to out; how many.
+int64_t bq_detokenize(void* tokenizer, const int64_t* ids, int64_t n, int skip_special, char* out, int64_t capacity) {
+  const std::string bytes = static_cast<bitquilt_tokenizer::Tokenizer*>(tokenizer)->decode(ids, n, skip_special != 0);
+  std::copy_n(bytes.begin(), std::min<int64_t>(capacity, bytes.size()), out);
+  return static_cast<int64_t>(bytes.size());
 }
 
 // The index of the largest of logits [n] (the first of equals).

@@ -1,0 +1,150 @@
+"""A byte-level BPE tokenizer.json as tables in the standalone file, for the native runner's tokenizer
+(csrc/bpe_tokenizer.h), which then needs neither Python nor a JSON tokenizer library.
+
+Tensors (`tokenizer.*`):
+  token_bytes  uint8   every token's bytes, concatenated by id (byte-level characters mapped back to bytes; an added
+                       token's text as UTF-8)
+  token_ends   int64   [ids + 1]: token i is token_bytes[token_ends[i]:token_ends[i + 1]] (empty: no such id)
+  byte_ids     int32   [256]: the token of each single byte, where BPE starts (-1: none; BPE drops the byte)
+  merges       int32   [merges, 4]: (left, right, rank, merged token), sorted by (left, right) for binary search
+  added        int32   [added, 2]: (id, special) of the added tokens, split out of the text before BPE
+  letters      int32   [ranges, 2]: code point ranges (inclusive) of \\p{L}, from this Python's `unicodedata`
+  numbers      int32   [ranges, 2]: the same for \\p{N}
+and in the metadata: the pre-tokenizer ("gpt2": GPT-2's split; "gpt2-digits": every digit alone first, then
+GPT-2's split; "qwen2": Qwen2's Split regex), the ids the post-processor puts before and after a text, and the
+end-of-sequence id. What the native tokenizer does not reproduce (another model type, normalizer, pre-tokenizer or
+decoder, merges that can be skipped, added tokens that strip spaces) is refused with the reason: the export still
+runs with `bitquilt-run`, whose `tokenizers` library reads tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bitquilt.models.tokenizer import QWEN2_SPLIT, TOKENIZER_FILE, FastTokenizer, pre_tokenizer_steps
+
+PRE_TOKENIZERS = {  # tokenizer.json's pre-tokenizer steps -> the native tokenizer's name for the same split
+    ("ByteLevel regex",): "gpt2",
+    ("Digits individual", "ByteLevel regex"): "gpt2-digits",
+    (f"Split {QWEN2_SPLIT}", "ByteLevel"): "qwen2",
+}
+
+
+class Unsupported(Exception):
+    """The tokenizer is not one the native tokenizer reproduces (the message says why)."""
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level characters: character -> byte (printable Latin-1 bytes are themselves, the other 68 bytes
+    the characters from U+0100 on, in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    alphabet = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            alphabet[chr(256 + extra)] = b
+            extra += 1
+    return alphabet
+
+
+def category_ranges(prefix: str) -> list[tuple[int, int]]:
+    """Inclusive code point ranges whose Unicode general category starts with `prefix` ("L": letters, "N": numbers)."""
+    ranges: list[tuple[int, int]] = []
+    for cp in range(0x110000):
+        if unicodedata.category(chr(cp)).startswith(prefix):
+            if ranges and ranges[-1][1] == cp - 1:
+                ranges[-1] = (ranges[-1][0], cp)
+            else:
+                ranges.append((cp, cp))
+    return ranges
+
+
+def _template_ends(post: dict[str, Any] | None, ids_of: dict[str, int]) -> tuple[list[int], list[int]]:
+    """The ids a post-processor adds before and after a single text."""
+    if post is None or post["type"] == "ByteLevel":
+        return [], []
+    if post["type"] != "TemplateProcessing":
+        raise Unsupported(f"post-processor {post['type']}")
+    single = post["single"]
+    sequence = [i for i, piece in enumerate(single) if "Sequence" in piece]
+    if len(sequence) != 1:
+        raise Unsupported("a post-processor template without exactly one sequence")
+    ends: tuple[list[int], list[int]] = ([], [])
+    for i, piece in enumerate(single):
+        if "SpecialToken" in piece:
+            name = piece["SpecialToken"]["id"]
+            ids = post["special_tokens"][name]["ids"] if name in post.get("special_tokens", {}) else [ids_of[name]]
+            ends[i > sequence[0]].extend(ids)
+    return ends
+
+
+def _check_model(spec: dict[str, Any]) -> None:
+    model = spec.get("model", {})
+    if model.get("type") != "BPE":
+        raise Unsupported(f"model type {model.get('type')} (the native tokenizer runs byte-level BPE)")
+    if model.get("dropout") or model.get("byte_fallback") or model.get("ignore_merges") or \
+            model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        raise Unsupported("BPE with dropout, byte fallback, skipped merges or subword affixes")
+    if spec.get("normalizer") is not None:
+        raise Unsupported(f"normalizer {spec['normalizer'].get('type')}")
+    if (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        raise Unsupported(f"decoder {(spec.get('decoder') or {}).get('type')}")
+    for token in spec.get("added_tokens", []):
+        if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
+            raise Unsupported(f"added token {token['content']!r} strips spaces or matches whole words only")
+
+
+def tokenizer_tables(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tables of `directory`'s tokenizer.json and their metadata (module docstring); raises Unsupported."""
+    path = Path(directory) / TOKENIZER_FILE
+    if not path.is_file():
+        raise Unsupported(f"no {TOKENIZER_FILE}")
+    spec = json.loads(path.read_text())
+    _check_model(spec)
+    steps = pre_tokenizer_steps(spec.get("pre_tokenizer"))
+    if steps not in PRE_TOKENIZERS:
+        raise Unsupported(f"pre-tokenizer {' + '.join(steps) or 'none'}")
+    alphabet = byte_level_alphabet()
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    tokens: dict[int, bytes] = {}
+    for text, i in vocab.items():
+        if any(c not in alphabet for c in text):
+            raise Unsupported(f"token {text!r} has characters outside the byte-level alphabet")
+        tokens[i] = bytes(alphabet[c] for c in text)
+    added = sorted((t["id"], bool(t["special"])) for t in spec.get("added_tokens", []))
+    for t in spec.get("added_tokens", []):
+        tokens[t["id"]] = t["content"].encode()
+    ends = [0]
+    for i in range(max(tokens) + 1):
+        ends.append(ends[-1] + len(tokens.get(i, b"")))
+    merges = []
+    for rank, merge in enumerate(spec["model"]["merges"]):
+        left, right = merge.split(" ") if isinstance(merge, str) else merge
+        if left not in vocab or right not in vocab or left + right not in vocab:
+            raise Unsupported(f"merge {left!r} + {right!r} of tokens not in the vocabulary")
+        merges.append((vocab[left], vocab[right], rank, vocab[left + right]))
+    merges.sort()
+    byte_of = {b: c for c, b in alphabet.items()}
+    ids_of = {**vocab, **{t["content"]: t["id"] for t in spec.get("added_tokens", [])}}
+    prefix, suffix = _template_ends(spec.get("post_processor"), ids_of)
+
+    def table(rows: list[Any], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.tensor(rows, dtype=dtype).contiguous()
+
+    tensors = {
+        "tokenizer.token_bytes": torch.frombuffer(bytearray(b"".join(tokens.get(i, b"") for i in range(len(ends) - 1))),
+                                                  dtype=torch.uint8).clone(),
+        "tokenizer.token_ends": table(ends, torch.int64),
+        "tokenizer.byte_ids": table([vocab.get(byte_of[b], -1) for b in range(256)]),
+        "tokenizer.merges": table(merges).reshape(-1, 4),
+        "tokenizer.added": table(added).reshape(-1, 2),
+        "tokenizer.letters": table(category_ranges("L")),
+        "tokenizer.numbers": table(category_ranges("N")),
+    }
+    eos = FastTokenizer(directory).eos_token_id
+    return tensors, {"pre_tokenizer": PRE_TOKENIZERS[steps], "prefix": prefix, "suffix": suffix, "eos": eos}

@@ -1,0 +1,109 @@
+"""The native runner's tokenizer (csrc/bpe_tokenizer.h, tables from bitquilt.export.tokenizer_tables) gives the ids
+and text of Hugging Face's `tokenizers` on the same tokenizer.json, for each pre-tokenizer it knows."""
+
+import ctypes
+import json
+import random
+
+import pytest
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from bitquilt.data.corpora import load_documents
+from bitquilt.export.tokenizer_tables import Unsupported, tokenizer_tables
+from bitquilt.models.registry import DEFAULT_MODEL, model_dir
+from bitquilt.models.tokenizer import QWEN2_SPLIT
+from bitquilt.standalone.library import last_error, library
+from bitquilt.standalone.model import FILE, FORMAT_VERSION, METADATA_KEY
+
+EDGE_CASES = [
+    "The capital of France is", "  leading and trailing  ", "tabs\tand\nnew\r\nlines\n\n\n  \n", "a  \n\n  b",
+    "I'm, you're, we've, they'll, he'd, it's, don't; I'M YOU'RE It'S 'll 'Ve", "numbers 1 12 123 1234 12345 3.14159",
+    "x=1+2*(3-4)/5; y = [1,2,3]", "émigré café naïve Ærøskøbing", "한국어 문장입니다. 중국어: 你好，世界！",
+    "日本語のテキスト、カタカナ。", "emoji 😀👍🏽 and ZWJ 👩‍👩‍👧", "Ελληνικά и русский текст",
+    "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|><|endoftext|>x<|im_end|>",
+    "…—–“quotes” ‘single’ «guillemets»", "\u00a0non\u2009breaking\u3000spaces\u2028and\u2029separators",
+    "٣٤٥ Arabic-Indic digits ⅻ Ⅳ ½ ²", "a" * 300, " " * 17 + "x", "!!!???...\n\n\n", "'", "' s", "ſ 'ſ 'S",
+    "\x00\x01\x1f control \x7f", "mixed123abc456 def", "a\r\r\n\nb\n \n c", "end with spaces   ",
+]
+
+
+def _spec(pre_tokenizer=None):
+    spec = json.loads((model_dir(DEFAULT_MODEL) / "tokenizer.json").read_text())
+    if pre_tokenizer is not None:
+        spec["pre_tokenizer"] = pre_tokenizer
+    return spec
+
+
+PRE_TOKENIZERS = {
+    "gpt2": None,  # smollm2's own
+    "gpt2-digits": {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]},
+    "qwen2": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+}
+
+
+class NativeTokenizer:
+    """The library's tokenizer over a file holding only the tables of `spec` (the runner reads the same)."""
+
+    def __init__(self, spec, tmp_path):
+        directory = tmp_path / "tokenizer"
+        directory.mkdir()
+        (directory / "tokenizer.json").write_text(json.dumps(spec))
+        tensors, metadata = tokenizer_tables(directory)
+        save_file(tensors, str(directory / FILE),
+                  metadata={METADATA_KEY: json.dumps({"format_version": FORMAT_VERSION, "tokenizer": metadata})})
+        self.lib = library()
+        self.handle = self.lib.bq_tokenizer_open(str(directory / FILE).encode())
+        assert self.handle, last_error()
+        self.metadata = metadata
+
+    def encode(self, text: str) -> list[int]:
+        data = text.encode()
+        ids = (ctypes.c_int64 * (len(data) + 8))()
+        n = self.lib.bq_tokenize(self.handle, data, len(data), ids, len(ids))
+        assert n >= 0, last_error()
+        return list(ids[:n])
+
+    def decode(self, ids: list[int], skip_special: bool) -> str:
+        array = (ctypes.c_int64 * len(ids))(*ids)
+        out = ctypes.create_string_buffer(64 * len(ids) + 1)
+        n = self.lib.bq_detokenize(self.handle, array, len(ids), int(skip_special), out, len(out))
+        return out.raw[:n].decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize("name", PRE_TOKENIZERS)
+def test_native_tokenizer_gives_the_ids_and_text_of_the_tokenizers_library(tmp_path, name):
+    spec = _spec(PRE_TOKENIZERS[name])
+    reference = Tokenizer.from_str(json.dumps(spec))
+    native = NativeTokenizer(spec, tmp_path)
+    assert native.metadata["pre_tokenizer"] == name
+    texts = EDGE_CASES + load_documents("wiki")[:150]
+    for text in texts:
+        assert native.encode(text) == reference.encode(text).ids, text
+    draws = random.Random(0)
+    for _ in range(200):  # random ids: partial characters, special tokens, ids past the vocabulary
+        ids = [draws.randrange(reference.get_vocab_size() + 40) for _ in range(draws.randrange(1, 12))]
+        for skip in (True, False):
+            assert native.decode(ids, skip) == reference.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_native_tokenizer_refuses_what_it_cannot_reproduce(tmp_path):
+    spec = _spec()
+    cases = [({"normalizer": {"type": "NFC"}}, "normalizer NFC"), ({"decoder": {"type": "Metaspace"}}, "decoder"),
+             ({"pre_tokenizer": {"type": "Whitespace"}}, "pre-tokenizer"),
+             ({"model": {**spec["model"], "byte_fallback": True}}, "byte fallback")]
+    for i, (change, reason) in enumerate(cases):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "tokenizer.json").write_text(json.dumps({**spec, **change}))
+        with pytest.raises(Unsupported, match=reason):
+            tokenizer_tables(tmp_path / str(i))
+    with pytest.raises(Unsupported, match="no tokenizer.json"):
+        tokenizer_tables(tmp_path)
+    native = NativeTokenizer(spec, tmp_path)
+    data = b"caf\xe9"  # Latin-1, not UTF-8
+    assert native.lib.bq_tokenize(native.handle, data, len(data), None, 0) == -1
+    assert "not UTF-8" in last_error()
