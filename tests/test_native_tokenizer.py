@@ -25,13 +25,26 @@ EDGE_CASES = [
     "…—–“quotes” ‘single’ «guillemets»", "\u00a0non\u2009breaking\u3000spaces\u2028and\u2029separators",
     "٣٤٥ Arabic-Indic digits ⅻ Ⅳ ½ ²", "a" * 300, " " * 17 + "x", "!!!???...\n\n\n", "'", "' s", "ſ 'ſ 'S",
     "\x00\x01\x1f control \x7f", "mixed123abc456 def", "a\r\r\n\nb\n \n c", "end with spaces   ",
+    # canonical equivalents: decomposed accents, conjoining jamo, marks out of order, singletons, exclusions
+    "cafe\u0301 nai\u0308ve A\u030a \u212b \u2126 \u0958 \u0344 \u1e0b\u0323 \u0071\u0307\u0323",
+    "\u1100\u1161\u11a8 \u1100\u1161 \uac00\u11a8 \u1112\u1161\u11ab\u1100\u1173\u11af",
+    "a\u0301\u0316\u0300 \u0301leading mark, Tie\u0302\u0301ng Vie\u0323\u0302t",
 ]
 
 
-def _spec(pre_tokenizer=None):
+def _soup(seed: int, n: int = 60) -> str:
+    """Random letters, combining marks and jamo: whatever NFC can reorder or compose."""
+    pool = [*"aeiouAEIOUnNcCsS ", *map(chr, range(0x300, 0x370)), *map(chr, range(0x1100, 0x1113)),
+            *map(chr, range(0x1161, 0x1176)), *map(chr, range(0x11A8, 0x11C3)), "\u0915", "\u093c", "\u094d"]
+    draws = random.Random(seed)
+    return "".join(draws.choice(pool) for _ in range(n))
+
+
+def _spec(pre_tokenizer=None, normalizer=None):
     spec = json.loads((model_dir(DEFAULT_MODEL) / "tokenizer.json").read_text())
     if pre_tokenizer is not None:
         spec["pre_tokenizer"] = pre_tokenizer
+    spec["normalizer"] = normalizer
     return spec
 
 
@@ -75,13 +88,13 @@ class NativeTokenizer:
         return out.raw[:n].decode("utf-8", "replace")
 
 
-@pytest.mark.parametrize("name", PRE_TOKENIZERS)
-def test_native_tokenizer_gives_the_ids_and_text_of_the_tokenizers_library(tmp_path, name):
-    spec = _spec(PRE_TOKENIZERS[name])
+@pytest.mark.parametrize("name, normalizer", [*((name, None) for name in PRE_TOKENIZERS), ("qwen2", "NFC")])
+def test_native_tokenizer_gives_the_ids_and_text_of_the_tokenizers_library(tmp_path, name, normalizer):
+    spec = _spec(PRE_TOKENIZERS[name], normalizer and {"type": normalizer})  # Qwen2 as transformers saves it: NFC
     reference = Tokenizer.from_str(json.dumps(spec))
     native = NativeTokenizer(spec, tmp_path)
-    assert native.metadata["pre_tokenizer"] == name
-    texts = EDGE_CASES + load_documents("wiki")[:150]
+    assert native.metadata["pre_tokenizer"] == name and native.metadata["normalizer"] == (normalizer and "nfc")
+    texts = EDGE_CASES + [_soup(seed) for seed in range(100)] + load_documents("wiki")[:150]
     for text in texts:
         assert native.encode(text) == reference.encode(text).ids, text
     draws = random.Random(0)
@@ -93,9 +106,11 @@ def test_native_tokenizer_gives_the_ids_and_text_of_the_tokenizers_library(tmp_p
 
 def test_native_tokenizer_refuses_what_it_cannot_reproduce(tmp_path):
     spec = _spec()
-    cases = [({"normalizer": {"type": "NFC"}}, "normalizer NFC"), ({"decoder": {"type": "Metaspace"}}, "decoder"),
+    cases = [({"normalizer": {"type": "NFKC"}}, "normalizer NFKC"), ({"decoder": {"type": "Metaspace"}}, "decoder"),
              ({"pre_tokenizer": {"type": "Whitespace"}}, "pre-tokenizer"),
-             ({"model": {**spec["model"], "byte_fallback": True}}, "byte fallback")]
+             ({"model": {**spec["model"], "byte_fallback": True}}, "byte fallback"),
+             ({"normalizer": {"type": "NFC"}, "added_tokens": [{**spec["added_tokens"][0], "normalized": True}]},
+              "matched in normalized text")]
     for i, (change, reason) in enumerate(cases):
         (tmp_path / str(i)).mkdir()
         (tmp_path / str(i) / "tokenizer.json").write_text(json.dumps({**spec, **change}))

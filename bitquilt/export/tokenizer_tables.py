@@ -10,11 +10,17 @@ Tensors (`tokenizer.*`):
   added        int32   [added, 2]: (id, special) of the added tokens, split out of the text before BPE
   letters      int32   [ranges, 2]: code point ranges (inclusive) of \\p{L}, from this Python's `unicodedata`
   numbers      int32   [ranges, 2]: the same for \\p{N}
-and in the metadata: the pre-tokenizer ("gpt2": GPT-2's split; "gpt2-digits": every digit alone first, then
-GPT-2's split; "qwen2": Qwen2's Split regex), the ids the post-processor puts before and after a text, and the
-end-of-sequence id. What the native tokenizer does not reproduce (another model type, normalizer, pre-tokenizer or
-decoder, merges that can be skipped, added tokens that strip spaces) is refused with the reason: the export still
-runs with `bitquilt-run`, whose `tokenizers` library reads tokenizer.json.
+and, where the tokenizer normalizes text to NFC, Unicode's canonical data from this Python's `unicodedata` (Hangul
+syllables are computed, not listed):
+  nfc_decompositions  int32  [n, 5]: code point, its full canonical decomposition (up to 4, -1 after)
+  nfc_classes         int32  [n, 2]: code point, canonical combining class (nonzero ones only)
+  nfc_compositions    int32  [n, 3]: first, second, their primary composite (sorted by the pair)
+and in the metadata: the normalizer ("nfc" or none), the pre-tokenizer ("gpt2": GPT-2's split; "gpt2-digits": every
+digit alone first, then GPT-2's split; "qwen2": Qwen2's Split regex), the ids the post-processor puts before and
+after a text, and the end-of-sequence id. What the native tokenizer does not reproduce (another model type,
+normalizer, pre-tokenizer or decoder, merges that can be skipped, added tokens that strip spaces or are matched in
+normalized text) is refused with the reason: the export still runs with `bitquilt-run`, whose `tokenizers` library
+reads tokenizer.json.
 """
 
 from __future__ import annotations
@@ -64,6 +70,31 @@ def category_ranges(prefix: str) -> list[tuple[int, int]]:
     return ranges
 
 
+HANGUL_SYLLABLES = range(0xAC00, 0xD7A4)  # composed and decomposed arithmetically (csrc/bpe_tokenizer.cpp)
+
+
+def nfc_tables() -> dict[str, torch.Tensor]:
+    """Canonical decompositions, combining classes and primary composites (module docstring)."""
+    decompositions, classes, compositions = [], [], []
+    for cp in range(0x110000):
+        if cp in HANGUL_SYLLABLES:
+            continue
+        c = chr(cp)
+        full = unicodedata.normalize("NFD", c)
+        if full != c:
+            decompositions.append([cp, *map(ord, full), *[-1] * (4 - len(full))])
+        if unicodedata.combining(c):
+            classes.append([cp, unicodedata.combining(c)])
+        one_level = unicodedata.decomposition(c)
+        if one_level and not one_level.startswith("<"):
+            parts = [int(x, 16) for x in one_level.split()]
+            if len(parts) == 2 and unicodedata.normalize("NFC", chr(parts[0]) + chr(parts[1])) == c:
+                compositions.append([*parts, cp])  # not a composition exclusion
+    compositions.sort()
+    return {f"tokenizer.nfc_{name}": torch.tensor(rows, dtype=torch.int32) for name, rows in
+            (("decompositions", decompositions), ("classes", classes), ("compositions", compositions))}
+
+
 def _template_ends(post: dict[str, Any] | None, ids_of: dict[str, int]) -> tuple[list[int], list[int]]:
     """The ids a post-processor adds before and after a single text."""
     if post is None or post["type"] == "ByteLevel":
@@ -90,13 +121,16 @@ def _check_model(spec: dict[str, Any]) -> None:
     if model.get("dropout") or model.get("byte_fallback") or model.get("ignore_merges") or \
             model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
         raise Unsupported("BPE with dropout, byte fallback, skipped merges or subword affixes")
-    if spec.get("normalizer") is not None:
-        raise Unsupported(f"normalizer {spec['normalizer'].get('type')}")
+    normalizer = spec.get("normalizer")
+    if normalizer is not None and normalizer.get("type") != "NFC":
+        raise Unsupported(f"normalizer {normalizer.get('type')}")
     if (spec.get("decoder") or {}).get("type") != "ByteLevel":
         raise Unsupported(f"decoder {(spec.get('decoder') or {}).get('type')}")
     for token in spec.get("added_tokens", []):
         if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
             raise Unsupported(f"added token {token['content']!r} strips spaces or matches whole words only")
+        if normalizer is not None and token.get("normalized"):
+            raise Unsupported(f"added token {token['content']!r} matched in normalized text")
 
 
 def tokenizer_tables(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -146,5 +180,9 @@ def tokenizer_tables(directory: str | Path) -> tuple[dict[str, torch.Tensor], di
         "tokenizer.letters": table(category_ranges("L")),
         "tokenizer.numbers": table(category_ranges("N")),
     }
+    normalizer = "nfc" if spec.get("normalizer") is not None else None
+    if normalizer:
+        tensors.update(nfc_tables())
     eos = FastTokenizer(directory).eos_token_id
-    return tensors, {"pre_tokenizer": PRE_TOKENIZERS[steps], "prefix": prefix, "suffix": suffix, "eos": eos}
+    return tensors, {"normalizer": normalizer, "pre_tokenizer": PRE_TOKENIZERS[steps], "prefix": prefix,
+                     "suffix": suffix, "eos": eos}

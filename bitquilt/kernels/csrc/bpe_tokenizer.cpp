@@ -61,6 +61,45 @@ int utf8_sequence(const std::string& s, size_t i, uint32_t& cp, int& bad) {
   return need + 1;
 }
 
+// The first of `n` rows of `width` int32s, sorted by their first `keys` columns, whose key is not below `key`
+// (`n` rows on: none).
+const int32_t* lower_row(const int32_t* rows, int64_t n, int width, const int32_t* key, int keys) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (std::lexicographical_compare(rows + width * mid, rows + width * mid + keys, key, key + keys))
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return rows + width * lo;
+}
+
+// The row of `n` whose first `keys` columns are `key`, or null.
+const int32_t* find_row(const int32_t* rows, int64_t n, int width, const int32_t* key, int keys) {
+  const int32_t* row = lower_row(rows, n, width, key, keys);
+  return row < rows + width * n && std::equal(key, key + keys, row) ? row : nullptr;
+}
+
+// The code points of UTF-8 `text` and the byte offset of each (and of the end); std::runtime_error if not UTF-8.
+void code_points(const std::string& text, std::vector<uint32_t>& cps, std::vector<int64_t>& at) {
+  for (size_t i = 0; i < text.size();) {
+    uint32_t cp = 0;
+    int bad = 0;
+    const int length = utf8_sequence(text, i, cp, bad);
+    if (length == 0)
+      throw std::runtime_error("the text is not UTF-8 (an ill-formed byte sequence at byte " + std::to_string(i) + ")");
+    cps.push_back(cp);
+    at.push_back(static_cast<int64_t>(i));
+    i += length;
+  }
+  at.push_back(static_cast<int64_t>(text.size()));
+}
+
+// Hangul syllables: composed and decomposed arithmetically (Unicode's conjoining jamo rules)
+constexpr uint32_t kSBase = 0xAC00, kLBase = 0x1100, kVBase = 0x1161, kTBase = 0x11A7;
+constexpr uint32_t kLCount = 19, kVCount = 21, kTCount = 28, kNCount = kVCount * kTCount, kSCount = kLCount * kNCount;
+
 // [file's "tokenizer" metadata] with the reason when the export has no tokenizer the native runner reads.
 const Value& tokenizer_metadata(const MappedFile& f) {
   const Value& meta = f.config()["tokenizer"];
@@ -92,6 +131,62 @@ bool Tokenizer::Range::contains(uint32_t cp) const {
   return lo < n && static_cast<uint32_t>(rows[2 * lo]) <= cp;
 }
 
+int32_t Tokenizer::Nfc::combining_class(uint32_t cp) const {
+  const int32_t key = static_cast<int32_t>(cp);
+  const int32_t* row = find_row(classes, n_classes, 2, &key, 1);
+  return row ? row[1] : 0;
+}
+
+int64_t Tokenizer::Nfc::compose(uint32_t first, uint32_t second) const {
+  if (first >= kLBase && first < kLBase + kLCount && second >= kVBase && second < kVBase + kVCount)
+    return kSBase + ((first - kLBase) * kVCount + (second - kVBase)) * kTCount;
+  if (first >= kSBase && first < kSBase + kSCount && (first - kSBase) % kTCount == 0 && second > kTBase &&
+      second < kTBase + kTCount)
+    return first + (second - kTBase);
+  const int32_t key[2] = {static_cast<int32_t>(first), static_cast<int32_t>(second)};
+  const int32_t* row = find_row(compositions, n_compositions, 3, key, 2);
+  return row ? row[2] : -1;
+}
+
+std::vector<uint32_t> Tokenizer::Nfc::apply(const std::vector<uint32_t>& cps) const {
+  std::vector<uint32_t> d;  // 1. the full canonical decomposition
+  for (const uint32_t cp : cps) {
+    const int32_t key = static_cast<int32_t>(cp);
+    if (cp >= kSBase && cp < kSBase + kSCount) {
+      const uint32_t s = cp - kSBase;
+      d.push_back(kLBase + s / kNCount);
+      d.push_back(kVBase + s % kNCount / kTCount);
+      if (s % kTCount) d.push_back(kTBase + s % kTCount);
+    } else if (const int32_t* row = find_row(decompositions, n_decompositions, 5, &key, 1)) {
+      for (int j = 1; j < 5 && row[j] >= 0; ++j) d.push_back(static_cast<uint32_t>(row[j]));
+    } else {
+      d.push_back(cp);
+    }
+  }
+  for (size_t i = 1; i < d.size(); ++i) {  // 2. canonical order: each run of non-starters sorted by class, stably
+    const int32_t c = combining_class(d[i]);
+    for (size_t j = i; c != 0 && j > 0 && combining_class(d[j - 1]) > c; --j) std::swap(d[j - 1], d[j]);
+  }
+  if (d.empty()) return d;
+  // 3. canonical composition: a character joins the last starter unless a character between them is blocking
+  // (of its class or higher, or a starter)
+  size_t starter = 0, out = 1;
+  int32_t last = combining_class(d[0]) ? 256 : 0;
+  for (size_t i = 1; i < d.size(); ++i) {
+    const int32_t c = combining_class(d[i]);
+    const int64_t composite = compose(d[starter], d[i]);
+    if (composite >= 0 && (last < c || last == 0)) {
+      d[starter] = static_cast<uint32_t>(composite);
+      continue;
+    }
+    if (c == 0) starter = out;
+    last = c;
+    d[out++] = d[i];
+  }
+  d.resize(out);
+  return d;
+}
+
 Tokenizer::Tokenizer(std::shared_ptr<const MappedFile> file) : file_(std::move(file)) {
   const MappedFile& f = *file_;
   const Value& meta = tokenizer_metadata(f);
@@ -120,6 +215,17 @@ Tokenizer::Tokenizer(std::shared_ptr<const MappedFile> file) : file_(std::move(f
   }
   letters_ = {letters.as<int32_t>(), letters.shape[0]};
   numbers_ = {numbers.as<int32_t>(), numbers.shape[0]};
+  if (meta["normalizer"].string == "nfc") {
+    const Tensor decompositions = f.tensor("tokenizer.nfc_decompositions", "I32");
+    const Tensor classes = f.tensor("tokenizer.nfc_classes", "I32");
+    const Tensor compositions = f.tensor("tokenizer.nfc_compositions", "I32");
+    if (!pairs(decompositions, 5) || !pairs(classes, 2) || !pairs(compositions, 3))
+      throw std::runtime_error(f.path() + ": its NFC tables are not [n, 5], [n, 2], [n, 3]; re-export it");
+    nfc_ = {decompositions.as<int32_t>(), decompositions.shape[0], classes.as<int32_t>(),  classes.shape[0],
+            compositions.as<int32_t>(),   compositions.shape[0]};
+  } else if (meta["normalizer"].kind != Value::Null) {
+    throw std::runtime_error(f.path() + ": normalizer '" + meta["normalizer"].string + "' is not one this bitquilt knows");
+  }
   const std::string& split = meta["pre_tokenizer"].string;
   if (split == "gpt2")
     split_ = Split::Gpt2;
@@ -218,22 +324,12 @@ void Tokenizer::bpe(const uint8_t* bytes, int64_t n, std::vector<int64_t>& ids) 
   std::vector<int32_t> symbols;
   for (int64_t i = 0; i < n; ++i)
     if (byte_ids_[bytes[i]] >= 0) symbols.push_back(byte_ids_[bytes[i]]);
-  const int32_t* merges_end = merges_ + 4 * merges_n_;
   while (symbols.size() > 1) {
     int32_t best_rank = INT32_MAX, merged = -1;
     size_t best = 0;
     for (size_t i = 0; i + 1 < symbols.size(); ++i) {
-      int64_t lo = 0, hi = merges_n_;  // the merge (symbols[i], symbols[i + 1]), if any
-      while (lo < hi) {
-        const int64_t mid = (lo + hi) / 2;
-        const int32_t* m = merges_ + 4 * mid;
-        if (m[0] < symbols[i] || (m[0] == symbols[i] && m[1] < symbols[i + 1]))
-          lo = mid + 1;
-        else
-          hi = mid;
-      }
-      const int32_t* m = merges_ + 4 * lo;
-      if (m < merges_end && m[0] == symbols[i] && m[1] == symbols[i + 1] && m[2] < best_rank) {
+      const int32_t* m = find_row(merges_, merges_n_, 4, &symbols[i], 2);  // the merge (symbols[i], symbols[i + 1])
+      if (m != nullptr && m[2] < best_rank) {
         best_rank = m[2];
         merged = m[3];
         best = i;
@@ -246,22 +342,25 @@ void Tokenizer::bpe(const uint8_t* bytes, int64_t n, std::vector<int64_t>& ids) 
   ids.insert(ids.end(), symbols.begin(), symbols.end());
 }
 
+void Tokenizer::plain(const std::string& text, std::vector<int64_t>& ids) const {
+  std::vector<uint32_t> cps;
+  std::vector<int64_t> at;
+  code_points(text, cps, at);
+  if (!nfc_.enabled()) return pre_tokenized(text, cps, at, 0, static_cast<int64_t>(cps.size()), ids);
+  std::string normalized;
+  for (const uint32_t cp : nfc_.apply(cps)) bitquilt_json::append_utf8(normalized, cp);
+  cps.clear();
+  at.clear();
+  code_points(normalized, cps, at);
+  pre_tokenized(normalized, cps, at, 0, static_cast<int64_t>(cps.size()), ids);
+}
+
 std::vector<int64_t> Tokenizer::encode(const std::string& text) const {
   std::vector<uint32_t> cps;
   std::vector<int64_t> at;  // the byte offset of each code point, and the end
-  for (size_t i = 0; i < text.size();) {
-    uint32_t cp = 0;
-    int bad = 0;
-    const int length = utf8_sequence(text, i, cp, bad);
-    if (length == 0)
-      throw std::runtime_error("the text is not UTF-8 (an ill-formed byte sequence at byte " + std::to_string(i) + ")");
-    cps.push_back(cp);
-    at.push_back(static_cast<int64_t>(i));
-    i += length;
-  }
-  at.push_back(static_cast<int64_t>(text.size()));
+  code_points(text, cps, at);
   std::vector<int64_t> ids(prefix_);
-  int64_t from = 0;  // the code point after the last added token
+  int64_t from = 0;  // the byte after the last added token
   for (int64_t i = 0; i < static_cast<int64_t>(cps.size()); ++i) {
     int64_t found = -1;
     size_t longest = 0;
@@ -273,13 +372,12 @@ std::vector<int64_t> Tokenizer::encode(const std::string& text) const {
       }
     }
     if (found < 0) continue;
-    pre_tokenized(text, cps, at, from, i, ids);
+    plain(text.substr(from, at[i] - from), ids);
     ids.push_back(added_[2 * found]);
-    const int64_t stop = at[i] + static_cast<int64_t>(longest);
-    while (at[i] < stop) ++i;  // to the code point after the token
-    from = i--;
+    from = at[i] + static_cast<int64_t>(longest);
+    while (at[i + 1] < from) ++i;  // on to the token's last code point
   }
-  pre_tokenized(text, cps, at, from, static_cast<int64_t>(cps.size()), ids);
+  plain(text.substr(from), ids);
   ids.insert(ids.end(), suffix_.begin(), suffix_.end());
   return ids;
 }

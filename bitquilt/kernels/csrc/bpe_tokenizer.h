@@ -3,7 +3,7 @@
 // alone first or not, and Qwen2's), so that the native runner needs neither Python nor tokenizer.json.
 //
 // Encoding, as `tokenizers` does it: the added tokens are split out of the text (leftmost, then longest match);
-// every other stretch is cut into pieces by the pre-tokenizer's pattern, written out here as a scanner over code
+// every other stretch is normalized (NFC, where the tokenizer does) and cut into pieces by the pre-tokenizer's pattern, written out here as a scanner over code
 // points (\p{L} and \p{N} from the file's tables, \s the Unicode White_Space set); each piece's bytes start as
 // their byte tokens and the adjacent pair of lowest merge rank (the leftmost of equals) is merged until none is
 // left; the post-processor's ids go around. Decoding concatenates the tokens' bytes.
@@ -37,10 +37,27 @@ class Tokenizer {
     bool contains(uint32_t cp) const;
   };
 
+  // NFC (Unicode's canonical decomposition, ordering and composition) from the file's tables; off when absent.
+  struct Nfc {
+    const int32_t* decompositions = nullptr;  // [n, 5]: code point, its decomposition (-1 after)
+    int64_t n_decompositions = 0;
+    const int32_t* classes = nullptr;  // [n, 2]: code point, combining class
+    int64_t n_classes = 0;
+    const int32_t* compositions = nullptr;  // [n, 3]: first, second, composite
+    int64_t n_compositions = 0;
+    bool enabled() const { return decompositions != nullptr; }
+    std::vector<uint32_t> apply(const std::vector<uint32_t>& cps) const;
+
+   private:
+    int32_t combining_class(uint32_t cp) const;
+    int64_t compose(uint32_t first, uint32_t second) const;  // -1: none
+  };
+
   bool letter(uint32_t cp) const { return letters_.contains(cp); }
   bool number(uint32_t cp) const { return numbers_.contains(cp); }
   int64_t gpt2_piece(const std::vector<uint32_t>& cps, int64_t i, int64_t end) const;
   int64_t qwen2_piece(const std::vector<uint32_t>& cps, int64_t i, int64_t end) const;
+  void plain(const std::string& text, std::vector<int64_t>& ids) const;  // text between added tokens
   void pre_tokenized(const std::string& text, const std::vector<uint32_t>& cps, const std::vector<int64_t>& at,
                      int64_t begin, int64_t end, std::vector<int64_t>& ids) const;
   void bpe(const uint8_t* bytes, int64_t n, std::vector<int64_t>& ids) const;
@@ -57,6 +74,7 @@ class Tokenizer {
   int64_t added_n_;
   std::vector<std::string> added_text_;  // the added tokens' bytes, as added_
   Range letters_, numbers_;
+  Nfc nfc_;
   Split split_;
   std::vector<int64_t> prefix_, suffix_;
   int64_t eos_ = -1;
