@@ -1,18 +1,21 @@
 """Memory of a saved quantized model at run time: what loading and running it adds to the process.
 
     python bench/load_memory.py --models smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b \
-        --runtimes transformers,native,standalone
+        --runtimes transformers,native,standalone,bitquilt-native
 
 For each model and variant (RTN weights, quantized once with `bitquilt quantize --stream` into --workdir), a child
 process with one thread: imports what the runtime needs and loads the tokenizer (the *base*: torch, transformers
-with the model's modeling code and AutoTokenizer for the transformers runtime; torch, bitquilt and the
-`tokenizers` library alone for the native one, `bitquilt.models.native`; the `tokenizers` library and the
-C library for the standalone one, no torch or numpy), then loads the model with that runtime (`bitquilt.load` of the
-saved directory; for the standalone runtime, `StandaloneModel` of its export, `bitquilt export --to standalone`, written
-once beside the saved directory) (RSS *after load*), then runs what `bench/e2e.py` times: a 128-token prefill and
-31 decode steps with the default engine (optionally with int8 activations; the standalone runtime runs int8
-activations only). Reported: the file's size (the saved model's, or the standalone export's for that runtime), the
-base, the peak above the base (the model's own memory), the whole process's peak, the kernel layouts' bytes (the
+with the model's modeling code and AutoTokenizer for the transformers runtime; torch, bitquilt and the `tokenizers`
+library alone for the native one, `bitquilt.models.native`; the `tokenizers` library and the C library for the
+standalone one, no torch or numpy), then loads the model with that runtime (`bitquilt.load` of the saved directory;
+for the standalone runtime, `StandaloneModel` of its export, `bitquilt export --to standalone`, written once beside
+the saved directory) (RSS *after load*), then runs what `bench/e2e.py` times: a 128-token prefill and 31 decode
+steps with the default engine (optionally with int8 activations; the standalone runtime runs int8 activations only).
+The *bitquilt-native* rows run the same export with the native runner, a program without Python (`bitquilt-native`,
+csrc/native_runner.cpp): its own peak (VmHWM) and load time as it reports them, on a prompt of the first 128 tokens
+of a Wikipedia passage (text, which it tokenizes itself) and 32 new tokens; no base (nothing is loaded before the
+model but the program). Reported: the file's size (the saved model's, or the standalone export's for that runtime),
+the base, the peak above the base (the model's own memory), the whole process's peak, the kernel layouts' bytes (the
 standalone runtime's are the file) and what of the mapped file is still resident at the end (`bitquilt.mapped`: a
 linear's pages are given back once its kernel layout is built), and the time from the start of the load to the end
 of the decode steps (*ready + run s*). Results: bench/results/load_memory.{json,md}.
@@ -128,6 +131,24 @@ def standalone_child(exported: Path) -> dict:
             "run_s": run_s, "layout_mb": 0.0, "mapped_resident_mb": resident_bytes(exported / FILE) / 2**20}
 
 
+def native_runner_child(exported: Path) -> dict:
+    """The *bitquilt-native* measurement: the runner on a 128-token text prompt, greedy, 32 new tokens, one thread."""
+    from bitquilt.data.corpora import load_documents
+    from bitquilt.models.tokenizer import FastTokenizer
+    from bitquilt.standalone.library import runner_path
+
+    tokenizer = FastTokenizer(exported)
+    prompt = tokenizer.decode(tokenizer.encode(load_documents("wiki")[0])[:128])
+    runner = str(runner_path())  # built first if need be, outside the timing
+    t0 = time.perf_counter()
+    done = subprocess.run([runner, str(exported), "--prompt", prompt, "--max-new-tokens", "32",
+                           "--ignore-eos", "--threads", "1", "--json"], check=True, capture_output=True, text=True)
+    run_s = time.perf_counter() - t0
+    result = json.loads(done.stdout)
+    return {"peak_mb": result["peak_rss_mb"], "load_s": result["load_seconds"], "run_s": run_s, "layout_mb": 0.0,
+            "prompt_tokens": result["prompt_tokens"]}
+
+
 def export_standalone(saved: Path) -> Path:
     out = saved.with_name(saved.name + "-standalone")
     if not (out / "standalone.safetensors").exists():
@@ -160,15 +181,18 @@ def render(records: list[dict]) -> str:
              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     models = list(dict.fromkeys(r["model"] for r in records))
     order = list(VARIANTS)
+    def figure(r: dict, key: str, digits: int = 0) -> str:
+        return f"{r[key]:.{digits}f}" if key in r else "–"
+
     for r in sorted(records, key=lambda r: (models.index(r["model"]), order.index(r["variant"]), _runtime(r),
                                             r["engine"])):
-        above = r["peak_mb"] - r["base_mb"]
-        run_s = f"{r['run_s']:.1f}" if "run_s" in r else "–"
+        above = {"above": r["peak_mb"] - r["base_mb"], "ratio": (r["peak_mb"] - r["base_mb"]) / r["file_mb"]} \
+            if "base_mb" in r else {}
         lines.append(f"| {r['model']} | {r['variant']} | {_runtime(r)} | {r['engine']} | {r['file_mb']:.0f} | "
-                     f"{r['base_mb']:.0f} | "
-                     f"{r['after_load_mb']:.0f} | {r['peak_mb']:.0f} | {above:.0f} | {above / r['file_mb']:.2f} | "
-                     f"{r['peak_mb'] / r['file_mb']:.2f} | {r['layout_mb']:.0f} | {r['mapped_resident_mb']:.0f} | "
-                     f"{r['load_s']:.1f} | {run_s} | {r['loadavg']} |")
+                     f"{figure(r, 'base_mb')} | {figure(r, 'after_load_mb')} | {r['peak_mb']:.0f} | "
+                     f"{figure(above, 'above')} | {figure(above, 'ratio', 2)} | {r['peak_mb'] / r['file_mb']:.2f} | "
+                     f"{r['layout_mb']:.0f} | {figure(r, 'mapped_resident_mb')} | {r['load_s']:.2f} | "
+                     f"{figure(r, 'run_s', 1)} | {r['loadavg']} |")
     from common import provenance
 
     return "\n".join(lines + provenance(records))
@@ -183,7 +207,8 @@ def main() -> None:
     p.add_argument("--variants", default="w4 g128,w4 g128 head8,w4 g128 head4")
     p.add_argument("--engines", default="auto,auto+int8")
     p.add_argument("--runtimes", default="transformers,native,standalone",
-                   help="transformers, native (bitquilt.load's runtimes), standalone (bitquilt.standalone)")
+                   help="transformers, native (bitquilt.load's runtimes), standalone (bitquilt.standalone), "
+                        "bitquilt-native (the standalone export run by the native runner)")
     p.add_argument("--workdir", default="/tmp/bitquilt-load-memory")
     args = p.parse_args()
     torch.set_num_threads(1)  # as the children (the machine record states it)
@@ -193,19 +218,24 @@ def main() -> None:
             saved = Path(args.workdir) / model / variant.replace(" ", "-")
             quantize(model, variant, saved)
             for runtime, engine in itertools.product(args.runtimes.split(","), args.engines.split(",")):
-                if runtime == "standalone" and not engine.endswith("+int8"):
+                exported = runtime in ("standalone", "bitquilt-native")
+                if exported and not engine.endswith("+int8"):
                     continue  # int8 activations only
-                target, weights = (export_standalone(saved), "standalone.safetensors") if runtime == "standalone" \
+                target, weights = (export_standalone(saved), "standalone.safetensors") if exported \
                     else (saved, "model.safetensors")
-                out = subprocess.run([sys.executable, __file__, "--child", str(target), engine, runtime], check=True,
-                                     capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-                result = json.loads(out.stdout.strip().splitlines()[-1])
+                if runtime == "bitquilt-native":
+                    result = native_runner_child(target)
+                else:
+                    out = subprocess.run([sys.executable, __file__, "--child", str(target), engine, runtime],
+                                         check=True, capture_output=True, text=True,
+                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                    result = json.loads(out.stdout.strip().splitlines()[-1])
                 settings = {} if runtime == "transformers" else {"runtime": runtime}
                 record = {"model": model, "variant": variant, "engine": engine, "settings": settings,
                           "file_mb": (target / weights).stat().st_size / 2**20, **result,
                           "loadavg": loadavg(), "machine": machine(), "command": command}
                 print(f"{model} {variant} [{runtime} {engine}]: peak {result['peak_mb']:.0f} MB, "
-                      f"base {result['base_mb']:.0f}, file {record['file_mb']:.0f}", flush=True)
+                      f"base {result.get('base_mb', 0):.0f}, file {record['file_mb']:.0f}", flush=True)
                 write_atomic(RESULTS / "load_memory.md", render(append_record("load_memory", record, KEY)))
 
 
