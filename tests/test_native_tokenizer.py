@@ -23,7 +23,8 @@ EDGE_CASES = [
     "日本語のテキスト、カタカナ。", "emoji 😀👍🏽 and ZWJ 👩‍👩‍👧", "Ελληνικά и русский текст",
     "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|><|endoftext|>x<|im_end|>",
     "…—–“quotes” ‘single’ «guillemets»", "\u00a0non\u2009breaking\u3000spaces\u2028and\u2029separators",
-    "٣٤٥ Arabic-Indic digits ⅻ Ⅳ ½ ²", "a" * 300, " " * 17 + "x", "!!!???...\n\n\n", "'", "' s", "ſ 'ſ 'S",
+    "٣٤٥ Arabic-Indic digits ⅻ Ⅳ ½ ²", "a" * 300, "z" * 4000 + "ab" * 1500, " " * 17 + "x", "!!!???...\n\n\n",
+    "'", "' s", "ſ 'ſ 'S",
     "\x00\x01\x1f control \x7f", "mixed123abc456 def", "a\r\r\n\nb\n \n c", "end with spaces   ",
     # canonical equivalents: decomposed accents, conjoining jamo, marks out of order, singletons, exclusions
     "cafe\u0301 nai\u0308ve A\u030a \u212b \u2126 \u0958 \u0344 \u1e0b\u0323 \u0071\u0307\u0323",

@@ -63,6 +63,10 @@ class MappedTensors:
         self._entries: dict[str, Any] = header
         self._start = 8 + length
 
+    def names(self) -> list[str]:
+        """The tensors' names, in the header's order."""
+        return list(self._entries)
+
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 

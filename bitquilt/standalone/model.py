@@ -99,8 +99,9 @@ class StandaloneModel:
         return bits / weights
 
     def size_mb(self) -> float:
-        """The export's file, MiB."""
-        return (self.directory / FILE).stat().st_size / 2**20
+        """The export's weights, MiB: its tensors but the tokenizer tables (the native runner's, `tokenizer.*`)."""
+        return sum(self.tensors[name].nbytes for name in self.tensors.names() if not name.startswith("tokenizer.")) \
+            / 2**20
 
     def forward(self, ids: Sequence[int]) -> array:
         """Logits [vocab] (fp32 `array.array`) of the last of `ids`, appended at the current position."""

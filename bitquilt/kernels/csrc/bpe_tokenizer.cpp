@@ -3,7 +3,9 @@
 #include "bpe_tokenizer.h"
 
 #include <algorithm>
+#include <array>
 #include <climits>
+#include <queue>
 #include <stdexcept>
 
 namespace bitquilt_tokenizer {
@@ -300,8 +302,8 @@ int64_t Tokenizer::qwen2_piece(const std::vector<uint32_t>& cps, int64_t i, int6
 }
 
 void Tokenizer::pre_tokenized(const std::string& text, const std::vector<uint32_t>& cps,
-                              const std::vector<int64_t>& at, int64_t begin, int64_t end,
-                              std::vector<int64_t>& ids) const {
+                              const std::vector<int64_t>& at, std::vector<int64_t>& ids) const {
+  const int64_t end = static_cast<int64_t>(cps.size());
   const auto pieces = [&](int64_t from, int64_t to) {
     for (int64_t i = from; i < to;) {
       const int64_t next = split_ == Split::Qwen2 ? qwen2_piece(cps, i, to) : gpt2_piece(cps, i, to);
@@ -309,9 +311,9 @@ void Tokenizer::pre_tokenized(const std::string& text, const std::vector<uint32_
       i = next;
     }
   };
-  if (split_ != Split::Gpt2Digits) return pieces(begin, end);
-  int64_t from = begin;  // every digit a piece of its own, GPT-2's split between them
-  for (int64_t i = begin; i < end; ++i)
+  if (split_ != Split::Gpt2Digits) return pieces(0, end);
+  int64_t from = 0;  // every digit a piece of its own, GPT-2's split between them
+  for (int64_t i = 0; i < end; ++i)
     if (number(cps[i])) {
       pieces(from, i);
       pieces(i, i + 1);
@@ -321,38 +323,55 @@ void Tokenizer::pre_tokenized(const std::string& text, const std::vector<uint32_
 }
 
 void Tokenizer::bpe(const uint8_t* bytes, int64_t n, std::vector<int64_t>& ids) const {
-  std::vector<int32_t> symbols;
+  struct Symbol {
+    int32_t id, prev, next;  // a doubly linked list over the piece's symbols; id -1 once merged into its left
+  };
+  std::vector<Symbol> symbols;
   for (int64_t i = 0; i < n; ++i)
-    if (byte_ids_[bytes[i]] >= 0) symbols.push_back(byte_ids_[bytes[i]]);
-  while (symbols.size() > 1) {
-    int32_t best_rank = INT32_MAX, merged = -1;
-    size_t best = 0;
-    for (size_t i = 0; i + 1 < symbols.size(); ++i) {
-      const int32_t* m = find_row(merges_, merges_n_, 4, &symbols[i], 2);  // the merge (symbols[i], symbols[i + 1])
-      if (m != nullptr && m[2] < best_rank) {
-        best_rank = m[2];
-        merged = m[3];
-        best = i;
-      }
+    if (byte_ids_[bytes[i]] >= 0) {
+      const auto k = static_cast<int32_t>(symbols.size());
+      symbols.push_back({byte_ids_[bytes[i]], k - 1, k + 1});
     }
-    if (merged < 0) break;
-    symbols[best] = merged;
-    symbols.erase(symbols.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+  if (symbols.empty()) return;
+  symbols.back().next = -1;
+  // candidate merges (rank, left symbol, left id, right id, merged id), lowest rank first, then leftmost; an entry
+  // whose pair has changed since it was queued is skipped when it comes up
+  using Candidate = std::array<int32_t, 5>;
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> queue;
+  const auto queue_pair = [&](int32_t left) {
+    if (left < 0 || symbols[left].next < 0) return;
+    const int32_t key[2] = {symbols[left].id, symbols[symbols[left].next].id};
+    if (const int32_t* m = find_row(merges_, merges_n_, 4, key, 2)) queue.push({m[2], left, key[0], key[1], m[3]});
+  };
+  for (int32_t i = 0; i + 1 < static_cast<int32_t>(symbols.size()); ++i) queue_pair(i);
+  while (!queue.empty()) {
+    const Candidate top = queue.top();
+    queue.pop();
+    const int32_t left = top[1];
+    Symbol& a = symbols[left];
+    if (a.id != top[2] || a.next < 0 || symbols[a.next].id != top[3]) continue;
+    a.id = top[4];
+    Symbol& b = symbols[a.next];
+    b.id = -1;
+    a.next = b.next;
+    if (a.next >= 0) symbols[a.next].prev = left;
+    queue_pair(a.prev);
+    queue_pair(left);
   }
-  ids.insert(ids.end(), symbols.begin(), symbols.end());
+  for (int32_t i = 0; i >= 0; i = symbols[i].next) ids.push_back(symbols[i].id);
 }
 
 void Tokenizer::plain(const std::string& text, std::vector<int64_t>& ids) const {
   std::vector<uint32_t> cps;
   std::vector<int64_t> at;
   code_points(text, cps, at);
-  if (!nfc_.enabled()) return pre_tokenized(text, cps, at, 0, static_cast<int64_t>(cps.size()), ids);
+  if (!nfc_.enabled()) return pre_tokenized(text, cps, at, ids);
   std::string normalized;
   for (const uint32_t cp : nfc_.apply(cps)) bitquilt_json::append_utf8(normalized, cp);
   cps.clear();
   at.clear();
   code_points(normalized, cps, at);
-  pre_tokenized(normalized, cps, at, 0, static_cast<int64_t>(cps.size()), ids);
+  pre_tokenized(normalized, cps, at, ids);
 }
 
 std::vector<int64_t> Tokenizer::encode(const std::string& text) const {

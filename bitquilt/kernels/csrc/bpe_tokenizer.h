@@ -59,7 +59,7 @@ class Tokenizer {
   int64_t qwen2_piece(const std::vector<uint32_t>& cps, int64_t i, int64_t end) const;
   void plain(const std::string& text, std::vector<int64_t>& ids) const;  // text between added tokens
   void pre_tokenized(const std::string& text, const std::vector<uint32_t>& cps, const std::vector<int64_t>& at,
-                     int64_t begin, int64_t end, std::vector<int64_t>& ids) const;
+                     std::vector<int64_t>& ids) const;
   void bpe(const uint8_t* bytes, int64_t n, std::vector<int64_t>& ids) const;
   bool special(int64_t id) const;
 
