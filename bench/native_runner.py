@@ -68,13 +68,14 @@ def render(records: list[dict]) -> str:
 def main() -> None:
     from common import RESULTS, append_record, command_line, loadavg, machine, write_atomic
 
-    from bitquilt.standalone.library import runner_path
+    from bitquilt.standalone.library import library, runner_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--exports", required=True, help="standalone export directories, comma-separated")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
+    library()  # both programs built before any timing
     commands = {"bitquilt-run": [sys.executable, "-m", "bitquilt.standalone.cli"],
                 "bitquilt-native": [str(runner_path())]}
     command = command_line()

@@ -29,7 +29,12 @@ def main(argv: list[str] | None = None) -> int:
         print(runner)
         return 0
     sys.stdout.flush()
-    os.execv(runner, [runner, *argv])  # does not return
+    try:
+        os.execv(runner, [runner, *argv])  # does not return
+    except OSError as e:
+        print(f"bitquilt-native: error: cannot run {runner}: {e.strerror} (a cache on a noexec mount? set "
+              "BITQUILT_CACHE elsewhere)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
