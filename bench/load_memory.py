@@ -133,12 +133,11 @@ def standalone_child(exported: Path) -> dict:
 
 def native_runner_child(exported: Path) -> dict:
     """The *bitquilt-native* measurement: the runner on a 128-token text prompt, greedy, 32 new tokens, one thread."""
-    from bitquilt.data.corpora import load_documents
-    from bitquilt.models.tokenizer import FastTokenizer
+    from native_runner import prompt_of
+
     from bitquilt.standalone.library import runner_path
 
-    tokenizer = FastTokenizer(exported)
-    prompt = tokenizer.decode(tokenizer.encode(load_documents("wiki")[0])[:128])
+    prompt = prompt_of(exported)
     runner = str(runner_path())  # built first if need be, outside the timing
     t0 = time.perf_counter()
     done = subprocess.run([runner, str(exported), "--prompt", prompt, "--max-new-tokens", "32",

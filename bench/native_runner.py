@@ -28,6 +28,7 @@ KEY = ("export", "threads", "program")
 
 
 def prompt_of(export: Path) -> str:
+    """The first 128 tokens of a Wikipedia passage, as text, in the export's tokenizer (load_memory's prompt too)."""
     from bitquilt.data.corpora import load_documents
     from bitquilt.models.tokenizer import FastTokenizer
 
