@@ -251,6 +251,14 @@ def test_bitquilt_native_bad_input(exported_smollm, tmp_path):
     for args, message in cases:
         done = _native(*args)
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, (args, done.stderr)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for content, message in [(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": [1, 2,]}   ", "JSON: unexpected character"),
+                             (b"\xff" * 16, "runs past the end of the file"), (b"\x02" + b"\x00" * 7 + b"{}",
+                                                                             "has no standalone metadata")]:
+        (broken / FILE).write_bytes(content)  # the runner's own header parser (csrc/json_value.h) on bad files
+        done = _native(str(broken), "--prompt", "x")
+        assert done.returncode == 2 and message in done.stderr, (content, done.stderr)
     saved = _saved(tmp_path, "llama", Recipe("rtn", w_bits=4, group_size=64))  # a tiny model: no tokenizer.json
     export(saved, tmp_path / "bare", to="standalone")
     done = _native(str(tmp_path / "bare"), "--prompt", "x")
