@@ -41,6 +41,7 @@ from bitquilt.export.checks import check_layers
 from bitquilt.export.tokenizer_tables import Unsupported, tokenizer_tables
 from bitquilt.formats.base import WeightFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
+from bitquilt.heap import HUGE_PAGE
 from bitquilt.io import CONFIG_NAME, WEIGHTS_NAME, check_output, is_quantized_dir, load_quantized
 from bitquilt.kernels import q4_int8, uniform8
 from bitquilt.models.native import NativeCausalLM, inverse_frequencies
@@ -159,6 +160,18 @@ def standalone_tensors(model: NativeCausalLM) -> tuple[dict[str, torch.Tensor], 
     return tensors, metadata
 
 
+def copy_in_huge_pages(source: Path, target: Path) -> None:
+    """`source` copied to `target` in 2 MB writes at 2 MB offsets, so that the page cache holds the new file in 2 MB
+    folios where the file system makes them (ext4 on Linux 6.18 here), which the runtime's mapping then gets as huge
+    pages: as safetensors wrote it, smollm2-135m's export sat in small folios and decoded 1.6x slower (196 against
+    311 tok/s, W4 + 4-bit head, one thread; qwen2.5-1.5b 1.2x)."""
+    buffer = bytearray(HUGE_PAGE)
+    view = memoryview(buffer)
+    with open(source, "rb", buffering=0) as src, open(target, "wb", buffering=0) as dst:
+        while n := src.readinto(buffer):
+            dst.write(view[:n])
+
+
 def export_standalone(directory: str | Path, output: str | Path, overwrite: bool = False) -> StandaloneExport:
     """Write the model saved in `directory` as a standalone directory at `output` (module docstring)."""
     directory, output = Path(directory), Path(output)
@@ -176,7 +189,10 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
     except Unsupported as e:
         metadata["tokenizer"] = {"unsupported": str(e)}
     with atomic_dir(output) as tmp:
-        save_file(tensors, str(tmp / FILE), metadata={METADATA_KEY: json.dumps(metadata)})
+        staging = tmp / f"{FILE}.staging"
+        save_file(tensors, str(staging), metadata={METADATA_KEY: json.dumps(metadata)})
+        copy_in_huge_pages(staging, tmp / FILE)
+        staging.unlink()
         for f in sorted(directory.iterdir()):
             if f.is_file() and f.name not in (WEIGHTS_NAME, CONFIG_NAME):
                 shutil.copy2(f, tmp / f.name)

@@ -1,6 +1,6 @@
 // A standalone export's file (bitquilt.export.standalone) mapped read-only: a safetensors file, its tensors as
 // pointers into the mapping and its "bitquilt.standalone" metadata parsed. The mapping is private and never
-// written, so its pages are the page cache's and count once, as they are first touched. Errors are
+// written, so its pages are the page cache's and count once, as they are first touched; it asks for huge pages. Errors are
 // std::runtime_error with a one-line reason for the user.
 #pragma once
 
@@ -61,6 +61,9 @@ class MappedFile {
     if (p == MAP_FAILED) unreadable(std::strerror(errno));
     map_.base = base_ = static_cast<const uint8_t*>(p);
     map_.size = size_ = size;
+    // Huge pages where the page cache holds the file in 2 MB folios, and 2 MB folios where it reads the file in on
+    // our faults (readahead for a huge-page mapping): on 4 KB pages smollm2-135m decoded 1.6x slower.
+    madvise(p, size, MADV_HUGEPAGE);
     uint64_t length = 0;
     std::memcpy(&length, base_, 8);  // little-endian, as every CPU this runs on
     if (length > size_ - 8) unreadable("its header length " + std::to_string(length) + " runs past the end of the file");
