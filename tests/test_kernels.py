@@ -445,9 +445,11 @@ def test_planes_to_tiles_is_the_reference_reordering(bytes_per_row, block):
 
 
 def test_layouts_from_2mb_start_on_a_huge_page_and_small_ones_share_huge_pages(monkeypatch):
+    from bitquilt import kernels
     from bitquilt.heap import HUGE_PAGE, advise_huge_pages
     from bitquilt.kernels import layout_empty
 
+    monkeypatch.setattr(kernels, "_slabs", kernels._Slabs())  # no block left open by earlier tests
     small = [layout_empty(n, dtype) for n, dtype in [(1000, torch.float16), (3, torch.uint8), (50_000, torch.float32)]]
     assert [t.shape for t in small] == [(1000,), (3,), (50_000,)] and small[0].dtype == torch.float16
     blocks = {t.data_ptr() // HUGE_PAGE for t in small}  # cut back to back from one 2 MB block, 64-byte aligned
