@@ -71,7 +71,10 @@ class NativeTokenizer:
         save_file(tensors, str(directory / FILE),
                   metadata={METADATA_KEY: json.dumps({"format_version": FORMAT_VERSION, "tokenizer": metadata})})
         self.lib = library()
-        self.handle = self.lib.bq_tokenizer_open(str(directory / FILE).encode())
+        file = self.lib.bq_file_open(str(directory / FILE).encode())
+        assert file, last_error()
+        self.handle = self.lib.bq_tokenizer_open(file)
+        self.lib.bq_file_free(file)  # the tokenizer keeps the mapping
         assert self.handle, last_error()
         self.metadata = metadata
 

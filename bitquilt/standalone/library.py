@@ -26,28 +26,29 @@ CSRC = Path(__file__).resolve().parent.parent / "kernels" / "csrc"
 SOURCES = ("standalone.cpp", "bpe_tokenizer.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "uniform8_gemv.cpp",
            "uniform8_vnni.cpp")
 HEADERS = ("avx2_simd.h", "bpe_tokenizer.h", "decoder_core.h", "int8_round.h", "json_value.h", "parallel.h",
-           "q4_int8.h", "standalone_file.h", "uniform8.h")
+           "q4_int8.h", "standalone.h", "standalone_file.h", "uniform8.h")
 RUNNER = "native_runner.cpp"  # main() of bitquilt-native, on the library's sources
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 CPU_FLAGS = ("avx2", "fma", "f16c")  # the baseline the library is compiled for
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64  # any pointer, int64
-SIGNATURES = {  # name: (result, arguments)
+SIGNATURES = {  # name: (result, arguments), as csrc/standalone.h declares them
     "bq_error": (ctypes.c_char_p, []),
     "bq_has_vnni": (ctypes.c_int, []),
     "bq_vnni_enabled": (ctypes.c_int, []),
     "bq_set_vnni": (ctypes.c_int, [ctypes.c_int]),
     "bq_set_threads": (None, [ctypes.c_int]),
     "bq_threads": (ctypes.c_int, []),
-    "bq_open": (_p, [ctypes.c_char_p, _i64]),
+    "bq_file_open": (_p, [ctypes.c_char_p]),
+    "bq_file_free": (None, [_p]),
+    "bq_open": (_p, [_p, _i64]),
     "bq_free": (None, [_p]),
     "bq_cache": (_p, [_p, _i64, ctypes.c_int]),
     "bq_rope": (_p, [_p, ctypes.c_int]),
     "bq_vocab": (_i64, [_p]),
     "bq_forward": (ctypes.c_int, [_p, _p, _i64, _i64, _p]),
-    "bq_tokenizer_open": (_p, [ctypes.c_char_p]),
+    "bq_tokenizer_open": (_p, [_p]),
     "bq_tokenizer_free": (None, [_p]),
-    "bq_tokenizer_eos": (_i64, [_p]),
     "bq_tokenize": (_i64, [_p, ctypes.c_char_p, _i64, _p, _i64]),
     "bq_detokenize": (_i64, [_p, _p, _i64, ctypes.c_int, _p, _i64]),
     "bq_argmax": (_i64, [_p, _i64]),
@@ -72,9 +73,9 @@ def _build_key(compiler: str, sources: tuple[str, ...], flags: tuple[str, ...]) 
     return h.hexdigest()[:16]
 
 
-def _built(name: str, sources: tuple[str, ...], flags: tuple[str, ...]) -> Path:
-    """`name` (a file name, "{key}" for the build key) compiled from `sources` with FLAGS and `flags`, built first
-    if this version of the sources has not been."""
+def _built(name: str, sources: tuple[str, ...], *links: tuple[str, ...]) -> Path:
+    """`name` (a file name, "{key}" for the build key) compiled from `sources` with FLAGS and the first of `links`
+    (flags) that links here, built first if this version of the sources has not been."""
     cpu = _cpu_flags()
     missing = [f for f in CPU_FLAGS if cpu and f not in cpu]
     if missing:
@@ -84,17 +85,19 @@ def _built(name: str, sources: tuple[str, ...], flags: tuple[str, ...]) -> Path:
     if shutil.which(compiler) is None:
         raise UserError(f"the standalone runtime compiles its kernels on first use with a C++ compiler; {compiler!r} "
                         "was not found (install g++, or set CXX)")
-    flags = (*FLAGS, *flags)
-    path = cache.cache_dir() / "standalone" / name.format(key=_build_key(compiler, sources, flags))
+    path = cache.cache_dir() / "standalone" / name.format(key=_build_key(compiler, sources, (*FLAGS, *sum(links, ()))))
     if path.is_file():
         return path
     with cache.file_lock("standalone-build"):
         if path.is_file():
             return path
         with cache.atomic_file(path) as tmp:
-            result = subprocess.run([compiler, *flags, "-o", str(tmp), *(str(CSRC / s) for s in sources)],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
+            for flags in links:
+                result = subprocess.run([compiler, *FLAGS, *flags, "-o", str(tmp), *(str(CSRC / s) for s in sources)],
+                                        capture_output=True, text=True)
+                if result.returncode == 0:
+                    break
+            else:
                 errors = [line for line in result.stderr.splitlines() if "error" in line][:5]
                 raise UserError(f"compiling the standalone runtime's kernels failed ({compiler}):\n" +
                                 "\n".join(errors or result.stderr.splitlines()[-5:]))
@@ -106,22 +109,12 @@ def library_path() -> Path:
     return _built("libbitquilt_standalone-{key}.so", SOURCES, ("-fPIC", "-shared"))
 
 
-def _static_libraries(compiler: str) -> bool:
-    """Whether `compiler` can link a static program with OpenMP (libc.a and libgomp.a installed)."""
-    try:
-        found = [subprocess.run([compiler, f"-print-file-name={library}"], capture_output=True, text=True).stdout
-                 for library in ("libc.a", "libgomp.a", "libstdc++.a")]
-    except OSError:  # no compiler: _built says so
-        return False
-    return all(os.path.isabs(path.strip()) for path in found)
-
-
 def runner_path() -> Path:
     """The compiled native runner (`bitquilt-native`: a program without Python), built first if needed: linked
     statically where the toolchain has the static libraries (a program that runs on any x86-64 Linux with AVX2,
-    2.4 MB less resident than with libstdc++ and libgomp shared), else against the shared ones."""
-    static = _static_libraries(os.environ.get("CXX", "g++"))
-    return _built("bitquilt-native-{key}", (RUNNER, *SOURCES), ("-static",) if static else ())
+    2.4 MB less resident than with libstdc++ and libgomp shared), else against the shared ones (the choice made
+    once, when it is built)."""
+    return _built("bitquilt-native-{key}", (RUNNER, *SOURCES), ("-static",), ())
 
 
 @functools.cache

@@ -2,11 +2,11 @@
 library.
 
 `StandaloneModel(directory)` maps `standalone.safetensors` (`bitquilt.export.standalone` writes it), reads its
-metadata and loads the tokenizer; `begin(max_len)` has the library open the file for a sequence of up to `max_len`
-positions (`bq_open`: the same loader as the native runner's; its RoPE tables for those positions and zeroed
-key/value caches whose pages are touched only as positions fill), and `forward(ids)` appends ids at the current
-position and returns the last one's logits (`array.array` of fp32). The weights are never copied: the library's
-linears point into its mapping of the file.
+metadata, loads the tokenizer and has the library open the file (`bq_file_open`: one mapping for every sequence);
+`begin(max_len)` builds the library's model of it for a sequence of up to `max_len` positions (`bq_open`: the same
+loader as the native runner's; its RoPE tables for those positions and zeroed key/value caches whose pages are
+touched only as positions fill), and `forward(ids)` appends ids at the current position and returns the last one's
+logits (`array.array` of fp32). The weights are never copied: the library's linears point into its mapping.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class StandaloneModel:
     """A standalone export for one sequence at a time (module docstring)."""
 
     _handle: int | None = None
+    _file: int | None = None
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
@@ -77,11 +78,14 @@ class StandaloneModel:
         self.max_len = 0
         self._lib = library()
         set_isa()
+        self._file = self._lib.bq_file_open(str(self.directory / FILE).encode())  # one mapping for every sequence
+        if not self._file:
+            raise UserError(last_error())
 
     def begin(self, max_len: int) -> None:
         """Start a sequence of up to `max_len` positions (the previous one, if any, is dropped)."""
         self.close()
-        handle = self._lib.bq_open(str(self.directory / FILE).encode(), max_len)
+        handle = self._lib.bq_open(self._file, max_len)
         if not handle:
             raise UserError(last_error())
         self._handle, self.max_len, self.pos = handle, max_len, 0
@@ -143,3 +147,5 @@ class StandaloneModel:
 
     def __del__(self) -> None:
         self.close()
+        if self._file:
+            self._lib.bq_file_free(self._file)  # the mapping goes with the last model opened on it

@@ -26,18 +26,8 @@
 #include <vector>
 
 #include "bpe_tokenizer.h"
+#include "standalone.h"
 
-extern "C" {
-const char* bq_error();
-int bq_has_vnni();
-int bq_set_vnni(int enabled);
-void* bq_open(const char* path, int64_t max_len);
-void bq_free(void* handle);
-int64_t bq_vocab(void* handle);
-int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* logits);
-int64_t bq_argmax(const float* logits, int64_t n);
-int64_t bq_sample(const float* logits, int64_t n, double temperature, double uniform);
-}
 
 namespace {
 
@@ -289,11 +279,11 @@ int run(int argc, char** argv) {
   if (stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
     throw UserError(o.model + " is not a standalone export (no " + kFile +
                     "); write one with `bitquilt export SAVED_DIR -o OUT --to standalone`");
-  const auto file = std::make_shared<const bitquilt_standalone::MappedFile>(path);
+  const auto file = std::make_shared<const bitquilt_standalone::MappedFile>(path);  // one mapping for both:
   const bitquilt_tokenizer::Tokenizer tokenizer(file);
   const std::vector<int64_t> prompt = tokenizer.encode(o.prompt);
   if (prompt.empty()) throw UserError("the prompt has no tokens; give the text to continue");
-  const ModelHandle model(bq_open(path.c_str(), static_cast<int64_t>(prompt.size()) + o.max_new_tokens));
+  const ModelHandle model(bq_open_mapped(file, static_cast<int64_t>(prompt.size()) + o.max_new_tokens));
   if (model.handle == nullptr) throw UserError(bq_error());
   const double loaded = seconds(start, Clock::now());
 

@@ -5,11 +5,12 @@
 // int8-rounded activations, and a plain fp32 product for linears kept in full precision; the layer math is
 // decoder_core.h's, as in the torch extension's fused decode step.
 //
-// A model is opened from the file itself (bq_open: standalone_file.h maps it and parses its header; the linears
-// point into the mapping, which the model keeps), so that the Python runtime and the native runner (native_runner.cpp)
-// share one loader. A model owns its RoPE tables and its key/value caches, the caches in one anonymous mapping whose
-// zero pages become memory only as positions fill. Sampling is here too, so that the caller needs no array
-// library. Functions that can fail return -1 (or null) and leave the reason in bq_error().
+// The file is opened by the library itself (bq_file_open: standalone_file.h maps it and parses its header), once,
+// and every model of it (bq_open, one per sequence length) points its linears into that mapping, which it keeps, so
+// that the Python runtime and the native runner (native_runner.cpp) share one loader and a new sequence finds the
+// weights' pages already mapped. A model owns its RoPE tables and its key/value caches, the caches in one anonymous
+// mapping whose zero pages become memory only as positions fill. Sampling is here too, so that the caller needs no
+// array library. The interface: standalone.h.
 
 #include <omp.h>
 #include <sys/mman.h>
@@ -30,6 +31,7 @@
 #include "decoder_core.h"
 #include "parallel.h"
 #include "q4_int8.h"
+#include "standalone.h"
 #include "standalone_file.h"
 #include "uniform8.h"
 
@@ -229,8 +231,7 @@ Linear load_linear(const MappedFile& f, const std::string& name) {
 }
 
 // The model of a standalone file for sequences of up to `max_len` positions.
-std::unique_ptr<Model> load_model(const std::string& path, int64_t max_len) {
-  auto file = std::make_shared<const MappedFile>(path);
+std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file, int64_t max_len) {
   const MappedFile& f = *file;
   const Value& c = f.config();
   auto dim = [&](const char* key) { return integer(f, c[key], key); };
@@ -277,6 +278,8 @@ std::unique_ptr<Model> load_model(const std::string& path, int64_t max_len) {
   return m;
 }
 
+using FileHandle = std::shared_ptr<const MappedFile>;  // what bq_file_open returns, held by what opens on it
+
 }  // namespace
 
 extern "C" {
@@ -292,16 +295,22 @@ int bq_set_vnni(int enabled) {
 void bq_set_threads(int threads) { omp_set_num_threads(threads); }
 int bq_threads() { return omp_get_max_threads(); }
 
-// The model of the standalone file at `path` (its weights mapped, not read) for up to `max_len` positions; null
-// with the reason in bq_error() when the file cannot be run.
-void* bq_open(const char* path, int64_t max_len) {
+// The standalone file at `path`, mapped (nothing read but its header); null with the reason in bq_error().
+void* bq_file_open(const char* path) {
   try {
-    return load_model(path, max_len).release();
+    return new FileHandle(std::make_shared<const MappedFile>(path));
   } catch (const std::exception& e) {
     fail(e.what());
     return nullptr;
   }
 }
+
+// The caller's hold on the file (models and tokenizers opened on it keep theirs).
+void bq_file_free(void* file) { delete static_cast<FileHandle*>(file); }
+
+// The model of an opened file for up to `max_len` positions; null with the reason in bq_error() when the file
+// cannot be run.
+void* bq_open(void* file, int64_t max_len) { return bq_open_mapped(*static_cast<FileHandle*>(file), max_len); }
 
 void bq_free(void* handle) { delete model(handle); }
 
@@ -344,10 +353,10 @@ int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* 
   return 0;
 }
 
-// The tokenizer of the standalone file at `path` (bpe_tokenizer.h); null with the reason in bq_error().
-void* bq_tokenizer_open(const char* path) {
+// The tokenizer of an opened file (bpe_tokenizer.h); null with the reason in bq_error().
+void* bq_tokenizer_open(void* file) {
   try {
-    return new bitquilt_tokenizer::Tokenizer(std::make_shared<const MappedFile>(path));
+    return new bitquilt_tokenizer::Tokenizer(*static_cast<FileHandle*>(file));
   } catch (const std::exception& e) {
     fail(e.what());
     return nullptr;
@@ -355,8 +364,6 @@ void* bq_tokenizer_open(const char* path) {
 }
 
 void bq_tokenizer_free(void* tokenizer) { delete static_cast<bitquilt_tokenizer::Tokenizer*>(tokenizer); }
-
-int64_t bq_tokenizer_eos(void* tokenizer) { return static_cast<bitquilt_tokenizer::Tokenizer*>(tokenizer)->eos(); }
 
 // The ids of UTF-8 text [n bytes], the first `capacity` of them written to ids; how many there are (-1: not UTF-8).
 int64_t bq_tokenize(void* tokenizer, const char* text, int64_t n, int64_t* ids, int64_t capacity) {
@@ -398,3 +405,12 @@ int64_t bq_sample(const float* logits, int64_t n, double temperature, double uni
 }
 
 }  // extern "C"
+
+void* bq_open_mapped(const std::shared_ptr<const MappedFile>& file, int64_t max_len) {
+  try {
+    return load_model(file, max_len).release();
+  } catch (const std::exception& e) {
+    fail(e.what());
+    return nullptr;
+  }
+}
