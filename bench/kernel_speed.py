@@ -461,7 +461,7 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
         int8_args = [(lay.codes, lay.scales, n, lay.group, lay.bits) for lay in layouts]
         exact = [cpu.packed(f) for f in fmts]
         nbytes = layouts[0].nbytes()
-        # whole 128 B, in pages like the layouts' (huge pages from 2 MB on: `kernels.layout_empty`)
+        # whole 128 B, in pages like the layouts' (huge pages: `kernels.layout_empty`)
         buffers = [layout_empty(nbytes // 128 * 32, torch.float32).normal_(generator=gen)
                    for _ in range(cold_copies(nbytes))]
         fp32 = [torch.randn(n, k, generator=gen) for _ in range(cold_copies(n * k * 4))]
@@ -508,8 +508,8 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
              "it; GB/s and % from the C time; *exact*: the bit-plane kernel "
              f"the {bits}-bit format runs without `--int8-activations` (lookup tables, from a width-dependent batch "
              "dequantize + sgemm). GB/s: the int8 kernel's layout bytes (codes + scales) per second; *ceiling*: one "
-             "streaming read of a cold buffer of the same bytes in the same kind of pages (huge pages from 2 MB on, as "
-             "the layouts), timed in the same alternating rounds as the kernels "
+             "streaming read of a cold buffer of the same bytes in the same kind of pages (huge pages, as the layouts: "
+             "`kernels.layout_empty`), timed in the same alternating rounds as the kernels "
              "(csrc/read_rate.cpp: 256-bit loads OR-ed together, 1 thread, timed in C; the faster of a plain pass "
              "and one "
              f"prefetching {prefetch} bytes ahead, as the kernels do on this CPU), the read rate a batch-1 kernel can "

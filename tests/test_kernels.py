@@ -444,7 +444,7 @@ def test_planes_to_tiles_is_the_reference_reordering(bytes_per_row, block):
     assert torch.equal(out, tiles.permute(1, 3, 0, 4, 2))
 
 
-def test_layouts_from_2mb_start_on_a_huge_page_and_small_ones_share_huge_pages(monkeypatch):
+def test_layouts_from_2mb_start_on_a_huge_page_and_smaller_ones_share_huge_pages(monkeypatch):
     from bitquilt import kernels
     from bitquilt.heap import HUGE_PAGE, advise_huge_pages
     from bitquilt.kernels import layout_empty
@@ -452,18 +452,19 @@ def test_layouts_from_2mb_start_on_a_huge_page_and_small_ones_share_huge_pages(m
     monkeypatch.setattr(kernels, "_slabs", kernels._Slabs())  # no block left open by earlier tests
     small = [layout_empty(n, dtype) for n, dtype in [(1000, torch.float16), (3, torch.uint8), (50_000, torch.float32)]]
     assert [t.shape for t in small] == [(1000,), (3,), (50_000,)] and small[0].dtype == torch.float16
-    blocks = {t.data_ptr() // HUGE_PAGE for t in small}  # cut back to back from one 2 MB block, 64-byte aligned
+    blocks = {t.data_ptr() // HUGE_PAGE for t in small}  # cut back to back from one block, 64-byte aligned
     assert len(blocks) == 1 and all(t.data_ptr() % 64 == 0 for t in small)
-    assert small[0].untyped_storage().nbytes() >= HUGE_PAGE  # a view of the shared block
+    assert small[0].untyped_storage().nbytes() >= kernels._Slabs.BLOCK  # a view of the shared block
     for t, value in zip(small, (1.0, 2, 3.0)):
         t.fill_(value)
     assert float(small[0].sum()) == 1000 and int(small[1].sum()) == 6 and float(small[2].sum()) == 150_000
-    many = [layout_empty(HUGE_PAGE // 4 - 64 * i) for i in range(40)]  # more blocks than are kept open
+    many = [layout_empty(HUGE_PAGE - 64 * i) for i in range(1, 80)]  # more blocks than are kept open
     for i, t in enumerate(many):
         t.fill_(i)
-    assert [int(t[-1]) for t in many] == list(range(40)) and len({t.data_ptr() // HUGE_PAGE for t in many}) >= 10
-    middle = layout_empty(HUGE_PAGE // 2 + 64)  # between 512 KB and 2 MB: 4 KB pages (it would waste a block)
-    assert middle.untyped_storage().nbytes() == middle.nbytes
+    assert [int(t[-1]) for t in many] == list(range(79)) and len({t.untyped_storage().data_ptr() for t in many}) >= 10
+    monkeypatch.setattr(kernels, "_slabs", kernels._Slabs())
+    two = [layout_empty(HUGE_PAGE * 5 // 8) for _ in range(2)]  # 1.25 MB each (qwen2.5-1.5b's q_proj at 4 bits):
+    assert two[1].data_ptr() == two[0].data_ptr() + two[0].nbytes  # back to back, across a huge-page boundary
     big = layout_empty(3 * HUGE_PAGE // 4 + 5, torch.float32)
     assert big.shape == (3 * HUGE_PAGE // 4 + 5,) and big.data_ptr() % HUGE_PAGE == 0
     big.fill_(1.5)

@@ -62,7 +62,8 @@ def test_kernel_is_the_exact_product_with_the_rounded_activations(n, k, group, t
     x[0, :32] = 0  # an all-zero block: scale 0, no division by zero
     fmt = make_uniform(w, bits, group, sym=False)
     lay = q4_int8.layout(fmt)
-    assert lay.codes.nbytes == -(-n // 4) * 4 * k * bits // 8  # bits per code, rows padded to the tile
+    rows = q4_int8.TILE_ROWS[bits]
+    assert lay.codes.nbytes == -(-n // rows) * rows * k * bits // 8  # bits per code, rows padded to the tile
     y = cpu.extension().q4_int8_matmul(x, lay.codes, lay.scales, n, lay.group, lay.bits)
     w_hat = fmt.dequantize().double()
     ref = rounded(x).double() @ w_hat.T

@@ -45,13 +45,16 @@ def _huge_block(nbytes: int) -> torch.Tensor:
 
 
 class _Slabs:
-    """Huge pages shared by small layouts (up to `LARGEST`): each is cut from the open 2 MB block with the least room
-    that holds it (64-byte aligned), a new block opened when none does. At most `OPEN` blocks are held here (the
-    fullest let go first); a block lives on as long as a layout cut from it does."""
+    """Huge pages shared by layouts under 2 MB: each is cut from the open `BLOCK` (16 MB, starting on a huge page)
+    with the least room that holds it (64-byte aligned), a new block opened when none does. A layout may straddle two
+    huge pages (one TLB entry each either way), and a huge page becomes resident only once a layout in it is written,
+    so a block costs what its layouts hold plus the room its last touched page has left. With 2 MB blocks, layouts
+    over 512 KB had to stay on 4 KB pages (qwen2.5-1.5b's 1.2 MB q_proj / o_proj would each have taken a block of
+    their own, +33 MB resident). At most `OPEN` blocks are held here (the fullest let go first); a block lives on as
+    long as a layout cut from it does."""
 
     OPEN = 8
-    LARGEST = HUGE_PAGE // 4  # larger ones would leave blocks with room no layout fills: qwen2.5-1.5b's 1.2 MB
-    # q_proj / o_proj layouts took 2 MB each, +33 MB resident for no faster decode (those stay on 4 KB pages)
+    BLOCK = 8 * HUGE_PAGE
 
     def __init__(self) -> None:
         self.blocks: list[tuple[torch.Tensor, int]] = []  # (block, bytes used)
@@ -60,14 +63,14 @@ class _Slabs:
     def take(self, nbytes: int) -> torch.Tensor:
         with self.lock:
             starts = [-(-used // 64) * 64 for _, used in self.blocks]
-            fits = [i for i, start in enumerate(starts) if start + nbytes <= HUGE_PAGE]
+            fits = [i for i, start in enumerate(starts) if start + nbytes <= self.BLOCK]
             if fits:
                 i = max(fits, key=lambda i: starts[i])
                 start = starts[i]
             else:
                 if len(self.blocks) == self.OPEN:
                     del self.blocks[max(range(self.OPEN), key=lambda i: self.blocks[i][1])]
-                self.blocks.append((_huge_block(HUGE_PAGE), 0))
+                self.blocks.append((_huge_block(self.BLOCK), 0))
                 i, start = len(self.blocks) - 1, 0
             block = self.blocks[i][0]
             self.blocks[i] = (block, start + nbytes)
@@ -79,22 +82,18 @@ _slabs = _Slabs()
 
 def layout_empty(numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """An uninitialised 1-D tensor for a kernel layout of `numel` elements on transparent huge pages (while
-    `huge_pages()`): from 2 MB on a block of its own starting on a huge-page boundary (`_huge_block`), up to 512 KB
-    cut from 2 MB blocks shared with other small layouts (`_Slabs`), in between on 4 KB pages. A batch-1 kernel
-    reads its whole layout at every call: on 4 KB pages qwen2.5-1.5b's W4 int8 decode measured 1.1-1.2x slower,
-    smollm2-135m's (every layout under 512 KB) 1.11-1.24x slower (Zen 4); a 1536 x 1536 4-bit layout (1.2 MB) read
-    cold is 1.6x slower there than on a huge page, but two such would not share a block. The price is paid once, as
-    the layouts are built: each 2 MB page faulted in whole, compacting memory when free 2 MB blocks are scarce
-    (ready to answer 1.4 -> 2.7 s on that model, 1 thread), and the room a shared block has left when no layout fits
-    it."""
+    `huge_pages()`): from 2 MB on a block of its own starting on a huge-page boundary (`_huge_block`), smaller ones
+    cut from 16 MB blocks shared with other layouts (`_Slabs`). A batch-1 kernel reads its whole layout at every
+    call: on 4 KB pages qwen2.5-1.5b's W4 int8 decode measured 1.1-1.2x slower, smollm2-135m's (every layout under
+    512 KB) 1.11-1.24x slower (Zen 4), and a 1536 x 1536 4-bit layout (1.2 MB) read cold 1.6x slower. The price is
+    paid once, as the layouts are built: each 2 MB page faulted in whole, compacting memory when free 2 MB blocks are
+    scarce (ready to answer 1.4 -> 2.7 s on that model, 1 thread)."""
     nbytes = numel * dtype.itemsize
     if not huge_pages() or nbytes == 0:
         return torch.empty(numel, dtype=dtype)
     if nbytes >= HUGE_PAGE:
         return _huge_block(nbytes).view(dtype)
-    if nbytes <= _Slabs.LARGEST:
-        return _slabs.take(nbytes).view(dtype)
-    return torch.empty(numel, dtype=dtype)
+    return _slabs.take(nbytes).view(dtype)
 
 
 PACK_ROWS = 1024  # rows of a weight re-laid out at a time: each chunk's file pages are given back once copied

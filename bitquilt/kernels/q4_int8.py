@@ -8,10 +8,10 @@ so the only error is the activations' rounding (≤ d/2 per value); that trade i
 `bitquilt.kernels.set_int8_activations(True)` (CLI `--int8-activations`), and its perplexity cost is
 measured in docs/benchmarks.md. Registered as "cpu_q4_int8" ahead of cpu_lut (the 8-bit kernel takes no
 4- or 2-bit call); it declines every call while the switch is off, and formats with act-order (g_idx) or
-widths/groups not multiples of 64. 2-bit codes run the same kernel from half the bytes: once widened in registers
-they are the same vectors of codes, so 2-bit decode reads half of 4-bit's code stream for the same arithmetic
-(on the VNNI path a single token's 2-bit tiles widen four rows per load instead, the stream being bound by
-instructions rather than memory).
+widths/groups not multiples of 64. 2-bit codes have a layout of their own (csrc/q2_int8.cpp): 32-row tiles whose
+bytes hold two rows' codes of two columns, so one 64-byte load becomes four vectors of codes, one per row and 4
+columns in each lane, met by 4 activations broadcast to every lane; that loop costs half the instructions of
+widening 2-bit codes row by row, and reads the stream at the memory's rate rather than the instructions'.
 Per format it keeps its own layout in a `LayoutCache` (the codes two or four per byte, fp16 s and uint8 z per row
 group).
 
@@ -47,7 +47,8 @@ from bitquilt.kernels import (
 )
 from bitquilt.mapped import release_chunk
 
-ROWS, PAIR = 4, 64  # output rows per tile, columns per packed row chunk (csrc/q4_int8.h)
+PAIR = 64  # columns per packed row chunk at 4 bits (csrc/q4_int8.h)
+TILE_ROWS = {4: 4, 2: 32}  # output rows per tile by code width (csrc/q4_int8.h, Weight)
 
 
 def supported_isas() -> tuple[str, ...]:
@@ -76,11 +77,12 @@ BITS = (4, 2)  # code widths the kernel runs
 
 @dataclass(frozen=True)
 class Q4Layout:
-    """The weight panel by panel (a panel: the most whole groups within 4,096 columns, csrc/q4_int8.h), each panel's
-    tiles of 4 rows in turn. Codes uint8 [panels][tiles, cols/64, 4, 8 · bits] (a row's 64 codes of two blocks; at 4
-    bits byte j < 16 holds columns j and 16 + j, byte 16 + j columns 32 + j and 48 + j, low nibble first; at 2 bits
-    byte j < 16 holds columns j, 16 + j, 32 + j, 48 + j from the low bits up) and scales uint8 [panels][tiles, groups,
-    12] (the tile's 4 rows' scales as fp16, then their zeros as uint8: 3 bytes per row group), both flat."""
+    """At 4 bits the weight panel by panel (a panel: the most whole groups within 4,096 columns, csrc/q4_int8.h),
+    each panel's tiles of 4 rows in turn: codes uint8 [panels][tiles, cols/64, 4, 32] (a row's 64 codes of two
+    blocks; byte j < 16 holds columns j and 16 + j, byte 16 + j columns 32 + j and 48 + j, low nibble first). At 2
+    bits one panel of 32-row tiles: codes uint8 [tiles, K/8, 64] (step c's byte 4l + j holds rows l and 16 + l at
+    columns 8c + j and 8c + 4 + j, csrc/q2_int8.cpp). Scales uint8 [panels][tiles, groups, 3 · rows] (the tile's
+    rows' scales as fp16, then their zeros as uint8: 3 bytes per row and group). All flat."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -91,12 +93,12 @@ class Q4Layout:
         return self.codes.nbytes + self.scales.nbytes
 
 
-def _rows_to_tiles(t: torch.Tensor) -> torch.Tensor:
-    """[N, ...] -> [tiles, 4, ...], zero rows appended."""
-    pad = -t.shape[0] % ROWS
+def _rows_to_tiles(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """[N, ...] -> [tiles, rows, ...], zero rows appended."""
+    pad = -t.shape[0] % rows
     if pad:
         t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-    return t.view(-1, ROWS, *t.shape[1:])
+    return t.view(-1, rows, *t.shape[1:])
 
 
 def _panels(flat: torch.Tensor, tiles: int, bounds: list[tuple[int, int]], per_unit: tuple[int, ...]) -> list:
@@ -112,36 +114,38 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
     if fmt.in_features % PAIR or group % PAIR:
         return None
     n, k = fmt.out_features, fmt.in_features
-    bits, tiles = fmt.bits, -(-n // ROWS)
-    width = cpu.extension().q4_int8_panel_columns(group)
+    bits, rows = fmt.bits, TILE_ROWS[fmt.bits]
+    tiles = -(-n // rows)
+    width = cpu.extension().q4_int8_panel_columns(group) if bits == 4 else k  # 2 bits: one panel
     columns = [(c0, min(k, c0 + width)) for c0 in range(0, k, width)]
-    scales = _scale_panels(fmt, tiles, [(c0 // group, -(-c1 // group)) for c0, c1 in columns])
+    scales = _scale_panels(fmt, tiles, rows, [(c0 // group, -(-c1 // group)) for c0, c1 in columns])
     if scales is None:
         return None
-    codes = layout_empty(tiles * ROWS * k * bits // 8)
-    if n % ROWS:
-        codes.zero_()  # pad rows 0
+    codes = layout_empty(tiles * rows * k * bits // 8)
+    if n % rows or bits == 2:
+        codes.zero_()  # pad rows 0; 2-bit rows are OR-ed in
     for r0 in range(0, n, PACK_ROWS):  # csrc/repack.cpp writes each row's chunks into their panels
-        rows = fmt.qweight[r0:r0 + PACK_ROWS]
-        cpu.extension().q4_int8_pack_codes(rows, r0, bits, k, width // PAIR, tiles, codes)
-        release_chunk(r0 // PACK_ROWS, [rows])  # these rows' file pages, as cpu.pack_planes does
+        chunk = fmt.qweight[r0:r0 + PACK_ROWS]
+        cpu.extension().q4_int8_pack_codes(chunk, r0, bits, k, width // PAIR, tiles, codes)
+        release_chunk(r0 // PACK_ROWS, [chunk])  # these rows' file pages, as cpu.pack_planes does
     return Q4Layout(codes, scales, group, bits)
 
 
-def _scale_panels(fmt: UniformFormat, tiles: int, group_bounds: list[tuple[int, int]]) -> torch.Tensor | None:
+def _scale_panels(fmt: UniformFormat, tiles: int, rows: int,
+                  group_bounds: list[tuple[int, int]]) -> torch.Tensor | None:
     """The scales and zeros of `Q4Layout`, PACK_ROWS rows at a time (the whole head's temporaries at once were
     ≈ 30 MB above the layout on Qwen); None unless every scale is an fp16 value and every zero a byte (what `pack`
     stores, and what the layout keeps)."""
-    scales = torch.empty(tiles * fmt.scales.shape[1] * 3 * ROWS, dtype=torch.uint8)
-    panels = _panels(scales, tiles, group_bounds, (3 * ROWS,))
+    scales = torch.empty(tiles * fmt.scales.shape[1] * 3 * rows, dtype=torch.uint8)
+    panels = _panels(scales, tiles, group_bounds, (3 * rows,))
     for r0, scale, zero in grid_chunks(fmt, PACK_ROWS):
         grid = fp16_grid(scale, zero)
         if grid is None:
             return None
         scale16, zero8 = grid
-        per_group = torch.cat([_rows_to_tiles(scale16).transpose(1, 2).contiguous().view(torch.uint8),
-                               _rows_to_tiles(zero8).transpose(1, 2)], dim=-1)  # [tiles, G, 4 · 2 + 4]
-        t0 = r0 // ROWS
+        per_group = torch.cat([_rows_to_tiles(scale16, rows).transpose(1, 2).contiguous().view(torch.uint8),
+                               _rows_to_tiles(zero8, rows).transpose(1, 2)], dim=-1)  # [tiles, G, rows · 2 + rows]
+        t0 = r0 // rows
         for view, (g0, g1) in zip(panels, group_bounds, strict=True):
             view[t0:t0 + per_group.shape[0]].copy_(per_group[:, g0:g1])
     return scales

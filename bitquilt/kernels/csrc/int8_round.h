@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "avx2_simd.h"
@@ -39,6 +40,21 @@ inline Rounded round_block(const float* x) {
       _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])),
       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   return {w8, amax / 127.0f, bitquilt_simd::hsum8(_mm256_cvtepi32_ps(sum))};
+}
+
+// Tokens x [T, K] (K a multiple of 32) rounded block by block: codes [T, K] in column order, block scales
+// d [T, K / 32] and each group's sum of d * code, X [T, ceil(K / group)], for the kernels that read activations in
+// column order (uniform8_gemv.cpp, q2_int8.cpp).
+inline void round_tokens(const float* x, int64_t T, int64_t K, int64_t group, int8_t* codes, float* d, float* X) {
+  const int64_t blocks = K / BLOCK, G = (K + group - 1) / group;
+  std::fill_n(X, T * G, 0.0f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const Rounded r = round_block(x + t * K + BLOCK * b);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + t * K + BLOCK * b), r.codes);
+      d[t * blocks + b] = r.d;
+      X[t * G + BLOCK * b / group] += r.d * r.sum;
+    }
 }
 
 }  // namespace bitquilt_int8

@@ -1,4 +1,4 @@
-// 4- and 2-bit uniform weights times int8-quantized activations (AVX2; the AVX-512 VNNI twin in q4_int8_vnni.cpp),
+// 4-bit uniform weights times int8-quantized activations (AVX2; the AVX-512 VNNI twin in q4_int8_vnni.cpp),
 // used by bitquilt.kernels.q4_int8.
 //
 // The bit-plane lookup-table kernel keeps activations exact to 2^-21 at the price of three table limbs per
@@ -22,9 +22,7 @@
 // at batch 1 the hardware prefetcher alone leaves loads waiting: prefetching each chunk PREFETCH_BYTES ahead
 // measured 1.15-1.45x faster on Zen 3 and up to 1.24x on Zen 4's 2-bit VNNI loop (q4_int8.h).
 //
-// 2-bit codes take the same path with half the bytes: a row's 64 codes are 16 bytes, broadcast to both 128-bit
-// lanes and shifted per lane (vpsrlvd by 0 | 4 for columns 0-15 | 32-47, by 2 | 6 for 16-31 | 48-63) before the
-// mask, which gives the very vectors the 4-bit chunk widens to; everything after the widening is shared.
+// 2-bit layouts have their own tiles and kernel (q2_int8.cpp); matmul_into and row_into hand them over.
 
 #include "q4_int8.h"
 
@@ -69,18 +67,10 @@ struct Codes {
   __m256i lo, hi;
 };
 
-template <int BITS>
 inline Codes widen(const uint8_t* p) {
-  if constexpr (BITS == 4) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m256i nib = _mm256_set1_epi8(0x0F);
-    return {_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib)};
-  } else {
-    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i mask = _mm256_set1_epi8(0x03);
-    return {_mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), mask),
-            _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(2, 2, 2, 2, 6, 6, 6, 6)), mask)};
-  }
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib)};
 }
 
 // 8 lanes: 0-3 sum to <q, i> over the chunk's first block, 4-7 over its second, as floats
@@ -159,18 +149,17 @@ std::string layout_error(int64_t N, int64_t K, int64_t group, int64_t bits, int6
 }
 
 void row_into(const Weight& W, int64_t r, float* out) {
-  const int64_t tile = r / ROWS, row = r % ROWS, chunk = chunk_bytes(W.bits);
+  const int64_t tile = r / ROWS, row = r % ROWS;
   for (int64_t s = 0; s < W.panels(); ++s) {
     const Panel P = W.panel(s);
     const uint8_t* wt = W.codes(P, tile);
     const uint8_t* sz = W.scales(P, tile);
     for (int64_t p = 0; p < P.cols / PAIR; ++p) {
-      const uint8_t* bytes = wt + (p * ROWS + row) * chunk;
+      const uint8_t* bytes = wt + (p * ROWS + row) * CHUNK_BYTES;
       float* o = out + P.c0 + p * PAIR;
       for (int64_t j = 0; j < 16; ++j) {  // the chunk's columns j, 16 + j, 32 + j, 48 + j (q4_int8.h's layout)
         for (int m = 0; m < 4; ++m)
-          o[16 * m + j] = W.bits == 4 ? static_cast<float>((bytes[j + 16 * (m / 2)] >> (4 * (m % 2))) & 15)
-                                      : static_cast<float>((bytes[j] >> (2 * m)) & 3);
+          o[16 * m + j] = static_cast<float>((bytes[j + 16 * (m / 2)] >> (4 * (m % 2))) & 15);
       }
     }
     for (int64_t g = 0; g < P.groups; ++g) {
@@ -194,15 +183,14 @@ Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t
 
 namespace {
 
-// Tiles [i0, i1) of y for T rounded tokens of BITS-bit codes (AVX2; tiles_vnni is the AVX-512 VNNI twin). The
+// Tiles [i0, i1) of y for T rounded tokens of 4-bit codes (AVX2; tiles_vnni is the AVX-512 VNNI twin). The
 // split buffer holds each row chunk's Codes (lo, hi: 64 bytes) in tile order.
-template <int BITS>
 void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y) {
-  constexpr int64_t chunk = chunk_bytes(BITS);
+  constexpr int64_t chunk = CHUNK_BYTES;
   const auto split = [](const uint8_t* wt, int64_t pairs, int8_t* buffer) {
     for (int64_t c = 0; c < pairs * ROWS; ++c) {
-      const Codes q = widen<BITS>(wt + c * chunk);
+      const Codes q = widen(wt + c * chunk);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64), q.lo);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64 + 32), q.hi);
     }
@@ -212,8 +200,8 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
     if (buffer == nullptr) {
       const auto streamed = [wt](int64_t p, int r) {
         const uint8_t* row = wt + (p * ROWS + r) * chunk;
-        if (r == 0) prefetch_ahead(row, ROWS * chunk / 64);  // the chunk's 4 rows: 2 cache lines at 4 bits, 1 at 2
-        return widen<BITS>(row);
+        if (r == 0) prefetch_ahead(row, ROWS * chunk / 64);  // the chunk's 4 rows: 2 cache lines
+        return widen(row);
       };
       tile_tokens<1>(streamed, sz, nullptr, W, P, x, dt, Xt, out);
       return;
@@ -259,6 +247,7 @@ bool set_vnni(bool enabled) {
 }
 
 void matmul_into(const float* x, int64_t T, const Weight& W, float* y) {
+  if (W.bits == 2) return w2_matmul_into(x, T, W, y);
   const int64_t K = W.K, G = W.groups(), pairs = K / PAIR, tile_bytes = W.tile_bytes();
   std::vector<int8_t> xi(T * K);
   std::vector<float> d(T * pairs * 8), X(T * G);
@@ -267,8 +256,7 @@ void matmul_into(const float* x, int64_t T, const Weight& W, float* y) {
       round_token(x + t * K, K, W.group, xi.data() + t * K, d.data() + t * pairs * 8, X.data() + t * G);
   });
   const int64_t grain = std::max<int64_t>(4, (1 << 15) / tile_bytes);  // tiles per task: ~32 KB of codes
-  const auto tiles = W.bits == 4 ? (g_vnni ? &tiles_vnni<4> : &tiles_avx2<4>)
-                                 : (g_vnni ? &tiles_vnni<2> : &tiles_avx2<2>);
+  const auto tiles = g_vnni ? &tiles_vnni : &tiles_avx2;
   bitquilt_par::parallel_for(0, W.tiles(), grain, [&](int64_t i0, int64_t i1) {
     tiles(W, i0, i1, T, xi.data(), d.data(), X.data(), y);
   });

@@ -15,14 +15,14 @@
 
 namespace bitquilt_q4 {
 
-constexpr int64_t ROWS = 4;    // output rows per tile
+constexpr int64_t ROWS = 4;    // output rows per tile at 4 bits
+constexpr int64_t W2_ROWS = 32;  // output rows per tile at 2 bits (q2_int8.cpp)
+constexpr int64_t W2_STEP = 8;   // columns of a 2-bit tile's 64-byte step
 constexpr int64_t BLOCK = bitquilt_int8::BLOCK;  // columns per activation scale
-constexpr int64_t PAIR = 64;   // columns per packed row chunk (two blocks): 32 bytes at 4 bits, 16 at 2
+constexpr int64_t PAIR = 64;   // columns per packed row chunk at 4 bits (two blocks)
+constexpr int64_t CHUNK_BYTES = 32;  // a row chunk's 64 codes
 constexpr int64_t GROUP_BYTES = 12;  // a tile's row group: 4 fp16 scales, 4 uint8 zeros
 
-
-// Packed bytes of a row's chunk: its 64 codes of `bits` bits.
-constexpr int64_t chunk_bytes(int bits) { return PAIR * bits / 8; }
 
 // A tile's row group decoded once for all its tokens: s of its 4 rows in floats 0-3, s * z in 4-7.
 constexpr int64_t GROUP_FLOATS = 8;
@@ -92,44 +92,59 @@ struct Panel {
 };
 
 // A [N, K] weight W[r, c] = s[r, g] * (q[r, c] - z[r, g]), g = c / group, q of `bits` = 4 or 2 bits, in the
-// kernel's layout, panel by panel (all of panel 0's tiles, then panel 1's, ...; a panel is the most whole groups
-// within PANEL columns, at least one group, the last one shorter):
-//   w  uint8 [panels][tiles][cols / 64][4 rows][8 * bits]: a row's chunk of the 64 columns from c0 on; at 4 bits
-//      byte j < 16 holds q[c0 + j] (low nibble) and q[c0 + 16 + j] (high), byte 16 + j holds q[c0 + 32 + j] and
-//      q[c0 + 48 + j]; at 2 bits byte j < 16 holds q[c0 + j], q[c0 + 16 + j], q[c0 + 32 + j], q[c0 + 48 + j] in
-//      bits 0-1, 2-3, 4-5, 6-7. Either way one chunk widens to the same two vectors of codes (columns 0-15 and
-//      32-47; 16-31 and 48-63).
+// kernel's layout. At 4 bits, panel by panel (all of panel 0's tiles of 4 rows, then panel 1's, ...; a panel is the
+// most whole groups within PANEL columns, at least one group, the last one shorter):
+//   w  uint8 [panels][tiles][cols / 64][4 rows][32]: a row's chunk of the 64 columns from c0 on; byte j < 16 holds
+//      q[c0 + j] (low nibble) and q[c0 + 16 + j] (high), byte 16 + j holds q[c0 + 32 + j] and q[c0 + 48 + j], so
+//      one chunk widens to two vectors of codes (columns 0-15 and 32-47; 16-31 and 48-63).
 //   sz uint8 [panels][tiles][groups][12]: the tile's 4 rows' s as fp16 (bytes 0-7), then their z as uint8 (8-11)
 //      (3 bytes per row group instead of 8 for fp32 s and s * z; s * z is exact in fp32 for an fp16 s and z < 16)
+// At 2 bits, tiles of 32 rows and no panels (q2_int8.cpp):
+//   w  uint8 [tiles][K / 8][64]: step c, the tile's columns 8c .. 8c + 7; byte 4l + j (l < 16, j < 4) holds in bits
+//      0-1 q[row l, 8c + j], 2-3 q[row 16 + l, 8c + j], 4-5 q[row l, 8c + 4 + j], 6-7 q[row 16 + l, 8c + 4 + j]
+//   sz uint8 [tiles][groups][96]: the tile's 32 rows' s as fp16 (bytes 0-63), then their z as uint8 (64-95)
 struct Weight {
   const uint8_t* w;
   const uint8_t* sz;
   int64_t N, K, group;
   int bits;
-  int64_t tiles() const { return (N + ROWS - 1) / ROWS; }
+  int64_t rows() const { return bits == 2 ? W2_ROWS : ROWS; }  // per tile
+  int64_t tiles() const { return (N + rows() - 1) / rows(); }
   int64_t groups() const { return (K + group - 1) / group; }
-  int64_t tile_bytes() const { return ROWS * K / PAIR * chunk_bytes(bits); }  // of all panels
+  int64_t tile_bytes() const { return rows() * K * bits / 8; }  // of all panels
   int64_t panels() const { return (K + panel_columns(group) - 1) / panel_columns(group); }
   Panel panel(int64_t s) const {
     const int64_t c0 = s * panel_columns(group), cols = std::min(panel_columns(group), K - c0);
     return {c0, cols, c0 / group, (cols + group - 1) / group};
   }
-  // Panel p's codes and scales of tile i (every panel before p is whole).
+  // Panel p's codes and scales of tile i (every panel before p is whole; 4 bits).
   const uint8_t* codes(const Panel& p, int64_t i) const {
-    return w + (tiles() * p.c0 + i * p.cols) / PAIR * ROWS * chunk_bytes(bits);
+    return w + (tiles() * p.c0 + i * p.cols) / PAIR * ROWS * CHUNK_BYTES;
   }
   const uint8_t* scales(const Panel& p, int64_t i) const { return sz + (tiles() * p.g0 + i * p.groups) * GROUP_BYTES; }
   int64_t code_bytes() const { return tiles() * tile_bytes(); }
-  int64_t scale_bytes() const { return tiles() * groups() * GROUP_BYTES; }
+  int64_t scale_bytes() const { return tiles() * groups() * 3 * rows(); }
 };
+
+// Tile i of a 2-bit layout: its codes and its row groups (3 * W2_ROWS bytes each).
+constexpr int64_t W2_GROUP_BYTES = 3 * W2_ROWS;
+inline const uint8_t* w2_tile_codes(const Weight& W, int64_t i) { return W.w + i * W.tile_bytes(); }
+inline const uint8_t* w2_tile_scales(const Weight& W, int64_t i) { return W.sz + i * W.groups() * W2_GROUP_BYTES; }
 
 // Why a [N, K] weight of `bits`-bit codes in groups of `group` columns, `w_bytes` of codes and `sz_bytes` of
 // scales, is not a layout the kernel takes; empty if it is (K and group multiples of 64, bits 4 or 2, sizes as
 // Weight::code_bytes and scale_bytes).
 std::string layout_error(int64_t N, int64_t K, int64_t group, int64_t bits, int64_t w_bytes, int64_t sz_bytes);
 
-// Row r of W in fp32 [K]: s * q - s * z per group (an embedding lookup from a tied, quantized LM head).
+// Row r of a 4-bit W in fp32 [K]: s * q - s * z per group (an embedding lookup from a quantized table or a tied
+// LM head; those are 8- or 4-bit).
 void row_into(const Weight& W, int64_t r, float* out);
+
+// matmul_into for 2-bit layouts (q2_int8.cpp), and its tiles [i0, i1) on AVX-512 VNNI for T tokens rounded in
+// column order (xi [T, K], d [T, K / 32] block scales, X [T, groups] group sums): only after has_vnni().
+void w2_matmul_into(const float* x, int64_t T, const Weight& W, float* y);
+void w2_tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d,
+                   const float* X, float* y);
 
 // y [T, N] = x [T, K] @ W^T with each token's activations rounded to int8 per block of 32 (scale max|x| / 127),
 // rows contiguous; on the AVX-512 VNNI path when `vnni_enabled()`.
@@ -184,8 +199,7 @@ void run_tiles(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t*
   }
 }
 
-// Tiles [i0, i1) of y on AVX-512 VNNI (run_tiles' arguments) for BITS = W.bits: only after has_vnni().
-template <int BITS>
+// Tiles [i0, i1) of y on AVX-512 VNNI (run_tiles' arguments) for 4-bit W: only after has_vnni().
 void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y);
 

@@ -1,4 +1,4 @@
-// The 4- and 2-bit x int8 matmul of q4_int8.cpp on AVX-512 VNNI, picked at run time when the CPU has it.
+// The 4-bit x int8 matmul of q4_int8.cpp on AVX-512 VNNI, picked at run time when the CPU has it.
 //
 // Same layout, same math: a row's 32-byte chunk holds the codes of 64 columns, low nibbles = columns 0-15 and
 // 32-47, high nibbles = 16-31 and 48-63, and a token's int8 activations are stored in exactly that order (64
@@ -8,10 +8,7 @@
 // to the chunk's first block, 4-7 and 12-15 to its second; the block scales [d_2p x 4, d_2p+1 x 4] broadcast to
 // both halves scale them in one FMA. The dot products are exact (int32), as on AVX2; only the fp32 summation
 // order differs. Against AVX2's vpmaddubsw + vpaddw + vpmaddwd on two 256-bit halves, a chunk costs one
-// instruction instead of four. 2-bit chunks (16 bytes per row) are placed as [row 2j, row 2j, row 2j + 1,
-// row 2j + 1] in the four 128-bit lanes and shifted per lane (by 0 | 4 for lo, 2 | 6 for hi) before the mask,
-// which gives the same two registers; that is how prefill widens them, while a single token's 2-bit tiles take
-// their own loop (`tile_w2_decode`: four rows per load, one row per lane).
+// instruction instead of four. (2-bit layouts have their own kernel, q2_int8_vnni.cpp.)
 //
 // This file is compiled for AVX-512 VNNI (pragma below, after every include, so that no inline function of a
 // shared header is built for that target); its one entry point runs only after `has_vnni()`.
@@ -34,27 +31,16 @@ namespace {
 
 constexpr int64_t PAIR_BYTES = 128;  // a row pair's split chunk: columns 0-15, 32-47 of both rows, then 16-31, 48-63
 
-// Rows 2j and 2j + 1 of one chunk (the two rows are adjacent in the tile: 2 x chunk_bytes(BITS) packed bytes) as
+// Rows 2j and 2j + 1 of one chunk (the two rows are adjacent in the tile: 2 x 32 packed bytes) as
 // codes: lo holds columns 0-15, 32-47 of row 2j, then of row 2j + 1; hi their columns 16-31, 48-63.
 struct PairCodes {
   __m512i lo, hi;
 };
 
-template <int BITS>
 inline PairCodes split(const uint8_t* p) {
-  if constexpr (BITS == 4) {
-    const __m512i v = _mm512_loadu_si512(p);
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    return {_mm512_and_si512(v, nib), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib)};
-  } else {
-    const __m512i rows = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    const __m512i v = _mm512_shuffle_i64x2(rows, rows, _MM_SHUFFLE(1, 1, 0, 0));  // lanes: row 2j twice, 2j + 1 twice
-    const __m512i mask = _mm512_set1_epi8(0x03);
-    const __m512i lo_shift = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
-    const __m512i hi_shift = _mm512_setr_epi32(2, 2, 2, 2, 6, 6, 6, 6, 2, 2, 2, 2, 6, 6, 6, 6);
-    return {_mm512_and_si512(_mm512_srlv_epi32(v, lo_shift), mask),
-            _mm512_and_si512(_mm512_srlv_epi32(v, hi_shift), mask)};
-  }
+  const __m512i v = _mm512_loadu_si512(p);
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  return {_mm512_and_si512(v, nib), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib)};
 }
 
 // The tile's 4 rows for NT tokens (NT = 2 for prefill: each split chunk loaded serves both), as two row pairs;
@@ -66,7 +52,7 @@ inline PairCodes split(const uint8_t* p) {
 // (`sz`) and decoded in registers as the loop goes: for one token that measured 1.07x faster on weights in cache
 // than decoding them into memory first (576² to 512 x 4096), the same on cold ones. Token t's inputs and outputs
 // are strided as in q4_int8.cpp, and the chunks run in one loop as there.
-template <int BITS, int NT, bool buffered>
+template <int NT, bool buffered>
 inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const uint8_t* sz, const float* scales, const Weight& W,
                         const Panel& P, const int8_t* xi, const float* dpair, const float* X, float* out) {
   const int64_t G = W.groups(), per_group = W.group / PAIR, pairs = P.cols / PAIR;
@@ -89,11 +75,11 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const uint8_t* s
       xhi[t] = _mm512_broadcast_i64x4(_mm256_loadu_si256(x + 1));
       d[t] = _mm512_broadcast_f32x8(_mm256_loadu_ps(dpair + t * W.K / 8 + p * 8));
     }
-    if constexpr (!buffered) prefetch_ahead(wt + p * ROWS * chunk_bytes(BITS), ROWS * chunk_bytes(BITS) / 64);
+    if constexpr (!buffered) prefetch_ahead(wt + p * ROWS * CHUNK_BYTES, ROWS * CHUNK_BYTES / 64);
     for (int j = 0; j < 2; ++j) {
       const PairCodes q = buffered ? PairCodes{_mm512_loadu_si512(codes + (p * 2 + j) * PAIR_BYTES),
                                                _mm512_loadu_si512(codes + (p * 2 + j) * PAIR_BYTES + 64)}
-                                   : split<BITS>(wt + (p * ROWS + 2 * j) * chunk_bytes(BITS));
+                                   : split(wt + (p * ROWS + 2 * j) * CHUNK_BYTES);
       for (int t = 0; t < NT; ++t) {
         const __m512i dot =
             _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q.lo, xlo[t]), q.hi, xhi[t]);
@@ -123,83 +109,28 @@ inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const uint8_t* s
   }
 }
 
-// Batch 1 at 2 bits: one 64-byte load is a chunk's 4 rows (128-bit lane r = row r's 16 bytes), widened by three
-// shifts and four masks into the codes of columns 0-15, 16-31, 32-47, 48-63 of every row (lane r again), each met
-// by those 16 activations broadcast to the four lanes. Two vpdpbusd per block leave row r's block sum spread over
-// lane r's four int32; the group's 4 row scales, one per lane, apply once per group. Against the row-pair path
-// above (per pair of rows: a cross-lane shuffle, two variable shifts, two masks) it widens 256 codes in 7
-// instructions instead of 10, and decodes each row group in registers as it goes (`run_tiles` leaves it undecoded
-// for one token). Measured on Zen 4, batch 1, alternating calls: 1.17-1.26x the row-pair path on weights in L2,
-// 1.14-1.33x on cold ones (the 2-bit stream is bound by instructions, not memory). One loop over the chunks, as
-// tile_tokens: in groups of 64 (a chunk each) 1.05-1.09x faster than a loop per group on weights in cache.
-inline void tile_w2_decode(const uint8_t* wt, const uint8_t* sz, const Weight& W, const Panel& P, const int8_t* xi,
-                           const float* dpair, const float* X, float* out) {
-  const int64_t per_group = W.group / PAIR, pairs = P.cols / PAIR;
-  const __m512i mask = _mm512_set1_epi8(0x03);
-  const __m512i lane_of_row = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  __m512 total = _mm512_setzero_ps(), acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  __m128 offset = _mm_setzero_ps();
-  for (int64_t p = 0, g = 0, group_end = std::min(pairs, per_group); p < pairs; ++p) {
-    const __m512i v = _mm512_loadu_si512(wt + p * ROWS * chunk_bytes(2));
-    prefetch_ahead(wt + p * ROWS * chunk_bytes(2), 1);
-    const int8_t* x = xi + p * PAIR;  // chunk order: columns 0-15, 32-47, 16-31, 48-63
-    const auto quarter = [x](int offset) {
-      return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + offset)));
-    };
-    const __m512i dot0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, mask),
-                                                                 quarter(0)),
-                                             _mm512_and_si512(_mm512_srli_epi16(v, 2), mask), quarter(32));
-    const __m512i dot1 = _mm512_dpbusd_epi32(
-        _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask), quarter(16)),
-        _mm512_and_si512(_mm512_srli_epi16(v, 6), mask), quarter(48));
-    acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_set1_ps(dpair[p * 8]), acc[0]);
-    acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_set1_ps(dpair[p * 8 + 4]), acc[1]);
-    if (p + 1 < group_end) continue;
-    const GroupScales s = group_scales(sz + g * GROUP_BYTES);  // group g's last chunk: its scales
-    const __m512 row_scale = _mm512_permutexvar_ps(lane_of_row, _mm512_castps128_ps512(s.s));
-    total = _mm512_fmadd_ps(_mm512_add_ps(acc[0], acc[1]), row_scale, total);
-    acc[0] = acc[1] = _mm512_setzero_ps();
-    add_group_offsets<1>(s.sz, X, W.groups(), g, &offset);
-    ++g;
-    group_end = std::min(pairs, group_end + per_group);
-  }
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, total);
-  float off[ROWS];
-  _mm_storeu_ps(off, offset);
-  for (int r = 0; r < ROWS; ++r) out[r] = lanes[4 * r] + lanes[4 * r + 1] + lanes[4 * r + 2] + lanes[4 * r + 3] - off[r];
-}
-
 }  // namespace
 
-template <int BITS>
 void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y) {
   const auto split_tile = [](const uint8_t* wt, int64_t pairs, int8_t* buffer) {
     for (int64_t q = 0; q < pairs * 2; ++q) {
-      const PairCodes c = split<BITS>(wt + q * 2 * chunk_bytes(BITS));
+      const PairCodes c = split(wt + q * 2 * CHUNK_BYTES);
       _mm512_storeu_si512(buffer + q * PAIR_BYTES, c.lo);
       _mm512_storeu_si512(buffer + q * PAIR_BYTES + 64, c.hi);
     }
   };
   const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const uint8_t* sz, const float* scales,
                           const int8_t* x, const float* dt, const float* Xt, int n, const Panel& P, float* out) {
-    if (buffer == nullptr && BITS == 2)
-      tile_w2_decode(wt, sz, W, P, x, dt, Xt, out);
-    else if (buffer == nullptr)
-      tile_tokens<BITS, 1, false>(wt, nullptr, sz, nullptr, W, P, x, dt, Xt, out);
+    if (buffer == nullptr)
+      tile_tokens<1, false>(wt, nullptr, sz, nullptr, W, P, x, dt, Xt, out);
     else if (n == 2)
-      tile_tokens<BITS, 2, true>(wt, buffer, sz, scales, W, P, x, dt, Xt, out);
+      tile_tokens<2, true>(wt, buffer, sz, scales, W, P, x, dt, Xt, out);
     else
-      tile_tokens<BITS, 1, true>(wt, buffer, sz, scales, W, P, x, dt, Xt, out);
+      tile_tokens<1, true>(wt, buffer, sz, scales, W, P, x, dt, Xt, out);
   };
   run_tiles(W, i0, i1, T, xi, d, X, y, split_tile, token);
 }
-
-template void tiles_vnni<4>(const Weight&, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
-                            float*);
-template void tiles_vnni<2>(const Weight&, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
-                            float*);
 
 }  // namespace bitquilt_q4
 

@@ -214,18 +214,46 @@ void planes_to_tiles(const at::Tensor& planes, int64_t block, const std::vector<
 }
 
 // Writes rows [r0, r0 + R) of a 4- or 2-bit weight (words [R, k*bits/32], rows contiguous) into `codes`, the
-// int8-activation kernel's layout (bitquilt/kernels/q4_int8.py, Q4Layout): panels of `panel_units` 64-column chunks
-// (the last may be narrower), each [tiles, units, 4 rows, 8*bits bytes]; at 4 bits byte j < 16 of a chunk holds
-// columns j | 16+j << 4 and byte 16+j columns 32+j | 48+j << 4, at 2 bits byte j holds j | 16+j << 2 | 32+j << 4 |
-// 48+j << 6.
+// int8-activation kernel's layout (csrc/q4_int8.h, Weight; bitquilt/kernels/q4_int8.py, Q4Layout). At 4 bits:
+// panels of `panel_units` 64-column chunks (the last may be narrower), each [tiles, units, 4 rows, 32 bytes], byte
+// j < 16 of a chunk holding columns j | 16+j << 4 and byte 16+j columns 32+j | 48+j << 4. At 2 bits (one panel):
+// tiles of 32 rows, [tiles, k/8, 64 bytes], byte 4l + j of step c holding row l's columns 8c+j | 8c+4+j << 4 and
+// row 16+l's shifted up by 2; the rows are OR-ed in, so `codes` starts zeroed and r0 is a multiple of 32 (each task
+// writes whole tiles).
 void q4_int8_pack_codes(const at::Tensor& words, int64_t r0, int64_t bits, int64_t k, int64_t panel_units,
                         int64_t tiles, at::Tensor& codes) {
   TORCH_CHECK((bits == 4 || bits == 2) && k % 64 == 0 && panel_units > 0, "4- or 2-bit codes, k a multiple of 64");
   const PackedRows in = packed_rows(words, bits, k);
-  const int64_t chunk = 8 * bits, units = k / 64, unit_bytes = tiles * 4 * chunk;
-  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.numel() == units * unit_bytes &&
-              r0 >= 0 && r0 + in.rows <= tiles * 4, "codes: the layout's uint8 buffer, rows within its tiles");
+  const int64_t tile_rows = bits == 4 ? 4 : 32;
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte &&
+              codes.numel() == tiles * tile_rows * k * bits / 8 && r0 >= 0 && r0 % tile_rows == 0 &&
+              r0 + in.rows <= tiles * tile_rows, "codes: the layout's uint8 buffer, whole tiles of rows within it");
   uint8_t* o = codes.data_ptr<uint8_t>();
+  if (bits == 2) {
+    const int64_t steps = k / 8;
+    at::parallel_for(0, (in.rows + 31) / 32, 1, [&](int64_t a, int64_t b) {
+      for (int64_t r = a * 32; r < std::min(in.rows, b * 32); ++r) {
+        const int64_t row = r0 + r, lane = row % 16, shift = 2 * (row % 32 / 16);
+        uint8_t* dst = o + row / 32 * steps * 64 + 4 * lane;
+        for (int64_t v = 0; v < k / 32; ++v) {  // 32 columns = 4 steps: each 8-code qword to its 4-byte word
+          const __m256i u = unpack32(in.row(r) + v * 8, 2);
+          const __m256i words8 = _mm256_slli_epi16(
+              _mm256_or_si256(u, _mm256_slli_epi16(_mm256_srli_epi64(u, 32), 4)), static_cast<int>(shift));
+          alignas(32) uint64_t steps4[4];  // the low 32 bits of each: one step's 4 bytes of this row
+          _mm256_store_si256(reinterpret_cast<__m256i*>(steps4), words8);
+          for (int q = 0; q < 4; ++q) {
+            uint8_t* at = dst + (4 * v + q) * 64;
+            uint32_t word;
+            std::memcpy(&word, at, 4);
+            word |= static_cast<uint32_t>(steps4[q]);
+            std::memcpy(at, &word, 4);
+          }
+        }
+      }
+    });
+    return;
+  }
+  const int64_t chunk = 32, units = k / 64, unit_bytes = tiles * 4 * chunk;
   at::parallel_for(0, in.rows, ROW_GRAIN, [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) {
       const uint8_t* s = in.row(r);
@@ -233,17 +261,8 @@ void q4_int8_pack_codes(const at::Tensor& words, int64_t r0, int64_t bits, int64
       for (int64_t u = 0; u < units; ++u) {
         const int64_t u0 = u / panel_units * panel_units, width = std::min(panel_units, units - u0);
         uint8_t* dst = o + unit_bytes * u0 + ((tile * width + u - u0) * 4 + in_tile) * chunk;
-        const __m256i lo = unpack32(s + u * chunk, bits), hi = unpack32(s + u * chunk + chunk / 2, bits);
-        if (bits == 4) {
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), nibble_pairs(lo));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), nibble_pairs(hi));
-        } else {
-          const __m128i q0 = _mm256_castsi256_si128(lo), q1 = _mm256_extracti128_si256(lo, 1);
-          const __m128i q2 = _mm256_castsi256_si128(hi), q3 = _mm256_extracti128_si256(hi, 1);
-          const __m128i b = _mm_or_si128(_mm_or_si128(q0, _mm_slli_epi16(q1, 2)),
-                                         _mm_or_si128(_mm_slli_epi16(q2, 4), _mm_slli_epi16(q3, 6)));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), b);
-        }
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), nibble_pairs(unpack32(s + u * chunk, bits)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), nibble_pairs(unpack32(s + u * chunk + 16, bits)));
       }
     }
   });

@@ -274,6 +274,7 @@ std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file,
   m->embed = embed == "lm_head" ? m->head : m->add(load_linear(f, embed));
   const Linear &e = m->linears[m->embed], &h = m->linears[m->head];
   if (e.K != D || h.K != D || h.N != e.N) refuse(f, "the embedding and the head must be [vocab, hidden]");
+  if (e.q4 && e.q4->bits != 4) refuse(f, "the embedding table must be fp32, 8- or 4-bit, not 2-bit");
   m->final_norm = floats(f, "model.norm.weight", {D});
   return m;
 }

@@ -184,14 +184,8 @@ void bitquilt_u8::gemv_into(const float* xp, int64_t T, const Weight& W, float* 
 void bitquilt_u8::gemv_int8_into(const float* xp, int64_t T, const Weight& W, float* yp) {
   const int64_t K = W.K, G = W.groups(), N = W.N, group = W.group, blocks = K / 32;
   std::vector<int8_t> codes(T * K);
-  std::vector<float> d(T * blocks), X(T * G, 0.0f);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const bitquilt_int8::Rounded r = bitquilt_int8::round_block(xp + t * K + 32 * b);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes.data() + t * K + 32 * b), r.codes);
-      d[t * blocks + b] = r.d;
-      X[t * G + 32 * b / group] += r.d * r.sum;
-    }
+  std::vector<float> d(T * blocks), X(T * G);
+  bitquilt_int8::round_tokens(xp, T, K, group, codes.data(), d.data(), X.data());
   const int64_t grain = std::max<int64_t>(16, (1 << 16) / K);  // rows per task: ~64 KB of codes
   const auto row_loop = bitquilt_q4::vnni_enabled() ? bitquilt_u8::rows_int8_vnni : rows_int8;
   bitquilt_par::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
