@@ -47,7 +47,7 @@ from bitquilt.solvers.base import LayerSpec
 COLD_BYTES = 96 << 20
 GROUP = 128
 SHAPES = [(2048, 2048), (4096, 4096), (4096, 11008), (11008, 4096)]  # (N out, K in)
-REPEATS = {1: 25, 16: 7, 128: 3}
+REPEATS = {1: 101, 16: 7, 128: 3}
 
 
 def random_words(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
