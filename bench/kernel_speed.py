@@ -79,15 +79,21 @@ def timed(fn, *args) -> tuple[float, float]:
     return (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
 
 
-def alternating_cpu_ms(rounds: list[dict[str, tuple]], self_timed: frozenset[str] = frozenset()) -> dict[str, float]:
-    """Median CPU ms of each named call over the rounds, the calls alternating within a round so all see the same
-    load; a round maps each name to its (function, *args), e.g. another cold copy of the weights each round. The
-    calls named in `self_timed` time themselves: they return their own thread CPU seconds (timed in C)."""
+def alternating_cpu_times(rounds: list[dict[str, tuple]],
+                          self_timed: frozenset[str] = frozenset()) -> dict[str, list[float]]:
+    """CPU ms of each named call in each round, the calls alternating within a round so all see the same load; a
+    round maps each name to its (function, *args), e.g. another cold copy of the weights each round. The calls named
+    in `self_timed` time themselves: they return their own thread CPU seconds (timed in C)."""
     times: dict[str, list[float]] = {name: [] for name in rounds[0]}
     for calls in rounds:
         for name, (fn, *args) in calls.items():
             times[name].append(fn(*args) * 1e3 if name in self_timed else timed(fn, *args)[1])
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def alternating_cpu_ms(rounds: list[dict[str, tuple]], self_timed: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Median CPU ms of each named call over the rounds (`alternating_cpu_times`)."""
+    return {name: statistics.median(t) for name, t in alternating_cpu_times(rounds, self_timed).items()}
 
 
 def run_meta(**extra) -> dict:
@@ -470,7 +476,7 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
             reps = REPEATS[batch]
             # each path reads its own cold copy: the same copy twice in a round would be warm in L3 the second time
             paths = len(isas)
-            ms = alternating_cpu_ms([{**{isa: (on, isa, x, *int8_args[(2 * r * paths + j) % len(int8_args)])
+            times = alternating_cpu_times([{**{isa: (on, isa, x, *int8_args[(2 * r * paths + j) % len(int8_args)])
                                          for j, isa in enumerate(isas)},
                                       **{f"{isa} C": (on_in_c, isa, x,
                                                       *int8_args[((2 * r + 1) * paths + j) % len(int8_args)])
@@ -483,10 +489,17 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
                                       "read_prefetch": (ext.read_pass_seconds, buffers[(2 * r + 1) % len(buffers)],
                                                         prefetch)}
                                      for r in range(reps)], self_timed)
-            # the ceiling, timed in C in the same rounds as the kernels: the faster pass, plain or prefetching
-            ceiling = nbytes / min(ms.pop("read"), ms.pop("read_prefetch")) / 1e6
+            # the ceiling, timed in C in the same rounds as the kernels: the faster pass, plain or prefetching; each
+            # kernel's share of it is the median over the rounds of its round's ceiling time over its own (the host's
+            # load drifts between rounds: medians taken apart would pair a slow round's kernel with a fast one's read)
+            read = [min(a, b) for a, b in zip(times.pop("read"), times.pop("read_prefetch"), strict=True)]
+            ms = {name: statistics.median(t) for name, t in times.items()}
+            share = {f"{isa}_share": statistics.median(c / t for c, t in zip(read, times[f"{isa} C"], strict=True))
+                     for isa in isas}
+            ceiling = nbytes / statistics.median(read) / 1e6
             row = dict(N=n, K=k, batch=batch, **{f"{name.replace(' C', '_c')}_cpu_ms": v for name, v in ms.items()},
-                       **{f"{isa}_GBps": nbytes / ms[f"{isa} C"] / 1e6 for isa in isas}, ceiling_GBps=ceiling)
+                       **{f"{isa}_GBps": nbytes / ms[f"{isa} C"] / 1e6 for isa in isas}, ceiling_GBps=ceiling,
+                       **share)
             print(f"{n}x{k} batch {batch:3d}: " + ", ".join(f"{isa} {ms[isa]:.3f} ms, in C {ms[isa + ' C']:.3f} ms "
                                                              f"({row[isa + '_GBps']:.1f} GB/s)" for isa in isas)
                   + f" of {ceiling:.1f}; exact {ms['exact']:.3f}, fp32 {ms['fp32']:.2f} ms (CPU time)", flush=True)
@@ -514,7 +527,8 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
              "and one "
              f"prefetching {prefetch} bytes ahead, as the kernels do on this CPU), the read rate a batch-1 kernel can "
              "reach; "
-             "% of it at batch 1. Ratios against "
+             "%: at batch 1, the median over the rounds of the round's ceiling time over the kernel's C time "
+             f"({REPEATS[1]} rounds). Ratios against "
              f"*{best}*.", "",
              "| N×K | batch | ceiling GB/s | " + " | ".join(f"{isa} ms | {isa} C ms | {isa} GB/s | {isa} %"
                                                          for isa in isas)
@@ -523,7 +537,7 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
     for r in rows:
         cells = []
         for isa in isas:
-            share = f"{100 * r[isa + '_GBps'] / r['ceiling_GBps']:.0f}%" if r["batch"] == 1 else ""
+            share = f"{100 * r[isa + '_share']:.0f}%" if r["batch"] == 1 else ""
             cells += [f"{r[isa + '_cpu_ms']:.3f}", f"{r[isa + '_c_cpu_ms']:.3f}", f"{r[isa + '_GBps']:.1f}", share]
         int8_ms = r[best + "_cpu_ms"]
         lines.append(f"| {r['N']}×{r['K']} | {r['batch']} | {r['ceiling_GBps']:.1f} | " + " | ".join(cells)
