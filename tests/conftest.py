@@ -15,6 +15,15 @@ from bitquilt.models.registry import DEFAULT_MODEL  # noqa: E402
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _int8_activations_restored(monkeypatch):
+    """Each test starts and ends with the process's int8-activation switch as it was: a CLI call in a test
+    (`--int8-activations`) sets it for the whole process, as it does for a real one."""
+    from bitquilt import kernels
+
+    monkeypatch.setattr(kernels, "_int8_activations", kernels.int8_activations())
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """(model, tokenizer) of the default packaged model (fetched by `make test`)."""

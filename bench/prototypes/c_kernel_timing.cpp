@@ -4,12 +4,13 @@
 // CPU time. Build against a source tree (the repository's, or an edited copy to compare):
 //
 //     g++ -O3 -std=c++17 -mavx2 -mfma -mf16c -fopenmp -I bitquilt/kernels/csrc bench/prototypes/c_kernel_timing.cpp \
-//         bitquilt/kernels/csrc/{q4_int8,q4_int8_vnni,uniform8_gemv,uniform8_vnni}.cpp -o /tmp/c_kernel_timing
+//         bitquilt/kernels/csrc/{q4_int8,q4_int8_vnni,q2_int8,q2_int8_vnni,uniform8_gemv,uniform8_vnni}.cpp \
+//         -o /tmp/c_kernel_timing
 //     OMP_NUM_THREADS=1 /tmp/c_kernel_timing 4      # 4-bit codes, group 128 (2: 2-bit, group 64; 8: the 8-bit GEMV)
 //
 // Each of the int8 kernels' paths the CPU runs (AVX2; AVX-512 VNNI where present), qwen2.5-1.5b's shapes and 4096²
-// for 4 and 2 bits, a small and two LM-head-like shapes for 8 bits. Codes are random, the layouts (and the read
-// buffers) on huge pages from 2 MB on, as kernels.layout_empty allocates them.
+// for 4 and 2 bits, a small and two LM-head-like shapes for 8 bits. Codes are random (scales too: the timing does
+// not depend on them), the layouts (and the read buffers) on huge pages, as kernels.layout_empty allocates them.
 
 #include <immintrin.h>
 #include <sys/mman.h>
@@ -33,14 +34,9 @@ double thread_seconds() {
   return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-uint8_t* huge_pages(size_t n) {  // as kernels.layout_empty: from 2 MB on, 2 MB-aligned and advised MADV_HUGEPAGE
-  if (n < (2u << 20)) {
-    auto* p = static_cast<uint8_t*>(std::malloc(n));
-    std::memset(p, 1, n);
-    return p;
-  }
+uint8_t* huge_pages(size_t n) {  // as kernels.layout_empty: 2 MB-aligned, advised MADV_HUGEPAGE (smaller layouts
   const size_t bytes = (n + (2 << 20) - 1) / (2 << 20) * (2 << 20);
-  auto* p = static_cast<uint8_t*>(aligned_alloc(2 << 20, bytes));
+  auto* p = static_cast<uint8_t*>(aligned_alloc(2 << 20, bytes));  // share 16 MB blocks there; here each its own)
   madvise(p, bytes, MADV_HUGEPAGE);
   std::memset(p, 1, bytes);
   return p;
@@ -137,11 +133,12 @@ int main(int argc, char** argv) {
       uint8_t* w = huge_pages(code_bytes);
       uint8_t* sz = huge_pages(scale_bytes);
       for (size_t i = 0; i < code_bytes; ++i) w[i] = static_cast<uint8_t>(rng());
-      for (size_t g = 0; g < scale_bytes / bitquilt_q4::GROUP_BYTES; ++g)
-        for (int r = 0; r < bitquilt_q4::ROWS; ++r) {  // fp16 scales, then uint8 zeros (q4_int8.h)
+      const int64_t rows = shape_of.rows(), group_bytes = 3 * rows;  // a tile's row group (q4_int8.h)
+      for (size_t g = 0; g < scale_bytes / group_bytes; ++g)
+        for (int64_t r = 0; r < rows; ++r) {  // fp16 scales, then uint8 zeros
           const uint16_t h = _cvtss_sh(0.01f + static_cast<float>(rng() % 100) * 1e-4f, 0);
-          std::memcpy(sz + g * bitquilt_q4::GROUP_BYTES + 2 * r, &h, 2);
-          sz[g * bitquilt_q4::GROUP_BYTES + 2 * bitquilt_q4::ROWS + r] = static_cast<uint8_t>(rng() % (1 << bits));
+          std::memcpy(sz + g * group_bytes + 2 * r, &h, 2);
+          sz[g * group_bytes + 2 * rows + r] = static_cast<uint8_t>(rng() % (1 << bits));
         }
       weights.push_back({w, sz, N, K, group, bits});
       buffers.push_back(huge_pages(nbytes));
