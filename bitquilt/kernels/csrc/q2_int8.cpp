@@ -70,11 +70,12 @@ void tile_token(const uint8_t* codes, const uint8_t* sz, const Weight& W, const 
         for (int h = 0; h < 2; ++h) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 32 * h));
           const __m256i hi = _mm256_srli_epi16(v, 4);
-          pairs[2 * h] = _mm256_add_epi16(pairs[2 * h], _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, m3), a0),
-                                                                         _mm256_maddubs_epi16(_mm256_and_si256(hi, m3), a1)));
-          pairs[2 * h + 1] = _mm256_add_epi16(pairs[2 * h + 1],
-                                              _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, mC), a0),
-                                                               _mm256_maddubs_epi16(_mm256_and_si256(hi, mC), a1)));
+          for (int high = 0; high < 2; ++high) {  // rows 8h + l, then (x4) 16 + 8h + l
+            const __m256i mask = high ? mC : m3;
+            const __m256i two = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, mask), a0),
+                                                 _mm256_maddubs_epi16(_mm256_and_si256(hi, mask), a1));
+            pairs[2 * h + high] = _mm256_add_epi16(pairs[2 * h + high], two);
+          }
         }
       }
       const __m256 D = _mm256_set1_ps(d[b]);
@@ -99,7 +100,8 @@ void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t rows = std::min(W2_ROWS, W.N - i * W2_ROWS);
     for (int64_t t = 0; t < T; ++t) {
-      tile_token(w2_tile_codes(W, i), w2_tile_scales(W, i), W, xi + t * W.K, d + t * W.K / BLOCK, X + t * W.groups(), out);
+      tile_token(w2_tile_codes(W, i), w2_tile_scales(W, i), W, xi + t * W.K, d + t * W.K / BLOCK,
+                 X + t * W.groups(), out);
       std::copy_n(out, rows, y + t * W.N + i * W2_ROWS);
     }
   }

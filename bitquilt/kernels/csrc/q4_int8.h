@@ -65,8 +65,9 @@ inline void add_group_offsets(__m128 sz, const float* X, int64_t G, int64_t g, _
 // (kernels.layout_empty); on them, cold 4-bit weights, 1 thread, 1536² to 8960 x 1536, builds alternating in two
 // rounds: an AMD Zen 4 (2026-12-05) ran its VNNI path at 85-90% of the read ceiling 8 KB ahead against 74-78% at
 // 2 KB, 69-84% at 4 KB and 68-84% at 16 KB (AVX2 64-81% at every distance: it is bound by instructions there, as was
-// the 2-bit path before its 32-row layout); on 4 KB pages (1536^2) 8 KB was ahead too, 78-81% against 71-73% at 2 KB; an Intel Xeon with AVX-512 (2026-12-04) 1.05-1.25x faster at 2 KB than at 4 KB on
-// both paths, 1 KB close behind, 512 B and 16 KB slower. Zen 3 (on 4 KB pages): 2 to 8 KB alike.
+// the 2-bit path before its 32-row layout); on 4 KB pages (1536^2) 8 KB was ahead too, 78-81% against 71-73% at
+// 2 KB; an Intel Xeon with AVX-512 (2026-12-04) 1.05-1.25x faster at 2 KB than at 4 KB on both paths, 1 KB close
+// behind, 512 B and 16 KB slower. Zen 3 (on 4 KB pages): 2 to 8 KB alike.
 int64_t default_prefetch_bytes();
 inline const int64_t PREFETCH_BYTES = default_prefetch_bytes();
 
