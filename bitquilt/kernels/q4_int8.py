@@ -136,7 +136,7 @@ def _scale_panels(fmt: UniformFormat, tiles: int, rows: int,
     """The scales and zeros of `Q4Layout`, PACK_ROWS rows at a time (the whole head's temporaries at once were
     ≈ 30 MB above the layout on Qwen); None unless every scale is an fp16 value and every zero a byte (what `pack`
     stores, and what the layout keeps)."""
-    scales = torch.empty(tiles * fmt.scales.shape[1] * 3 * rows, dtype=torch.uint8)
+    scales = layout_empty(tiles * fmt.scales.shape[1] * 3 * rows)
     panels = _panels(scales, tiles, group_bounds, (3 * rows,))
     for r0, scale, zero in grid_chunks(fmt, PACK_ROWS):
         grid = fp16_grid(scale, zero)
