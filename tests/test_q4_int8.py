@@ -52,18 +52,18 @@ def int8_on():
 @pytest.mark.parametrize("bits", q4_int8.BITS)
 @pytest.mark.parametrize(("n", "k", "group", "tokens"),
                          [(70, 256, 128, 1), (64, 192, 64, 3), (33, 512, 64, 17), (5, 128, -1, 2), (4, 64, 64, 80),
+                          (40, 576, 128, 3),  # a last group narrower than the others (smollm2-135m's rows)
                           (4102, 64, 64, 2),  # more rows than the layout converts at a time
-                          (1030, 4416, 192, 1),  # and several panels of columns too
-                          (9, 8960, 128, 1), (6, 4416, 192, 3),  # several panels of columns (group 192: 21 a panel)
-                          (4, 4160, -1, 2)])  # one group wider than a panel: one panel
+                          (1030, 4416, 192, 1),  # and long rows too
+                          (9, 8960, 128, 1), (6, 4416, 192, 3),  # long rows, groups of 64 and 192
+                          (4, 4160, -1, 2)])  # one group per row
 def test_kernel_is_the_exact_product_with_the_rounded_activations(n, k, group, tokens, bits, isa):
     w, x = llm_like(n, k)
     x = torch.cat([x, torch.randn(tokens, k)])[:tokens].contiguous()
     x[0, :32] = 0  # an all-zero block: scale 0, no division by zero
     fmt = make_uniform(w, bits, group, sym=False)
     lay = q4_int8.layout(fmt)
-    rows = q4_int8.TILE_ROWS[bits]
-    assert lay.codes.nbytes == -(-n // rows) * rows * k * bits // 8  # bits per code, rows padded to the tile
+    assert lay.codes.nbytes == -(-n // 32) * 32 * k * bits // 8  # bits per code, rows padded to the 32-row tile
     y = cpu.extension().q4_int8_matmul(x, lay.codes, lay.scales, n, lay.group, lay.bits)
     w_hat = fmt.dequantize().double()
     ref = rounded(x).double() @ w_hat.T

@@ -3,9 +3,9 @@
 // streaming read of a cold buffer of the same bytes (the ceiling), the kernel and the read alternating, median thread
 // CPU time. Build against a source tree (the repository's, or an edited copy to compare):
 //
-//     g++ -O3 -std=c++17 -mavx2 -mfma -mf16c -fopenmp -I bitquilt/kernels/csrc bench/prototypes/c_kernel_timing.cpp \
-//         bitquilt/kernels/csrc/{q4_int8,q4_int8_vnni,q2_int8,q2_int8_vnni,uniform8_gemv,uniform8_vnni}.cpp \
-//         -o /tmp/c_kernel_timing
+//     g++ -O3 -std=c++17 -mavx2 -mfma -mf16c -fopenmp -I bitquilt/kernels/csrc bench/prototypes/c_kernel_timing.cpp
+//         bitquilt/kernels/csrc/{q4_int8,q4_int8_vnni,uniform8_gemv,uniform8_vnni}.cpp -o /tmp/c_kernel_timing
+//         (one command)
 //     OMP_NUM_THREADS=1 /tmp/c_kernel_timing 4      # 4-bit codes, group 128 (2: 2-bit, group 64; 8: the 8-bit GEMV)
 //
 // Each of the int8 kernels' paths the CPU runs (AVX2; AVX-512 VNNI where present), qwen2.5-1.5b's shapes and 4096²
@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
       uint8_t* w = huge_pages(code_bytes);
       uint8_t* sz = huge_pages(scale_bytes);
       for (size_t i = 0; i < code_bytes; ++i) w[i] = static_cast<uint8_t>(rng());
-      const int64_t rows = shape_of.rows(), group_bytes = 3 * rows;  // a tile's row group (q4_int8.h)
+      const int64_t rows = bitquilt_q4::ROWS, group_bytes = bitquilt_q4::GROUP_BYTES;  // a tile's row group
       for (size_t g = 0; g < scale_bytes / group_bytes; ++g)
         for (int64_t r = 0; r < rows; ++r) {  // fp16 scales, then uint8 zeros
           const uint16_t h = _cvtss_sh(0.01f + static_cast<float>(rng() % 100) * 1e-4f, 0);

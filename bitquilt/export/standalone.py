@@ -4,7 +4,7 @@ The file is what the runtime's kernels read, so loading it is mapping it: nothin
 holds one copy of each weight (the file's pages). `standalone.safetensors` holds, per linear (HF module names):
 
   kind "q4"     4- or 2-bit uniform grid: `.codes` uint8 and `.scales` uint8, `bitquilt.kernels.q4_int8.Q4Layout`
-                (codes two or four per byte in tiles of 4 rows and panels of columns, fp16 s and uint8 z per group)
+                (codes two or four per byte in tiles of 32 rows, fp16 s and uint8 z per row and group)
   kind "u8"     8-bit uniform grid: `.codes` uint8 [out, in], `.scale` and `.scale_zero` fp32 [out, groups]
                 (`bitquilt.kernels.uniform8`)
   kind "dense"  a linear kept in full precision: `.weight` fp32 [out, in]

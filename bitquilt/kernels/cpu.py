@@ -63,8 +63,8 @@ TILE = 32  # output rows per kernel tile
 PACK_TILES = PACK_ROWS // TILE  # tiles cut into bit-planes and reordered at a time (`pack_planes`)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("lut_matmul.cpp", "mxint_matmul.cpp", "slice_router.cpp", "uniform8_gemv.cpp",
-                         "uniform8_vnni.cpp", "decode_step.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "q2_int8.cpp",
-                         "q2_int8_vnni.cpp", "hadamard.cpp", "read_rate.cpp", "repack.cpp")]
+                         "uniform8_vnni.cpp", "decode_step.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "hadamard.cpp",
+                         "read_rate.cpp", "repack.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _ext: ModuleType | None = None
 _failed = False

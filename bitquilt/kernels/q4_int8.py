@@ -2,18 +2,15 @@
 
 The lookup-table kernel (`bitquilt.kernels.cpu`) keeps activations exact to 2^-21; this kernel rounds each
 token's activations to int8 per block of 32 columns (scale max|x| / 127, as llama.cpp's Q8 activations) and
-multiplies the 4-bit (or 2-bit) codes with them in vpmaddubsw, one pass over the codes for decode and a widened int8
-copy of each 4-row tile shared by every token for prefill. The result is exactly x̂ @ Ŵᵀ for the rounded x̂,
-so the only error is the activations' rounding (≤ d/2 per value); that trade is opt-in,
+multiplies the 4- or 2-bit codes with them in integer instructions. The result is exactly x̂ @ Ŵᵀ for the rounded
+x̂, so the only error is the activations' rounding (≤ d/2 per value); that trade is opt-in,
 `bitquilt.kernels.set_int8_activations(True)` (CLI `--int8-activations`), and its perplexity cost is
 measured in docs/benchmarks.md. Registered as "cpu_q4_int8" ahead of cpu_lut (the 8-bit kernel takes no
 4- or 2-bit call); it declines every call while the switch is off, and formats with act-order (g_idx) or
-widths/groups not multiples of 64. 2-bit codes have a layout of their own (csrc/q2_int8.cpp): 32-row tiles whose
-bytes hold two rows' codes of two columns, so one 64-byte load becomes four vectors of codes, one per row and 4
-columns in each lane, met by 4 activations broadcast to every lane; that loop costs half the instructions of
-widening 2-bit codes row by row, and reads the stream at the memory's rate rather than the instructions'.
-Per format it keeps its own layout in a `LayoutCache` (the codes two or four per byte, fp16 s and uint8 z per row
-group).
+widths/groups not multiples of 64. The layout (`Q4Layout`): tiles of 32 rows whose bytes hold two rows' codes, so
+one 64-byte load becomes vectors of codes with 4 columns of one row in each lane, met by those 4 activations
+broadcast to every lane; a token reads the codes once, in order, and prefill runs the same loop per token (two at
+a time on VNNI). Per format it keeps its own layout in a `LayoutCache`.
 
 Two paths, the same layout and exact integer dot products: AVX2 (vpmaddubsw) and, where the CPU has AVX-512 with
 VNNI, one vpdpbusd per 64 codes (csrc/q4_int8_vnni.cpp); they differ only in fp32 summation order. The widest runs
@@ -22,7 +19,6 @@ by default, in this kernel and inside the fused decode step; `set_isa` or `BITQU
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +43,7 @@ from bitquilt.kernels import (
 )
 from bitquilt.mapped import release_chunk
 
-PAIR = 64  # columns per packed row chunk at 4 bits (csrc/q4_int8.h)
-TILE_ROWS = {4: 4, 2: 32}  # output rows per tile by code width (csrc/q4_int8.h, Weight)
+ROWS = 32  # output rows per tile (csrc/q4_int8.h, Weight)
 
 
 def supported_isas() -> tuple[str, ...]:
@@ -77,12 +72,10 @@ BITS = (4, 2)  # code widths the kernel runs
 
 @dataclass(frozen=True)
 class Q4Layout:
-    """At 4 bits the weight panel by panel (a panel: the most whole groups within 4,096 columns, csrc/q4_int8.h),
-    each panel's tiles of 4 rows in turn: codes uint8 [panels][tiles, cols/64, 4, 32] (a row's 64 codes of two
-    blocks; byte j < 16 holds columns j and 16 + j, byte 16 + j columns 32 + j and 48 + j, low nibble first). At 2
-    bits one panel of 32-row tiles: codes uint8 [tiles, K/8, 64] (step c's byte 4l + j holds rows l and 16 + l at
-    columns 8c + j and 8c + 4 + j, csrc/q2_int8.cpp). Scales uint8 [panels][tiles, groups, 3 · rows] (the tile's
-    rows' scales as fp16, then their zeros as uint8: 3 bytes per row and group). All flat."""
+    """Tiles of 32 rows (the last padded with zero rows), each a run of 64-byte steps: codes uint8 [tiles, K·bits/16,
+    64], byte 4l + j of step c holding rows l and 16 + l (at 4 bits column 4c + j, low nibble first; at 2 bits
+    columns 8c + j in bits 0-3 and 8c + 4 + j in bits 4-7, row l first), and scales uint8 [tiles, groups, 96] (the
+    tile's 32 scales as fp16, then its 32 zeros as uint8). Both flat."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -93,61 +86,48 @@ class Q4Layout:
         return self.codes.nbytes + self.scales.nbytes
 
 
-def _rows_to_tiles(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """[N, ...] -> [tiles, rows, ...], zero rows appended."""
-    pad = -t.shape[0] % rows
+def _rows_to_tiles(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [tiles, 32, ...], zero rows appended."""
+    pad = -t.shape[0] % ROWS
     if pad:
         t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-    return t.view(-1, rows, *t.shape[1:])
-
-
-def _panels(flat: torch.Tensor, tiles: int, bounds: list[tuple[int, int]], per_unit: tuple[int, ...]) -> list:
-    """Views [tiles, units, *per_unit] of `flat` for panels of units [u0, u1), one after another."""
-    size = tiles * math.prod(per_unit)
-    return [flat[size * u0:size * u1].view(tiles, u1 - u0, *per_unit) for u0, u1 in bounds]
+    return t.view(-1, ROWS, *t.shape[1:])
 
 
 def _layout(fmt: WeightFormat) -> Q4Layout | None:
     if not isinstance(fmt, UniformFormat) or fmt.bits not in BITS or fmt.g_idx is not None:
         return None
     group = resolve_group_size(fmt.group_size, fmt.in_features)
-    if fmt.in_features % PAIR or group % PAIR:
+    if fmt.in_features % 64 or group % 64:
         return None
-    n, k = fmt.out_features, fmt.in_features
-    bits, rows = fmt.bits, TILE_ROWS[fmt.bits]
-    tiles = -(-n // rows)
-    width = cpu.extension().q4_int8_panel_columns(group) if bits == 4 else k  # 2 bits: one panel
-    columns = [(c0, min(k, c0 + width)) for c0 in range(0, k, width)]
-    scales = _scale_panels(fmt, tiles, rows, [(c0 // group, -(-c1 // group)) for c0, c1 in columns])
+    n, k, bits = fmt.out_features, fmt.in_features, fmt.bits
+    tiles = -(-n // ROWS)
+    scales = _scales(fmt, tiles)
     if scales is None:
         return None
-    codes = layout_empty(tiles * rows * k * bits // 8)
-    if n % rows or bits == 2:
-        codes.zero_()  # pad rows 0; 2-bit rows are OR-ed in
-    for r0 in range(0, n, PACK_ROWS):  # csrc/repack.cpp writes each row's chunks into their panels
+    codes = layout_empty(tiles * ROWS * k * bits // 8).zero_()  # rows OR-ed in, pad rows 0
+    for r0 in range(0, n, PACK_ROWS):  # csrc/repack.cpp writes each row's codes into its tile
         chunk = fmt.qweight[r0:r0 + PACK_ROWS]
-        cpu.extension().q4_int8_pack_codes(chunk, r0, bits, k, width // PAIR, tiles, codes)
+        cpu.extension().q4_int8_pack_codes(chunk, r0, bits, k, tiles, codes)
         release_chunk(r0 // PACK_ROWS, [chunk])  # these rows' file pages, as cpu.pack_planes does
     return Q4Layout(codes, scales, group, bits)
 
 
-def _scale_panels(fmt: UniformFormat, tiles: int, rows: int,
-                  group_bounds: list[tuple[int, int]]) -> torch.Tensor | None:
+def _scales(fmt: UniformFormat, tiles: int) -> torch.Tensor | None:
     """The scales and zeros of `Q4Layout`, PACK_ROWS rows at a time (the whole head's temporaries at once were
     ≈ 30 MB above the layout on Qwen); None unless every scale is an fp16 value and every zero a byte (what `pack`
     stores, and what the layout keeps)."""
-    scales = layout_empty(tiles * fmt.scales.shape[1] * 3 * rows)
-    panels = _panels(scales, tiles, group_bounds, (3 * rows,))
+    groups = fmt.scales.shape[1]
+    scales = layout_empty(tiles * groups * 3 * ROWS)
+    view = scales.view(tiles, groups, 3 * ROWS)
     for r0, scale, zero in grid_chunks(fmt, PACK_ROWS):
         grid = fp16_grid(scale, zero)
         if grid is None:
             return None
         scale16, zero8 = grid
-        per_group = torch.cat([_rows_to_tiles(scale16, rows).transpose(1, 2).contiguous().view(torch.uint8),
-                               _rows_to_tiles(zero8, rows).transpose(1, 2)], dim=-1)  # [tiles, G, rows · 2 + rows]
-        t0 = r0 // rows
-        for view, (g0, g1) in zip(panels, group_bounds, strict=True):
-            view[t0:t0 + per_group.shape[0]].copy_(per_group[:, g0:g1])
+        per_group = torch.cat([_rows_to_tiles(scale16).transpose(1, 2).contiguous().view(torch.uint8),
+                               _rows_to_tiles(zero8).transpose(1, 2)], dim=-1)  # [tiles, G, 32 · 2 + 32]
+        view[r0 // ROWS:r0 // ROWS + per_group.shape[0]].copy_(per_group)
     return scales
 
 

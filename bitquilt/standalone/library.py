@@ -23,8 +23,8 @@ from bitquilt import cache
 from bitquilt.errors import UserError
 
 CSRC = Path(__file__).resolve().parent.parent / "kernels" / "csrc"
-SOURCES = ("standalone.cpp", "bpe_tokenizer.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "q2_int8.cpp",
-           "q2_int8_vnni.cpp", "uniform8_gemv.cpp", "uniform8_vnni.cpp")
+SOURCES = ("standalone.cpp", "bpe_tokenizer.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "uniform8_gemv.cpp",
+           "uniform8_vnni.cpp")
 HEADERS = ("avx2_simd.h", "bpe_tokenizer.h", "decoder_core.h", "int8_round.h", "json_value.h", "parallel.h",
            "q4_int8.h", "standalone.h", "standalone_file.h", "uniform8.h")
 RUNNER = "native_runner.cpp"  # main() of bitquilt-native, on the library's sources

@@ -27,7 +27,7 @@ from bitquilt.standalone.library import last_error, library
 
 FILE = "standalone.safetensors"  # what bitquilt.export.standalone writes, and its metadata
 METADATA_KEY = "bitquilt.standalone"
-FORMAT_VERSION = 2  # 2: 2-bit linears in 32-row tiles (csrc/q4_int8.h)
+FORMAT_VERSION = 3  # 3: 4- and 2-bit linears in 32-row tiles (csrc/q4_int8.h)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")  # a layer's linears, as csrc/standalone.cpp's loader reads them
 

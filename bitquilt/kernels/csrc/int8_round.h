@@ -44,7 +44,7 @@ inline Rounded round_block(const float* x) {
 
 // Tokens x [T, K] (K a multiple of 32) rounded block by block: codes [T, K] in column order, block scales
 // d [T, K / 32] and each group's sum of d * code, X [T, ceil(K / group)], for the kernels that read activations in
-// column order (uniform8_gemv.cpp, q2_int8.cpp).
+// column order (uniform8_gemv.cpp, q4_int8.cpp).
 inline void round_tokens(const float* x, int64_t T, int64_t K, int64_t group, int8_t* codes, float* d, float* X) {
   const int64_t blocks = K / BLOCK, G = (K + group - 1) / group;
   std::fill_n(X, T * G, 0.0f);

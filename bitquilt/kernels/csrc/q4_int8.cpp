@@ -1,38 +1,44 @@
-// 4-bit uniform weights times int8-quantized activations (AVX2; the AVX-512 VNNI twin in q4_int8_vnni.cpp),
+// 4- and 2-bit uniform weights times int8-quantized activations (AVX2; the AVX-512 VNNI twin in q4_int8_vnni.cpp),
 // used by bitquilt.kernels.q4_int8.
 //
 // The bit-plane lookup-table kernel keeps activations exact to 2^-21 at the price of three table limbs per
-// plane; a 4-bit code can instead multiply an int8 activation directly (vpmaddubsw: unsigned code x signed
-// byte, pairs summed in int16), which is what llama.cpp's Q4 x Q8 dot products do. Per token, each block of
-// 32 activations b is rounded to int8, x_c ~ d_b * i_c with d_b = max|x_b| / 127; then for row r
+// plane; a low-bit code can instead multiply an int8 activation directly (vpmaddubsw: unsigned code x signed
+// byte, pairs summed in int16; vpdpbusd: four products summed in int32), which is what llama.cpp's Q4 x Q8 dot
+// products do. Per token, each block of 32 activations b is rounded to int8, x_c ~ d_b * i_c with
+// d_b = max|x_b| / 127; then for row r
 //
 //   y[r] = sum_g s[r, g] * sum_{b in g} d_b * <q[r, b], i_b>  -  sum_g (s z)[r, g] * X_g,
 //   X_g  = sum_{b in g} d_b * sum_{c in b} i_c
 //
 // which is exactly x_hat @ W^T for the rounded activations x_hat (the only error: |x - x_hat| <= d_b / 2 per
-// value). <q, i> is exact: a vpmaddubsw pair sum is at most 2 * 15 * 127, so two of them add in int16 before one
-// vpmaddwd widens to int32. A row's 64 codes of two blocks are one 32-byte chunk: one mask gives the codes of
-// columns 0-15 and 32-47, one shift and mask those of 16-31 and 48-63, and the token's int8 activations are
-// stored in that order (64 per chunk: 0-15, 32-47, 16-31, 48-63), so two vpmaddubsw cover both blocks, the int32
-// lanes 0-3 summing block 2p and lanes 4-7 block 2p + 1, scaled by [d_2p x 4, d_2p+1 x 4] in one FMA. Four rows
-// share each activation load. Several tokens (prefill) widen each tile's codes once into an int8 buffer and run
-// the tokens over it two at a time (each widened chunk loaded serves both), with the tile's group scales decoded
-// once per tile rather than per token: on Zen 4 at 128 tokens the two measured 1.13-1.60x faster on this path
-// and 1.26-1.53x on VNNI, the decoding alone ~30% of the time at group 128. The code stream is sequential, yet
-// at batch 1 the hardware prefetcher alone leaves loads waiting: prefetching each chunk PREFETCH_BYTES ahead
-// measured 1.15-1.45x faster on Zen 3 and up to 1.24x on Zen 4's 2-bit VNNI loop (q4_int8.h).
+// value); <q, i> is exact on both paths.
 //
-// 2-bit layouts have their own tiles and kernel (q2_int8.cpp); matmul_into and row_into hand them over.
+// The layout (q4_int8.h, Weight) puts two rows' codes in each byte: rows l and 16 + l of a 32-row tile, at the
+// same column (4 bits) or at two (2 bits). Masks (and at 2 bits one shift) turn a 64-byte step into vectors of
+// codes whose 4-byte lanes are 4 consecutive columns of one row, and those 4 activations, broadcast to every lane
+// from one 32-bit load, meet them: each row accumulates in its own lane, the activations stay in column order, and
+// a block's activation scale applies once per 32 columns for 32 rows, a group's row scales once per group. Codes
+// masked in place rather than shifted down come out multiplied (rows 16-31: x16 at 4 bits on VNNI, x4 at 2 bits);
+// the factor joins their row scales once per group, exactly. Per 64 bytes of codes a token costs, on VNNI, a load,
+// two masks and two vpdpbusd at 4 bits, a shift, four masks and four vpdpbusd at 2. The 4-row tiles this replaced
+// (each row's 64 codes of two blocks in a chunk, widened and met by activations stored in the chunk's order) paid a
+// conversion and an FMA per 64 codes and, at 2 bits, three shifts and four activation broadcasts per 64 bytes: on
+// Zen 4 at batch 1 the new loops ran 1.5-1.7x faster on weights in cache (2-bit 1.4-1.6x on cold ones, where the
+// 4-bit stream was at the memory's rate already), at 16-128 tokens 1.7-2.1x. Prefill runs the same loop, two tokens
+// per pass on VNNI (each step's masks serve both), one on AVX2.
+//
+// AVX2 adds a block's pair sums in int16 before one vpmaddwd widens them: at 4 bits 8 steps of at most
+// 2 * 15 * 128 = 3,840 (the high nibbles shifted down: x16 would overflow), at 2 bits 4 steps of at most
+// 2 * 2 * 12 * 128 = 6,144 for the x4 rows; at most 30,720, inside int16.
 
 #include "q4_int8.h"
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
+#include <cstring>
 #include <vector>
 
-#include "avx2_simd.h"
 #include "int8_round.h"
 #include "parallel.h"
 
@@ -45,102 +51,87 @@ namespace bitquilt_q4 {
 
 namespace {
 
-using bitquilt_simd::hsum8;
-
-// Token x [K] as int8 codes [K] in chunk order (module comment), per-chunk block scales [K / 64][8] (d_2p four
-// times, then d_2p+1) and group sums X [groups].
-void round_token(const float* x, int64_t K, int64_t group, int8_t* codes, float* dpair, float* X) {
-  std::fill_n(X, (K + group - 1) / group, 0.0f);
-  for (int64_t b = 0; b < K / BLOCK; ++b) {
-    const bitquilt_int8::Rounded r = bitquilt_int8::round_block(x + b * BLOCK);
-    std::fill_n(dpair + b / 2 * 8 + b % 2 * 4, 4, r.d);
-    // the block's halves to their places in the chunk: columns 0-15 at 16 * (b % 2), 16-31 at 32 + 16 * (b % 2)
-    int8_t* chunk = codes + b / 2 * PAIR + b % 2 * 16;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk), _mm256_castsi256_si128(r.codes));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 32), _mm256_extracti128_si256(r.codes, 1));
-    X[b * BLOCK / group] += r.d * r.sum;
-  }
+// 4 activations (one 32-bit word) broadcast to every lane.
+inline __m256i broadcast_word(const int8_t* x) {
+  int32_t word;
+  std::memcpy(&word, x, 4);
+  return _mm256_set1_epi32(word);
 }
 
-// A row's chunk as two vectors of 32 codes: lo (columns 0-15, 32-47), hi (16-31, 48-63).
-struct Codes {
-  __m256i lo, hi;
-};
-
-inline Codes widen(const uint8_t* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  return {_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib)};
-}
-
-// 8 lanes: 0-3 sum to <q, i> over the chunk's first block, 4-7 over its second, as floats
-inline __m256 chunk_dot(const Codes& q, __m256i xl, __m256i xh) {
+// One token through a tile of BITS-bit codes (`codes`: K / step_columns steps) and its row groups `sz`: out[32]
+// its rows. A step's 64 bytes are two 256-bit halves h whose lane l holds rows 8h + l and 16 + 8h + l.
+template <int BITS>
+void tile_token(const uint8_t* codes, const uint8_t* sz, const Weight& W, const int8_t* xi, const float* d,
+                const float* X, float* out) {
+  constexpr int64_t STEPS = BLOCK / step_columns(BITS);  // per block
+  constexpr float HIGH = BITS == 2 ? 0.25f : 1.0f;       // rows 16-31 summed x4 at 2 bits (masked in place)
+  const int64_t K = W.K, G = W.groups(), blocks_per_group = W.group / BLOCK;
+  const __m256i low = _mm256_set1_epi8(BITS == 2 ? 0x03 : 0x0F), high = _mm256_set1_epi8(0x0C);
   const __m256i ones = _mm256_set1_epi16(1);
-  // each int16 pair sum is at most 2 * 15 * 127, so the two halves add exactly in int16 before one vpmaddwd
-  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(q.lo, xl), _mm256_maddubs_epi16(q.hi, xh));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+  std::fill_n(out, ROWS, 0.0f);
+  const uint8_t* step = codes;
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 af[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = g * blocks_per_group; b < std::min(K / BLOCK, (g + 1) * blocks_per_group); ++b) {
+      __m256i pairs[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                          _mm256_setzero_si256()};  // [2h + rows 16-31]: int16 pair sums
+      for (int64_t c = 0; c < STEPS; ++c, step += STEP_BYTES) {
+        prefetch_ahead(step, 1);
+        const int8_t* x = xi + b * BLOCK + c * step_columns(BITS);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 32 * h));
+          const __m256i hi = _mm256_srli_epi16(v, 4);
+          if constexpr (BITS == 4) {  // columns 4c + j: rows l (low nibble), 16 + l (high)
+            const __m256i a = broadcast_word(x);
+            pairs[2 * h] = _mm256_add_epi16(pairs[2 * h], _mm256_maddubs_epi16(_mm256_and_si256(v, low), a));
+            pairs[2 * h + 1] = _mm256_add_epi16(pairs[2 * h + 1], _mm256_maddubs_epi16(_mm256_and_si256(hi, low), a));
+          } else {  // columns 8c + j (bits 0-3) and 8c + 4 + j (4-7): rows l (x1), 16 + l (x4)
+            const __m256i a0 = broadcast_word(x), a1 = broadcast_word(x + 4);
+            for (int upper = 0; upper < 2; ++upper) {
+              const __m256i mask = upper ? high : low;
+              const __m256i two = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, mask), a0),
+                                                   _mm256_maddubs_epi16(_mm256_and_si256(hi, mask), a1));
+              pairs[2 * h + upper] = _mm256_add_epi16(pairs[2 * h + upper], two);
+            }
+          }
+        }
+      }
+      const __m256 D = _mm256_set1_ps(d[b]);
+      for (int k = 0; k < 4; ++k)
+        af[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[k], ones)), D, af[k]);
+    }
+    const uint8_t* group_bytes = sz + g * GROUP_BYTES;
+    const __m256 Xg = _mm256_set1_ps(X[g]);
+    for (int k = 0; k < 4; ++k) {  // k = 2h + upper: rows 8h + 16 * upper ..
+      const int r0 = 8 * (k / 2) + 16 * (k % 2);
+      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group_bytes + 2 * r0)));
+      const __m256 z = _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group_bytes + 2 * ROWS + r0))));
+      const __m256 scale = k % 2 ? _mm256_mul_ps(s, _mm256_set1_ps(HIGH)) : s;
+      const __m256 y = _mm256_fmadd_ps(af[k], scale, _mm256_loadu_ps(out + r0));
+      _mm256_storeu_ps(out + r0, _mm256_fnmadd_ps(_mm256_mul_ps(s, z), Xg, y));
+    }
+  }
 }
 
-// Panel P's share of the tile's 4 rows for NT tokens at once (NT = 2 for prefill: each code chunk loaded serves
-// both tokens); `codes(p, r)` gives row r's chunk p of the panel (packed, or widened in a buffer), `scales` the
-// tile's decoded groups of the panel (`decode_group`), or null for one token: then the packed `sz` (`tile_group`).
-// Token t's rounded activations, block scales and group sums from the panel's start are at xi + t * K,
-// dpair + t * K / 8, X + t * groups; its rows go to out[t * ROWS + r]. One loop runs over the panel's chunks, a
-// group's scales applied after its last one, on both paths (q4_int8_vnni.cpp too): against a loop over the groups
-// with one over each group's chunks inside, the same sums in the same order ran (Intel Xeon with AVX-512, builds
-// alternating, 1536² to 4096² in cache) 1.05-1.12x faster at batch 1 in groups of 64 (at 128: 1.00-1.03x),
-// 1.05-1.08x at batch 128 on AVX2 and 1.13-1.22x on VNNI (cold weights: 1.12-1.14x).
-template <int NT, typename CodesOf>
-inline void tile_tokens(const CodesOf& codes, const uint8_t* sz, const float* scales, const Weight& W, const Panel& P,
-                        const int8_t* xi, const float* dpair, const float* X, float* out) {
-  const int64_t G = W.groups(), per_group = W.group / PAIR;
-  __m256 total[NT][ROWS];
-  __m128 offset[NT];
-  for (int t = 0; t < NT; ++t) {
-    offset[t] = _mm_setzero_ps();
-    for (int r = 0; r < ROWS; ++r) total[t][r] = _mm256_setzero_ps();
-  }
-  __m256 acc[NT][ROWS];
-  for (int t = 0; t < NT; ++t)
-    for (int r = 0; r < ROWS; ++r) acc[t][r] = _mm256_setzero_ps();
-  const int64_t pairs = P.cols / PAIR;
-  for (int64_t p = 0, g = 0, group_end = std::min(pairs, per_group); p < pairs; ++p) {
-    __m256i xl[NT], xh[NT];
-    __m256 d[NT];
-    for (int t = 0; t < NT; ++t) {
-      const int8_t* x = xi + t * W.K + p * PAIR;
-      xl[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-      xh[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
-      d[t] = _mm256_loadu_ps(dpair + t * W.K / 8 + p * 8);
+template <int BITS>
+void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
+                float* y) {
+  float out[ROWS];
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t rows = std::min(ROWS, W.N - i * ROWS);
+    for (int64_t t = 0; t < T; ++t) {
+      tile_token<BITS>(W.tile_codes(i), W.tile_scales(i), W, xi + t * W.K, d + t * W.K / BLOCK, X + t * W.groups(),
+                       out);
+      std::copy_n(out, rows, y + t * W.N + i * ROWS);
     }
-    for (int r = 0; r < ROWS; ++r) {
-      const Codes q = codes(p, r);
-      for (int t = 0; t < NT; ++t) acc[t][r] = _mm256_fmadd_ps(chunk_dot(q, xl[t], xh[t]), d[t], acc[t][r]);
-    }
-    if (p + 1 < group_end) continue;
-    const GroupScales s = tile_group(scales, sz, g);  // group g's last chunk: its scales, then the next group
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s.s), _mm256_set1_epi32(r));
-      for (int t = 0; t < NT; ++t) {
-        total[t][r] = _mm256_fmadd_ps(acc[t][r], scale, total[t][r]);
-        acc[t][r] = _mm256_setzero_ps();
-      }
-    }
-    add_group_offsets<NT>(s.sz, X, G, g, offset);
-    ++g;
-    group_end = std::min(pairs, group_end + per_group);
-  }
-  for (int t = 0; t < NT; ++t) {
-    float off[ROWS];
-    _mm_storeu_ps(off, offset[t]);
-    for (int r = 0; r < ROWS; ++r) out[t * ROWS + r] = hsum8(total[t][r]) - off[r];
   }
 }
 
 }  // namespace
 
 std::string layout_error(int64_t N, int64_t K, int64_t group, int64_t bits, int64_t w_bytes, int64_t sz_bytes) {
-  if (K % PAIR || group % PAIR || group <= 0) return "columns and group size must be multiples of 64";
+  if (K % 64 || group % 64 || group <= 0) return "columns and group size must be multiples of 64";
   if (bits != 4 && bits != 2) return "codes of 4 or 2 bits, not " + std::to_string(bits);
   const Weight W{nullptr, nullptr, N, K, group, static_cast<int>(bits)};
   if (w_bytes != W.code_bytes()) return "packed codes do not match the shape";
@@ -149,25 +140,17 @@ std::string layout_error(int64_t N, int64_t K, int64_t group, int64_t bits, int6
 }
 
 void row_into(const Weight& W, int64_t r, float* out) {
-  const int64_t tile = r / ROWS, row = r % ROWS;
-  for (int64_t s = 0; s < W.panels(); ++s) {
-    const Panel P = W.panel(s);
-    const uint8_t* wt = W.codes(P, tile);
-    const uint8_t* sz = W.scales(P, tile);
-    for (int64_t p = 0; p < P.cols / PAIR; ++p) {
-      const uint8_t* bytes = wt + (p * ROWS + row) * CHUNK_BYTES;
-      float* o = out + P.c0 + p * PAIR;
-      for (int64_t j = 0; j < 16; ++j) {  // the chunk's columns j, 16 + j, 32 + j, 48 + j (q4_int8.h's layout)
-        for (int m = 0; m < 4; ++m)
-          o[16 * m + j] = static_cast<float>((bytes[j + 16 * (m / 2)] >> (4 * (m % 2))) & 15);
-      }
-    }
-    for (int64_t g = 0; g < P.groups; ++g) {
-      float sc[2 * ROWS];
-      decode_group(sz + g * GROUP_BYTES, sc);
-      const int64_t c0 = P.c0 + g * W.group, c1 = std::min(P.c0 + P.cols, c0 + W.group);
-      for (int64_t c = c0; c < c1; ++c) out[c] = sc[row] * out[c] - sc[ROWS + row];
-    }
+  const int64_t lane = r % 16, upper = r % ROWS / 16;
+  const uint8_t* codes = W.tile_codes(r / ROWS);
+  for (int64_t c = 0; c < W.K / 4; ++c)  // step c: columns 4c + j, row r's nibble in byte 4 * lane + j
+    for (int64_t j = 0; j < 4; ++j)
+      out[4 * c + j] = static_cast<float>((codes[c * STEP_BYTES + 4 * lane + j] >> (4 * upper)) & 15);
+  const uint8_t* sz = W.tile_scales(r / ROWS);
+  for (int64_t g = 0; g < W.groups(); ++g) {
+    uint16_t half;
+    std::memcpy(&half, sz + g * GROUP_BYTES + 2 * (r % ROWS), 2);
+    const float s = _cvtsh_ss(half), z = sz[g * GROUP_BYTES + 2 * ROWS + r % ROWS];
+    for (int64_t c = g * W.group; c < std::min(W.K, (g + 1) * W.group); ++c) out[c] = s * out[c] - s * z;
   }
 }
 
@@ -180,45 +163,6 @@ Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t
   return {w.data_ptr<uint8_t>(), sz.data_ptr<uint8_t>(), N, K, group, static_cast<int>(bits)};
 }
 #endif
-
-namespace {
-
-// Tiles [i0, i1) of y for T rounded tokens of 4-bit codes (AVX2; tiles_vnni is the AVX-512 VNNI twin). The
-// split buffer holds each row chunk's Codes (lo, hi: 64 bytes) in tile order.
-void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
-                float* y) {
-  constexpr int64_t chunk = CHUNK_BYTES;
-  const auto split = [](const uint8_t* wt, int64_t pairs, int8_t* buffer) {
-    for (int64_t c = 0; c < pairs * ROWS; ++c) {
-      const Codes q = widen(wt + c * chunk);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64), q.lo);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buffer + c * 64 + 32), q.hi);
-    }
-  };
-  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const uint8_t* sz, const float* scales,
-                          const int8_t* x, const float* dt, const float* Xt, int n, const Panel& P, float* out) {
-    if (buffer == nullptr) {
-      const auto streamed = [wt](int64_t p, int r) {
-        const uint8_t* row = wt + (p * ROWS + r) * chunk;
-        if (r == 0) prefetch_ahead(row, ROWS * chunk / 64);  // the chunk's 4 rows: 2 cache lines
-        return widen(row);
-      };
-      tile_tokens<1>(streamed, sz, nullptr, W, P, x, dt, Xt, out);
-      return;
-    }
-    const auto buffered = [buffer](int64_t p, int r) {
-      const auto* c = reinterpret_cast<const __m256i*>(buffer + (p * ROWS + r) * 64);
-      return Codes{_mm256_loadu_si256(c), _mm256_loadu_si256(c + 1)};
-    };
-    if (n == 2)
-      tile_tokens<2>(buffered, sz, scales, W, P, x, dt, Xt, out);
-    else
-      tile_tokens<1>(buffered, sz, scales, W, P, x, dt, Xt, out);
-  };
-  run_tiles(W, i0, i1, T, xi, d, X, y, split, token);
-}
-
-}  // namespace
 
 int64_t default_prefetch_bytes() {
   __builtin_cpu_init();
@@ -247,16 +191,16 @@ bool set_vnni(bool enabled) {
 }
 
 void matmul_into(const float* x, int64_t T, const Weight& W, float* y) {
-  if (W.bits == 2) return w2_matmul_into(x, T, W, y);
-  const int64_t K = W.K, G = W.groups(), pairs = K / PAIR, tile_bytes = W.tile_bytes();
+  const int64_t K = W.K, G = W.groups();
   std::vector<int8_t> xi(T * K);
-  std::vector<float> d(T * pairs * 8), X(T * G);
+  std::vector<float> d(T * K / BLOCK), X(T * G);
   bitquilt_par::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      round_token(x + t * K, K, W.group, xi.data() + t * K, d.data() + t * pairs * 8, X.data() + t * G);
+    bitquilt_int8::round_tokens(x + t0 * K, t1 - t0, K, W.group, xi.data() + t0 * K, d.data() + t0 * K / BLOCK,
+                                X.data() + t0 * G);
   });
-  const int64_t grain = std::max<int64_t>(4, (1 << 15) / tile_bytes);  // tiles per task: ~32 KB of codes
-  const auto tiles = g_vnni ? &tiles_vnni : &tiles_avx2;
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / W.tile_bytes());  // tiles per task: ~32 KB of codes
+  const auto tiles = W.bits == 4 ? (g_vnni ? &tiles_vnni<4> : &tiles_avx2<4>)
+                                 : (g_vnni ? &tiles_vnni<2> : &tiles_avx2<2>);
   bitquilt_par::parallel_for(0, W.tiles(), grain, [&](int64_t i0, int64_t i1) {
     tiles(W, i0, i1, T, xi.data(), d.data(), X.data(), y);
   });
@@ -285,7 +229,6 @@ void register_q4_int8(pybind11::module& m) {
   m.def("q4_int8_matmul", &bitquilt_q4::q4_int8_matmul,
         "y = x_hat @ W^T for 4- or 2-bit uniform W, x_hat = x rounded to int8 per block of 32 (AVX2 maddubs or "
         "AVX-512 VNNI)");
-  m.def("q4_int8_panel_columns", &bitquilt_q4::panel_columns, "columns per panel of the layout for this group size");
   m.def("q4_int8_has_vnni", &bitquilt_q4::has_vnni, "whether the CPU runs the AVX-512 VNNI path");
   m.def("q4_int8_prefetch_bytes", [] { return bitquilt_q4::PREFETCH_BYTES; },
         "how far ahead the batch-1 tiles prefetch their codes on this CPU");

@@ -1,136 +1,140 @@
-// The 4-bit x int8 matmul of q4_int8.cpp on AVX-512 VNNI, picked at run time when the CPU has it.
-//
-// Same layout, same math: a row's 32-byte chunk holds the codes of 64 columns, low nibbles = columns 0-15 and
-// 32-47, high nibbles = 16-31 and 48-63, and a token's int8 activations are stored in exactly that order (64
-// bytes per chunk). Here the chunk's two nibble vectors are the two halves of one 512-bit register (the 32 bytes
-// broadcast to both halves, the upper half shifted right by 4, then masked), so one vpdpbusd multiplies all 64
-// codes with the 64 activations and sums each 4 adjacent products into an int32 lane: lanes 0-3 and 8-11 belong
-// to the chunk's first block, 4-7 and 12-15 to its second; the block scales [d_2p x 4, d_2p+1 x 4] broadcast to
-// both halves scale them in one FMA. The dot products are exact (int32), as on AVX2; only the fp32 summation
-// order differs. Against AVX2's vpmaddubsw + vpaddw + vpmaddwd on two 256-bit halves, a chunk costs one
-// instruction instead of four. (2-bit layouts have their own kernel, q2_int8_vnni.cpp.)
+// The 4- and 2-bit x int8 matmul of q4_int8.cpp on AVX-512 VNNI, picked at run time when the CPU has it: a 64-byte
+// step of a 32-row tile is one register whose lane l holds rows l and 16 + l. At 4 bits two masks give the codes of
+// rows 0-15 (low nibbles) and, x16, rows 16-31 (high nibbles, masked in place) at columns 4c .. 4c + 3; at 2 bits one
+// shift and four masks give rows 0-15 and (x4) 16-31 at columns 8c .. 8c + 3 and 8c + 4 .. 8c + 7. One vpdpbusd per
+// vector adds each row's 4 products into its lane (every vector its own accumulator, so no dot product waits for
+// the one before); a block's sums are converted and scaled by its activation scale once per 32 columns, the rows' s
+// and s * z once per group. Two tokens run together for prefill, each step's masks serving both; a single token
+// prefetches the code stream PREFETCH_BYTES ahead (2-bit, Zen 4, cold weights: prefetching the row groups' stream
+// too measured 4-11% slower, two accumulators per vector no faster cold and slower in L1).
 //
 // This file is compiled for AVX-512 VNNI (pragma below, after every include, so that no inline function of a
-// shared header is built for that target); its one entry point runs only after `has_vnni()`.
+// shared header is built for that target); its entry points run only after `has_vnni()`.
 
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 
-#include "avx2_simd.h"
 #include "q4_int8.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,f16c")
 
 namespace bitquilt_q4 {
 
-using bitquilt_simd::hsum8;
-
 namespace {
 
-constexpr int64_t PAIR_BYTES = 128;  // a row pair's split chunk: columns 0-15, 32-47 of both rows, then 16-31, 48-63
-
-// Rows 2j and 2j + 1 of one chunk (the two rows are adjacent in the tile: 2 x 32 packed bytes) as
-// codes: lo holds columns 0-15, 32-47 of row 2j, then of row 2j + 1; hi their columns 16-31, 48-63.
-struct PairCodes {
-  __m512i lo, hi;
-};
-
-inline PairCodes split(const uint8_t* p) {
-  const __m512i v = _mm512_loadu_si512(p);
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  return {_mm512_and_si512(v, nib), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib)};
+inline __m512i broadcast_word(const int8_t* x) {
+  int32_t word;
+  std::memcpy(&word, x, 4);
+  return _mm512_set1_epi32(word);
 }
 
-// The tile's 4 rows for NT tokens (NT = 2 for prefill: each split chunk loaded serves both), as two row pairs;
-// a pair's chunk p is split from the packed tile `wt`, or when `buffered` read from `codes` (PAIR_BYTES at
-// (p * 2 + j) * PAIR_BYTES, split once for every token). With a token's low-nibble activations (chunk bytes 0-31)
-// broadcast to both halves of one register and its high-nibble ones (32-63) to both halves of another, two
-// vpdpbusd leave row 2j's block sums in lanes 0-7 and row 2j + 1's in lanes 8-15 (lanes 0-3 and 8-11 the chunk's
-// first block, 4-7 and 12-15 its second). The row groups come decoded (`scales`) with a buffered tile, else packed
-// (`sz`) and decoded in registers as the loop goes: for one token that measured 1.07x faster on weights in cache
-// than decoding them into memory first (576² to 512 x 4096), the same on cold ones. Token t's inputs and outputs
-// are strided as in q4_int8.cpp, and the chunks run in one loop as there.
-template <int NT, bool buffered>
-inline void tile_tokens(const uint8_t* wt, const int8_t* codes, const uint8_t* sz, const float* scales, const Weight& W,
-                        const Panel& P, const int8_t* xi, const float* dpair, const float* X, float* out) {
-  const int64_t G = W.groups(), per_group = W.group / PAIR, pairs = P.cols / PAIR;
-  const __m512i pair_rows[2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                                _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
+// The code vectors of one step: rows 0-15, then rows 16-31 (scaled), for each activation word they meet (at 2 bits
+// the step's columns 8c .. 8c + 3, then 8c + 4 .. 8c + 7; at 4 bits one word, columns 4c .. 4c + 3).
+template <int BITS>
+struct StepCodes {
+  static constexpr int VECTORS = BITS == 4 ? 2 : 4;
+  static constexpr int word[4] = {0, 0, 1, 1};  // the activation word vector k meets
+  __m512i codes[VECTORS];
+};
+
+template <int BITS>
+inline StepCodes<BITS> step_codes(const uint8_t* p) {
+  const __m512i v = _mm512_loadu_si512(p);
+  if constexpr (BITS == 4) {
+    return {{_mm512_and_si512(v, _mm512_set1_epi8(0x0F)), _mm512_and_si512(v, _mm512_set1_epi8(-16))}};
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x03), high = _mm512_set1_epi8(0x0C), hi = _mm512_srli_epi16(v, 4);
+    return {{_mm512_and_si512(v, low), _mm512_and_si512(v, high), _mm512_and_si512(hi, low),
+             _mm512_and_si512(hi, high)}};
+  }
+}
+
+// NT tokens (strided by K, K / 32 and groups) through one tile: out[t * 32 + r].
+template <int BITS, int NT>
+void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, const int8_t* xi, const float* d,
+                 const float* X, float* out) {
+  using Step = StepCodes<BITS>;
+  constexpr int64_t COLUMNS = step_columns(BITS), STEPS = BLOCK / COLUMNS;
+  constexpr float HIGH = BITS == 4 ? 1.0f / 16 : 0.25f;  // rows 16-31 were summed x16 / x4
+  const int64_t K = W.K, G = W.groups(), blocks_per_group = W.group / BLOCK;
   __m512 total[NT][2];
-  __m128 offset[NT];
-  for (int t = 0; t < NT; ++t) {
-    total[t][0] = total[t][1] = _mm512_setzero_ps();
-    offset[t] = _mm_setzero_ps();
-  }
-  __m512 acc[NT][2];
-  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-  for (int64_t p = 0, g = 0, group_end = std::min(pairs, per_group); p < pairs; ++p) {
-    __m512i xlo[NT], xhi[NT];
-    __m512 d[NT];
+  for (int t = 0; t < NT; ++t) total[t][0] = total[t][1] = _mm512_setzero_ps();
+  const uint8_t* step = codes;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 af[NT][2];  // the group's sums of rows 0-15 and (scaled) 16-31, activation scales applied
+    for (int t = 0; t < NT; ++t) af[t][0] = af[t][1] = _mm512_setzero_ps();
+    for (int64_t b = g * blocks_per_group; b < std::min(K / BLOCK, (g + 1) * blocks_per_group); ++b) {
+      __m512i acc[NT][Step::VECTORS];
+      for (int t = 0; t < NT; ++t)
+        for (int k = 0; k < Step::VECTORS; ++k) acc[t][k] = _mm512_setzero_si512();
+      for (int64_t c = 0; c < STEPS; ++c, step += STEP_BYTES) {
+        const Step q = step_codes<BITS>(step);
+        if constexpr (NT == 1) prefetch_ahead(step, 1);
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* x = xi + t * K + b * BLOCK + c * COLUMNS;
+          const __m512i a[2] = {broadcast_word(x), BITS == 2 ? broadcast_word(x + 4) : _mm512_setzero_si512()};
+          for (int k = 0; k < Step::VECTORS; ++k)
+            acc[t][k] = _mm512_dpbusd_epi32(acc[t][k], q.codes[k], a[Step::word[k]]);
+        }
+      }
+      for (int t = 0; t < NT; ++t) {
+        const __m512 D = _mm512_set1_ps(d[t * (K / BLOCK) + b]);
+        for (int upper = 0; upper < 2; ++upper) {
+          __m512i sum = acc[t][upper];
+          if constexpr (BITS == 2) sum = _mm512_add_epi32(sum, acc[t][upper + 2]);
+          af[t][upper] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), D, af[t][upper]);
+        }
+      }
+    }
+    const uint8_t* p = sz + g * GROUP_BYTES;
+    __m512 s[2], s_z[2];
+    for (int upper = 0; upper < 2; ++upper) {
+      s[upper] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * upper)));
+      s_z[upper] = _mm512_mul_ps(s[upper], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64 + 16 * upper)))));
+    }
+    s[1] = _mm512_mul_ps(s[1], _mm512_set1_ps(HIGH));
     for (int t = 0; t < NT; ++t) {
-      const auto* x = reinterpret_cast<const __m256i*>(xi + t * W.K + p * PAIR);
-      xlo[t] = _mm512_broadcast_i64x4(_mm256_loadu_si256(x));
-      xhi[t] = _mm512_broadcast_i64x4(_mm256_loadu_si256(x + 1));
-      d[t] = _mm512_broadcast_f32x8(_mm256_loadu_ps(dpair + t * W.K / 8 + p * 8));
+      const __m512 Xg = _mm512_set1_ps(X[t * G + g]);
+      for (int upper = 0; upper < 2; ++upper)
+        total[t][upper] = _mm512_fnmadd_ps(s_z[upper], Xg, _mm512_fmadd_ps(af[t][upper], s[upper], total[t][upper]));
     }
-    if constexpr (!buffered) prefetch_ahead(wt + p * ROWS * CHUNK_BYTES, ROWS * CHUNK_BYTES / 64);
-    for (int j = 0; j < 2; ++j) {
-      const PairCodes q = buffered ? PairCodes{_mm512_loadu_si512(codes + (p * 2 + j) * PAIR_BYTES),
-                                               _mm512_loadu_si512(codes + (p * 2 + j) * PAIR_BYTES + 64)}
-                                   : split(wt + (p * ROWS + 2 * j) * CHUNK_BYTES);
-      for (int t = 0; t < NT; ++t) {
-        const __m512i dot =
-            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q.lo, xlo[t]), q.hi, xhi[t]);
-        acc[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d[t], acc[t][j]);
-      }
-    }
-    if (p + 1 < group_end) continue;
-    const GroupScales s = tile_group(scales, sz, g);  // group g's last chunk: its scales (decoded once per tile
-    for (int j = 0; j < 2; ++j) {                     // for several tokens, or in registers)
-      const __m512 scale = _mm512_permutexvar_ps(pair_rows[j], _mm512_castps128_ps512(s.s));  // [s_2j x 8, s_2j+1 x 8]
-      for (int t = 0; t < NT; ++t) {
-        total[t][j] = _mm512_fmadd_ps(acc[t][j], scale, total[t][j]);
-        acc[t][j] = _mm512_setzero_ps();
-      }
-    }
-    add_group_offsets<NT>(s.sz, X, G, g, offset);
-    ++g;
-    group_end = std::min(pairs, group_end + per_group);
   }
   for (int t = 0; t < NT; ++t) {
-    float off[ROWS];
-    _mm_storeu_ps(off, offset[t]);
-    for (int j = 0; j < 2; ++j) {
-      out[t * ROWS + 2 * j] = hsum8(_mm512_castps512_ps256(total[t][j])) - off[2 * j];
-      out[t * ROWS + 2 * j + 1] = hsum8(_mm512_extractf32x8_ps(total[t][j], 1)) - off[2 * j + 1];
-    }
+    _mm512_storeu_ps(out + t * ROWS, total[t][0]);
+    _mm512_storeu_ps(out + t * ROWS + 16, total[t][1]);
   }
 }
 
 }  // namespace
 
+template <int BITS>
 void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y) {
-  const auto split_tile = [](const uint8_t* wt, int64_t pairs, int8_t* buffer) {
-    for (int64_t q = 0; q < pairs * 2; ++q) {
-      const PairCodes c = split(wt + q * 2 * CHUNK_BYTES);
-      _mm512_storeu_si512(buffer + q * PAIR_BYTES, c.lo);
-      _mm512_storeu_si512(buffer + q * PAIR_BYTES + 64, c.hi);
+  float out[2 * ROWS];
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t rows = std::min(ROWS, W.N - i * ROWS);
+    for (int64_t t = 0; t < T;) {
+      const int n = t + 1 < T ? 2 : 1;
+      const int8_t* x = xi + t * W.K;
+      const float* dt = d + t * W.K / BLOCK;
+      const float* Xt = X + t * W.groups();
+      if (n == 2)
+        tile_tokens<BITS, 2>(W.tile_codes(i), W.tile_scales(i), W, x, dt, Xt, out);
+      else
+        tile_tokens<BITS, 1>(W.tile_codes(i), W.tile_scales(i), W, x, dt, Xt, out);
+      for (int u = 0; u < n; ++u, ++t) std::copy_n(out + u * ROWS, rows, y + t * W.N + i * ROWS);
     }
-  };
-  const auto token = [&W](const uint8_t* wt, const int8_t* buffer, const uint8_t* sz, const float* scales,
-                          const int8_t* x, const float* dt, const float* Xt, int n, const Panel& P, float* out) {
-    if (buffer == nullptr)
-      tile_tokens<1, false>(wt, nullptr, sz, nullptr, W, P, x, dt, Xt, out);
-    else if (n == 2)
-      tile_tokens<2, true>(wt, buffer, sz, scales, W, P, x, dt, Xt, out);
-    else
-      tile_tokens<1, true>(wt, buffer, sz, scales, W, P, x, dt, Xt, out);
-  };
-  run_tiles(W, i0, i1, T, xi, d, X, y, split_tile, token);
+  }
 }
+
+template void tiles_vnni<4>(const Weight&, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
+                            float*);
+template void tiles_vnni<2>(const Weight&, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
+                            float*);
 
 }  // namespace bitquilt_q4
 

@@ -214,55 +214,42 @@ void planes_to_tiles(const at::Tensor& planes, int64_t block, const std::vector<
 }
 
 // Writes rows [r0, r0 + R) of a 4- or 2-bit weight (words [R, k*bits/32], rows contiguous) into `codes`, the
-// int8-activation kernel's layout (csrc/q4_int8.h, Weight; bitquilt/kernels/q4_int8.py, Q4Layout). At 4 bits:
-// panels of `panel_units` 64-column chunks (the last may be narrower), each [tiles, units, 4 rows, 32 bytes], byte
-// j < 16 of a chunk holding columns j | 16+j << 4 and byte 16+j columns 32+j | 48+j << 4. At 2 bits (one panel):
-// tiles of 32 rows, [tiles, k/8, 64 bytes], byte 4l + j of step c holding row l's columns 8c+j | 8c+4+j << 4 and
-// row 16+l's shifted up by 2; the rows are OR-ed in, so `codes` starts zeroed and r0 is a multiple of 32 (each task
-// writes whole tiles).
-void q4_int8_pack_codes(const at::Tensor& words, int64_t r0, int64_t bits, int64_t k, int64_t panel_units,
-                        int64_t tiles, at::Tensor& codes) {
-  TORCH_CHECK((bits == 4 || bits == 2) && k % 64 == 0 && panel_units > 0, "4- or 2-bit codes, k a multiple of 64");
+// int8-activation kernel's layout (csrc/q4_int8.h, Weight; bitquilt/kernels/q4_int8.py, Q4Layout): tiles of 32
+// rows, [tiles, k*bits/16, 64 bytes], byte 4l + j of a step holding rows l and 16 + l; at 4 bits column 4c + j
+// (row l in the low nibble), at 2 bits columns 8c + j (bits 0-1 row l, 2-3 row 16 + l) and 8c + 4 + j (bits 4-7 the
+// same). The rows are OR-ed in, so `codes` starts zeroed; r0 is a multiple of 32, so each task writes whole tiles.
+void q4_int8_pack_codes(const at::Tensor& words, int64_t r0, int64_t bits, int64_t k, int64_t tiles,
+                        at::Tensor& codes) {
+  TORCH_CHECK((bits == 4 || bits == 2) && k % 64 == 0, "4- or 2-bit codes, k a multiple of 64");
   const PackedRows in = packed_rows(words, bits, k);
-  const int64_t tile_rows = bits == 4 ? 4 : 32;
-  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte &&
-              codes.numel() == tiles * tile_rows * k * bits / 8 && r0 >= 0 && r0 % tile_rows == 0 &&
-              r0 + in.rows <= tiles * tile_rows, "codes: the layout's uint8 buffer, whole tiles of rows within it");
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.numel() == tiles * 32 * k * bits / 8 &&
+              r0 >= 0 && r0 % 32 == 0 && r0 + in.rows <= tiles * 32,
+              "codes: the layout's uint8 buffer, whole tiles of rows within it");
   uint8_t* o = codes.data_ptr<uint8_t>();
-  if (bits == 2) {
-    const int64_t steps = k / 8;
-    at::parallel_for(0, (in.rows + 31) / 32, 1, [&](int64_t a, int64_t b) {
-      for (int64_t r = a * 32; r < std::min(in.rows, b * 32); ++r) {
-        const int64_t row = r0 + r, lane = row % 16, shift = 2 * (row % 32 / 16);
-        uint8_t* dst = o + row / 32 * steps * 64 + 4 * lane;
-        for (int64_t v = 0; v < k / 32; ++v) {  // 32 columns = 4 steps: each 8-code qword to its 4-byte word
-          const __m256i u = unpack32(in.row(r) + v * 8, 2);
-          const __m256i words8 = _mm256_slli_epi16(
-              _mm256_or_si256(u, _mm256_slli_epi16(_mm256_srli_epi64(u, 32), 4)), static_cast<int>(shift));
-          alignas(32) uint64_t steps4[4];  // the low 32 bits of each: one step's 4 bytes of this row
-          _mm256_store_si256(reinterpret_cast<__m256i*>(steps4), words8);
-          for (int q = 0; q < 4; ++q) {
-            uint8_t* at = dst + (4 * v + q) * 64;
-            uint32_t word;
-            std::memcpy(&word, at, 4);
-            word |= static_cast<uint32_t>(steps4[q]);
-            std::memcpy(at, &word, 4);
-          }
+  const int64_t tile_bytes = 32 * k * bits / 8;
+  at::parallel_for(0, (in.rows + 31) / 32, 1, [&](int64_t a, int64_t b) {
+    for (int64_t r = a * 32; r < std::min(in.rows, b * 32); ++r) {
+      const int64_t row = r0 + r, upper = row % 32 / 16;
+      uint8_t* dst = o + row / 32 * tile_bytes + 4 * (row % 16);
+      for (int64_t v = 0; v < k / 32; ++v) {  // 32 columns: 8 steps at 4 bits, 4 at 2, this row's 4 bytes of each
+        const __m256i u = unpack32(in.row(r) + v * 4 * bits, bits);
+        __m256i bytes;  // step q's 4 bytes of this row at dword q (4 bits) or at the low dword of qword q (2 bits)
+        if (bits == 4) {
+          bytes = _mm256_slli_epi16(u, static_cast<int>(4 * upper));  // nibbles: no carry across bytes
+        } else {  // columns 8c + 4 + j (the qword's high dword) into bits 4-5 of 8c + j's bytes
+          bytes = _mm256_slli_epi16(_mm256_or_si256(u, _mm256_slli_epi16(_mm256_srli_epi64(u, 32), 4)),
+                                    static_cast<int>(2 * upper));
         }
-      }
-    });
-    return;
-  }
-  const int64_t chunk = 32, units = k / 64, unit_bytes = tiles * 4 * chunk;
-  at::parallel_for(0, in.rows, ROW_GRAIN, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) {
-      const uint8_t* s = in.row(r);
-      const int64_t row = r0 + r, tile = row / 4, in_tile = row % 4;
-      for (int64_t u = 0; u < units; ++u) {
-        const int64_t u0 = u / panel_units * panel_units, width = std::min(panel_units, units - u0);
-        uint8_t* dst = o + unit_bytes * u0 + ((tile * width + u - u0) * 4 + in_tile) * chunk;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), nibble_pairs(unpack32(s + u * chunk, bits)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), nibble_pairs(unpack32(s + u * chunk + 16, bits)));
+        alignas(32) uint32_t dwords[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dwords), bytes);
+        const int64_t steps = 32 / (16 / bits);
+        for (int64_t q = 0; q < steps; ++q) {
+          uint8_t* at = dst + (steps * v + q) * 64;
+          uint32_t word;
+          std::memcpy(&word, at, 4);
+          word |= dwords[bits == 4 ? q : 2 * q];
+          std::memcpy(at, &word, 4);
+        }
       }
     }
   });
@@ -283,5 +270,5 @@ void register_repack(pybind11::module& m) {
   m.def("q4_int8_pack_codes", &q4_int8_pack_codes,
         "writes rows r0.. of packed 4- or 2-bit words into the int8-activation kernel's code layout",
         pybind11::arg("words"), pybind11::arg("r0"), pybind11::arg("bits"), pybind11::arg("k"),
-        pybind11::arg("panel_units"), pybind11::arg("tiles"), pybind11::arg("codes"));
+        pybind11::arg("tiles"), pybind11::arg("codes"));
 }

@@ -22,7 +22,7 @@
 namespace bitquilt_standalone {
 
 constexpr const char* kMetadataKey = "bitquilt.standalone";
-constexpr int kFormatVersion = 2;  // bitquilt.standalone.model.FORMAT_VERSION
+constexpr int kFormatVersion = 3;  // bitquilt.standalone.model.FORMAT_VERSION
 
 struct Tensor {
   std::string dtype;  // safetensors' name: F32, U8, I8, I32, I64
