@@ -5,11 +5,8 @@
 
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <string>
-#include <vector>
 
 #include "int8_round.h"
 
