@@ -23,9 +23,9 @@
 // two masks and two vpdpbusd at 4 bits, a shift, four masks and four vpdpbusd at 2. The 4-row tiles this replaced
 // (each row's 64 codes of two blocks in a chunk, widened and met by activations stored in the chunk's order) paid a
 // conversion and an FMA per 64 codes and, at 2 bits, three shifts and four activation broadcasts per 64 bytes: on
-// Zen 4 at batch 1 the new loops ran 1.5-1.7x faster on weights in cache (2-bit 1.4-1.6x on cold ones, where the
-// 4-bit stream was at the memory's rate already), at 16-128 tokens 1.7-2.1x. Prefill runs the same loop, two tokens
-// per pass on VNNI (each step's masks serve both), one on AVX2.
+// Zen 4 at batch 1 the new VNNI loops ran 1.6-1.7x (4 bits) and 2x (2 bits) faster on weights in cache, 1.4-1.6x at
+// 2 bits on cold ones (the 4-bit stream was at the memory's rate already), and 4-bit prefill 1.7-2.1x faster at
+// 16-128 tokens. Prefill runs the same loop, two tokens per pass on VNNI (each step's masks serve both), one on AVX2.
 //
 // AVX2 adds a block's pair sums in int16 before one vpmaddwd widens them: at 4 bits 8 steps of at most
 // 2 * 15 * 128 = 3,840 (the high nibbles shifted down: x16 would overflow), at 2 bits 4 steps of at most
