@@ -12,6 +12,8 @@
 #include <cstring>
 #include <vector>
 
+#include "q4_int8.h"
+
 namespace {
 
 constexpr int64_t VALUES = 32;  // values unpacked at a time: one 256-bit vector of bytes
@@ -220,18 +222,20 @@ void planes_to_tiles(const at::Tensor& planes, int64_t block, const std::vector<
 // same). The rows are OR-ed in, so `codes` starts zeroed; r0 is a multiple of 32, so each task writes whole tiles.
 void q4_int8_pack_codes(const at::Tensor& words, int64_t r0, int64_t bits, int64_t k, int64_t tiles,
                         at::Tensor& codes) {
+  using bitquilt_q4::ROWS;
   TORCH_CHECK((bits == 4 || bits == 2) && k % 64 == 0, "4- or 2-bit codes, k a multiple of 64");
   const PackedRows in = packed_rows(words, bits, k);
-  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.numel() == tiles * 32 * k * bits / 8 &&
-              r0 >= 0 && r0 % 32 == 0 && r0 + in.rows <= tiles * 32,
+  const bitquilt_q4::Weight W{nullptr, nullptr, tiles * ROWS, k, k, static_cast<int>(bits)};  // the geometry only
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.numel() == W.code_bytes() &&
+              r0 >= 0 && r0 % ROWS == 0 && r0 + in.rows <= tiles * ROWS,
               "codes: the layout's uint8 buffer, whole tiles of rows within it");
   uint8_t* o = codes.data_ptr<uint8_t>();
-  const int64_t tile_bytes = 32 * k * bits / 8;
-  at::parallel_for(0, (in.rows + 31) / 32, 1, [&](int64_t a, int64_t b) {
-    for (int64_t r = a * 32; r < std::min(in.rows, b * 32); ++r) {
-      const int64_t row = r0 + r, upper = row % 32 / 16;
-      uint8_t* dst = o + row / 32 * tile_bytes + 4 * (row % 16);
-      for (int64_t v = 0; v < k / 32; ++v) {  // 32 columns: 8 steps at 4 bits, 4 at 2, this row's 4 bytes of each
+  const int64_t steps = VALUES / bitquilt_q4::step_columns(static_cast<int>(bits));  // per 32 columns
+  at::parallel_for(0, (in.rows + ROWS - 1) / ROWS, 1, [&](int64_t a, int64_t b) {
+    for (int64_t r = a * ROWS; r < std::min(in.rows, b * ROWS); ++r) {
+      const int64_t row = r0 + r, upper = row % ROWS / 16;
+      uint8_t* dst = o + row / ROWS * W.tile_bytes() + 4 * (row % 16);
+      for (int64_t v = 0; v < k / VALUES; ++v) {  // 32 columns: 8 steps at 4 bits, 4 at 2, this row's 4 bytes of each
         const __m256i u = unpack32(in.row(r) + v * 4 * bits, bits);
         __m256i bytes;  // step q's 4 bytes of this row at dword q (4 bits) or at the low dword of qword q (2 bits)
         if (bits == 4) {
@@ -242,9 +246,8 @@ void q4_int8_pack_codes(const at::Tensor& words, int64_t r0, int64_t bits, int64
         }
         alignas(32) uint32_t dwords[8];
         _mm256_store_si256(reinterpret_cast<__m256i*>(dwords), bytes);
-        const int64_t steps = 32 / (16 / bits);
         for (int64_t q = 0; q < steps; ++q) {
-          uint8_t* at = dst + (steps * v + q) * 64;
+          uint8_t* at = dst + (steps * v + q) * bitquilt_q4::STEP_BYTES;
           uint32_t word;
           std::memcpy(&word, at, 4);
           word |= dwords[bits == 4 ? q : 2 * q];
