@@ -78,6 +78,20 @@ def test_kernel_is_the_exact_product_with_the_rounded_activations(n, k, group, t
 
 
 @needs_ext
+@pytest.mark.parametrize("bits", q4_int8.BITS)
+def test_a_prompt_gives_each_token_the_single_token_result_bit_for_bit(bits, isa):
+    """Prefill passes (two tokens on VNNI, a block decoded once for up to 16 on AVX2, the rest one by one) add in
+    the order one token does: a prompt's rows equal the decode step's."""
+    w, x = llm_like(70, 576)
+    x = torch.cat([x, torch.randn(35, 576)])[:35].contiguous()
+    lay = q4_int8.layout(make_uniform(w, bits, 128, sym=False))
+    matmul = cpu.extension().q4_int8_matmul
+    prompt = matmul(x, lay.codes, lay.scales, 70, lay.group, lay.bits)
+    one_by_one = torch.cat([matmul(x[t:t + 1], lay.codes, lay.scales, 70, lay.group, lay.bits) for t in range(35)])
+    assert torch.equal(prompt, one_by_one)
+
+
+@needs_ext
 @pytest.mark.parametrize(("sym", "tokens"), [(True, 1), (False, 3), (True, 16)])
 def test_8bit_gemv_on_int8_activations_is_the_exact_product_with_the_rounded_activations(sym, tokens, int8_on, isa):
     from bitquilt.kernels import uniform8
