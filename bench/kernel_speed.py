@@ -492,13 +492,16 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
             # the ceiling, timed in C in the same rounds as the kernels: the faster pass, plain or prefetching; each
             # kernel's share of it is the median over the rounds of its round's ceiling time over its own (the host's
             # load drifts between rounds: medians taken apart would pair a slow round's kernel with a fast one's read)
-            read = [min(a, b) for a, b in zip(times.pop("read"), times.pop("read_prefetch"), strict=True)]
+            plain, prefetching = times.pop("read"), times.pop("read_prefetch")
+            read = [min(a, b) for a, b in zip(plain, prefetching, strict=True)]
             ms = {name: statistics.median(t) for name, t in times.items()}
             share = {f"{isa}_share": statistics.median(c / t for c, t in zip(read, times[f"{isa} C"], strict=True))
                      for isa in isas}
             ceiling = nbytes / statistics.median(read) / 1e6
             row = dict(N=n, K=k, batch=batch, **{f"{name.replace(' C', '_c')}_cpu_ms": v for name, v in ms.items()},
                        **{f"{isa}_GBps": nbytes / ms[f"{isa} C"] / 1e6 for isa in isas}, ceiling_GBps=ceiling,
+                       plain_read_GBps=nbytes / statistics.median(plain) / 1e6,
+                       prefetching_read_GBps=nbytes / statistics.median(prefetching) / 1e6,
                        **share)
             print(f"{n}x{k} batch {batch:3d}: " + ", ".join(f"{isa} {ms[isa]:.3f} ms, in C {ms[isa + ' C']:.3f} ms "
                                                              f"({row[isa + '_GBps']:.1f} GB/s)" for isa in isas)
@@ -526,21 +529,24 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
              "(csrc/read_rate.cpp: 256-bit loads OR-ed together, 1 thread, timed in C; the faster of a plain pass "
              "and one "
              f"prefetching {prefetch} bytes ahead, as the kernels do on this CPU), the read rate a batch-1 kernel can "
-             "reach; "
+             "reach; *plain*, *prefetching*: each pass's own median (a software prefetch of every line caps a "
+             "stream below what the hardware prefetcher alone reaches on some CPUs, and the kernels need it: their "
+             "work between loads keeps their own loads too few ahead); "
              "%: at batch 1, the median over the rounds of the round's ceiling time over the kernel's C time "
              f"({REPEATS[1]} rounds). Ratios against "
              f"*{best}*.", "",
-             "| N×K | batch | ceiling GB/s | " + " | ".join(f"{isa} ms | {isa} C ms | {isa} GB/s | {isa} %"
-                                                         for isa in isas)
+             "| N×K | batch | ceiling GB/s | plain GB/s | prefetching GB/s | "
+             + " | ".join(f"{isa} ms | {isa} C ms | {isa} GB/s | {isa} %" for isa in isas)
              + " | exact ms | fp32 ms | exact ÷ int8 | fp32 ÷ int8 |",
-             "|---|---:|---:|" + "---:|---:|---:|---:|" * len(isas) + "---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|" + "---:|---:|---:|---:|" * len(isas) + "---:|---:|---:|---:|"]
     for r in rows:
         cells = []
         for isa in isas:
             share = f"{100 * r[isa + '_share']:.0f}%" if r["batch"] == 1 else ""
             cells += [f"{r[isa + '_cpu_ms']:.3f}", f"{r[isa + '_c_cpu_ms']:.3f}", f"{r[isa + '_GBps']:.1f}", share]
         int8_ms = r[best + "_cpu_ms"]
-        lines.append(f"| {r['N']}×{r['K']} | {r['batch']} | {r['ceiling_GBps']:.1f} | " + " | ".join(cells)
+        lines.append(f"| {r['N']}×{r['K']} | {r['batch']} | {r['ceiling_GBps']:.1f} | {r['plain_read_GBps']:.1f} | "
+                     f"{r['prefetching_read_GBps']:.1f} | " + " | ".join(cells)
                      + f" | {r['exact_cpu_ms']:.3f} | {r['fp32_cpu_ms']:.2f} | "
                      f"{r['exact_cpu_ms'] / int8_ms:.2f}× | {r['fp32_cpu_ms'] / int8_ms:.2f}× |")
     write_report(report, meta, rows, "\n".join(lines) + "\n")
