@@ -7,8 +7,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "avx2_simd.h"
+#include "parallel.h"
 
 namespace bitquilt_int8 {
 
@@ -42,19 +44,26 @@ inline Rounded round_block(const float* x) {
   return {w8, amax / 127.0f, bitquilt_simd::hsum8(_mm256_cvtepi32_ps(sum))};
 }
 
-// Tokens x [T, K] (K a multiple of 32) rounded block by block: codes [T, K] in column order, block scales
-// d [T, K / 32] and each group's sum of d * code, X [T, ceil(K / group)], for the kernels that read activations in
-// column order (uniform8_gemv.cpp, q4_int8.cpp).
-inline void round_tokens(const float* x, int64_t T, int64_t K, int64_t group, int8_t* codes, float* d, float* X) {
-  const int64_t blocks = K / BLOCK, G = (K + group - 1) / group;
-  std::fill_n(X, T * G, 0.0f);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const Rounded r = round_block(x + t * K + BLOCK * b);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + t * K + BLOCK * b), r.codes);
-      d[t * blocks + b] = r.d;
-      X[t * G + BLOCK * b / group] += r.d * r.sum;
-    }
-}
+// Tokens x [T, K] (K a multiple of 32) rounded block by block, for the kernels that read activations in column
+// order (uniform8_gemv.cpp, q4_int8.cpp): codes [T, K] in column order, block scales d [T, K / 32] and each group's
+// sum of d * code, X [T, ceil(K / group)]. A prompt's tokens are rounded in parallel, 16 to a task.
+struct RoundedTokens {
+  std::vector<int8_t> codes;
+  std::vector<float> d, X;
+
+  RoundedTokens(const float* x, int64_t T, int64_t K, int64_t group)
+      : codes(T * K), d(T * (K / BLOCK)), X(T * ((K + group - 1) / group), 0.0f) {
+    const int64_t blocks = K / BLOCK, G = (K + group - 1) / group;
+    bitquilt_par::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t b = 0; b < blocks; ++b) {
+          const Rounded r = round_block(x + t * K + BLOCK * b);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes.data() + t * K + BLOCK * b), r.codes);
+          d[t * blocks + b] = r.d;
+          X[t * G + BLOCK * b / group] += r.d * r.sum;
+        }
+    });
+  }
+};
 
 }  // namespace bitquilt_int8

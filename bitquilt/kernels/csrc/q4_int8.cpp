@@ -39,7 +39,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #include "int8_round.h"
 #include "parallel.h"
@@ -225,18 +224,12 @@ bool set_vnni(bool enabled) {
 }
 
 void matmul_into(const float* x, int64_t T, const Weight& W, float* y) {
-  const int64_t K = W.K, G = W.groups();
-  std::vector<int8_t> xi(T * K);
-  std::vector<float> d(T * K / BLOCK), X(T * G);
-  bitquilt_par::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    bitquilt_int8::round_tokens(x + t0 * K, t1 - t0, K, W.group, xi.data() + t0 * K, d.data() + t0 * K / BLOCK,
-                                X.data() + t0 * G);
-  });
+  const bitquilt_int8::RoundedTokens a(x, T, W.K, W.group);
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / W.tile_bytes());  // tiles per task: ~32 KB of codes
   const auto tiles = W.bits == 4 ? (g_vnni ? &tiles_vnni<4> : &tiles_avx2<4>)
                                  : (g_vnni ? &tiles_vnni<2> : &tiles_avx2<2>);
   bitquilt_par::parallel_for(0, W.tiles(), grain, [&](int64_t i0, int64_t i1) {
-    tiles(W, i0, i1, T, xi.data(), d.data(), X.data(), y);
+    tiles(W, i0, i1, T, a.codes.data(), a.d.data(), a.X.data(), y);
   });
 }
 

@@ -183,15 +183,13 @@ void bitquilt_u8::gemv_into(const float* xp, int64_t T, const Weight& W, float* 
 
 void bitquilt_u8::gemv_int8_into(const float* xp, int64_t T, const Weight& W, float* yp) {
   const int64_t K = W.K, G = W.groups(), N = W.N, group = W.group, blocks = K / 32;
-  std::vector<int8_t> codes(T * K);
-  std::vector<float> d(T * blocks), X(T * G);
-  bitquilt_int8::round_tokens(xp, T, K, group, codes.data(), d.data(), X.data());
+  const bitquilt_int8::RoundedTokens a(xp, T, K, group);
   const int64_t grain = std::max<int64_t>(16, (1 << 16) / K);  // rows per task: ~64 KB of codes
   const auto row_loop = bitquilt_q4::vnni_enabled() ? bitquilt_u8::rows_int8_vnni : rows_int8;
   bitquilt_par::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t t = 0; t < T; ++t)
-      row_loop(W.q, W.s, W.sz, codes.data() + t * K, d.data() + t * blocks, X.data() + t * G, K, G, group, r0, r1,
-                yp + t * N);
+      row_loop(W.q, W.s, W.sz, a.codes.data() + t * K, a.d.data() + t * blocks, a.X.data() + t * G, K, G, group,
+               r0, r1, yp + t * N);
   });
 }
 
