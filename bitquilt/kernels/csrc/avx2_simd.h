@@ -1,4 +1,5 @@
-// AVX2 helpers shared by the CPU kernels: horizontal sum and dot product of fp32 vectors, e^x of 8 floats.
+// AVX2 helpers shared by the CPU kernels: horizontal sum and dot product of fp32 vectors, e^x of 8 floats, a barrier
+// to reassociation.
 
 #pragma once
 
@@ -7,6 +8,11 @@
 #include <cstdint>
 
 namespace bitquilt_simd {
+
+// An empty asm the compiler cannot see through, holding `v` as it is: integer sums on either side of it stay in
+// program order. GCC otherwise reassociates a fully unrolled chain of vpaddw into a tree, every product live at once
+// and spilled to the stack (the AVX2 4-bit loop: 32 stores and reloads a block per token).
+inline void keep_order(__m256i& v) { asm("" : "+x"(v)); }
 
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "avx2_simd.h"
 #include "int8_round.h"
 #include "parallel.h"
 
@@ -120,6 +121,7 @@ void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, int64
               for (int w = 1; w < HalfCodes<BITS>::WORDS; ++w)
                 sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(q.codes[upper][w], a[w]));
               pairs[2 * h + upper] = _mm256_add_epi16(pairs[2 * h + upper], sum);
+              bitquilt_simd::keep_order(pairs[2 * h + upper]);
             }
           }
         }
