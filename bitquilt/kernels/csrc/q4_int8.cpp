@@ -133,9 +133,7 @@ void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, int64
     const uint8_t* group_bytes = sz + g * GROUP_BYTES;
     for (int k = 0; k < 4; ++k) {  // k = 2h + upper: rows 8h + 16 * upper ..
       const int r0 = 8 * (k / 2) + 16 * (k % 2);
-      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group_bytes + 2 * r0)));
-      const __m256 z = _mm256_cvtepi32_ps(
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group_bytes + 2 * ROWS + r0))));
+      const auto [s, z] = rows8(group_bytes, r0);
       const __m256 scale = k % 2 ? _mm256_mul_ps(s, _mm256_set1_ps(HIGH)) : s, s_z = _mm256_mul_ps(s, z);
       for (int64_t t = 0; t < tokens; ++t) {
         float* o = out + t * ROWS + r0;

@@ -61,6 +61,17 @@ struct Weight {
   const uint8_t* tile_scales(int64_t i) const { return sz + i * groups() * GROUP_BYTES; }
 };
 
+// s and z, as fp32, of rows r0 .. r0 + 7 of a tile's row group (`group_bytes`: Weight's 96 bytes), for the loops
+// that split a step into 256-bit halves.
+struct Rows8 {
+  __m256 s, z;
+};
+inline Rows8 rows8(const uint8_t* group_bytes, int r0) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group_bytes + 2 * r0))),
+          _mm256_cvtepi32_ps(
+              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group_bytes + 2 * ROWS + r0))))};
+}
+
 // Why a [N, K] weight of `bits`-bit codes in groups of `group` columns, `w_bytes` of codes and `sz_bytes` of
 // scales, is not a layout the kernel takes; empty if it is (K and group multiples of 64, bits 4 or 2, sizes as
 // Weight::code_bytes and scale_bytes).

@@ -146,9 +146,7 @@ void tile_token4_ymm(const uint8_t* codes, const uint8_t* sz, const Weight& W, c
     const __m256 Xg = _mm256_set1_ps(X[g]);
     for (int k = 0; k < 4; ++k) {  // rows 8h + 16 * upper ..
       const int r0 = 8 * (k / 2) + 16 * (k % 2);
-      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group_bytes + 2 * r0)));
-      const __m256 z = _mm256_cvtepi32_ps(
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group_bytes + 2 * ROWS + r0))));
+      const auto [s, z] = rows8(group_bytes, r0);
       const __m256 scale = k % 2 ? _mm256_mul_ps(s, _mm256_set1_ps(1.0f / 16)) : s;
       total[k] = _mm256_fnmadd_ps(_mm256_mul_ps(s, z), Xg, _mm256_fmadd_ps(af[k], scale, total[k]));
     }
