@@ -130,6 +130,22 @@ def test_quant_linear_takes_the_int8_kernel_only_when_switched_on(int8_on):
 
 
 @needs_ext
+def test_a_grid_refused_past_its_first_rows_takes_no_layout_room():
+    """Layouts are cut from shared huge-page blocks that keep their room: every chunk of the grid is checked before
+    any room is taken."""
+    w, _ = llm_like(kernels.PACK_ROWS + 76, 64)
+    fmt = make_uniform(w, 4, 64, sym=False)
+    scales = fmt.scales.float().clone()
+    scales[kernels.PACK_ROWS + 3] *= 1 + 2**-15  # not an fp16 value, in the second chunk
+    late = UniformFormat(fmt.qweight, scales, fmt.zeros, 4, 64, 64)
+    used = sum(u for _, u in kernels._slabs.blocks)
+    assert q4_int8.layout(late) is None
+    assert sum(u for _, u in kernels._slabs.blocks) == used
+    lay = q4_int8.layout(fmt)
+    assert lay is not None and sum(u for _, u in kernels._slabs.blocks) > used
+
+
+@needs_ext
 @pytest.mark.parametrize(("model_type", "bits"), [("llama", 4), ("qwen2", 4), ("llama", 2), ("llama", 8)])
 def test_fused_decode_with_int8_activations_matches_module_by_module(model_type, bits, int8_on, isa):
     """4- and 2-bit linears on the low-bit × int8 kernel, 8-bit ones on the GEMV's int8 path, in the fused step as

@@ -114,23 +114,23 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
 
 
 def _scales(fmt: UniformFormat, tiles: int) -> torch.Tensor | None:
-    """The scales and zeros of `Q4Layout`, PACK_ROWS rows at a time (the whole head's temporaries at once were
+    """The scales and zeros of `Q4Layout`, PACK_ROWS rows at a time (the whole head's fp32 temporaries at once were
     ≈ 30 MB above the layout on Qwen); None unless every scale is an fp16 value and every zero a byte (what `pack`
-    stores, and what the layout keeps). Allocated once the first chunk passes: a layout cut from a shared huge-page
-    block keeps its room taken, so a format refused at its first chunk takes none."""
-    groups = fmt.scales.shape[1]
-    scales = None
+    stores, and what the layout keeps). Every chunk is checked, in its 3-byte form, before the layout's room is taken:
+    a layout cut from a shared huge-page block keeps its room, so a refused format must take none."""
+    chunks = []
     for r0, scale, zero in grid_chunks(fmt, PACK_ROWS):
         grid = fp16_grid(scale, zero)
         if grid is None:
             return None
-        if scales is None:
-            scales = layout_empty(tiles * groups * 3 * ROWS)
         scale16, zero8 = grid
-        per_group = torch.cat([_rows_to_tiles(scale16).transpose(1, 2).contiguous().view(torch.uint8),
-                               _rows_to_tiles(zero8).transpose(1, 2)], dim=-1)  # [tiles, G, 32 · 2 + 32]
-        scales.view(tiles, groups, 3 * ROWS)[r0 // ROWS:r0 // ROWS + per_group.shape[0]].copy_(per_group)
-    return scales
+        chunks.append((r0, torch.cat([_rows_to_tiles(scale16).transpose(1, 2).contiguous().view(torch.uint8),
+                                      _rows_to_tiles(zero8).transpose(1, 2)], dim=-1)))  # [tiles, G, 32 · 2 + 32]
+    groups = fmt.scales.shape[1]
+    scales = layout_empty(tiles * groups * 3 * ROWS).view(tiles, groups, 3 * ROWS)
+    for r0, per_group in chunks:
+        scales[r0 // ROWS:r0 // ROWS + per_group.shape[0]].copy_(per_group)
+    return scales.view(-1)
 
 
 _LAYOUTS: LayoutCache[Q4Layout] = LayoutCache(_layout)
