@@ -29,8 +29,8 @@ constexpr int64_t step_columns(int bits) { return 16 / bits; }
 // 2 KB; an Intel Xeon with AVX-512 (2026-12-04) 1.05-1.25x faster at 2 KB than at 4 KB on both paths, 1 KB close
 // behind, 512 B and 16 KB slower. Zen 3 (on 4 KB pages): 2 to 8 KB alike. (Measured on the 4-row tiles the 32-row
 // ones replaced; the 32-row 2-bit loop on Zen 4 had 8 KB first too: 82-90%, 4 KB 72-84%, 16 KB 74-83%, none 58-70%.
-// Re-checked on the 256-bit 4-bit VNNI token and the in-order AVX2 loop, 2026-12-05, three rounds: 8 KB 87-92%,
-// 6 KB and 12 KB 1-5 points lower on every 4-bit row; at 2 bits 6 KB and 8 KB alike.)
+// Re-checked on the 256-bit 4-bit VNNI token and the in-order AVX2 loop, 2026-12-05, three rounds: 8 KB 83-92%,
+// 6 KB and 12 KB 1-5 points lower on every 4-bit row (medians); at 2 bits 6 KB and 8 KB alike.)
 int64_t default_prefetch_bytes();
 inline const int64_t PREFETCH_BYTES = default_prefetch_bytes();
 
