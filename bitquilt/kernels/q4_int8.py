@@ -9,11 +9,12 @@ measured in docs/benchmarks.md. Registered as "cpu_q4_int8" ahead of cpu_lut (th
 4- or 2-bit call); it declines every call while the switch is off, and formats with act-order (g_idx) or
 widths/groups not multiples of 64. The layout (`Q4Layout`): tiles of 32 rows whose bytes hold two rows' codes, so
 one 64-byte load becomes vectors of codes with 4 columns of one row in each lane, met by those 4 activations
-broadcast to every lane; a token reads the codes once, in order, and prefill runs the same loop per token (two at
-a time on VNNI). Per format it keeps its own layout in a `LayoutCache`.
+broadcast to every lane; a token reads the codes once, in order. Prefill runs two tokens a pass on VNNI, and on
+AVX2 decodes a block of codes once for up to 16 tokens; a prompt's rows equal one-token calls bit for bit. Per
+format it keeps its own layout in a `LayoutCache`.
 
 Two paths, the same layout and exact integer dot products: AVX2 (vpmaddubsw) and, where the CPU has AVX-512 with
-VNNI, one vpdpbusd per 64 codes (csrc/q4_int8_vnni.cpp); they differ only in fp32 summation order. The widest runs
+VNNI, vpdpbusd (csrc/q4_int8_vnni.cpp); they differ only in fp32 summation order. The widest runs
 by default, in this kernel and inside the fused decode step; `set_isa` or `BITQUILT_ISA=avx2` picks one.
 """
 

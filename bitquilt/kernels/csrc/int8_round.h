@@ -51,9 +51,11 @@ struct RoundedTokens {
   std::vector<int8_t> codes;
   std::vector<float> d, X;
 
-  RoundedTokens(const float* x, int64_t T, int64_t K, int64_t group)
-      : codes(T * K), d(T * (K / BLOCK)), X(T * ((K + group - 1) / group), 0.0f) {
+  RoundedTokens(const float* x, int64_t T, int64_t K, int64_t group) {
     const int64_t blocks = K / BLOCK, G = (K + group - 1) / group;
+    codes.resize(T * K);
+    d.resize(T * blocks);
+    X.assign(T * G, 0.0f);
     bitquilt_par::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t b = 0; b < blocks; ++b) {

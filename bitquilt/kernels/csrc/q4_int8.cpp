@@ -53,13 +53,6 @@ namespace bitquilt_q4 {
 
 namespace {
 
-// 4 activations (one 32-bit word) broadcast to every lane.
-inline __m256i broadcast_word(const int8_t* x) {
-  int32_t word;
-  std::memcpy(&word, x, 4);
-  return _mm256_set1_epi32(word);
-}
-
 // The code vectors of one 256-bit half of a step, whose lane l holds rows 8h + l and 16 + 8h + l: codes[upper][w]
 // are rows 8h + 16 * upper + l meeting activation word w (4 bits: one word, columns 4c .. 4c + 3, the high nibbles
 // shifted down; 2 bits: columns 8c .. 8c + 3, then 8c + 4 .. 8c + 7, rows 16-31 masked in place, x4).
@@ -131,14 +124,12 @@ void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, int64
       }
     }
     const uint8_t* group_bytes = sz + g * GROUP_BYTES;
-    for (int k = 0; k < 4; ++k) {  // k = 2h + upper: rows 8h + 16 * upper ..
-      const int r0 = 8 * (k / 2) + 16 * (k % 2);
-      const auto [s, z] = rows8(group_bytes, r0);
-      const __m256 scale = k % 2 ? _mm256_mul_ps(s, _mm256_set1_ps(HIGH)) : s, s_z = _mm256_mul_ps(s, z);
+    for (int k = 0; k < 4; ++k) {
+      const HalfScales f = half_scales(group_bytes, k, HIGH);
       for (int64_t t = 0; t < tokens; ++t) {
-        float* o = out + t * ROWS + r0;
-        const __m256 y = _mm256_fmadd_ps(af[t][k], scale, _mm256_loadu_ps(o));
-        _mm256_storeu_ps(o, _mm256_fnmadd_ps(s_z, _mm256_set1_ps(X[t * G + g]), y));
+        float* o = out + t * ROWS + half_rows(k);
+        const __m256 y = _mm256_fmadd_ps(af[t][k], f.s, _mm256_loadu_ps(o));
+        _mm256_storeu_ps(o, _mm256_fnmadd_ps(f.s_z, _mm256_set1_ps(X[t * G + g]), y));
       }
     }
   }

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "int8_round.h"
@@ -63,15 +64,28 @@ struct Weight {
   const uint8_t* tile_scales(int64_t i) const { return sz + i * groups() * GROUP_BYTES; }
 };
 
-// s and z, as fp32, of rows r0 .. r0 + 7 of a tile's row group (`group_bytes`: Weight's 96 bytes), for the loops
-// that split a step into 256-bit halves.
-struct Rows8 {
-  __m256 s, z;
+// For the loops that split a 64-byte step into two 256-bit halves h, whose lane l holds rows 8h + l and 16 + 8h + l:
+// vector k = 2h + upper holds rows half_rows(k) .. + 7.
+constexpr int half_rows(int k) { return 8 * (k / 2) + 16 * (k % 2); }
+
+// 4 activations (one 32-bit word) broadcast to every lane of a 256-bit vector.
+inline __m256i broadcast_word(const int8_t* x) {
+  int32_t word;
+  std::memcpy(&word, x, 4);
+  return _mm256_set1_epi32(word);
+}
+
+// The row group's factors for vector k of those loops (`group_bytes`: Weight's 96 bytes): s, times `high` for rows
+// 16-31 (their codes masked in place were summed x16 or x4), and s * z, as fp32.
+struct HalfScales {
+  __m256 s, s_z;
 };
-inline Rows8 rows8(const uint8_t* group_bytes, int r0) {
-  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group_bytes + 2 * r0))),
-          _mm256_cvtepi32_ps(
-              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group_bytes + 2 * ROWS + r0))))};
+inline HalfScales half_scales(const uint8_t* group_bytes, int k, float high) {
+  const int r0 = half_rows(k);
+  const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group_bytes + 2 * r0)));
+  const __m256 z = _mm256_cvtepi32_ps(
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group_bytes + 2 * ROWS + r0))));
+  return {k % 2 ? _mm256_mul_ps(s, _mm256_set1_ps(high)) : s, _mm256_mul_ps(s, z)};
 }
 
 // Why a [N, K] weight of `bits`-bit codes in groups of `group` columns, `w_bytes` of codes and `sz_bytes` of

@@ -26,7 +26,8 @@ namespace bitquilt_q4 {
 
 namespace {
 
-inline __m512i broadcast_word(const int8_t* x) {
+// 4 activations (one 32-bit word) broadcast to every lane of a 512-bit vector.
+inline __m512i broadcast_word_512(const int8_t* x) {
   int32_t word;
   std::memcpy(&word, x, 4);
   return _mm512_set1_epi32(word);
@@ -76,7 +77,8 @@ void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, const
         if constexpr (NT == 1) prefetch_ahead(step, 1);
         for (int t = 0; t < NT; ++t) {
           const int8_t* x = xi + t * K + b * BLOCK + c * COLUMNS;
-          const __m512i a[2] = {broadcast_word(x), BITS == 2 ? broadcast_word(x + 4) : _mm512_setzero_si512()};
+          const __m512i a[2] = {broadcast_word_512(x),
+                                BITS == 2 ? broadcast_word_512(x + 4) : _mm512_setzero_si512()};
           for (int k = 0; k < Step::VECTORS; ++k)
             acc[t][k] = _mm512_dpbusd_epi32(acc[t][k], q.codes[k], a[Step::word[k]]);
         }
@@ -130,9 +132,7 @@ void tile_token4_ymm(const uint8_t* codes, const uint8_t* sz, const Weight& W, c
       __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                         _mm256_setzero_si256()};  // [2h + upper]
       for (int64_t c = 0; c < STEPS; ++c) {
-        int32_t word;
-        std::memcpy(&word, xi + b * BLOCK + step_columns(4) * c, 4);
-        const __m256i a = _mm256_set1_epi32(word);
+        const __m256i a = broadcast_word(xi + b * BLOCK + step_columns(4) * c);
         for (int h = 0; h < 2; ++h) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + c * STEP_BYTES + 32 * h));
           acc[2 * h] = _mm256_dpbusd_epi32(acc[2 * h], _mm256_and_si256(v, low), a);
@@ -144,14 +144,12 @@ void tile_token4_ymm(const uint8_t* codes, const uint8_t* sz, const Weight& W, c
     }
     const uint8_t* group_bytes = sz + g * GROUP_BYTES;
     const __m256 Xg = _mm256_set1_ps(X[g]);
-    for (int k = 0; k < 4; ++k) {  // rows 8h + 16 * upper ..
-      const int r0 = 8 * (k / 2) + 16 * (k % 2);
-      const auto [s, z] = rows8(group_bytes, r0);
-      const __m256 scale = k % 2 ? _mm256_mul_ps(s, _mm256_set1_ps(1.0f / 16)) : s;
-      total[k] = _mm256_fnmadd_ps(_mm256_mul_ps(s, z), Xg, _mm256_fmadd_ps(af[k], scale, total[k]));
+    for (int k = 0; k < 4; ++k) {
+      const HalfScales f = half_scales(group_bytes, k, 1.0f / 16);
+      total[k] = _mm256_fnmadd_ps(f.s_z, Xg, _mm256_fmadd_ps(af[k], f.s, total[k]));
     }
   }
-  for (int k = 0; k < 4; ++k) _mm256_storeu_ps(out + 8 * (k / 2) + 16 * (k % 2), total[k]);
+  for (int k = 0; k < 4; ++k) _mm256_storeu_ps(out + half_rows(k), total[k]);
 }
 
 }  // namespace
