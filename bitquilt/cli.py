@@ -14,25 +14,12 @@ import sys
 from pathlib import Path
 
 from bitquilt.cli_common import MODEL_HELP, add_int8_activations, add_runtime, chosen_runtime, print_json, print_table
-from bitquilt.errors import USER_ERRORS, UserError
+from bitquilt.errors import UserError, run_command
 from bitquilt.eval.speed import ENGINES
+from bitquilt.flag_checks import check_flags
 from bitquilt.io import model_summary
 
 RUN_COMMANDS = ("generate", "bench")
-
-# The lowest value of numeric flags (by dest) that would otherwise be checked only after loading a model, or not at
-# all; checked before any work. (Recipe flags are checked when the recipe is built, bench's by its speed check.)
-MINIMUMS = {"seqlen": 1, "ppl_windows": 1, "limit": 1, "calib_samples": 1, "calib_seqlen": 16, "temperature": 0,
-            "threads": 1}
-
-
-def check_minimums(args) -> None:
-    """Refuse a numeric flag below its MINIMUMS value before anything is loaded."""
-    for dest, low in MINIMUMS.items():
-        value = getattr(args, dest, None)
-        if value is not None and value < low:
-            raise UserError(f"--{dest.replace('_', '-')} must be ≥ {low}, got {value}")
-
 
 def set_threads(threads: int | None) -> None:
     if threads is not None:
@@ -210,24 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(full=_command(argv) not in RUN_COMMANDS).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        check_minimums(args)
+
+    def work() -> int:
+        check_flags(args)  # before anything is loaded (recipe flags: when the recipe is built)
         if getattr(args, "int8_activations", False):
             from bitquilt import kernels
 
             kernels.set_int8_activations(True)
         return args.fn(args)
-    except USER_ERRORS as e:
-        if args.debug:
-            raise
-        print(f"bitquilt {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader went away (`bitquilt inspect DIR | head`): stop quietly, as cat does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+
+    return run_command(f"bitquilt {args.command}", work, args.debug)
 
 
 if __name__ == "__main__":

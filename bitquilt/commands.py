@@ -374,7 +374,7 @@ def cmd_quantize(args) -> int:
 
     recipe = _recipe_from_args(args, args.method, args.w_bits, args.group_size, args.target_bits, strict=True)
     out = Path(args.output)
-    check_output(out, args.overwrite)  # before hours of work, not after
+    check_output(out, args.overwrite, source=args.model)  # before hours of work, not after
     calib = _calib_config(args)
     if args.stream and args.resume:
         raise UserError("--resume keeps whole quantized blocks between runs and cannot be combined with --stream; "
@@ -706,14 +706,6 @@ def cmd_export(args) -> int:
         for k, v in summary.items():
             print(f"{k}: {v}")
     return 0
-
-
-
-
-
-
-
-
 
 
 # ---------------------------------------------------------------- parser

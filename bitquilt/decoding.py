@@ -9,6 +9,7 @@ own step and pick.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -26,11 +27,10 @@ class DecodeRun:
 def run_decode(step: Callable[[Sequence[int]], Any], prompt: Sequence[int], max_new_tokens: int,
                pick: Callable[[Any], int], stop_ids: set[int] | None = None,
                on_token: Callable[[int], None] | None = None) -> DecodeRun:
-    """Continue `prompt` (module docstring); `on_token` sees each new token as it is picked (streaming output)."""
+    """Continue `prompt` (module docstring); `on_token` sees each new token as it is picked (streaming output).
+    The caller checks its settings first (`check_generation`), before it sizes a cache for them."""
     if len(prompt) == 0:
         raise ValueError("decode needs a non-empty prompt")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     t0 = time.perf_counter()
     token = pick(step(prompt))
     t1 = time.perf_counter()
@@ -43,6 +43,14 @@ def run_decode(step: Callable[[Sequence[int]], Any], prompt: Sequence[int], max_
         if on_token is not None:
             on_token(token)
     return DecodeRun(new_ids, t1 - t0, time.perf_counter() - t1)
+
+
+def check_generation(max_new_tokens: int, temperature: float) -> None:
+    """What every runtime's generation takes: at least one new token and a finite temperature ≥ 0 (0: greedy)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number ≥ 0 (0: greedy), got {temperature}")
 
 
 def generation_stats(prompt_tokens: int, run: DecodeRun) -> dict[str, float | int | None]:

@@ -1,4 +1,12 @@
-"""Errors the user can fix: the CLI prints them as one line, without a traceback."""
+"""Errors the user can fix: the command lines print them as one line, without a traceback (`run_command`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+from safetensors import SafetensorError
 
 
 class UserError(Exception):
@@ -8,3 +16,26 @@ class UserError(Exception):
 # What the CLI and the bench scripts report as one line instead of a traceback: UserError, plus the
 # ValueError / FileNotFoundError that solvers, formats and loaders raise for input they reject.
 USER_ERRORS = (UserError, ValueError, FileNotFoundError)
+
+
+def run_command(prog: str, work: Callable[[], int], debug: bool = False) -> int:
+    """A command line's exit status for `work()`: its user errors one line on stderr (2); a failed read or write (a
+    full disk, a file too large, a damaged safetensors file) one line (1); Ctrl-C "interrupted" (130); a reader
+    that went away (`... | head`) nothing, as cat does (141, the shell's status for SIGPIPE). `debug` re-raises
+    errors with their traceback."""
+    try:
+        return work()
+    except (*USER_ERRORS, OSError, SafetensorError) as e:
+        if isinstance(e, BrokenPipeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+            return 141
+        if debug:
+            raise
+        if isinstance(e, USER_ERRORS):
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
+        print(f"{prog}: error: reading or writing a file failed (a full disk? a size limit?): {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -130,15 +130,24 @@ def _layer_config(module: QuantLinear | QuantEmbedding, tied: str | None) -> dic
     return entry if tied is None else {**entry, "tied": tied}
 
 
-def check_output(path: str | Path, overwrite: bool = False) -> None:
-    """Raise UserError unless the output directory `path` can be written (replaced if `overwrite`): call it before
-    the work that fills it."""
+def check_output(path: str | Path, overwrite: bool = False, source: str | Path | None = None) -> None:
+    """Raise UserError unless the output directory `path` can be written (replaced if `overwrite`) without deleting
+    `source` (the directory it is made from, if any) or the working directory: call it before the work that fills
+    it."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"output {path} is a file, not a directory; give a directory path")
+    target = path.resolve()
+    kept = [(Path.cwd(), "the working directory")]
+    if source is not None and Path(source).is_dir():
+        kept.append((Path(source), f"the input {source}"))
+    for directory, what in kept:
+        if target == directory.resolve() or target in directory.resolve().parents:
+            raise UserError(f"output {path} is or holds {what}, which writing it would delete; choose another "
+                            "directory")
     if path.exists() and not overwrite:
         raise UserError(f"output directory {path} already exists; choose another path or pass --overwrite "
                         "(overwrite=True)")
-    if path.exists() and not path.is_dir():
-        raise UserError(f"output {path} is a file, not a directory")
     check_writable(path)
 
 

@@ -11,7 +11,8 @@ ROOT = Path(bitquilt.__file__).parent
 
 # Lowest floor first. A module may import its own floor and the floors below, never above.
 FLOORS = [
-    {"errors", "cache", "resources", "registry", "tables", "mapped", "heap", "isa", "decoding", "__init__"},
+    {"errors", "cache", "resources", "registry", "tables", "mapped", "heap", "isa", "decoding", "flag_checks",
+     "__init__"},
     {"formats"},
     {"kernels"},
     {"nn"},
@@ -28,7 +29,7 @@ FLOORS = [
 RUNTIME = {"formats", "kernels", "nn", "io", "models", "standalone"}
 # What the standalone runtime may import: modules that import no torch (tests/test_standalone.py runs it to check)
 TORCH_FREE = {"bitquilt.errors", "bitquilt.cache", "bitquilt.heap", "bitquilt.isa", "bitquilt.decoding",
-              "bitquilt.resources", "bitquilt.models.tokenizer"}
+              "bitquilt.flag_checks", "bitquilt.resources", "bitquilt.models.tokenizer"}
 ALGORITHMS = {"calib", "solvers", "transforms", "policies", "recipes", "pipeline"}
 
 

@@ -168,10 +168,17 @@ def test_generate_and_bench(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["generate", "smollm2-135m", "--prompt", ""], "--prompt is empty"),
-    (["generate", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be"),
-    (["bench", "smollm2-135m", "--new-tokens", "1"], "need prompt_tokens"),
-    (["bench", "smollm2-135m", "--threads", "0"], "--threads must be"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "0"],
+     "--max-new-tokens must be ≥ 1, got 0"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "100000"],
+     "a sequence of 100001 positions (prompt + new tokens) does not fit the model's 8192"),
+    (["generate", "smollm2-135m", "--prompt", "ab\udcffcd"], "--prompt is not UTF-8 text"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--temperature", "nan"], "--temperature must be a finite number"),
+    (["generate", "smollm2-135m", "--prompt", "hi", "--seed", "-1"], "--seed must be ≥ 0, got -1"),
+    (["bench", "smollm2-135m", "--new-tokens", "1"], "--new-tokens must be ≥ 2, got 1"),
+    (["bench", "smollm2-135m", "--threads", "0"], "--threads must be ≥ 1, got 0"),
+    (["bench", "smollm2-135m", "--threads", "2147483648"], "--threads must be ≤ 1024, got 2147483648"),
 ])
 def test_generate_and_bench_bad_input(capsys, args, message):
     code, _, err = run(capsys, *args)
-    assert code == 2 and message in err and "Traceback" not in err
+    assert code == 2 and message in err.splitlines()[-1] and "Traceback" not in err  # (above it: load progress)

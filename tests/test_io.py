@@ -1,4 +1,6 @@
 import json
+import os
+import sys
 
 import pytest
 import torch
@@ -59,6 +61,49 @@ def test_save_is_atomic_and_refuses_to_overwrite(tmp_path, monkeypatch):
     save(model, tmp_path / "q")
     with pytest.raises(UserError, match="already exists"):
         save(model, tmp_path / "q")
+
+
+def test_an_output_never_replaces_its_input_or_the_working_directory(tmp_path, monkeypatch):
+    from bitquilt.io import check_output
+
+    source = tmp_path / "models" / "saved"
+    source.mkdir(parents=True)
+    for output in (source, source.parent, tmp_path):  # the input itself, or a directory holding it
+        with pytest.raises(UserError, match="is or holds the input .*which writing it would delete"):
+            check_output(output, overwrite=True, source=source)
+    check_output(tmp_path / "elsewhere", overwrite=True, source=source)
+    monkeypatch.chdir(source)
+    with pytest.raises(UserError, match="is or holds the working directory"):
+        check_output(".", overwrite=True)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserError, match="is a file, not a directory; give a directory path"):
+        check_output(tmp_path / "afile", overwrite=True)
+
+
+def test_the_command_line_turns_failed_writes_and_interrupts_into_one_line(capsys, monkeypatch):
+    from safetensors import SafetensorError
+
+    from bitquilt.errors import run_command
+
+    def raising(error):
+        def work() -> int:
+            raise error
+        return work
+
+    assert run_command("bq", raising(UserError("bad flag"))) == 2
+    assert capsys.readouterr().err == "bq: error: bad flag\n"
+    assert run_command("bq", raising(OSError(28, "No space left on device"))) == 1
+    assert "reading or writing a file failed" in capsys.readouterr().err
+    assert run_command("bq", raising(SafetensorError("I/O error: File too large"))) == 1
+    assert "File too large" in capsys.readouterr().err
+    assert run_command("bq", raising(KeyboardInterrupt())) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    with open(os.devnull, "w") as devnull:  # a stdout with a descriptor (pytest's captured one has none)
+        monkeypatch.setattr(sys, "stdout", devnull)
+        assert run_command("bq", raising(BrokenPipeError())) == 141
+    assert capsys.readouterr().err == ""
+    with pytest.raises(OSError):
+        run_command("bq", raising(OSError("disk")), debug=True)
 
 
 def test_corrupted_checkpoint_is_reported(tmp_path):

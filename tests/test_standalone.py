@@ -20,7 +20,7 @@ from bitquilt.models.lean_decode import LeanDecoder
 from bitquilt.recipes import Recipe
 from bitquilt.standalone.file import MappedTensors
 from bitquilt.standalone.generate import generate, generate_ids, picker
-from bitquilt.standalone.model import FILE, StandaloneModel, set_isa
+from bitquilt.standalone.model import FILE, StandaloneModel, set_isa, set_threads
 
 
 def _saved(tmp_path, model_type: str, recipe: Recipe):
@@ -123,6 +123,10 @@ def test_standalone_bad_input(tmp_path):
         model.forward([1])
     with pytest.raises(UserError, match="does not fit the model's 512"):
         model.begin(513)
+    with pytest.raises(UserError, match="18446744073709551617 positions does not fit"):  # not wrapped to 1
+        model.begin(2**64 + 1)
+    with pytest.raises(UserError, match="threads must be between 1 and 1024, got 4294967296"):
+        set_threads(2**32)
     model.begin(4)
     with pytest.raises(UserError, match="token id 320 outside the vocabulary of 320"):
         model.forward([320])
@@ -137,6 +141,44 @@ def test_standalone_bad_input(tmp_path):
     (tmp_path / "out" / FILE).write_bytes(b"not a safetensors file")
     with pytest.raises(UserError, match="not a readable safetensors file"):
         MappedTensors(tmp_path / "out" / FILE)
+    (tmp_path / "out" / FILE).write_bytes(b"")
+    with pytest.raises(UserError, match="0 bytes long, shorter than a safetensors header"):
+        MappedTensors(tmp_path / "out" / FILE)
+
+
+def _edit_header(path, edit) -> None:
+    """The safetensors file at `path` with `edit(header)` applied, its header padded to the same length."""
+    data = bytearray(path.read_bytes())
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= length
+    data[8:8 + length] = text.ljust(length)
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_standalone_header_is_one_clear_error(tmp_path):
+    saved = _saved(tmp_path, "llama", Recipe("rtn", w_bits=4, group_size=64))
+    export(saved, tmp_path / "out", to="standalone")
+    path = tmp_path / "out" / FILE
+    original = path.read_bytes()
+
+    def drop_vocab_size(header):
+        meta = json.loads(header["__metadata__"]["bitquilt.standalone"])
+        del meta["vocab_size"]
+        header["__metadata__"]["bitquilt.standalone"] = json.dumps(meta)
+
+    _edit_header(path, drop_vocab_size)
+    with pytest.raises(UserError, match="standalone metadata lacks vocab_size: the file is damaged"):
+        StandaloneModel(tmp_path / "out")
+    path.write_bytes(original)
+    name = "model.norm.weight"
+    _edit_header(path, lambda header: header[name].pop("dtype"))
+    with pytest.raises(UserError, match=f"tensor '{name}' has no dtype"):
+        MappedTensors(path)[name]
+    with pytest.raises(UserError, match=f"tensor '{name}' has no dtype"):  # the C library's own reader
+        StandaloneModel(tmp_path / "out").begin(4)
 
 
 RUN = """
@@ -239,10 +281,42 @@ def test_bitquilt_native_runs_the_export_without_python_as_bitquilt_run_does(exp
     assert special["prompt_tokens"] == len(StandaloneModel(out).tokenizer.encode("<|im_start|>user\nHi<|im_end|>"))
 
 
+@pytest.mark.parametrize("command", ["bitquilt-run", "bitquilt-native"])
+def test_a_closed_or_full_output_ends_the_runtimes_quietly_or_with_one_line(exported_smollm, command):
+    """`| head` stops them as it stops cat (SIGPIPE, no traceback); a full disk is one line and exit 1."""
+    module = {"bitquilt-run": "bitquilt.standalone.cli", "bitquilt-native": "bitquilt.standalone.native"}[command]
+    args = [sys.executable, "-m", module, str(exported_smollm / "out"), "--prompt", "Once upon a time", "--threads",
+            "1", "--ignore-eos", "--max-new-tokens"]
+    with subprocess.Popen([*args, "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE) as reader:
+        assert reader.stdout.read(4) == b"Once"
+        reader.stdout.close()  # the reader goes away mid-generation
+        assert reader.wait(timeout=120) in (-13, 141) and reader.stderr.read() == b""  # SIGPIPE, or 141 (Python)
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([*args, "4"], stdout=full, stderr=subprocess.PIPE, text=True)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "No space left on device" in done.stderr
+
+
+def test_bitquilt_run_refuses_bad_flags_in_one_line(exported_smollm):
+    out = str(exported_smollm / "out")
+    for args, message in [(["--prompt", "ab\udcffcd"], "--prompt is not UTF-8 text"),
+                          (["--prompt", "x", "--threads", "2147483648"], "--threads must be ≤ 1024, got 2147483648"),
+                          (["--prompt", "x", "--temperature", "nan"], "--temperature must be a finite number"),
+                          (["--prompt", "x", "--temperature", "-1"], "--temperature must be ≥ 0"),
+                          (["--prompt", "x", "--max-new-tokens", "18446744073709551616"],
+                           "--max-new-tokens must be ≤ 2147483647")]:
+        done = subprocess.run([sys.executable, "-m", "bitquilt.standalone.cli", out, *args], capture_output=True,
+                              text=True, errors="surrogateescape")
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, (args, done.stderr)
+
+
 def test_bitquilt_native_bad_input(exported_smollm, tmp_path):
     out = str(exported_smollm / "out")
     cases = [([out], "the following arguments are required"), ([out, "--prompt", ""], "--prompt is empty"),
-             ([out, "--prompt", "x", "--max-new-tokens", "0"], "must be at least 1"),
+             ([out, "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be ≥ 1, got 0"),
+             ([out, "--prompt", "x", "--max-new-tokens", "9223372036854775807"], "must be ≤ 2147483647"),
+             ([out, "--prompt", "x", "--threads", "4294967296"], "--threads must be ≤ 1024, got 4294967296"),
+             ([out, "--prompt", "x", "--seed", "-1"], "--seed must be ≥ 0, got -1"),
+             ([out, "--prompt", "x", "--temperature", "-1"], "--temperature must be ≥ 0, got -1"),
              ([out, "--prompt", "x", "--threads", "two"], "invalid int value: 'two'"),
              ([out, "--prompt", "x", "--isa", "sse"], "invalid choice: 'sse'"),
              ([out, "--prompt", "x", "--bogus"], "unrecognized argument: --bogus"),
@@ -263,4 +337,5 @@ def test_bitquilt_native_bad_input(exported_smollm, tmp_path):
     export(saved, tmp_path / "bare", to="standalone")
     done = _native(str(tmp_path / "bare"), "--prompt", "x")
     assert done.returncode == 2 and "tokenizer is not one the native runner reads (no tokenizer.json)" in done.stderr
+    assert "neither bitquilt-run nor bitquilt-native can generate text from it" in done.stderr  # not "use the other"
     assert "usage: bitquilt-native" in _native("--help").stdout

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bitquilt.decoding import DecodeRun, check_speed_settings, median_rates, run_decode
+from bitquilt.decoding import DecodeRun, check_generation, check_speed_settings, median_rates, run_decode
 from bitquilt.resources import peak_rss_mb
 
 
@@ -55,6 +55,10 @@ def stepper(model: nn.Module, max_len: int, engine: str = "auto") -> Callable[[t
 
     if engine not in ENGINES:
         raise ValueError(f"unknown decode engine {engine!r}; engines: {', '.join(ENGINES)}")
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if positions is not None and max_len > positions:  # too long for every engine: say so, not "unsupported"
+        raise ValueError(f"a sequence of {max_len} positions (prompt + new tokens) does not fit the model's "
+                         f"{positions}; shorten the prompt or ask for fewer new tokens")
     native = isinstance(model, NativeCausalLM)  # no transformers forward to fall back on
     if engine == "transformers" and native:
         raise ValueError("the transformers engine runs the transformers model; this one was loaded in the native "
@@ -84,8 +88,7 @@ def decode(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, temp
     (`stepper` says which engine runs it; `bitquilt.decoding.run_decode` the loop and its timing)."""
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] == 0:
         raise ValueError(f"decode needs one non-empty prompt [1, T], got shape {tuple(prompt_ids.shape)}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    check_generation(max_new_tokens, temperature)
     generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
     step = stepper(model, prompt_ids.shape[1] + max_new_tokens, engine)
     return run_decode(lambda ids: step(torch.tensor([list(ids)])), prompt_ids[0].tolist(), max_new_tokens,

@@ -229,7 +229,7 @@ def write_compressed_tensors(model: nn.Module, source: Path, output: Path, overw
     dtype = export_dtype(model.config)
     tensors, schemes, rounded = model_tensors(model, dtype)
     qconfig = quantization_config(model, schemes)
-    check_output(output, overwrite)
+    check_output(output, overwrite, source=source)
     with atomic_dir(output) as tmp:
         model.config.save_pretrained(tmp)
         config = json.loads((tmp / "config.json").read_text())
@@ -253,11 +253,9 @@ def export_compressed_tensors(directory: str | Path, output: str | Path, overwri
                               ) -> CompressedTensorsExport:
     """Export the model saved by `bitquilt.io.save` in `directory` to the compressed-tensors directory `output`."""
     directory, output = Path(directory), Path(output)
-    check_output(output, overwrite)
+    check_output(output, overwrite, source=directory)
     if not is_quantized_dir(directory):
         raise UserError(f"{directory} is not a model saved by bitquilt (no {CONFIG_NAME}); export takes the output "
                         "directory of `bitquilt quantize`")
-    if output.resolve() == directory.resolve():
-        raise UserError(f"output {output} is the saved model itself; choose another directory")
     model, _ = load_quantized(directory)
     return write_compressed_tensors(model, directory, output, overwrite)

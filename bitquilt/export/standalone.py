@@ -26,6 +26,7 @@ and renamed into place.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,7 +46,10 @@ from bitquilt.heap import HUGE_PAGE
 from bitquilt.io import CONFIG_NAME, WEIGHTS_NAME, check_output, is_quantized_dir, load_quantized
 from bitquilt.kernels import q4_int8, uniform8
 from bitquilt.models.native import NativeCausalLM, inverse_frequencies
+from bitquilt.models.tokenizer import TOKENIZER_FILE, FastTokenizer
 from bitquilt.standalone.model import FILE, FORMAT_VERSION, METADATA_KEY, PROJECTIONS
+
+log = logging.getLogger(__name__)
 
 EXPORTABLE = ("uniform 4- and 2-bit grids (width and groups multiples of 64 columns, no act-order), uniform 8-bit "
               "grids (multiples of 32) and linears in full precision")
@@ -177,7 +181,7 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
     directory, output = Path(directory), Path(output)
     if not is_quantized_dir(directory):
         raise UserError(f"{directory} is not a directory saved by bitquilt (no {CONFIG_NAME}); quantize a model first")
-    check_output(output, overwrite)
+    check_output(output, overwrite, source=directory)
     model, _ = load_quantized(directory, runtime="native")
     if not isinstance(model, NativeCausalLM):
         raise UserError(f"cannot export {directory} to the standalone runtime: its model type is not one the native "
@@ -187,7 +191,13 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
         tables, metadata["tokenizer"] = tokenizer_tables(directory)
         tensors.update(tables)
     except Unsupported as e:
-        metadata["tokenizer"] = {"unsupported": str(e)}
+        if FastTokenizer.available(directory):
+            advice = "run the export with bitquilt-run"
+        else:
+            advice = ("neither bitquilt-run nor bitquilt-native can generate text from it (`bitquilt bench` runs it on "
+                      "token ids): export a saved model that has its tokenizer files")
+            log.warning("%s has no %s: %s", directory, TOKENIZER_FILE, advice)
+        metadata["tokenizer"] = {"unsupported": str(e), "advice": advice}  # the native runner's error says both
     with atomic_dir(output) as tmp:
         staging = tmp / f"{FILE}.staging"
         save_file(tensors, str(staging), metadata={METADATA_KEY: json.dumps(metadata)})

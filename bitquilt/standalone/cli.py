@@ -4,7 +4,7 @@
 
 prints the prompt and its continuation as it is generated, then (stderr) the prompt and new token counts, prefill
 and decode tokens/s, the seconds from start to loaded, and the process's peak resident memory (`--json`: all of it
-at the end, as JSON). Errors are one line and exit 2.
+at the end, as JSON). Errors are one line and exit 2 (`bitquilt.errors.run_command`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import os
 import sys
 import time
 
-from bitquilt.errors import USER_ERRORS
+from bitquilt.errors import run_command
+from bitquilt.flag_checks import check_flags
 from bitquilt.resources import peak_rss_mb
 
 
@@ -37,10 +38,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     args = parser().parse_args(argv)
-    try:
+
+    def work() -> int:
         from bitquilt.standalone.generate import generate
         from bitquilt.standalone.model import StandaloneModel, set_isa, set_threads
 
+        check_flags(args)
         set_threads(args.threads)
         model = StandaloneModel(args.model)
         if args.isa:
@@ -54,17 +57,15 @@ def main(argv: list[str] | None = None) -> int:
 
         result = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.ignore_eos,
                           None if args.json else show)
-    except USER_ERRORS as e:
-        print(f"bitquilt-run: error: {e}", file=sys.stderr)
-        return 2
-    stats = {**result.stats(), "load_seconds": loaded, "peak_rss_mb": peak_rss_mb()}
-    if args.json:
-        print(json.dumps({"prompt": args.prompt, "completion": result.text, **stats}, indent=2))
-    else:
-        print("" if shown else args.prompt, flush=True)  # the completion streamed above, then the figures on stderr
-        print(", ".join(f"{k}={v:.4g}" for k, v in stats.items() if v is not None), file=sys.stderr)
-    return 0
+        stats = {**result.stats(), "load_seconds": loaded, "peak_rss_mb": peak_rss_mb()}
+        if args.json:
+            print(json.dumps({"prompt": args.prompt, "completion": result.text, **stats}, indent=2), flush=True)
+        else:
+            print("" if shown else args.prompt, flush=True)  # the completion streamed above, then the figures
+            print(", ".join(f"{k}={v:.4g}" for k, v in stats.items() if v is not None), file=sys.stderr)
+        return 0
 
+    return run_command("bitquilt-run", work)
 
 if __name__ == "__main__":
     sys.exit(main())

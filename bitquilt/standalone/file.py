@@ -50,8 +50,11 @@ class MappedTensors:
         self.path = Path(path)
         try:
             with open(self.path, "rb") as f:
+                size = self.path.stat().st_size
+                if size < 8:
+                    raise ValueError(f"it is {size} bytes long, shorter than a safetensors header (truncated?)")
                 (length,) = struct.unpack("<Q", f.read(8))
-                if 8 + length > self.path.stat().st_size:
+                if 8 + length > size:
                     raise ValueError(f"its header length {length} runs past the end of the file")
                 header = json.loads(f.read(length))
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -74,12 +77,17 @@ class MappedTensors:
         entry = self._entries.get(name)
         if entry is None:
             raise UserError(f"{self.path} has no tensor {name!r}; the file is incomplete or not a standalone export")
-        if entry["dtype"] not in DTYPES:
-            raise UserError(f"{self.path}: tensor {name!r} is {entry['dtype']}; the standalone runtime reads "
-                            f"{', '.join(DTYPES)}")
-        begin, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
-        if end - begin != math.prod(shape) * DTYPES[entry["dtype"]][0] or self._start + end > len(self._map):
+        dtype = entry.get("dtype")
+        if dtype not in DTYPES:
+            raise UserError(f"{self.path}: tensor {name!r} " + (f"is {dtype}" if dtype else "has no dtype") +
+                            f"; the standalone runtime reads {', '.join(DTYPES)}")
+        try:
+            begin, end = (int(o) for o in entry["data_offsets"])
+            shape = tuple(int(d) for d in entry["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{self.path}: tensor {name!r} has no valid shape and offsets; the file is corrupt") \
+                from None
+        if begin < 0 or end - begin != math.prod(shape) * DTYPES[dtype][0] or self._start + end > len(self._map):
             raise UserError(f"{self.path}: tensor {name!r} does not fit its offsets; the file is truncated or corrupt")
         buffer = (ctypes.c_char * (end - begin)).from_buffer(self._map, self._start + begin)
-        return MappedTensor(entry["dtype"], shape, ctypes.addressof(buffer), end - begin, buffer)
+        return MappedTensor(dtype, shape, ctypes.addressof(buffer), end - begin, buffer)

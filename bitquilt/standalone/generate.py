@@ -12,7 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bitquilt.decoding import DecodeRun, check_speed_settings, generation_stats, median_rates, run_decode
+from bitquilt.decoding import (
+    DecodeRun,
+    check_generation,
+    check_speed_settings,
+    generation_stats,
+    median_rates,
+    run_decode,
+)
 from bitquilt.errors import UserError
 from bitquilt.resources import peak_rss_mb
 from bitquilt.standalone.library import library
@@ -43,8 +50,7 @@ def generate_ids(model: StandaloneModel, prompt: list[int], max_new_tokens: int,
                  on_token: Callable[[int], None] | None = None) -> DecodeRun:
     """New token ids after `prompt` (and the prefill and decode seconds), from an empty sequence; `on_token` sees each
     as it comes."""
-    if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    check_generation(max_new_tokens, temperature)
     if not prompt:
         raise UserError("the prompt has no tokens; give the text to continue")
     model.begin(len(prompt) + max_new_tokens)

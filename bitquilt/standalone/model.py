@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bitquilt.errors import UserError
+from bitquilt.flag_checks import INT32_MAX, MAX_THREADS
 from bitquilt.isa import INT8_ISAS, choose
 from bitquilt.models.tokenizer import FastTokenizer
 from bitquilt.standalone.file import MappedTensors
@@ -38,8 +39,8 @@ def _floats(address: int, shape: tuple[int, ...]) -> memoryview:
 
 def set_threads(threads: int) -> None:
     """Threads of every following call (OpenMP)."""
-    if threads < 1:
-        raise UserError(f"threads must be at least 1, got {threads}")
+    if not 1 <= threads <= MAX_THREADS:
+        raise UserError(f"threads must be between 1 and {MAX_THREADS}, got {threads}")
     library().bq_set_threads(threads)
 
 
@@ -71,6 +72,10 @@ class StandaloneModel:
         if self.config.get("format_version") != FORMAT_VERSION:
             raise UserError(f"{self.directory / FILE} is standalone format {self.config.get('format_version')}; this "
                             f"bitquilt reads {FORMAT_VERSION}: re-export the model")
+        missing = [key for key in ("vocab_size", "max_positions", "linears") if key not in self.config]
+        if missing:
+            raise UserError(f"{self.directory / FILE}'s standalone metadata lacks {', '.join(missing)}: the file is "
+                            "damaged or was not written by bitquilt; re-export the model")
         self.tokenizer = FastTokenizer(self.directory) if FastTokenizer.available(self.directory) else None
         self.vocab_size: int = self.config["vocab_size"]
         self.max_positions: int = self.config["max_positions"]
@@ -84,6 +89,8 @@ class StandaloneModel:
 
     def begin(self, max_len: int) -> None:
         """Start a sequence of up to `max_len` positions (the previous one, if any, is dropped)."""
+        if not 1 <= max_len <= INT32_MAX:  # the library takes an int64: a larger count would wrap
+            raise UserError(f"a sequence of {max_len} positions does not fit the model's {self.max_positions}")
         self.close()
         handle = self._lib.bq_open(self._file, max_len)
         if not handle:

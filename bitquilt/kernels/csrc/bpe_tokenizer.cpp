@@ -109,7 +109,8 @@ const Value& tokenizer_metadata(const MappedFile& f) {
     throw std::runtime_error(f.path() + " has no tokenizer tables (exported by an older bitquilt); re-export it");
   if (meta.has("unsupported"))
     throw std::runtime_error(f.path() + ": its tokenizer is not one the native runner reads (" +
-                             meta["unsupported"].string + "); run the export with bitquilt-run");
+                             meta["unsupported"].string + "); " +
+                             (meta.has("advice") ? meta["advice"].string : "run the export with bitquilt-run"));
   return meta;
 }
 

@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -52,6 +53,14 @@ struct UserError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// stdout could not be written (a full disk): exit 1, as bitquilt-run (bitquilt.errors.run_command).
+struct WriteError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The ranges bitquilt-run takes (bitquilt/flag_checks.py): a larger count would wrap in an int or overflow a length.
+constexpr int64_t kMaxNewTokens = 2147483647, kMaxThreads = 1024, kMaxSeed = INT64_MAX;
+
 struct Options {
   std::string model, prompt, isa;
   bool has_prompt = false, ignore_eos = false, json = false;
@@ -60,13 +69,24 @@ struct Options {
   int threads = omp_get_num_procs();
 };
 
-int64_t integer_option(const std::string& name, const char* text) {
+// `text` as an integer in [low, high] for option `name`.
+int64_t integer_option(const std::string& name, const char* text, int64_t low, int64_t high) {
   char* end = nullptr;
   errno = 0;
   const long long v = std::strtoll(text, &end, 10);
-  if (*text == '\0' || *end != '\0' || errno != 0)
+  if (*text == '\0' || *end != '\0' || (errno != 0 && errno != ERANGE))
     throw UserError("argument " + name + ": invalid int value: '" + text + "'");
+  if (errno == ERANGE ? text[0] == '-' : v < low)
+    throw UserError(name + " must be ≥ " + std::to_string(low) + ", got " + text);
+  if (errno == ERANGE || v > high) throw UserError(name + " must be ≤ " + std::to_string(high) + ", got " + text);
   return v;
+}
+
+// Flushes stdout; a failed write (a full disk) is a WriteError. A closed pipe (`| head`) ends the process by
+// SIGPIPE, as it does cat: main restores its default, which Python's exec into this program leaves ignored.
+void flush_out() {
+  if (std::fflush(stdout) != 0 || std::ferror(stdout))
+    throw WriteError(std::string("cannot write the output: ") + std::strerror(errno));
 }
 
 Options parse(int argc, char** argv) {
@@ -84,17 +104,18 @@ Options parse(int argc, char** argv) {
       o.prompt = value();
       o.has_prompt = true;
     } else if (arg == "--max-new-tokens") {
-      o.max_new_tokens = integer_option(arg, value());
+      o.max_new_tokens = integer_option(arg, value(), 1, kMaxNewTokens);
     } else if (arg == "--temperature") {
       const char* text = value();
       char* end = nullptr;
       o.temperature = std::strtod(text, &end);
       if (*text == '\0' || *end != '\0' || !std::isfinite(o.temperature))
         throw UserError("argument --temperature: invalid float value: '" + std::string(text) + "'");
+      if (o.temperature < 0) throw UserError("--temperature must be ≥ 0, got " + std::string(text));
     } else if (arg == "--seed") {
-      o.seed = integer_option(arg, value());
+      o.seed = integer_option(arg, value(), 0, kMaxSeed);
     } else if (arg == "--threads") {
-      o.threads = static_cast<int>(integer_option(arg, value()));
+      o.threads = static_cast<int>(integer_option(arg, value(), 1, kMaxThreads));
     } else if (arg == "--isa") {
       o.isa = value();
       if (o.isa != "avx2" && o.isa != "avx512")
@@ -113,9 +134,6 @@ Options parse(int argc, char** argv) {
   }
   if (o.model.empty() || !o.has_prompt) throw UserError("the following arguments are required: MODEL, --prompt");
   if (o.prompt.empty()) throw UserError("--prompt is empty; give the text to continue");
-  if (o.max_new_tokens < 1)
-    throw UserError("--max-new-tokens must be at least 1, got " + std::to_string(o.max_new_tokens));
-  if (o.threads < 1) throw UserError("threads must be at least 1, got " + std::to_string(o.threads));
   return o;
 }
 
@@ -247,7 +265,7 @@ class Stream {
     if (text.size() <= shown_.size() || text.compare(0, shown_.size(), shown_) != 0) return;
     const std::string piece = (started_ ? "" : prompt_) + text.substr(shown_.size());
     std::fwrite(piece.data(), 1, piece.size(), stdout);
-    std::fflush(stdout);
+    flush_out();
     shown_ = text;
     started_ = true;
   }
@@ -323,9 +341,10 @@ int run(int argc, char** argv) {
                 "  \"peak_rss_mb\": %.17g\n}\n",
                 json_string(o.prompt).c_str(), json_string(stream.text()).c_str(), prompt.size(),
                 static_cast<long long>(n), prefill, decode_text, loaded, peak);
+    flush_out();
   } else {
     std::printf("%s\n", stream.shown() ? "" : o.prompt.c_str());
-    std::fflush(stdout);
+    flush_out();
     std::fprintf(stderr, "prompt_tokens=%zu, new_tokens=%lld, prefill_tokens_per_s=%.4g, ", prompt.size(),
                  static_cast<long long>(n), prefill);
     if (decode) std::fprintf(stderr, "decode_tokens_per_s=%.4g, ", *decode);
@@ -337,8 +356,12 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::signal(SIGPIPE, SIG_DFL);
   try {
     return run(argc, argv);
+  } catch (const WriteError& e) {
+    std::fprintf(stderr, "bitquilt-native: error: %s\n", e.what());
+    return 1;
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "bitquilt-native: error: %s\n", e.what());

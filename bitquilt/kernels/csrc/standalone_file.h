@@ -105,7 +105,8 @@ class MappedFile {
     t.dtype = entry["dtype"].string;
     const int64_t size = dtype_bytes(t.dtype);
     if (size == 0)
-      throw std::runtime_error(path_ + ": tensor '" + name + "' is " + t.dtype +
+      throw std::runtime_error(path_ + ": tensor '" + name + "' " +
+                               (t.dtype.empty() ? std::string("has no dtype") : "is " + t.dtype) +
                                "; the standalone runtime reads F32, U8, I8, I32, I64");
     if (!dtype.empty() && t.dtype != dtype)
       throw std::runtime_error(path_ + ": tensor '" + name + "' is " + t.dtype + ", expected " + dtype);
