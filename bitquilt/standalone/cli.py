@@ -67,5 +67,6 @@ def main(argv: list[str] | None = None) -> int:
 
     return run_command("bitquilt-run", work)
 
+
 if __name__ == "__main__":
     sys.exit(main())
