@@ -120,10 +120,16 @@ def open_streaming(spec: str | Path) -> StreamingCheckpoint:
     """A packaged model name or Hugging Face folder opened for `quantize_streaming`: the model's skeleton (config,
     shapes, embeddings; the decoder blocks, final norm and LM head stay on disk) and its tokenizer."""
     path = resolve_path(spec)
-    if is_quantized_dir(path):
-        raise UserError(f"{path} is already quantized (a directory saved by `bitquilt quantize`); --stream "
-                        "quantizes a full-precision Hugging Face folder")
+    check_full_precision(path)
     return StreamingCheckpoint(path)
+
+
+def check_full_precision(path: str | Path) -> None:
+    """Raise UserError if `path` is a directory saved by `bitquilt quantize`: quantizing it again would round
+    already-rounded weights (and its linears are packed formats, not weights)."""
+    if is_quantized_dir(path):
+        raise UserError(f"{path} is already quantized (a directory saved by `bitquilt quantize`); quantize the "
+                        f"full-precision model it came from (`bitquilt inspect {path}` shows its recipe)")
 
 
 def quantize_streaming(

@@ -32,9 +32,17 @@ STDERR_FD = 2  # the process's stderr by descriptor: sys.stderr may be a Python 
 
 
 def cache_dir() -> Path:
-    """`$BITQUILT_CACHE`, else `~/.cache/bitquilt`."""
+    """`$BITQUILT_CACHE`, else `~/.cache/bitquilt`, created if missing (a UserError naming the variable when it
+    cannot be: a file there, a read-only or missing parent)."""
     env = os.environ.get("BITQUILT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "bitquilt"
+    path = Path(env).expanduser() if env else Path.home() / ".cache" / "bitquilt"
+    if not path.is_dir():
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"the cache directory {path} cannot be created ({e.strerror}); set BITQUILT_CACHE to a "
+                            "writable directory") from None
+    return path
 
 
 def _temp_sibling(path: Path) -> Path:

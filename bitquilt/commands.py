@@ -210,7 +210,7 @@ def _add_eval_args(p: argparse.ArgumentParser, ppl_flag: bool) -> None:
     g.add_argument("--seqlen", type=int, default=None, help="perplexity window length (default 2048 or model max; a "
                    "longer one is cut to the model's maximum, with a warning)")
     g.add_argument("--ppl-windows", type=int, default=None, help="score only the first N windows (default: all)")
-    g.add_argument("--tasks", default="", help="zero-shot tasks, comma-separated: piqa, arc_easy, arc_challenge, "
+    g.add_argument("--tasks", default=None, help="zero-shot tasks, comma-separated: piqa, arc_easy, arc_challenge, "
                    "hellaswag, winogrande, boolq, lambada, or a task .jsonl file")
     g.add_argument("--limit", type=int, default=None, help="zero-shot: score a fixed random subset of N items per task")
 
@@ -231,6 +231,10 @@ def _recipe_from_args(args, method: str | None, bits: int, group_size: int | Non
     best = method is None
     if best:
         method = BEST_RECIPES.get(bits, {}).get("method", RECIPE["method"])
+    if solver_name(method) not in SOLVERS:
+        raise UserError(f"unknown method {method!r}: a method is [stage+...+]solver, solvers "
+                        f"{', '.join(sorted(SOLVERS))}, e.g. rtn, gptq, awq (=awq+rtn), awq+gptq, bpdq, "
+                        "smoothquant+rtn, quarot+gptq, mxint, mxsens, mobiquant (`bitquilt quantize --help`)")
     solver = SOLVERS.get(solver_name(method))
     taken = {f.name for f in dataclasses.fields(solver.options)}
     given = {k: getattr(args, k) for k in solver_option_fields() if getattr(args, k) is not None}
@@ -327,7 +331,7 @@ def _evaluate(model, tokenizer, args, cache_key: str) -> dict[str, Any]:
     from bitquilt.eval.ppl import perplexity
 
     out: dict[str, Any] = {}
-    tasks = [t for t in args.tasks.split(",") if t]
+    tasks = _tasks(args)
     if getattr(args, "ppl", True) or not tasks:
         for source in [s for s in args.ppl_data.split(",") if s]:
             r = perplexity(model, tokenizer, source, args.seqlen, args.ppl_windows, progress=not args.json)
@@ -369,7 +373,15 @@ def cmd_fetch(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from bitquilt.api import check_streamable, load, open_streaming, quantize, quantize_streaming, save
+    from bitquilt.api import (
+        check_full_precision,
+        check_streamable,
+        load,
+        open_streaming,
+        quantize,
+        quantize_streaming,
+        save,
+    )
     from bitquilt.io import check_output
 
     recipe = _recipe_from_args(args, args.method, args.w_bits, args.group_size, args.target_bits, strict=True)
@@ -379,11 +391,14 @@ def cmd_quantize(args) -> int:
     if args.stream and args.resume:
         raise UserError("--resume keeps whole quantized blocks between runs and cannot be combined with --stream; "
                         "drop one of them")
+    if args.resume and progress_dir(out).exists() and not progress_dir(out).is_dir():
+        raise UserError(f"--resume keeps its state in {progress_dir(out)}, which is a file; move it away")
     if args.stream:
         check_streamable(recipe)
         stream = open_streaming(args.model)  # the skeleton: blocks, final norm and LM head stay on disk
         model, tokenizer = stream.model, stream.tokenizer
     else:
+        check_full_precision(args.model)
         model, tokenizer = load(args.model)
     if recipe.needs_calibration:
         _check_calib_seqlen(model, calib)
@@ -414,13 +429,26 @@ def progress_dir(output: Path) -> Path:
     return output.with_name(output.name + ".partial")
 
 
-def _check_task_names(args) -> None:
-    """Fail on a mistyped task before paying for a model load."""
+def _tasks(args) -> list[str]:
+    """The zero-shot tasks of --tasks (none without it)."""
+    return [t for t in (args.tasks or "").split(",") if t]
+
+
+def _check_eval_sets(args) -> None:
+    """Fail on an empty or mistyped --ppl-data / --tasks, or a --limit without tasks, before paying for a model
+    load."""
     from bitquilt.eval.tasks import TASK_NAMES
 
-    for task in (t for t in args.tasks.split(",") if t):
+    if not any(args.ppl_data.split(",")):
+        raise UserError("--ppl-data is empty; give wiki, lambada or a .txt/.jsonl path (comma-separated)")
+    if args.tasks is not None and not _tasks(args):
+        raise UserError(f"--tasks is empty; give zero-shot tasks ({', '.join(TASK_NAMES)} or a .jsonl file), or "
+                        "leave it out for perplexity alone")
+    for task in _tasks(args):
         if not task.endswith(".jsonl") and task not in TASK_NAMES:
             raise UserError(f"unknown task {task!r}; known tasks: {', '.join(TASK_NAMES)} (or a .jsonl file)")
+    if args.limit is not None and not _tasks(args):
+        raise UserError("--limit samples zero-shot items; it needs --tasks")
 
 
 def _precision_settings(model, args) -> list[tuple[str, Any]]:
@@ -455,7 +483,7 @@ def _eval_runtime(args) -> str:
     """The runtime `eval` loads a saved model into: zero-shot tasks score padded batches of choices, which only the
     transformers model runs; perplexity (whole windows, no padding) runs in either, the same numbers."""
     return chosen_runtime(args, "--tasks score padded batches, which the native runtime does not run; drop --tasks "
-                          "or use --runtime transformers (or auto)" if any(args.tasks.split(",")) else None)
+                          "or use --runtime transformers (or auto)" if _tasks(args) else None)
 
 
 def cmd_eval(args) -> int:
@@ -463,7 +491,7 @@ def cmd_eval(args) -> int:
     from bitquilt.models.loading import resolve_model_name, source_fingerprint
     from bitquilt.nn.slice_router import realised_bits
 
-    _check_task_names(args)
+    _check_eval_sets(args)
     model, tokenizer = load(args.model, _eval_runtime(args))
     if tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files; cannot evaluate")
@@ -494,6 +522,8 @@ def cmd_compare(args) -> int:
     from bitquilt.models.loading import source_fingerprint
 
     methods = [m for m in args.methods.split(",") if m]
+    if not methods:
+        raise UserError("--methods is empty; give one or more comma-separated methods, e.g. fp,rtn,gptq")
     sizes = args.group_size * len(args.w_bits) if len(args.group_size) == 1 else args.group_size
     if len(sizes) != len(args.w_bits):
         raise UserError("--group-size takes one value, or one per --w-bits value")
@@ -502,11 +532,15 @@ def cmd_compare(args) -> int:
                 for t in (args.target_bits if budget_stages(m) else [None])]
     recipes = {c: _recipe_from_args(args, *c) for c in configs if c[0] != "fp"}  # validate first
     calib = _calib_config(args)
-    _check_task_names(args)
+    _check_eval_sets(args)
     if args.report:
         from bitquilt.io import check_output
 
-        check_output(args.report, overwrite=True)  # its files are replaced
+        report = Path(args.report)
+        if report.is_dir() and any(report.iterdir()) and not (report / "report.json").is_file():
+            raise UserError(f"--report {report} holds files but no report.json, so it is not a previous report, whose "
+                            "files a new one replaces; choose another directory")
+        check_output(report, overwrite=True, source=args.model)
     needs_calibration = any(r.needs_calibration for r in recipes.values())
     if needs_calibration:  # fail before hours of quantization, not after
         from bitquilt.data.corpora import check_disjoint
@@ -567,6 +601,8 @@ def cmd_analyze(args) -> int:
     if args.plot:
         from bitquilt.io import check_writable
 
+        if Path(args.plot).is_dir():
+            raise UserError(f"--plot {args.plot} is a directory; give a file path such as {Path(args.plot) / 'a.png'}")
         check_writable(args.plot)
     if args.residual_recovery:
         return _analyze_residual_recovery(args)
@@ -666,12 +702,22 @@ def _analyze_outlier_migration(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from bitquilt.io import is_quantized_dir, read_qconfig
+    from safetensors import SafetensorError, safe_open
+
+    from bitquilt.io import WEIGHTS_NAME, is_quantized_dir, read_qconfig
 
     path = Path(args.path)
+    if not path.exists():
+        raise UserError(f"{path} does not exist; give the directory `bitquilt quantize -o` wrote")
     if not is_quantized_dir(path):
         raise UserError(f"{path} is not a saved bitquilt model (no quantization_config.json)")
     qconfig = read_qconfig(path)
+    try:  # the table comes from the config: make sure the weights it describes are there to be loaded
+        with safe_open(path / WEIGHTS_NAME, "pt"):
+            pass
+    except (OSError, SafetensorError) as e:
+        raise UserError(f"{path / WEIGHTS_NAME} is missing or unreadable ({e}); the saved model is incomplete or "
+                        "damaged") from None
     report = qconfig.get("report") or {}
     by_name = {r["name"]: r for r in report.get("linears", [])}
     by_name.update({r["name"]: r for r in (report.get("stages") or {}).get("head_quant", {}).get("layers", [])})

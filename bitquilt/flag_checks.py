@@ -17,7 +17,7 @@ MAX_SEED = 2**63 - 1
 
 # dest -> (lowest, highest or None): every flag of that dest on every command; floats must also be finite.
 RANGES: dict[str, tuple[float, float | None]] = {
-    "seqlen": (1, INT32_MAX), "ppl_windows": (1, INT32_MAX), "limit": (1, INT32_MAX), "calib_samples": (1, INT32_MAX),
+    "seqlen": (2, INT32_MAX), "ppl_windows": (1, INT32_MAX), "limit": (1, INT32_MAX), "calib_samples": (1, INT32_MAX),
     "calib_seqlen": (16, INT32_MAX), "max_new_tokens": (1, INT32_MAX), "prompt_tokens": (1, INT32_MAX),
     "new_tokens": (2, INT32_MAX), "repeats": (1, INT32_MAX), "temperature": (0, None), "threads": (1, MAX_THREADS),
     "seed": (0, MAX_SEED),

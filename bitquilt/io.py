@@ -43,7 +43,7 @@ from bitquilt.errors import UserError
 from bitquilt.formats import format_class
 from bitquilt.formats.base import BUFFER_PREFIX, WeightFormat, split_buffers
 from bitquilt.mapped import release_after_calls
-from bitquilt.models.loading import SAVED_MODEL_TYPE, empty_model, load_model, resolve_path
+from bitquilt.models.loading import SAVED_MODEL_TYPE, checked_config, empty_model, load_model, resolve_path
 from bitquilt.models.native import NativeCausalLM, NativeConfig
 from bitquilt.models.streaming import TensorFiles
 from bitquilt.models.tokenizer import FastTokenizer
@@ -229,22 +229,73 @@ def base_config(directory: Path, config: dict[str, Any] | None = None) -> Any:
     if model_type not in CONFIG_MAPPING:
         raise UserError(f"{directory / 'config.json'} is corrupt or was edited: its base model type {model_type!r} is "
                         "not one transformers knows; quantize the model again")
-    return CONFIG_MAPPING[model_type].from_dict(config)
+    return checked_config(directory / "config.json", lambda: CONFIG_MAPPING[model_type].from_dict(config))
 
 
 def is_quantized_dir(path: str | Path) -> bool:
     return (Path(path) / CONFIG_NAME).is_file()
 
 
+_MISSING = object()
+
+
+def _json_kind(value: Any) -> str:
+    """What a message calls the JSON value `value` (null, a list, a string...; "nothing" for `_MISSING`, a key the
+    file lacks)."""
+    if value is None or value is _MISSING:
+        return "null" if value is None else "nothing"
+    kinds = ((bool, "a boolean"), (dict, "an object"), (list, "a list"), (str, "a string"), ((int, float), "a number"))
+    return next(name for cls, name in kinds if isinstance(value, cls))
+
+
+def _check_qconfig(path: Path, qconfig: Any) -> None:
+    """Raise UserError naming the first entry of a quantization config whose JSON type is not the one loading and
+    `bitquilt inspect` read it as (the values themselves are checked against the model when it loads)."""
+    def bad(entry: str, expected: str, value: Any) -> UserError:
+        return UserError(f"{path}: {entry} must be {expected}, got {_json_kind(value)}; the file is damaged or was "
+                         "edited")
+
+    if not isinstance(qconfig, dict):
+        raise bad("the file", "an object of quantization settings", qconfig)
+    layers = qconfig.get("layers", _MISSING)
+    if not isinstance(layers, dict):
+        raise bad("'layers'", "an object of layer entries", layers)
+    for name, info in layers.items():
+        if not isinstance(info, dict):
+            raise bad(f"layer entry {name!r}", "an object", info)
+        for key, expected, required in (("format", str, True), ("meta", dict, True), ("kind", str, False),
+                                        ("tied", str, False)):
+            if (required or key in info) and not isinstance(info.get(key), expected):
+                raise bad(f"{key!r} of layer {name!r}", "a string" if expected is str else "an object",
+                          info.get(key, _MISSING))
+    hosts = qconfig.get("online", {})
+    if not isinstance(hosts, dict):
+        raise bad("'online'", "an object of online modules by host", hosts)
+    for host, slots in hosts.items():
+        if not isinstance(slots, dict):
+            raise bad(f"'online' entry {host!r}", "an object of online modules by slot", slots)
+        for slot, entry in slots.items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("class"), str)
+                    and isinstance(entry.get("config"), dict)):
+                raise bad(f"online module {host}.{slot}", "an object with a string 'class' and an object 'config'",
+                          entry)
+    for key in ("recipe", "calibration", "report", "versions"):
+        if not isinstance(qconfig.get(key), (dict, type(None))):
+            raise bad(repr(key), "an object or null", qconfig[key])
+
+
 def read_qconfig(directory: str | Path) -> dict[str, Any]:
+    """The quantization_config.json of a saved directory; a UserError if it is unreadable, of another format version
+    or not shaped as `save` writes it."""
     path = Path(directory) / CONFIG_NAME
     try:
         qconfig = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"{path} is not a readable bitquilt quantization config: {e}") from None
-    if qconfig.get("format_version") != FORMAT_VERSION:
+    if isinstance(qconfig, dict) and qconfig.get("format_version") != FORMAT_VERSION:
         raise UserError(f"{path}: format version {qconfig.get('format_version')} is not supported (expected "
                         f"{FORMAT_VERSION}); quantize the model again with this version of bitquilt")
+    _check_qconfig(path, qconfig)
     return qconfig
 
 
@@ -414,7 +465,11 @@ def load_quantized(directory: str | Path, runtime: str = "transformers") -> tupl
     for name, info in layers.items():  # a table no LM head reads in place gives its pages back after lookups
         if info.get("kind") == "embedding" and name not in read_by_heads:
             model.get_submodule(name).returns_pages = True
-    online.restore(model, qconfig.get("online", {}))  # before the tensors: some own buffers (key centres)
+    try:  # before the tensors: some own buffers (key centres)
+        online.restore(model, qconfig.get("online", {}))
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # a host, slot or setting the model cannot have
+        raise UserError(f"{directory} is corrupt or was edited: its online modules cannot be restored ({e}); "
+                        "quantize the model again") from None
     expected = model.state_dict(keep_vars=True)
     head = "lm_head"  # tied to the embedding when the config says so and it is neither quantized nor stored
     tied = getattr(config, "tie_word_embeddings", False) and head not in layers and f"{head}.weight" not in files

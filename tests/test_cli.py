@@ -62,7 +62,7 @@ def test_compare_refuses_to_evaluate_on_the_calibration_text(capsys):
 def test_compare_takes_recipes_and_validates_them_first(capsys):
     code, stdout, err = run(capsys, "compare", "smollm2-135m", "--recipes", "rtn,quarot+gptx", "--w-bits", "4",
                             "--a-bits", "4", "--kv-bits", "4")
-    assert code == 2 and "unknown solver 'gptx'" in err and stdout == ""
+    assert code == 2 and "unknown method 'quarot+gptx': a method is [stage+...+]solver" in err and stdout == ""
 
 
 def test_models_lists_the_default(capsys):
@@ -102,7 +102,7 @@ def test_console_script_help():
     (["--w-bits", "5"], "unsupported weight bits 5 by solver 'rtn'; supported: 2, 3, 4, 8"),
     (["--group-size", "100"], "unsupported group size 100"),
     (["--calib-samples", "0"], "--calib-samples must be"),
-    (["--method", "gptx"], "unknown solver 'gptx'"),
+    (["--method", "gptx"], "unknown method 'gptx': a method is [stage+...+]solver, solvers bpdq, gptq"),
 ])
 def test_bad_quantize_options(tmp_path, capsys, args, message):
     out = tmp_path / "q"

@@ -1,6 +1,8 @@
 import json
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +176,66 @@ def test_a_missing_full_precision_tensor_is_refused(tmp_path):
     (tmp_path / "q" / WEIGHTS_NAME).unlink()
     with pytest.raises(UserError, match="missing or corrupted"):
         load_quantized(tmp_path / "q")
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory):
+    """A tiny RTN-quantized llama saved once; tests damage copies of it."""
+    model = make_tiny("llama")
+    quantize(model, Recipe("rtn", w_bits=4, group_size=64), None, progress=False)
+    return save(model, tmp_path_factory.mktemp("saved") / "q")
+
+
+def _edited_copy(saved, tmp_path, edit, name=CONFIG_NAME):
+    """A copy of the saved directory `saved` whose JSON file `name` is replaced by `edit(its contents)`."""
+    path = Path(shutil.copytree(saved, tmp_path / "q"))
+    (path / name).write_text(json.dumps(edit(json.loads((path / name).read_text()))))
+    return path
+
+
+LAYER = "model.layers.0.mlp.up_proj"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda q: [q], "the file must be an object of quantization settings, got a list"),
+    (lambda q: {**q, "layers": None}, "'layers' must be an object of layer entries, got null"),
+    (lambda q: {k: v for k, v in q.items() if k != "layers"},
+     "'layers' must be an object of layer entries, got nothing"),
+    (lambda q: {**q, "layers": {**q["layers"], LAYER: [4]}}, f"layer entry '{LAYER}' must be an object, got a list"),
+    (lambda q: {**q, "layers": {LAYER: {"format": "uniform"}}},
+     f"'meta' of layer '{LAYER}' must be an object, got nothing"),
+    (lambda q: {**q, "online": [{"class": "KVQuantizer"}]},
+     "'online' must be an object of online modules by host, got a list"),
+    (lambda q: {**q, "online": {"model.layers.0.self_attn": {"kv_quant": {"class": "KVQuantizer"}}}},
+     "online module model.layers.0.self_attn.kv_quant must be an object with a string 'class' and an object 'config', "
+     "got an object"),
+    (lambda q: {**q, "recipe": ["rtn"]}, "'recipe' must be an object or null, got a list"),
+    (lambda q: {**q, "report": "fast"}, "'report' must be an object or null, got a string"),
+])
+def test_a_quantization_config_of_the_wrong_shape_is_one_line(saved_tiny, tmp_path, capsys, edit, message):
+    from bitquilt.cli import main
+
+    path = _edited_copy(saved_tiny, tmp_path, edit)
+    expected = f"{path / CONFIG_NAME}: {message}; the file is damaged or was edited"
+    with pytest.raises(UserError) as error:
+        load_quantized(path)
+    assert str(error.value) == expected
+    assert main(["inspect", str(path)]) == 2
+    assert capsys.readouterr().err == f"bitquilt inspect: error: {expected}\n"
+
+
+def test_an_online_module_the_model_cannot_host_is_refused(saved_tiny, tmp_path):
+    path = _edited_copy(saved_tiny, tmp_path, lambda q: {**q, "online": {
+        "model.nowhere": {"kv_quant": {"class": "KVQuantizer", "config": {}}}}})
+    with pytest.raises(UserError, match=r"q is corrupt or was edited: its online modules cannot be restored \(.*"
+                                        r"no attribute `nowhere`\); quantize the model again$"):
+        load_quantized(path)
+
+
+def test_a_saved_config_json_with_a_wrong_typed_field_is_one_line(saved_tiny, tmp_path):
+    path = _edited_copy(saved_tiny, tmp_path, lambda c: {**c, "num_hidden_layers": "two"}, name="config.json")
+    with pytest.raises(UserError) as error:
+        load_quantized(path)
+    assert str(error.value) == (f"{path / 'config.json'} is not a valid model config: Validation error for field "
+                                "'num_hidden_layers': TypeError: Field 'num_hidden_layers' expected int, got str "
+                                "(value: 'two')")

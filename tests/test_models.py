@@ -253,3 +253,46 @@ def test_gguf_file_gives_the_same_logits_as_the_converted_model(smollm):
     assert tokenizer(text).input_ids == smollm[1](text).input_ids
     with torch.no_grad():
         assert torch.equal(model(PROMPT).logits, smollm[0](PROMPT).logits)
+
+
+def test_a_config_json_with_a_wrong_typed_field_is_one_line(tiny_dir):
+    from bitquilt.models.streaming import StreamingCheckpoint
+
+    _, path = tiny_dir
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "thirty"}))
+    expected = (f"{path / 'config.json'} is not a valid model config: Validation error for field 'num_hidden_layers': "
+                "TypeError: Field 'num_hidden_layers' expected int, got str (value: 'thirty')")
+    for opening in (load_model, StreamingCheckpoint):  # `bitquilt eval DIR`, `bitquilt quantize DIR --stream`
+        with pytest.raises(UserError) as error:
+            opening(path)
+        assert str(error.value) == expected
+    (path / "config.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match=r"config.json is not a valid model config: Unrecognized model"):
+        load_model(path)
+
+
+def test_a_truncated_gguf_file_is_one_line(tmp_path):
+    import gguf
+    import numpy as np
+
+    from bitquilt.models.loading import check_gguf
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_token_list([f"t{i}" for i in range(100)])
+    writer.add_tensor("token_embd.weight", np.ones((100, 64), dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    whole = path.read_bytes()
+    check_gguf(path)  # the whole file passes
+    for size in (10, 200, len(whole) - 1):  # inside the header, the metadata, the last tensor
+        path.write_bytes(whole[:size])
+        with pytest.raises(UserError, match=f"^{path} is not a readable GGUF file .truncated or damaged; the reader"):
+            load_model(path)  # `bitquilt eval FILE.gguf`
+    path.write_bytes(b"GGML" + whole[4:])
+    with pytest.raises(UserError, match="GGUF magic invalid"):
+        load_model(path)

@@ -64,11 +64,17 @@ def _one_line_error(code: int, err: str, message: str) -> None:
     (["quantize", "--method", "mxint", "--kv-bits", "3"], "MXINT activation bits 3 (--a-bits, or --kv-bits for the "
                                                           "KV cache); supported: 4, 6, 8 or 16 (off)"),
     (["quantize", "--calib-seqlen", "8"], "--calib-seqlen must be ≥ 16, got 8"),
-    (["eval", "--seqlen", "0"], "--seqlen must be ≥ 1, got 0"),
-    (["eval", "--seqlen", "-5"], "--seqlen must be ≥ 1, got -5"),
+    (["eval", "--seqlen", "1"], "--seqlen must be ≥ 2, got 1"),  # a window predicts from its second token
+    (["eval", "--seqlen", "-5"], "--seqlen must be ≥ 2, got -5"),
     (["eval", "--ppl-windows", "0"], "--ppl-windows must be ≥ 1"),
     (["eval", "--tasks", "piqa", "--limit", "0"], "--limit must be ≥ 1"),
     (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature must be ≥ 0"),
+    (["eval", "--tasks", ""], "--tasks is empty; give zero-shot tasks"),
+    (["eval", "--tasks", ","], "--tasks is empty"),
+    (["eval", "--ppl-data", ""], "--ppl-data is empty; give wiki, lambada or a .txt/.jsonl path"),
+    (["eval", "--limit", "5"], "--limit samples zero-shot items; it needs --tasks"),
+    (["compare", "--methods", ""], "--methods is empty; give one or more comma-separated methods"),
+    (["quantize", "--method", "awq+bogus"], "unknown method 'awq+bogus': a method is [stage+...+]solver"),
 ])
 def test_bad_numbers_are_refused_before_loading(tmp_path, capsys, no_load, args, message):
     command, *rest = args
@@ -369,3 +375,81 @@ def test_a_saved_directory_without_its_quantization_config_is_refused_by_name(tm
     (tmp_path / "q" / "quantization_config.json").unlink()
     with pytest.raises(UserError, match="saved by bitquilt but its quantization_config.json is missing"):
         load(tmp_path / "q")
+
+
+def test_outputs_and_paths_are_checked_before_any_work(tmp_path, capsys, no_load, monkeypatch):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me")
+    code, _, err = run(capsys, "compare", "smollm2-135m", "--methods", "fp", "--report", notes)
+    _one_line_error(code, err, "holds files but no report.json, so it is not a previous report")
+    assert (notes / "todo.txt").read_text() == "keep me"
+    code, _, err = run(capsys, "analyze", "smollm2-135m", "--residual-stream", "--plot", notes)
+    _one_line_error(code, err, "is a directory; give a file path")
+    code, _, err = run(capsys, "inspect", tmp_path / "nosuch")
+    _one_line_error(code, err, "does not exist")
+    monkeypatch.setenv("BITQUILT_CACHE", str(notes / "todo.txt"))
+    code, _, err = run(capsys, "fetch", "smollm2-135m")
+    _one_line_error(code, err, "cannot be created (File exists); set BITQUILT_CACHE to a writable directory")
+
+
+def test_a_saved_model_is_not_quantized_again_and_its_files_are_checked(tmp_path, capsys):
+    model = make_tiny("llama")
+    quantize(model, Recipe("rtn", w_bits=4, group_size=64), None, progress=False)
+    save(model, tmp_path / "q")
+    code, _, err = run(capsys, "quantize", tmp_path / "q", "--method", "rtn", "-o", tmp_path / "again")
+    _one_line_error(code, err, "is already quantized (a directory saved by `bitquilt quantize`)")
+    (tmp_path / "q" / "model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}")  # a damaged weights file
+    code, _, err = run(capsys, "inspect", tmp_path / "q")
+    _one_line_error(code, err, "is missing or unreadable")
+
+
+def test_a_damaged_resume_state_is_one_error_naming_the_file(tmp_path):
+    from bitquilt.pipeline.resume import STATE, load_progress
+
+    (tmp_path / STATE).write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match=f"resume file .*{STATE} cannot be read back .*delete .* to start again"):
+        load_progress(tmp_path, "run")
+
+
+def test_skip_globs_that_keep_everything_or_nothing_out(caplog):
+    model = make_tiny("llama")
+    with pytest.raises(ValueError, match="keeps every one of the .* linears in full precision: nothing to quantize"):
+        quantize(model, Recipe("rtn", w_bits=4, group_size=64, skip=["*"]), None, progress=False)
+    with caplog.at_level("WARNING"):
+        quantize(model, Recipe("rtn", w_bits=4, group_size=64, skip=["layers.*.q_proj"]), None, progress=False)
+    assert "--skip 'layers.*.q_proj' matches no linear (linears are named like model.layers.0." in caplog.text
+
+
+def test_an_export_refuses_non_finite_weights(tmp_path):
+    from bitquilt.api import export
+    from bitquilt.nn.quant_linear import QuantLinear
+
+    model = make_tiny("llama")
+    quantize(model, Recipe("rtn", w_bits=4, group_size=64), None, progress=False)
+    linear = next(m for m in model.modules() if isinstance(m, QuantLinear))
+    linear.fmt.scales.view(-1)[0] = float("nan")
+    save(model, tmp_path / "q")
+    for to, out in (("gguf", tmp_path / "m.gguf"), ("compressed-tensors", tmp_path / "ct")):
+        with pytest.raises(UserError, match="scales hold NaN or Inf .the checkpoint is damaged or was edited"):
+            export(tmp_path / "q", out, to=to)
+        assert not out.exists()
+    with pytest.raises(UserError, match="is a file of the input .*which writing it would replace"):
+        export(tmp_path / "q", tmp_path / "q" / "model.safetensors", to="gguf", overwrite=True)
+    assert (tmp_path / "q" / "model.safetensors").stat().st_size > 1000
+
+
+def test_evaluation_windows_need_two_tokens_and_overlapping_calibration_warns(tmp_path, caplog):
+    from transformers import AutoTokenizer
+
+    from bitquilt.data.windows import calibration_windows, eval_windows
+    from bitquilt.models.registry import DEFAULT_MODEL, fetched_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(fetched_dir(DEFAULT_MODEL))
+    text = tmp_path / "short.txt"
+    text.write_text(TEXT)
+    with pytest.raises(UserError, match="evaluation windows need at least 2 tokens"):
+        eval_windows(tokenizer, text, 1)
+    with caplog.at_level("WARNING"):
+        windows = calibration_windows(tokenizer, text, 64, 64)
+    assert windows.shape == (64, 64) and "the windows overlap" in caplog.text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from safetensors.torch import load_file, save_file
 from bitquilt.cache import atomic_file, cache_dir
 from bitquilt.data.corpora import load_documents
 from bitquilt.errors import UserError
+
+log = logging.getLogger(__name__)
 
 SEPARATOR = "\n\n"
 
@@ -60,6 +63,8 @@ def eval_windows(
 ) -> torch.Tensor:
     """Consecutive non-overlapping windows [n, seqlen] from the start of `source`; the rest is dropped."""
     _check_positive(seqlen=seqlen, max_windows=max_windows)
+    if seqlen < 2:
+        raise UserError(f"evaluation windows need at least 2 tokens (each predicts from the one before), got {seqlen}")
     ids = corpus_ids(tokenizer, source)
     n = len(ids) // seqlen
     if n == 0:
@@ -78,6 +83,10 @@ def calibration_windows(
     if len(ids) < seqlen:
         raise UserError(f"calibration text {str(source)!r} has {len(ids)} tokens; one window of "
                         f"seqlen {seqlen} needs at least {seqlen}")
+    if n_samples * seqlen > len(ids):
+        log.warning("calibration text %r has %d tokens for %d windows of %d: the windows overlap, so the statistics "
+                    "see fewer distinct tokens than %d windows would; give a longer text or fewer --calib-samples",
+                    str(source), len(ids), n_samples, seqlen, n_samples)
     rng = random.Random(seed)
     starts = [rng.randint(0, len(ids) - seqlen) for _ in range(n_samples)]
     return torch.stack([ids[s : s + seqlen] for s in starts])

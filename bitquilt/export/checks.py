@@ -1,10 +1,11 @@
-"""What every exporter refuses alike: online modules, quantized input embeddings, and linears whose format the
-target cannot hold exactly; one-line UserErrors naming the first offender."""
+"""What every exporter refuses alike: online modules, quantized input embeddings, and linears whose format holds
+NaN/Inf or the target cannot hold exactly; one-line UserErrors naming the first offender."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from bitquilt.errors import UserError
@@ -18,9 +19,9 @@ def check_layers(model: nn.Module, target: str, runtime_cannot: str,
                  refusal: Callable[[WeightFormat], str | None], exportable: str,
                  quantized_embeddings: bool = False) -> None:
     """Raise for the first part of `model` that `target` (e.g. "GGUF") cannot hold: a module run online at
-    inference (`runtime_cannot` says why, e.g. "which llama.cpp cannot run"), a quantized input embedding (unless
-    `quantized_embeddings`: then its format must pass `refusal` too), or a QuantLinear for which `refusal(fmt)`
-    gives a reason; `exportable` names what the target takes."""
+    inference (`runtime_cannot` says why, e.g. "which llama.cpp cannot run"), a NaN/Inf parameter, a quantized input
+    embedding (unless `quantized_embeddings`: then its format must pass `refusal` too), or a QuantLinear whose format
+    holds NaN/Inf or for which `refusal(fmt)` gives a reason; `exportable` names what the target takes."""
     hosts = online.online_state(model)
     if hosts:
         host, slots = next(iter(hosts.items()))
@@ -31,9 +32,19 @@ def check_layers(model: nn.Module, target: str, runtime_cannot: str,
     if embeddings and not quantized_embeddings:
         raise UserError(f"cannot export {embeddings[0]} to {target}: quantized input embeddings (--head-bits) are "
                         "not exported yet; quantize with --head-bits 16")
+    damaged = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if damaged is not None:
+        raise UserError(f"cannot export to {target}: {damaged} holds NaN or Inf (the checkpoint is damaged or was "
+                        "edited)")
     refused = [(name, m.fmt, why) for name, m in model.named_modules()
-               if isinstance(m, QuantLinear | QuantEmbedding) and (why := refusal(m.fmt)) is not None]
+               if isinstance(m, QuantLinear | QuantEmbedding) and (why := _non_finite(m.fmt) or refusal(m.fmt))]
     if refused:
         name, fmt, why = refused[0]
         more = f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""
         raise UserError(f"cannot export {name} ({fmt.describe()}) to {target}: {why}{more}; exportable: {exportable}")
+
+
+def _non_finite(fmt: WeightFormat) -> str | None:
+    """Why a format holding NaN or Inf (a damaged or edited checkpoint) is not exported; None when all finite."""
+    bad = [key for key, t in fmt.tensors().items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    return f"its {', '.join(bad)} hold NaN or Inf (the checkpoint is damaged or was edited)" if bad else None

@@ -317,10 +317,14 @@ def tokenizer_metadata(config: Any, tokenizer: Any, tokenizer_from: str | Path |
 
 
 # ---------------------------------------------------------------- writing
-def check_output_file(path: Path, overwrite: bool) -> None:
-    """Raise UserError unless the file `path` can be written (replaced if `overwrite`): call it before the work."""
+def check_output_file(path: Path, overwrite: bool, source: Path) -> None:
+    """Raise UserError unless the file `path` can be written (replaced if `overwrite`) without replacing a file of
+    `source`, the saved model it is made from: call it before the work."""
     if path.is_dir():
         raise UserError(f"output {path} is a directory; give a file path such as {path / 'model.gguf'}")
+    if path.exists() and source.resolve() in path.resolve().parents:
+        raise UserError(f"output {path} is a file of the input {source}, which writing it would replace; give a new "
+                        "file name")
     if path.exists() and not overwrite:
         raise UserError(f"output file {path} already exists; choose another path or pass --overwrite (overwrite=True)")
     check_writable(path)
@@ -378,7 +382,7 @@ def export_gguf(directory: str | Path, output: str | Path, overwrite: bool = Fal
                 tokenizer_from: str | Path | None = None, progress: bool = False) -> GGUFExport:
     """Export the model saved by `bitquilt.io.save` in `directory` to the GGUF file `output`."""
     directory, output = Path(directory), Path(output)
-    check_output_file(output, overwrite)
+    check_output_file(output, overwrite, directory)
     if not is_quantized_dir(directory):
         raise UserError(f"{directory} is not a model saved by bitquilt (no quantization_config.json); export takes "
                         "the output directory of `bitquilt quantize`")

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ SAVED_MODEL_TYPE = "bitquilt"  # config.json's model_type in a directory bitquil
 ACCEPTED = ("a packaged model name ({names}), a Hugging Face model folder (config.json + .safetensors), "
             "a .gguf file, or a folder saved by `bitquilt quantize`")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+T = TypeVar("T")
 
 
 def _accepted() -> str:
@@ -67,6 +69,19 @@ def check_safetensors(path: Path) -> None:
                         "re-fetch or re-save the model")
 
 
+def check_gguf(path: Path) -> None:
+    """Raise UserError unless `path` reads as a whole GGUF file (header, metadata, tensor table, and every tensor's
+    bytes inside the file: gguf's reader maps them all): a truncated download or copy fails here with one line,
+    not deep in the loader."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)
+    except (ValueError, KeyError, IndexError, struct.error) as e:
+        raise UserError(f"{path} is not a readable GGUF file (truncated or damaged; the reader says: "
+                        f"{' '.join(str(e).split())})") from None
+
+
 def empty_model(config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The causal LM `config` describes, without its weights: every parameter on the meta device (nothing
     allocated), buffers such as RoPE frequencies and Gemma's embedding scale computed as usual (the non-persistent
@@ -79,6 +94,17 @@ def empty_model(config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
+def checked_config(path: Path, build: Callable[[], T]) -> T:
+    """`build()`, transformers making a config from the config.json at `path`; a UserError naming the file, with
+    the library's reason on one line, if it refuses it (a field of the wrong type, an unknown model type, no JSON)."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        return build()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StrictDataclassError) as e:
+        raise UserError(f"{path} is not a valid model config: {' '.join(str(e).split())}") from None
+
+
 def _load_tokenizer(path: Path, **kwargs: Any) -> Any:
     from transformers import AutoTokenizer
 
@@ -89,18 +115,21 @@ def _load_tokenizer(path: Path, **kwargs: Any) -> Any:
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         raise UserError(f"{path} has a config.json but no .safetensors weights; accepted: {_accepted()}")
     for w in weights:
         check_safetensors(w)
-    if json.loads((path / "config.json").read_text()).get("model_type") == SAVED_MODEL_TYPE:
+    config_path = path / "config.json"
+    raw = checked_config(config_path, lambda: json.loads(config_path.read_text()))
+    if isinstance(raw, dict) and raw.get("model_type") == SAVED_MODEL_TYPE:
         raise UserError(f"{path} was saved by bitquilt but its quantization_config.json is missing: the directory is "
                         "incomplete; save or copy it again")
+    config = checked_config(config_path, lambda: AutoConfig.from_pretrained(path, local_files_only=True))
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise UserError(f"cannot load the model in {path}: {str(e).splitlines()[0]}") from None
     has_tokenizer = any((path / f).is_file() for f in TOKENIZER_FILES)
@@ -110,6 +139,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
     from transformers import AutoModelForCausalLM
 
+    check_gguf(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
                                                      local_files_only=True)

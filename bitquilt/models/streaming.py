@@ -31,7 +31,7 @@ from bitquilt.errors import UserError
 from bitquilt.heap import return_free_memory
 from bitquilt.mapped import map_file, tensor_view
 from bitquilt.models.adapters import architecture_of, decoder_layers
-from bitquilt.models.loading import TOKENIZER_FILES, _load_tokenizer, check_safetensors, empty_model
+from bitquilt.models.loading import TOKENIZER_FILES, _load_tokenizer, check_safetensors, checked_config, empty_model
 from bitquilt.nn.quant_linear import QuantLinear
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -136,8 +136,9 @@ class StreamingCheckpoint:
                             "(config.json + .safetensors); quantize it without --stream")
         self.directory, self.dtype = directory, dtype
         self.files = TensorFiles(directory)
+        config = checked_config(directory / "config.json",
+                                lambda: AutoConfig.from_pretrained(directory, local_files_only=True))
         try:
-            config = AutoConfig.from_pretrained(directory, local_files_only=True)
             self.model = empty_model(config, dtype)
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"cannot build the model in {directory}: {str(e).splitlines()[0]}") from None

@@ -10,6 +10,8 @@ block's calibration activations are held at a time. What runs is the recipe's st
 
 from __future__ import annotations
 
+import fnmatch
+import logging
 import time
 from contextlib import ExitStack
 from dataclasses import asdict
@@ -32,6 +34,8 @@ from bitquilt.pipeline.report import QuantReport
 from bitquilt.pipeline.resume import Progress, fingerprint, load_progress, restore_blocks, save_progress
 from bitquilt.recipes import CalibConfig, Recipe
 from bitquilt.resources import peak_rss_mb, reset_peak_rss
+
+log = logging.getLogger(__name__)
 
 
 def check_layer_shapes(model: nn.Module, plan: Plan, residual_block: tuple[int, int] | None = None) -> None:
@@ -101,7 +105,18 @@ def initial_plan(model: nn.Module, arch: Architecture, recipe: Recipe) -> Plan:
     n = len(decoder_layers(model, arch))
     linears = [f"{arch.layers}.{i}.{name}" for i in range(n) for name in arch.linear_names()]
     attention = [f"{arch.layers}.{i}.{arch.attention}" for i in range(n)]
+    if recipe.skip and all(recipe.spec_for(name) is None for name in linears):
+        raise ValueError(f"--skip {' '.join(recipe.skip)} keeps every one of the {len(linears)} linears in full "
+                         f"precision: nothing to quantize (linears are named like {linears[0]})")
     return Plan.static(linears, attention, recipe.spec_for, recipe.act_config_for, recipe.kv_config())
+
+
+def warn_unmatched_skips(plan: Plan, recipe: Recipe) -> None:
+    """A warning for each --skip glob that matches none of the plan's linears (a typo keeps nothing out)."""
+    for pattern in recipe.skip:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in plan.linears):
+            log.warning("--skip %r matches no linear (linears are named like %s); it keeps nothing in full "
+                        "precision", pattern, next(iter(plan.linears), "?"))
 
 
 @torch.no_grad()
@@ -130,6 +145,7 @@ def quantize_model(
                          f"stage: {', '.join(s.name for s, _ in stages if s.needs_calibration)}); pass calibration ids")
     plan = initial_plan(model, arch, recipe)
     check_layer_shapes(model, plan, residual_block(recipe))
+    warn_unmatched_skips(plan, recipe)
     report = QuantReport(recipe.record(), asdict(calib) if calib and needs_data else None)
     by_scope = {scope: [(s, o) for s, o in stages if s.scope == scope] for scope in SCOPES}
     layers = decoder_layers(model, arch)

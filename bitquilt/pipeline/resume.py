@@ -65,6 +65,16 @@ def _write(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _read(path: Path, directory: Path) -> Any:
+    """A file `_write` wrote; ValueError naming it when it cannot be read back (cut short by a full disk or a kill
+    outside `_write`'s rename, or edited)."""
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:  # torch.load fails as whatever its unpickler meets: EOFError, RuntimeError, UnpicklingError
+        raise ValueError(f"resume file {path} cannot be read back ({type(e).__name__}: {e}); delete {directory} to "
+                         "start again") from None
+
+
 def block_path(directory: Path, index: int) -> Path:
     return directory / f"block_{index:04d}.pt"
 
@@ -83,7 +93,7 @@ def load_progress(directory: Path, expected: str) -> Progress | None:
     path = directory / STATE
     if not path.exists():
         return None
-    progress = torch.load(path, weights_only=False)
+    progress = _read(path, directory)
     if not isinstance(progress, Progress) or progress.fingerprint != expected:
         raise ValueError(f"resume directory {directory} holds the progress of another run (a different model, "
                          f"recipe or calibration data); give a new directory or delete it")
@@ -97,4 +107,4 @@ def restore_blocks(directory: Path, layers: nn.ModuleList, last: int) -> None:
         if not path.exists():
             raise ValueError(f"resume directory {directory} lacks {path.name}, which its state needs; delete the "
                              "directory to start again")
-        layers[i] = torch.load(path, weights_only=False)
+        layers[i] = _read(path, directory)

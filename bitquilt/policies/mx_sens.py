@@ -94,14 +94,26 @@ def model_shapes(model: nn.Module, names: list[str], base_bits: int) -> dict[str
     return {n: LinearShape(*model.get_submodule(n).weight.shape, base_bits) for n in names}
 
 
-def allocate(shapes: dict[str, LinearShape], weights: dict[str, float], target_bits: float, top_bits: int = 8,
-             middle_bits: int = 6, top_columns: int = BLOCK) -> tuple[dict[str, tuple], float]:
-    """Classes ((top_bits, 32), (middle_bits, n_l), (base, rest)) per linear and the global R hitting
-    `target_bits` (see the module docstring); raises if the target is out of reach."""
+def check_target(shapes: dict[str, LinearShape], target_bits: float, top_bits: int = 8, middle_bits: int = 6,
+                 top_columns: int = BLOCK) -> None:
+    """Raise ValueError unless the widths nest (base < middle ≤ top) and `target_bits` is reachable for `shapes`
+    (`bits_range`): what `allocate` needs, known from the shapes alone, so checked before any measurement."""
     narrow = sorted({s.base_bits for s in shapes.values() if not s.base_bits < middle_bits <= top_bits})
     if narrow:
         raise ValueError(f"mx_sens needs base bits < middle_bits ({middle_bits}) ≤ top_bits ({top_bits}); linears "
                          f"with base bits {narrow} do not fit (set --w-bits 4, the base width)")
+    low, high = bits_range(shapes, top_bits, middle_bits, top_columns)
+    if not low - 1e-9 <= target_bits <= high + 1e-9:
+        raise ValueError(f"target of {target_bits:g} element bits per weight is out of reach for this model: "
+                         f"{low:.3f} (only the top {top_columns} columns of each linear at {top_bits} bits) to "
+                         f"{high:.3f} (every other column at {middle_bits} bits)")
+
+
+def allocate(shapes: dict[str, LinearShape], weights: dict[str, float], target_bits: float, top_bits: int = 8,
+             middle_bits: int = 6, top_columns: int = BLOCK) -> tuple[dict[str, tuple], float]:
+    """Classes ((top_bits, 32), (middle_bits, n_l), (base, rest)) per linear and the global R hitting
+    `target_bits` (see the module docstring); raises if the target is out of reach (`check_target`)."""
+    check_target(shapes, target_bits, top_bits, middle_bits, top_columns)
     top = {n: min(top_columns, s.in_features) for n, s in shapes.items()}
     total = sum(s.out_features * s.in_features for s in shapes.values())
 
@@ -111,11 +123,6 @@ def allocate(shapes: dict[str, LinearShape], weights: dict[str, float], target_b
                    for n, s in shapes.items()) / total
 
     r_max = 1.0 / max(min(weights.values()), 1e-12)  # every linear's middle class full
-    low, high = bits_range(shapes, top_bits, middle_bits, top_columns)
-    if not low - 1e-9 <= target_bits <= high + 1e-9:
-        raise ValueError(f"target of {target_bits:g} element bits per weight is out of reach for this model: "
-                         f"{low:.3f} (only the top {top_columns} columns of each linear at {top_bits} bits) to "
-                         f"{high:.3f} (every other column at {middle_bits} bits)")
     lo, hi = 0.0, r_max
     for _ in range(100):
         mid = (lo + hi) / 2
@@ -177,6 +184,7 @@ def mx_sens(ctx: ModelContext, opts: MXSensOptions) -> dict[str, Any]:
         raise ValueError(f"mx_sens: top_columns must be a multiple of {BLOCK}, got {opts.top_columns}")
     names = ctx.plan.quantized()
     shapes = {n: model_shapes(ctx.model, [n], ctx.plan.weight(n).bits)[n] for n in names}
+    check_target(shapes, opts.target_bits, opts.top_bits, opts.middle_bits, opts.top_columns)  # before measuring
     if opts.layers == "sensitivity":
         raw = layer_sensitivities(ctx.model, ctx, names, opts.samples)
         mean = sum(raw.values()) / len(raw)
