@@ -276,9 +276,12 @@ def _recipe_from_args(args, method: str | None, bits: int, group_size: int | Non
 
 
 def _calib_config(args) -> CalibConfig:
+    """The calibration settings of the flags, their text source checked (a mistyped path fails before the load,
+    whether or not the method reads it)."""
+    from bitquilt.data.corpora import check_source
+
+    check_source(args.calib_data)
     return CalibConfig(args.calib_data, args.calib_samples, args.calib_seqlen, args.seed)
-
-
 
 
 def _check_calib_seqlen(model: Any, calib: CalibConfig) -> None:
@@ -299,10 +302,6 @@ def _check_plan(model: Any, recipe: Recipe) -> None:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-
-
 
 
 def _flag_non_finite(rows: list[dict[str, Any]], labels: list[str]) -> list[str]:
@@ -328,12 +327,17 @@ def _results_exit(command: str, non_finite: list[str]) -> int:
 
 def _evaluate(model, tokenizer, args, cache_key: str) -> dict[str, Any]:
     """Perplexity on each --ppl-data set and zero-shot --tasks; a flat dict of results."""
-    from bitquilt.eval.ppl import perplexity
+    from bitquilt.data.corpora import check_disjoint
+    from bitquilt.eval.ppl import calibration_source, perplexity
 
     out: dict[str, Any] = {}
     tasks = _tasks(args)
     if getattr(args, "ppl", True) or not tasks:
-        for source in [s for s in args.ppl_data.split(",") if s]:
+        sources = [s for s in args.ppl_data.split(",") if s]
+        if (calib_source := calibration_source(model)) is not None:
+            for source in sources:  # every set before the first is scored: a refusal costs no work
+                check_disjoint(calib_source, source)
+        for source in sources:
             r = perplexity(model, tokenizer, source, args.seqlen, args.ppl_windows, progress=not args.json)
             out[f"ppl_{Path(source).stem if os.sep in source else source}"] = r.ppl
             out.setdefault("ppl_settings", {})[source] = {k: v for k, v in r.to_dict().items() if k != "ppl"}
@@ -437,10 +441,13 @@ def _tasks(args) -> list[str]:
 def _check_eval_sets(args) -> None:
     """Fail on an empty or mistyped --ppl-data / --tasks, or a --limit without tasks, before paying for a model
     load."""
+    from bitquilt.data.corpora import check_source
     from bitquilt.eval.tasks import TASK_NAMES
 
     if not any(args.ppl_data.split(",")):
         raise UserError("--ppl-data is empty; give wiki, lambada or a .txt/.jsonl path (comma-separated)")
+    for source in (s for s in args.ppl_data.split(",") if s):
+        check_source(source)
     if args.tasks is not None and not _tasks(args):
         raise UserError(f"--tasks is empty; give zero-shot tasks ({', '.join(TASK_NAMES)} or a .jsonl file), or "
                         "leave it out for perplexity alone")
@@ -518,12 +525,16 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from bitquilt.api import calibration_ids, load, quantize
+    from bitquilt.api import calibration_ids, check_full_precision, load, quantize
     from bitquilt.models.loading import source_fingerprint
 
+    check_full_precision(args.model)  # its rows quantize the model: a saved one would be rounded twice
     methods = [m for m in args.methods.split(",") if m]
     if not methods:
         raise UserError("--methods is empty; give one or more comma-separated methods, e.g. fp,rtn,gptq")
+    if args.target_bits != [None] and not any(m != "fp" and budget_stages(m) for m in methods):
+        raise UserError("--target-bits applies to methods with a bit budget (mxsens, mobiquant); none of --methods "
+                        f"{args.methods!r} has one")
     sizes = args.group_size * len(args.w_bits) if len(args.group_size) == 1 else args.group_size
     if len(sizes) != len(args.w_bits):
         raise UserError("--group-size takes one value, or one per --w-bits value")

@@ -130,8 +130,8 @@ class Recipe:
         names = {s.name for s, _ in self.stages()} - {"solve"}
         unknown = sorted(set(self.stage_options) - names)
         if unknown:
-            raise ValueError(f"stage options for {unknown}, which recipe {self.method!r} does not run; "
-                             f"its stages: {', '.join(sorted(names))}")
+            runs = f"its stages: {', '.join(sorted(names))}" if names else "it runs its solver alone"
+            raise ValueError(f"stage options for {unknown}, which recipe {self.method!r} does not run; {runs}")
         if (self.a8_layers or self.a8_snr_db is not None) and self.a_bits >= 8:
             raise ValueError(f"--a8-layers/--a8-snr-db widen 4-bit activations to 8 bits in chosen layers; the "
                              f"recipe's activations are {self.a_bits}-bit (use --a-bits 4)")

@@ -83,6 +83,13 @@ def describe_options(options: type) -> str:
     return ", ".join(f"{f.name}={default(f)!r}" for f in dataclasses.fields(options)) or "none"
 
 
+def _type_name(hint: Any) -> str:
+    """A type hint as a message says it: "a float", "an int", "tuple[int, ...]"."""
+    if isinstance(hint, type):
+        return ("an " if hint.__name__[0] in "aeiou" else "a ") + hint.__name__
+    return str(hint).replace("typing.", "")
+
+
 def make_options(options: type, values: dict[str, Any] | None, owner: str) -> Any:
     """`options(**values)` after checking every name and value type; `owner` names it in errors."""
     values = dict(values or {})
@@ -93,7 +100,7 @@ def make_options(options: type, values: dict[str, Any] | None, owner: str) -> An
     hints = typing.get_type_hints(options)
     for name, value in values.items():
         if not _accepts(hints[name], value):
-            raise ValueError(f"{owner} option {name}={value!r}: expected {hints[name]}")
+            raise ValueError(f"{owner} option {name}={value!r}: expected {_type_name(hints[name])}")
         if isinstance(value, list):
             values[name] = tuple(value)  # JSON gives lists; options hold tuples
     return options(**values)

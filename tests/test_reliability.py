@@ -74,7 +74,11 @@ def _one_line_error(code: int, err: str, message: str) -> None:
     (["eval", "--ppl-data", ""], "--ppl-data is empty; give wiki, lambada or a .txt/.jsonl path"),
     (["eval", "--limit", "5"], "--limit samples zero-shot items; it needs --tasks"),
     (["compare", "--methods", ""], "--methods is empty; give one or more comma-separated methods"),
+    (["compare", "--methods", "fp,rtn", "--target-bits", "4.5"], "--target-bits applies to methods with a bit budget"),
     (["quantize", "--method", "awq+bogus"], "unknown method 'awq+bogus': a method is [stage+...+]solver"),
+    (["quantize", "--method", "rtn", "--calib-data", "nosuch.txt"], "text file nosuch.txt does not exist"),
+    (["eval", "--ppl-data", "wiki,nosuch.jsonl"], "text file nosuch.jsonl does not exist"),
+    (["eval", "--ppl-data", "c4"], "unknown text source 'c4'; use one of"),
 ])
 def test_bad_numbers_are_refused_before_loading(tmp_path, capsys, no_load, args, message):
     command, *rest = args
@@ -399,6 +403,8 @@ def test_a_saved_model_is_not_quantized_again_and_its_files_are_checked(tmp_path
     save(model, tmp_path / "q")
     code, _, err = run(capsys, "quantize", tmp_path / "q", "--method", "rtn", "-o", tmp_path / "again")
     _one_line_error(code, err, "is already quantized (a directory saved by `bitquilt quantize`)")
+    code, _, err = run(capsys, "compare", tmp_path / "q", "--methods", "fp,rtn")
+    _one_line_error(code, err, "is already quantized")
     (tmp_path / "q" / "model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}")  # a damaged weights file
     code, _, err = run(capsys, "inspect", tmp_path / "q")
     _one_line_error(code, err, "is missing or unreadable")

@@ -89,19 +89,30 @@ def _read_jsonl(path: Path) -> list[str]:
     return docs
 
 
-def load_documents(source: str | Path) -> list[str]:
-    """Documents of a packaged text set (see TEXT_SETS) or of a user's .txt / .jsonl file."""
+READERS = {".txt": _read_txt, ".jsonl": _read_jsonl}
+
+
+def check_source(source: str | Path) -> Path | None:
+    """Raise UserError unless `source` names a packaged text set (TEXT_SETS: None) or an existing .txt / .jsonl file
+    (its path): checked before a model is loaded, not when its text is first read."""
     if isinstance(source, str) and source in TEXT_SETS:
-        return list(_builtin(source))
+        return None
     path = Path(source).expanduser()
-    readers = {".txt": _read_txt, ".jsonl": _read_jsonl}
-    if path.suffix not in readers:
+    if path.suffix not in READERS:
         raise UserError(f"unknown text source {str(source)!r}; use one of {', '.join(TEXT_SETS)}, "
                         f"or a path to a {_USER_FORMATS} file")
     if not path.is_file():
         raise UserError(f"text file {path} does not exist")
+    return path
+
+
+def load_documents(source: str | Path) -> list[str]:
+    """Documents of a packaged text set (see TEXT_SETS) or of a user's .txt / .jsonl file."""
+    path = check_source(source)
+    if path is None:
+        return list(_builtin(str(source)))
     try:
-        docs = readers[path.suffix](path)
+        docs = READERS[path.suffix](path)
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read {path}: {e}; expected a UTF-8 {_USER_FORMATS} file") from None
     if not docs:

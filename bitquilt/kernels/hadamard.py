@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from bitquilt.kernels import cpu, kernels_enabled
+from bitquilt.kernels import kernels_enabled
 
 
 def transform(x: torch.Tensor, signs: torch.Tensor | None, factor: torch.Tensor) -> torch.Tensor | None:
@@ -20,6 +20,9 @@ def transform(x: torch.Tensor, signs: torch.Tensor | None, factor: torch.Tensor)
     if not kernels_enabled() or x.dtype != torch.float32 or not x.is_cpu or x.numel() == 0 \
             or (x.requires_grad and torch.is_grad_enabled()):
         return None
+    from bitquilt.kernels import cpu  # here, not at import: importing it builds the extension, and the command
+    # lines import this module before they check their arguments (a bad flag answers at once, not after a build)
+
     ext = cpu.extension()
     if ext is None:
         return None
