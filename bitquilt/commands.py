@@ -262,6 +262,11 @@ def _recipe_from_args(args, method: str | None, bits: int, group_size: int | Non
                                                       ("score", args.residual_score)) if value is not None}
     if residual_options and args.residual is None:
         raise UserError(f"--residual-{'/'.join(sorted(residual_options))} configure a residual; add --residual mosaic")
+    for flag, given, quantized, needs in (("--a-sym", args.a_sym, args.a_bits < 16, "--a-bits"),
+                                          ("--kv-group-size", args.kv_group_size != RECIPE["kv_group_size"],
+                                           args.kv_bits < 16, "--kv-bits")):
+        if given and not quantized:  # the command line sets no per-layer widths: nothing else would read it
+            raise UserError(f"{flag} shapes a grid that is off; add {needs} below 16, or drop {flag}")
     fields = dict(sym=args.sym, options=options, stage_options=stage_options, skip=tuple(args.skip),
                   a_bits=args.a_bits, a_sym=args.a_sym, a_clip=args.a_clip, a_format=args.a_format,
                   kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_center=args.kv_center,

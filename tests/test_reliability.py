@@ -75,6 +75,8 @@ def _one_line_error(code: int, err: str, message: str) -> None:
     (["eval", "--limit", "5"], "--limit samples zero-shot items; it needs --tasks"),
     (["compare", "--methods", ""], "--methods is empty; give one or more comma-separated methods"),
     (["compare", "--methods", "fp,rtn", "--target-bits", "4.5"], "--target-bits applies to methods with a bit budget"),
+    (["quantize", "--method", "rtn", "--a-sym"], "--a-sym shapes a grid that is off; add --a-bits below 16"),
+    (["quantize", "--method", "rtn", "--kv-group-size", "32"], "--kv-group-size shapes a grid that is off"),
     (["quantize", "--method", "awq+bogus"], "unknown method 'awq+bogus': a method is [stage+...+]solver"),
     (["quantize", "--method", "rtn", "--calib-data", "nosuch.txt"], "text file nosuch.txt does not exist"),
     (["eval", "--ppl-data", "wiki,nosuch.jsonl"], "text file nosuch.jsonl does not exist"),
