@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,8 @@ from bitquilt.io import (  # noqa: F401  (API)
     quantization_record,
     set_quantization_record,
 )
-from bitquilt.models.loading import resolve_path
+from bitquilt.models.adapters import supported_model_types
+from bitquilt.models.loading import checked_config, resolve_path
 from bitquilt.models.streaming import StreamingCheckpoint
 from bitquilt.pipeline.engine import quantize_model
 from bitquilt.pipeline.head import HEAD_STAGE, quantize_head
@@ -120,16 +122,25 @@ def open_streaming(spec: str | Path) -> StreamingCheckpoint:
     """A packaged model name or Hugging Face folder opened for `quantize_streaming`: the model's skeleton (config,
     shapes, embeddings; the decoder blocks, final norm and LM head stay on disk) and its tokenizer."""
     path = resolve_path(spec)
-    check_full_precision(path)
+    check_quantizable(path)
     return StreamingCheckpoint(path)
 
 
-def check_full_precision(path: str | Path) -> None:
-    """Raise UserError if `path` is a directory saved by `bitquilt quantize`: quantizing it again would round
-    already-rounded weights (and its linears are packed formats, not weights)."""
+def check_quantizable(spec: str | Path) -> None:
+    """Raise UserError, before anything is loaded, if `spec` is a directory saved by `bitquilt quantize` (quantizing
+    it again would round already-rounded weights) or a Hugging Face folder whose config.json names an architecture
+    bitquilt has no adapter for (found otherwise only after its weights are loaded)."""
+    path = Path(spec).expanduser()
     if is_quantized_dir(path):
         raise UserError(f"{path} is already quantized (a directory saved by `bitquilt quantize`); quantize the "
                         f"full-precision model it came from (`bitquilt inspect {path}` shows its recipe)")
+    config = path / "config.json"
+    if config.is_file():
+        raw = checked_config(config, lambda: json.loads(config.read_text()))
+        model_type = raw.get("model_type") if isinstance(raw, dict) else None
+        if model_type not in supported_model_types():
+            raise UserError(f"unsupported architecture {model_type!r} in {config}; supported model types: "
+                            f"{', '.join(supported_model_types())}")
 
 
 def quantize_streaming(

@@ -383,7 +383,7 @@ def cmd_fetch(args) -> int:
 
 def cmd_quantize(args) -> int:
     from bitquilt.api import (
-        check_full_precision,
+        check_quantizable,
         check_streamable,
         load,
         open_streaming,
@@ -407,7 +407,7 @@ def cmd_quantize(args) -> int:
         stream = open_streaming(args.model)  # the skeleton: blocks, final norm and LM head stay on disk
         model, tokenizer = stream.model, stream.tokenizer
     else:
-        check_full_precision(args.model)
+        check_quantizable(args.model)
         model, tokenizer = load(args.model)
     if recipe.needs_calibration:
         _check_calib_seqlen(model, calib)
@@ -530,10 +530,10 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from bitquilt.api import calibration_ids, check_full_precision, load, quantize
+    from bitquilt.api import calibration_ids, check_quantizable, load, quantize
     from bitquilt.models.loading import source_fingerprint
 
-    check_full_precision(args.model)  # its rows quantize the model: a saved one would be rounded twice
+    check_quantizable(args.model)  # its rows quantize the model: a saved one would be rounded twice
     methods = [m for m in args.methods.split(",") if m]
     if not methods:
         raise UserError("--methods is empty; give one or more comma-separated methods, e.g. fp,rtn,gptq")

@@ -399,6 +399,17 @@ def test_outputs_and_paths_are_checked_before_any_work(tmp_path, capsys, no_load
     _one_line_error(code, err, "cannot be created (File exists); set BITQUILT_CACHE to a writable directory")
 
 
+def test_an_architecture_without_adapter_is_refused_before_its_weights_load(tmp_path, capsys, no_load):
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    for command in (["quantize", tmp_path / "gpt2", "--method", "rtn", "-o", tmp_path / "q"],
+                    ["quantize", tmp_path / "gpt2", "--method", "rtn", "--stream", "-o", tmp_path / "q"],
+                    ["compare", tmp_path / "gpt2", "--methods", "fp,rtn"]):
+        code, _, err = run(capsys, *command)
+        _one_line_error(code, err, "unsupported architecture 'gpt2' in ")
+        assert "supported model types: " in err and "llama" in err
+
+
 def test_a_saved_model_is_not_quantized_again_and_its_files_are_checked(tmp_path, capsys):
     model = make_tiny("llama")
     quantize(model, Recipe("rtn", w_bits=4, group_size=64), None, progress=False)
