@@ -340,7 +340,7 @@ def _evaluate(model, tokenizer, args, cache_key: str) -> dict[str, Any]:
     if getattr(args, "ppl", True) or not tasks:
         sources = [s for s in args.ppl_data.split(",") if s]
         if (calib_source := calibration_source(model)) is not None:
-            for source in sources:  # every set before the first is scored: a refusal costs no work
+            for source in sources:  # all checked before the first is scored: a refusal costs no work
                 check_disjoint(calib_source, source)
         for source in sources:
             r = perplexity(model, tokenizer, source, args.seqlen, args.ppl_windows, progress=not args.json)
@@ -533,7 +533,7 @@ def cmd_compare(args) -> int:
     from bitquilt.api import calibration_ids, check_quantizable, load, quantize
     from bitquilt.models.loading import source_fingerprint
 
-    check_quantizable(args.model)  # its rows quantize the model: a saved one would be rounded twice
+    check_quantizable(args.model)  # its rows quantize the model: not a saved one, nor one without adapter
     methods = [m for m in args.methods.split(",") if m]
     if not methods:
         raise UserError("--methods is empty; give one or more comma-separated methods, e.g. fp,rtn,gptq")
