@@ -30,6 +30,7 @@ from bitquilt.io import (  # noqa: F401  (API)
 from bitquilt.models.adapters import supported_model_types
 from bitquilt.models.loading import checked_config, resolve_path
 from bitquilt.models.streaming import StreamingCheckpoint
+from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.pipeline.engine import quantize_model
 from bitquilt.pipeline.head import HEAD_STAGE, quantize_head
 from bitquilt.pipeline.report import QuantReport
@@ -61,6 +62,18 @@ def check_finite_weights(model: nn.Module) -> None:
     for name, p in model.named_parameters():
         if p.is_floating_point() and not torch.isfinite(p).all():
             raise UserError(f"parameter {name} contains NaN/Inf values; refusing to quantize a corrupted model")
+
+
+def check_calibration_ids(model: nn.Module, ids: torch.Tensor) -> None:
+    """Raise UserError unless `ids` are token ids the model can run: integers [n, seqlen], n and seqlen ≥ 1, each in
+    the model's vocabulary (a tokenizer of another model overflows it)."""
+    if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 2 or 0 in ids.shape:
+        raise UserError(f"calibration ids must be integer token ids [n_samples, seqlen], both ≥ 1; got {ids.dtype} "
+                        f"{tuple(ids.shape)}")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise UserError(f"calibration ids span {int(ids.min())}..{int(ids.max())}, outside the model's vocabulary of "
+                        f"{vocab}; build them with the model's own tokenizer")
 
 
 def calibration_ids(tokenizer: Any, calib: CalibConfig) -> torch.Tensor:
@@ -95,10 +108,21 @@ def quantize(
     `calib_config` records what pre-built ids were made from. With `resume_dir`, the state after every block is
     kept there and a call with the same model, recipe and data carries on after the last block it holds
     (`bitquilt.pipeline.resume`; delete the directory once the model is saved)."""
+    if not isinstance(model, nn.Module):
+        raise UserError(f"quantize takes a loaded model (`bitquilt.load`), got {type(model).__name__}")
     if isinstance(recipe, str):
         recipe = Recipe(method=recipe, **recipe_fields)
+    if not isinstance(recipe, Recipe):
+        raise UserError(f"recipe must be a Recipe or a method name, got {type(recipe).__name__}")
+    done = next((name for name, m in model.named_modules() if isinstance(m, QuantLinear)), None)
+    if done is not None:
+        raise UserError(f"the model is quantized already ({done} is a QuantLinear); quantize a full-precision model")
+    if resume_dir is not None and Path(resume_dir).exists() and not Path(resume_dir).is_dir():
+        raise UserError(f"resume_dir {resume_dir} is a file; give a directory")
     check_finite_weights(model)
     ids, config = _calibration(recipe, calib, tokenizer, calib_config)
+    if ids is not None:
+        check_calibration_ids(model, ids)
     return quantize_model(model, recipe, ids, config, progress=progress,
                           resume_dir=None if resume_dir is None else Path(resume_dir))
 

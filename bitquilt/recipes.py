@@ -89,6 +89,7 @@ class Recipe:
     head_group_size: int = 128  # their group size along the hidden dimension (-1: one group per row)
 
     def __post_init__(self) -> None:
+        self._check_types()
         self.method = expand_method(self.method)
         self.skip = tuple(self.skip)
         if self.recon_steps < 0:
@@ -197,6 +198,27 @@ class Recipe:
     @property
     def default_spec(self) -> LayerSpec:
         return LayerSpec(self.w_bits, self.group_size, self.sym)
+
+    def _check_types(self) -> None:
+        """Refuse values of the wrong kind before they are compared or used (a string where bits go, a float bit
+        width that fails only when packing, a --skip string that would be split into one glob per character)."""
+        integers = ("w_bits", "a_bits", "kv_bits", "kv_group_size", "a8_layers", "recon_steps", "head_bits",
+                    "head_group_size")
+        wrong = [f"{name}={getattr(self, name)!r} (an integer)" for name in integers
+                 if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int)]
+        if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)):
+            wrong.append(f"group_size={self.group_size!r} (an integer or None)")
+        wrong += [f"{name}={getattr(self, name)!r} (True or False)" for name in ("sym", "a_sym", "kv_center")
+                  if not isinstance(getattr(self, name), bool)]
+        if not isinstance(self.method, str):
+            wrong.append(f"method={self.method!r} (a name such as 'gptq' or 'awq+gptq')")
+        if isinstance(self.skip, str) or not all(isinstance(p, str) for p in self.skip):
+            wrong.append(f"skip={self.skip!r} (a list of globs)")
+        for name in ("options", "overrides", "stage_options", "residual_options"):
+            if not isinstance(getattr(self, name), dict):
+                wrong.append(f"{name}={getattr(self, name)!r} (a dict)")
+        if wrong:
+            raise ValueError(f"Recipe: {', '.join(wrong)} expected")
 
     @property
     def default_act(self) -> ActQuantConfig:

@@ -472,3 +472,51 @@ def test_evaluation_windows_need_two_tokens_and_overlapping_calibration_warns(tm
     with caplog.at_level("WARNING"):
         windows = calibration_windows(tokenizer, text, 64, 64)
     assert windows.shape == (64, 64) and "the windows overlap" in caplog.text
+
+
+def test_the_python_api_refuses_what_it_cannot_quantize_in_one_line(tmp_path):
+    model = make_tiny("llama")  # vocabulary 320
+    ids = torch.randint(0, 320, (4, 64))
+    recipe = Recipe("gptq", group_size=32)
+    for calib, message in [(ids.float(), "calibration ids must be integer token ids .n_samples, seqlen."),
+                           (ids[0], "calibration ids must be integer token ids"),
+                           (torch.empty(0, 64, dtype=torch.long), "both ≥ 1; got torch.int64 .0, 64."),
+                           (ids + 1000, "outside the model's vocabulary of 320; build them with the model's own")]:
+        with pytest.raises(UserError, match=message):
+            quantize(model, recipe, calib, progress=False)
+    with pytest.raises(UserError, match="quantize takes a loaded model .`bitquilt.load`., got str"):
+        quantize("smollm2-135m", "rtn")
+    with pytest.raises(UserError, match="recipe must be a Recipe or a method name, got int"):
+        quantize(model, 5)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserError, match="resume_dir .* is a file"):
+        quantize(model, recipe, ids, progress=False, resume_dir=tmp_path / "afile")
+    quantize(model, Recipe("rtn", group_size=32), None, progress=False)
+    with pytest.raises(UserError, match="the model is quantized already .model.layers.0.self_attn.q_proj"):
+        quantize(model, Recipe("rtn", w_bits=2, group_size=32), None, progress=False)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"w_bits": 4.0}, "w_bits=4.0 .an integer."), ({"w_bits": "4"}, "w_bits='4' .an integer."),
+    ({"sym": "no"}, "sym='no' .True or False."), ({"skip": "model.layers.0.*"}, "skip='model.layers.0.\\*' .a list"),
+    ({"options": [1]}, "options=.1. .a dict."), ({"overrides": ["x"]}, "overrides=.'x'. .a dict."),
+    ({"method": None}, "method=None .a name such as"), ({"group_size": 0.5}, "group_size=0.5 .an integer or None."),
+])
+def test_a_recipe_field_of_the_wrong_kind_is_named(fields, message):
+    with pytest.raises(ValueError, match=f"^Recipe: {message}"):
+        Recipe(**{"method": "rtn", **fields})
+
+
+def test_the_python_api_names_a_missing_tokenizer_a_wrong_prompt_or_model_spec():
+    from bitquilt.api import load
+    from bitquilt.eval.speed import decode
+
+    model = make_tiny("llama")
+    with pytest.raises(UserError, match="perplexity needs the model's tokenizer object"):
+        perplexity(model, None, "wiki")
+    with pytest.raises(ValueError, match="decode needs token ids as an integer tensor .1, T., got list"):
+        decode(model, [1, 2, 3], 2)
+    with pytest.raises(ValueError, match="got Tensor of torch.float32"):
+        decode(model, torch.ones(1, 3), 2)
+    with pytest.raises(UserError, match="a model is named by a string or a path, got NoneType"):
+        load(None)

@@ -134,6 +134,13 @@ def test_standalone_bad_input(tmp_path):
         model.forward([1, 2, 3, 4, 5])
     with pytest.raises(UserError, match="no tokenizer files"):
         generate(model, "hi")
+    with pytest.raises(UserError, match="the prompt must be text .str., got list"):
+        generate(model, [1, 2, 3])
+    model.begin(4)
+    with pytest.raises(UserError, match="forward needs at least one token id"):
+        model.forward([])
+    with pytest.raises(UserError, match="token ids must be a sequence of integers, got 5"):
+        model.forward(5)
     data = (tmp_path / "out" / FILE).read_bytes()
     (tmp_path / "out" / FILE).write_bytes(data[: len(data) // 2])  # truncated
     with pytest.raises(UserError, match="truncated or corrupt"):

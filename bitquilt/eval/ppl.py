@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from bitquilt.errors import UserError
 from bitquilt.models.native import NativeCausalLM
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,9 @@ def perplexity(
     from bitquilt.data.corpora import check_disjoint
     from bitquilt.data.windows import eval_windows
 
+    if tokenizer is None or isinstance(tokenizer, str):
+        raise UserError(f"perplexity needs the model's tokenizer object (`bitquilt.load` returns it), got "
+                        f"{tokenizer!r}")
     calib_source = calibration_source(model)
     if calib_source is not None:
         check_disjoint(calib_source, source)

@@ -86,6 +86,9 @@ def decode(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, temp
            seed: int = 0, stop_ids: set[int] | None = None, engine: str = "auto") -> DecodeRun:
     """Greedy (temperature 0) or sampled continuation of prompt_ids [1, T], with the KV cache
     (`stepper` says which engine runs it; `bitquilt.decoding.run_decode` the loop and its timing)."""
+    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"decode needs token ids as an integer tensor [1, T], got {type(prompt_ids).__name__}"
+                         + (f" of {prompt_ids.dtype}" if isinstance(prompt_ids, torch.Tensor) else ""))
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] == 0:
         raise ValueError(f"decode needs one non-empty prompt [1, T], got shape {tuple(prompt_ids.shape)}")
     check_generation(max_new_tokens, temperature)

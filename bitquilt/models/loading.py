@@ -150,6 +150,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
 
 def resolve_path(spec: str | Path) -> Path:
     """The files behind a packaged model name or a path; an error naming what is accepted otherwise."""
+    if not isinstance(spec, (str, Path)):
+        raise UserError(f"a model is named by a string or a path, got {type(spec).__name__}; accepted: {_accepted()}")
     if isinstance(spec, str) and spec in registry.MODELS:
         return registry.fetched_dir(spec)
     path = Path(spec).expanduser()

@@ -61,6 +61,8 @@ def generate(model: StandaloneModel, prompt: str, max_new_tokens: int = 64, temp
              ignore_eos: bool = False, on_text: Callable[[str], None] | None = None) -> Generation:
     """Continue `prompt` (text), stopping at the tokenizer's end-of-sequence token unless `ignore_eos`; `on_text`
     receives the completion piece by piece as tokens come (a piece held back while it ends inside a character)."""
+    if not isinstance(prompt, str):
+        raise UserError(f"the prompt must be text (str), got {type(prompt).__name__}; token ids go to generate_ids")
     if not prompt:
         raise UserError("--prompt is empty; give the text to continue")
     tokenizer = model.tokenizer

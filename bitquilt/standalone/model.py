@@ -89,6 +89,8 @@ class StandaloneModel:
 
     def begin(self, max_len: int) -> None:
         """Start a sequence of up to `max_len` positions (the previous one, if any, is dropped)."""
+        if isinstance(max_len, bool) or not isinstance(max_len, int):
+            raise UserError(f"max_len must be an integer number of positions, got {max_len!r}")
         if not 1 <= max_len <= INT32_MAX:  # the library takes an int64: a larger count would wrap
             raise UserError(f"a sequence of {max_len} positions does not fit the model's {self.max_positions}")
         self.close()
@@ -121,7 +123,9 @@ class StandaloneModel:
         try:
             tokens = array("q", ids)
         except (TypeError, OverflowError):
-            raise UserError(f"token ids must be integers, got {list(ids)[:8]}") from None
+            raise UserError(f"token ids must be a sequence of integers, got {ids!r:.80}") from None
+        if not tokens:
+            raise UserError("forward needs at least one token id")
         logits = array("f", bytes(4 * self.vocab_size))
         if self._lib.bq_forward(self._handle, tokens.buffer_info()[0], len(tokens), self.pos,
                                 logits.buffer_info()[0]) < 0:
