@@ -520,3 +520,16 @@ def test_the_python_api_names_a_missing_tokenizer_a_wrong_prompt_or_model_spec()
         decode(model, torch.ones(1, 3), 2)
     with pytest.raises(UserError, match="a model is named by a string or a path, got NoneType"):
         load(None)
+
+
+def test_wrong_kinds_of_calibration_and_evaluation_settings_are_named():
+    from bitquilt.recipes import CalibConfig
+
+    with pytest.raises(ValueError, match="^CalibConfig: seqlen='32' .an integer. expected"):
+        CalibConfig(seqlen="32")
+    with pytest.raises(ValueError, match="^CalibConfig: source=None .a text set name or a path. expected"):
+        CalibConfig(source=None)
+    with pytest.raises(ValueError, match="^Recipe: a_clip='x' .a number or None. expected"):
+        Recipe("rtn", a_clip="x")
+    with pytest.raises(UserError, match="seqlen must be an integer number of tokens, got '64'"):
+        default_seqlen(make_tiny("llama"), "64")

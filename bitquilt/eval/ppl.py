@@ -48,6 +48,8 @@ def default_seqlen(model: nn.Module, requested: int | None = None) -> int:
     limit = getattr(model.config, "max_position_embeddings", None) or 2048
     if requested is None:
         return min(2048, limit)
+    if isinstance(requested, bool) or not isinstance(requested, int):
+        raise UserError(f"seqlen must be an integer number of tokens, got {requested!r}")
     if requested > limit:
         _warn_capped(requested, limit)
     return min(requested, limit)
