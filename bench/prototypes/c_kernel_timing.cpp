@@ -13,8 +13,6 @@
 // not depend on them), the layouts (and the read buffers) on huge pages, as kernels.layout_empty allocates them.
 
 #include <immintrin.h>
-#include <sys/mman.h>
-#include <time.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -23,24 +21,11 @@
 #include <random>
 #include <vector>
 
+#include "prototype_memory.h"
 #include "q4_int8.h"
 #include "uniform8.h"
 
 namespace {
-
-double thread_seconds() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-uint8_t* huge_pages(size_t n) {  // as kernels.layout_empty: 2 MB-aligned, advised MADV_HUGEPAGE (smaller layouts
-  const size_t bytes = (n + (2 << 20) - 1) / (2 << 20) * (2 << 20);
-  auto* p = static_cast<uint8_t*>(aligned_alloc(2 << 20, bytes));  // share 16 MB blocks there; here each its own)
-  madvise(p, bytes, MADV_HUGEPAGE);
-  std::memset(p, 1, bytes);
-  return p;
-}
 
 int64_t read_pass(const uint8_t* p, size_t n) {  // csrc/read_rate.cpp's plain pass
   __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;

@@ -8,8 +8,6 @@
 //     g++ -O3 -mavx2 bench/prototypes/read_prefetch_sweep.cpp -o /tmp/read_prefetch_sweep && /tmp/read_prefetch_sweep
 
 #include <immintrin.h>
-#include <sys/mman.h>
-#include <time.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -18,21 +16,9 @@
 #include <cstring>
 #include <vector>
 
+#include "prototype_memory.h"
+
 namespace {
-
-double thread_seconds() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-uint8_t* huge_pages(size_t n) {
-  const size_t bytes = (n + (2 << 20) - 1) / (2 << 20) * (2 << 20);
-  auto* p = static_cast<uint8_t*>(aligned_alloc(2 << 20, bytes));
-  madvise(p, bytes, MADV_HUGEPAGE);
-  std::memset(p, 1, bytes);
-  return p;
-}
 
 // csrc/read_rate.cpp's pass, the prefetch hint a template argument
 template <int HINT>

@@ -7,8 +7,6 @@
 //     g++ -O3 -mavx2 bench/prototypes/read_streams.cpp -o /tmp/read_streams && /tmp/read_streams 8192   # KB per buffer
 
 #include <immintrin.h>
-#include <sys/mman.h>
-#include <time.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -17,21 +15,9 @@
 #include <cstring>
 #include <vector>
 
+#include "prototype_memory.h"
+
 namespace {
-
-double thread_seconds() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-uint8_t* huge_pages(size_t n) {
-  const size_t bytes = (n + (2 << 20) - 1) / (2 << 20) * (2 << 20);
-  auto* p = static_cast<uint8_t*>(aligned_alloc(2 << 20, bytes));
-  madvise(p, bytes, MADV_HUGEPAGE);
-  std::memset(p, 1, bytes);
-  return p;
-}
 
 // S streams (the buffer cut in S equal parts) read side by side, 64 bytes of each per step, each 64 bytes followed
 // by WORK dependent vpaddw (a kernel's pace) and, when `ahead`, a prefetch that many bytes on.
