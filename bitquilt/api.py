@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +27,7 @@ from bitquilt.io import (  # noqa: F401  (API)
     set_quantization_record,
 )
 from bitquilt.models.adapters import supported_model_types
-from bitquilt.models.loading import checked_config, resolve_path
+from bitquilt.models.loading import config_model_type, resolve_path
 from bitquilt.models.streaming import StreamingCheckpoint
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.pipeline.engine import quantize_model
@@ -160,8 +159,7 @@ def check_quantizable(spec: str | Path) -> None:
                         f"full-precision model it came from (`bitquilt inspect {path}` shows its recipe)")
     config = path / "config.json"
     if config.is_file():
-        raw = checked_config(config, lambda: json.loads(config.read_text()))
-        model_type = raw.get("model_type") if isinstance(raw, dict) else None
+        model_type = config_model_type(config)
         if model_type not in supported_model_types():
             raise UserError(f"unsupported architecture {model_type!r} in {config}; supported model types: "
                             f"{', '.join(supported_model_types())}")

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bitquilt.flag_checks import is_integer, is_number
+
 
 @dataclass
 class DecodeRun:
@@ -47,9 +49,9 @@ def run_decode(step: Callable[[Sequence[int]], Any], prompt: Sequence[int], max_
 
 def check_generation(max_new_tokens: int, temperature: float) -> None:
     """What every runtime's generation takes: at least one new token and a finite temperature ≥ 0 (0: greedy)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+    if not is_integer(max_new_tokens):
         raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    if not is_number(temperature):
         raise ValueError(f"temperature must be a number, got {temperature!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")

@@ -1,8 +1,9 @@
 """Command-line flag values checked before any work by the command lines that have them (`bitquilt`, `bitquilt-run`;
 `bitquilt-native` checks the same in C++, csrc/native_runner.cpp): numbers in their ranges, a prompt that is text. A
 value out of range gets one line naming the flag and what it accepts, where it would otherwise wrap in a C integer
-(a 2**32 thread count read as 0), overflow a sequence length, or fail deep inside torch or the tokenizer. Imports
-nothing heavy: `bitquilt-run` uses it without torch."""
+(a 2**32 thread count read as 0), overflow a sequence length, or fail deep inside torch or the tokenizer. Also the
+two type tests the Python API's checks share (a bool is an int to Python, never a count here). Imports nothing heavy:
+`bitquilt-run` uses it without torch."""
 
 from __future__ import annotations
 
@@ -22,6 +23,16 @@ RANGES: dict[str, tuple[float, float | None]] = {
     "new_tokens": (2, INT32_MAX), "repeats": (1, INT32_MAX), "temperature": (0, None), "threads": (1, MAX_THREADS),
     "seed": (0, MAX_SEED),
 }
+
+
+def is_integer(value: Any) -> bool:
+    """An int that is not a bool (True would otherwise count as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_flags(args: Any) -> None:

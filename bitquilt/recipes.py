@@ -20,6 +20,7 @@ from typing import Any
 
 import bitquilt.pipeline  # noqa: F401  (registers the built-in solvers, transforms and policies)
 from bitquilt.calib.stages import STAGES, Stage
+from bitquilt.flag_checks import is_integer, is_number
 from bitquilt.nn.act_quant import ActQuantConfig
 from bitquilt.pipeline.head import head_spec
 from bitquilt.solvers import get_solver
@@ -64,19 +65,11 @@ class CalibConfig:
 
     def __post_init__(self) -> None:
         wrong = [f"{name}={getattr(self, name)!r} (an integer)" for name in ("n_samples", "seqlen", "seed")
-                 if not _is_int(getattr(self, name))]
+                 if not is_integer(getattr(self, name))]
         if not isinstance(self.source, (str, PurePath)):
             wrong.append(f"source={self.source!r} (a text set name or a path)")
         if wrong:
             raise ValueError(f"CalibConfig: {', '.join(wrong)} expected")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -222,11 +215,11 @@ class Recipe:
         integers = ("w_bits", "a_bits", "kv_bits", "kv_group_size", "a8_layers", "recon_steps", "head_bits",
                     "head_group_size")
         wrong = [f"{name}={getattr(self, name)!r} (an integer)" for name in integers
-                 if not _is_int(getattr(self, name))]
-        if self.group_size is not None and not _is_int(self.group_size):
+                 if not is_integer(getattr(self, name))]
+        if self.group_size is not None and not is_integer(self.group_size):
             wrong.append(f"group_size={self.group_size!r} (an integer or None)")
         wrong += [f"{name}={getattr(self, name)!r} (a number or None)" for name in ("a_clip", "a8_snr_db")
-                  if getattr(self, name) is not None and not _is_number(getattr(self, name))]
+                  if getattr(self, name) is not None and not is_number(getattr(self, name))]
         wrong += [f"{name}={getattr(self, name)!r} (True or False)" for name in ("sym", "a_sym", "kv_center")
                   if not isinstance(getattr(self, name), bool)]
         if not isinstance(self.method, str):

@@ -15,6 +15,8 @@ import typing
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
+from bitquilt.flag_checks import is_integer, is_number
+
 T = TypeVar("T")
 
 
@@ -63,9 +65,9 @@ def _accepts(hint: Any, value: Any) -> bool:
         args = [a for a in typing.get_args(hint) if a is not Ellipsis]
         return isinstance(value, (tuple, list)) and all(_accepts(args[0], v) for v in value) if args else True
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return is_number(value)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return is_integer(value)
     if isinstance(hint, type):
         return isinstance(value, hint)
     return True  # callables and other annotations: not checked

@@ -24,6 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bitquilt.errors import UserError
+from bitquilt.flag_checks import is_integer
 from bitquilt.models.native import NativeCausalLM
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def default_seqlen(model: nn.Module, requested: int | None = None) -> int:
     limit = getattr(model.config, "max_position_embeddings", None) or 2048
     if requested is None:
         return min(2048, limit)
-    if isinstance(requested, bool) or not isinstance(requested, int):
+    if not is_integer(requested):
         raise UserError(f"seqlen must be an integer number of tokens, got {requested!r}")
     if requested > limit:
         _warn_capped(requested, limit)

@@ -42,6 +42,7 @@ from pathlib import Path
 import pyarrow.ipc
 
 from bitquilt.errors import UserError
+from bitquilt.flag_checks import is_integer
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ def _user_item(line: str, where: str) -> Item:
         raise UserError(f'{where}: "context" must be a string')
     if not (isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) and c for c in choices)):
         raise UserError(f'{where}: "choices" must be a list of at least two non-empty strings')
-    if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(choices):
+    if not is_integer(gold) or not 0 <= gold < len(choices):
         raise UserError(f'{where}: "gold" must be an integer index into "choices" (0..{len(choices) - 1})')
     return choice_item(context, choices, gold)
 

@@ -105,6 +105,13 @@ def checked_config(path: Path, build: Callable[[], T]) -> T:
         raise UserError(f"{path} is not a valid model config: {' '.join(str(e).split())}") from None
 
 
+def config_model_type(config_path: Path) -> Any:
+    """The "model_type" of the JSON config.json at `config_path` (None when the file holds no such field); a
+    UserError naming the file when it is not JSON."""
+    raw = checked_config(config_path, lambda: json.loads(config_path.read_text()))
+    return raw.get("model_type") if isinstance(raw, dict) else None
+
+
 def _load_tokenizer(path: Path, **kwargs: Any) -> Any:
     from transformers import AutoTokenizer
 
@@ -123,8 +130,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
     for w in weights:
         check_safetensors(w)
     config_path = path / "config.json"
-    raw = checked_config(config_path, lambda: json.loads(config_path.read_text()))
-    if isinstance(raw, dict) and raw.get("model_type") == SAVED_MODEL_TYPE:
+    if config_model_type(config_path) == SAVED_MODEL_TYPE:
         raise UserError(f"{path} was saved by bitquilt but its quantization_config.json is missing: the directory is "
                         "incomplete; save or copy it again")
     config = checked_config(config_path, lambda: AutoConfig.from_pretrained(path, local_files_only=True))

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bitquilt.errors import UserError
-from bitquilt.flag_checks import INT32_MAX, MAX_THREADS
+from bitquilt.flag_checks import INT32_MAX, MAX_THREADS, is_integer
 from bitquilt.isa import INT8_ISAS, choose
 from bitquilt.models.tokenizer import FastTokenizer
 from bitquilt.standalone.file import MappedTensors
@@ -89,7 +89,7 @@ class StandaloneModel:
 
     def begin(self, max_len: int) -> None:
         """Start a sequence of up to `max_len` positions (the previous one, if any, is dropped)."""
-        if isinstance(max_len, bool) or not isinstance(max_len, int):
+        if not is_integer(max_len):
             raise UserError(f"max_len must be an integer number of positions, got {max_len!r}")
         if not 1 <= max_len <= INT32_MAX:  # the library takes an int64: a larger count would wrap
             raise UserError(f"a sequence of {max_len} positions does not fit the model's {self.max_positions}")
