@@ -68,8 +68,15 @@ def generation_stats(prompt_tokens: int, run: DecodeRun) -> dict[str, float | in
             "decode_tokens_per_s": (n - 1) / run.decode_seconds if n > 1 else None}
 
 
-def check_speed_settings(prompt_tokens: int, new_tokens: int, repeats: int) -> None:
-    """The settings of a speed measurement (`bitquilt bench`): a prompt, at least one decode step, one run."""
+def check_speed_settings(prompt_tokens: int, new_tokens: int, repeats: int, vocab_size: int = 2) -> None:
+    """The settings of a speed measurement (`bitquilt bench`): a prompt, at least one decode step, one run, and a
+    vocabulary (of at least two ids) to draw the random prompt from."""
+    named = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats, "vocab_size": vocab_size}
+    wrong = [f"{name}={value!r}" for name, value in named.items() if not is_integer(value)]
+    if wrong:
+        raise ValueError(f"speed settings must be integers, got {', '.join(wrong)}")
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be at least 2 (the prompt is drawn from it), got {vocab_size}")
     if prompt_tokens < 1 or new_tokens < 2 or repeats < 1:
         raise ValueError(f"need prompt_tokens >= 1, new_tokens >= 2 and repeats >= 1, got {prompt_tokens}, "
                          f"{new_tokens} and {repeats}")

@@ -50,6 +50,15 @@ def test_measure_speed_rejects_degenerate_settings(tiny_llama, kwargs):
         measure_speed(tiny_llama, 320, **kwargs)
 
 
+@pytest.mark.parametrize("args, match", [((0,), "vocab_size must be at least 2"), ((320.0,), "vocab_size=320.0"),
+                                         ((320, "16"), "prompt_tokens='16'"), ((320, 8, 4, True), "repeats=True")])
+def test_measure_speed_names_settings_of_the_wrong_kind(tiny_llama, args, match):
+    with pytest.raises(ValueError, match=match):
+        measure_speed(tiny_llama, *args)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        measure_speed(tiny_llama, 320, seed=-1)
+
+
 def test_decode_rejects_bad_prompts(tiny_llama):
     with pytest.raises(ValueError, match="one non-empty prompt"):
         decode(tiny_llama, torch.zeros(2, 3, dtype=torch.long), 4)

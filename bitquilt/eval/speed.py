@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from bitquilt.decoding import DecodeRun, check_generation, check_speed_settings, median_rates, run_decode
+from bitquilt.flag_checks import MAX_SEED, is_integer
 from bitquilt.resources import peak_rss_mb
 
 
@@ -115,7 +116,9 @@ def measure_speed(model: nn.Module, vocab_size: int, prompt_tokens: int = 128, n
     """
     from bitquilt.io import model_nbytes
 
-    check_speed_settings(prompt_tokens, new_tokens, repeats)
+    check_speed_settings(prompt_tokens, new_tokens, repeats, vocab_size)
+    if not is_integer(seed) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be an integer in 0..{MAX_SEED}, got {seed!r}")
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab_size, (1, prompt_tokens), generator=gen)
     decode(model, prompt[:, : min(8, prompt_tokens)], 2, engine=engine)  # warm-up: kernel layouts, allocator
