@@ -120,12 +120,14 @@ def provenance(rows: list[dict]) -> list[str]:
 
 
 def setting_header(model: str, settings: dict, rows: list[dict]) -> list[str]:
-    """Markdown section heading stating calibration, evaluation, machine and the commands that ran."""
-    c = settings["calibration"]
+    """Markdown section heading stating calibration (none where the settings hold none), evaluation, machine and the
+    commands that ran."""
+    c = settings.get("calibration")
     commands = ", ".join(f"`{cmd}`" for cmd in dict.fromkeys(r["command"] for r in rows))
+    calibration = (f"Calibration: {c['n_samples']} × {c['seqlen']} tokens of `{c['source']}` (seed {c['seed']})"
+                   if c else "No calibration")
     return [f"## {model}", "",
-            f"Calibration: {c['n_samples']} × {c['seqlen']} tokens of `{c['source']}` (seed {c['seed']}); "
-            f"evaluation: first {settings['ppl_windows']} windows × {settings['seqlen']} tokens of "
+            f"{calibration}; evaluation: first {settings['ppl_windows']} windows × {settings['seqlen']} tokens of "
             f"`{settings['ppl_data']}`. {machines_line(rows)}", "",
             f"Command(s): {commands}", ""]
 
