@@ -464,11 +464,11 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
     prefetch = ext.q4_int8_prefetch_bytes()  # the batch-1 kernels' distance on this CPU (csrc/q4_int8.h)
 
     def on(isa: str, *args):  # the path switch is one store in the extension: nothing measurable
-        ext.q4_int8_set_vnni(isa == "avx512")
+        q4_int8.set_isa(isa)
         return ext.q4_int8_matmul(*args)
 
     def on_in_c(isa: str, *args) -> float:  # the same call timed in C, as the decode step makes it
-        ext.q4_int8_set_vnni(isa == "avx512")
+        q4_int8.set_isa(isa)
         return ext.q4_int8_seconds(*args)
 
     self_timed = frozenset({*(f"{isa} C" for isa in isas), "read", "read_prefetch"})

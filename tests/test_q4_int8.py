@@ -11,6 +11,7 @@ from bitquilt.api import quantize
 from bitquilt.cli import main
 from bitquilt.eval.speed import decode
 from bitquilt.formats.uniform import UniformFormat
+from bitquilt.isa import INT8_ISAS
 from bitquilt.kernels import cpu, q4_int8
 from bitquilt.models.lean_decode import LeanDecoder
 from bitquilt.nn.quant_linear import QuantLinear
@@ -29,7 +30,7 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
     return (codes * (amax / 127)).view(tokens, k)
 
 
-ISAS = q4_int8.supported_isas() or ("avx2",)  # AVX2 always, AVX-512 VNNI where the CPU has it
+ISAS = q4_int8.supported_isas() or ("avx2",)  # AVX2 always, AVX-VNNI and AVX-512 VNNI where the CPU has them
 
 
 @pytest.fixture(params=ISAS)
@@ -199,6 +200,7 @@ def test_isa_follows_the_variable_and_explicit_choices(monkeypatch):
     assert q4_int8.set_isa() == q4_int8.supported_isas()[-1] == q4_int8.active_isa()
     with pytest.raises(ValueError, match="unavailable"):
         q4_int8.set_isa("sse9")
-    if "avx512" not in q4_int8.supported_isas():
-        with pytest.raises(RuntimeError, match="VNNI"):
-            cpu.extension().q4_int8_set_vnni(True)
+    for index, isa in enumerate(INT8_ISAS):
+        if isa not in q4_int8.supported_isas():
+            with pytest.raises(RuntimeError, match="not supported by this CPU"):
+                cpu.extension().q4_int8_set_isa(index)

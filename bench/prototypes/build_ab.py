@@ -4,7 +4,7 @@ How a kernel change is judged on this noisy host (docs/benchmarks.md, "Prefetch 
 is built as its own extension, and in every round each build's kernel reads its own cold copy of the weights, beside
 the read ceiling (plain and prefetching passes, as bench/kernel_speed.py); medians of thread CPU time over the rounds.
 
-    python bench/prototypes/build_ab.py old=/tmp/csrc_old new=bitquilt/kernels/csrc [--bits 2] [--isas vnni,avx2]
+    python bench/prototypes/build_ab.py old=/tmp/csrc_old new=bitquilt/kernels/csrc [--bits 2] [--isas avx512,avx2]
 
 Each build takes about a minute (cached under /tmp/bitquilt_ab/<name>).
 """
@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_speed import cold_copies, random_uniform  # noqa: E402
 
+from bitquilt.isa import INT8_ISAS as ISAS  # noqa: E402
 from bitquilt.kernels import cpu, q4_int8  # noqa: E402
 
 SHAPES = "1536x1536,8960x1536,1536x8960,4096x4096"
@@ -51,7 +52,7 @@ def compare(builds: dict, shapes: list[tuple[int, int]], bits: int, isas: list[s
                 for name, ext in builds.items():
                     lay = layouts[copy % len(layouts)]
                     copy += 1
-                    ext.q4_int8_set_vnni(isa == "vnni")
+                    ext.q4_int8_set_isa(ISAS.index(isa))
                     times[f"{isa} {name}"].append(cpu_us(ext.q4_int8_matmul, x, lay.codes, lay.scales, n, lay.group,
                                                          lay.bits))
             for ahead in READ_PREFETCH:
@@ -76,7 +77,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("builds", nargs="+", type=named_source, help="name=path of a copy of bitquilt/kernels/csrc")
     ap.add_argument("--bits", type=int, choices=(4, 2), default=4)
-    ap.add_argument("--isas", default="vnni,avx2")
+    ap.add_argument("--isas", default="avx512,avx2", help=f"of: {', '.join(ISAS)}")
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--rounds", type=int, default=60)
     args = ap.parse_args()

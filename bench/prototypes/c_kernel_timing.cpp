@@ -4,7 +4,7 @@
 // CPU time. Build against a source tree (the repository's, or an edited copy to compare):
 //
 //     g++ -O3 -std=c++17 -mavx2 -mfma -mf16c -fopenmp -I bitquilt/kernels/csrc bench/prototypes/c_kernel_timing.cpp
-//         bitquilt/kernels/csrc/{q4_int8,q4_int8_vnni,uniform8_gemv,uniform8_vnni}.cpp -o /tmp/c_kernel_timing
+//         bitquilt/kernels/csrc/{q4_int8,q4_int8_vnni,q4_int8_avxvnni,uniform8_gemv,uniform8_vnni}.cpp -o /tmp/c_kernel_timing
 //         (one command)
 //     OMP_NUM_THREADS=1 /tmp/c_kernel_timing 4      # 4-bit codes, group 128 (2: 2-bit, group 64; 8: the 8-bit GEMV)
 //
@@ -100,8 +100,8 @@ int main(int argc, char** argv) {
         weights.push_back({q, s, sz, N, K, 128});
         buffers.push_back(huge_pages(nbytes));
       }
-      for (int vnni = 0; vnni <= static_cast<int>(bitquilt_q4::has_vnni()); ++vnni) {
-        bitquilt_q4::set_vnni(vnni);  // the int8 kernels' one switch
+      for (int vnni = 0; vnni <= static_cast<int>(bitquilt_q4::isa_supported(bitquilt_q4::ISA_AVX512)); ++vnni) {
+        bitquilt_q4::set_isa(vnni ? bitquilt_q4::ISA_AVX512 : bitquilt_q4::ISA_AVX2);  // the int8 kernels' one switch
         measure(shape, vnni ? "vnni" : "avx2", nbytes, copies,
                 [&](int c) { bitquilt_u8::gemv_int8_into(x.data(), 1, weights[c], y.data()); }, buffers);
       }
@@ -128,8 +128,8 @@ int main(int argc, char** argv) {
       weights.push_back({w, sz, N, K, group, bits});
       buffers.push_back(huge_pages(nbytes));
     }
-    for (int vnni = 0; vnni <= static_cast<int>(bitquilt_q4::has_vnni()); ++vnni) {
-      bitquilt_q4::set_vnni(vnni);
+    for (int vnni = 0; vnni <= static_cast<int>(bitquilt_q4::isa_supported(bitquilt_q4::ISA_AVX512)); ++vnni) {
+      bitquilt_q4::set_isa(vnni ? bitquilt_q4::ISA_AVX512 : bitquilt_q4::ISA_AVX2);
       measure(shape, vnni ? "vnni" : "avx2", nbytes, copies,
               [&](int c) { bitquilt_q4::matmul_into(x.data(), 1, weights[c], y.data()); }, buffers);
     }

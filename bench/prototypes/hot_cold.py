@@ -33,7 +33,7 @@ def measure(n: int, k: int, rounds: int, gen: torch.Generator) -> tuple[dict[str
     x = torch.randn(1, k, generator=gen)
 
     def on(isa: str, lay) -> None:
-        ext.q4_int8_set_vnni(isa == "avx512")
+        q4_int8.set_isa(isa)
         ext.q4_int8_matmul(x, lay.codes, lay.scales, n, GROUP, 4)
 
     isas = q4_int8.supported_isas()

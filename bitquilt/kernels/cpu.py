@@ -22,7 +22,8 @@ AVX-512 VNNI row loop in csrc/uniform8_vnni.cpp),
 the MoBiRoute slice counts (csrc/slice_router.cpp, used by `bitquilt.kernels.router`), the fused
 decoder layers of a batch-1 decode step (csrc/decode_step.cpp, `bitquilt.kernels.decode_step`) and the
 4- and 2-bit × int8-activation matmul (csrc/q4_int8.cpp, `bitquilt.kernels.q4_int8`; its AVX-512 VNNI path in
-csrc/q4_int8_vnni.cpp), and a plain streaming read (csrc/read_rate.cpp) that the kernel benchmarks take as
+csrc/q4_int8_vnni.cpp, its AVX-VNNI one in csrc/q4_int8_avxvnni.cpp), and a plain streaming read
+(csrc/read_rate.cpp) that the kernel benchmarks take as
 their bandwidth ceiling.
 """
 
@@ -63,8 +64,8 @@ TILE = 32  # output rows per kernel tile
 PACK_TILES = PACK_ROWS // TILE  # tiles cut into bit-planes and reordered at a time (`pack_planes`)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("lut_matmul.cpp", "mxint_matmul.cpp", "slice_router.cpp", "uniform8_gemv.cpp",
-                         "uniform8_vnni.cpp", "decode_step.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "hadamard.cpp",
-                         "read_rate.cpp", "repack.cpp")]
+                         "uniform8_vnni.cpp", "decode_step.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp",
+                         "q4_int8_avxvnni.cpp", "hadamard.cpp", "read_rate.cpp", "repack.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _ext: ModuleType | None = None
 _failed = False

@@ -13,8 +13,9 @@ broadcast to every lane; a token reads the codes once, in order. Prefill runs tw
 AVX2 decodes a block of codes once for up to 16 tokens; a prompt's rows equal one-token calls bit for bit. Per
 format it keeps its own layout in a `LayoutCache`.
 
-Two paths, the same layout and exact integer dot products: AVX2 (vpmaddubsw) and, where the CPU has AVX-512 with
-VNNI, vpdpbusd (csrc/q4_int8_vnni.cpp); they differ only in fp32 summation order. The widest runs
+Three paths, the same layout and exact integer dot products: AVX2 (vpmaddubsw); AVX-VNNI, a 256-bit vpdpbusd for one
+token where the CPU has it without AVX-512 (csrc/q4_int8_avxvnni.cpp; several tokens take the AVX2 loop); AVX-512
+VNNI (csrc/q4_int8_vnni.cpp). They differ only in fp32 summation order. The widest runs
 by default, in this kernel and inside the fused decode step; `set_isa` or `BITQUILT_ISA=avx2` picks one.
 """
 
@@ -50,7 +51,7 @@ ROWS = 32  # output rows per tile (csrc/q4_int8.h, Weight)
 def supported_isas() -> tuple[str, ...]:
     """The kernel paths this CPU runs (empty without the extension)."""
     ext = cpu.extension()
-    return () if ext is None else ISAS if ext.q4_int8_has_vnni() else ISAS[:1]
+    return () if ext is None else tuple(name for i, name in enumerate(ISAS) if ext.q4_int8_isa_supported(i))
 
 
 def set_isa(isa: str | None = None) -> str | None:
@@ -58,14 +59,14 @@ def set_isa(isa: str | None = None) -> str | None:
     supported when None; returns the path now taken (None without the extension)."""
     chosen = choose("int8-activation", supported_isas(), isa)
     if chosen is not None:
-        cpu.extension().q4_int8_set_vnni(chosen == "avx512")
+        cpu.extension().q4_int8_set_isa(ISAS.index(chosen))
     return chosen
 
 
 def active_isa() -> str | None:
     """The path calls take now."""
     ext = cpu.extension()
-    return None if ext is None else ISAS[int(ext.q4_int8_vnni_enabled())]
+    return None if ext is None else ISAS[ext.q4_int8_active_isa()]
 
 
 BITS = (4, 2)  # code widths the kernel runs

@@ -17,6 +17,7 @@ import time
 
 from bitquilt.errors import run_command
 from bitquilt.flag_checks import check_flags
+from bitquilt.isa import INT8_ISAS
 from bitquilt.resources import peak_rss_mb
 
 
@@ -30,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads (default: every core)")
-    p.add_argument("--isa", choices=("avx2", "avx512"), help="kernel path (default: $BITQUILT_ISA, else the widest)")
+    p.add_argument("--isa", choices=INT8_ISAS, help="kernel path (default: $BITQUILT_ISA, else the widest)")
     p.add_argument("--json", action="store_true", help="print the completion and figures as JSON")
     return p
 

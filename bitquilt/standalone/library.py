@@ -23,10 +23,10 @@ from bitquilt import cache
 from bitquilt.errors import UserError
 
 CSRC = Path(__file__).resolve().parent.parent / "kernels" / "csrc"
-SOURCES = ("standalone.cpp", "bpe_tokenizer.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "uniform8_gemv.cpp",
-           "uniform8_vnni.cpp")
+SOURCES = ("standalone.cpp", "bpe_tokenizer.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "q4_int8_avxvnni.cpp",
+           "uniform8_gemv.cpp", "uniform8_vnni.cpp")
 HEADERS = ("avx2_simd.h", "bpe_tokenizer.h", "decoder_core.h", "int8_round.h", "json_value.h", "parallel.h",
-           "q4_int8.h", "standalone.h", "standalone_file.h", "uniform8.h")
+           "q4_int8.h", "q4_int8_ymm.h", "standalone.h", "standalone_file.h", "uniform8.h")
 RUNNER = "native_runner.cpp"  # main() of bitquilt-native, on the library's sources
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 CPU_FLAGS = ("avx2", "fma", "f16c")  # the baseline the library is compiled for
@@ -34,9 +34,9 @@ CPU_FLAGS = ("avx2", "fma", "f16c")  # the baseline the library is compiled for
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64  # any pointer, int64
 SIGNATURES = {  # name: (result, arguments), as csrc/standalone.h declares them
     "bq_error": (ctypes.c_char_p, []),
-    "bq_has_vnni": (ctypes.c_int, []),
-    "bq_vnni_enabled": (ctypes.c_int, []),
-    "bq_set_vnni": (ctypes.c_int, [ctypes.c_int]),
+    "bq_isa_supported": (ctypes.c_int, [ctypes.c_int]),
+    "bq_active_isa": (ctypes.c_int, []),
+    "bq_set_isa": (ctypes.c_int, [ctypes.c_int]),
     "bq_set_threads": (None, [ctypes.c_int]),
     "bq_threads": (ctypes.c_int, []),
     "bq_file_open": (_p, [ctypes.c_char_p]),

@@ -45,11 +45,11 @@ def set_threads(threads: int) -> None:
 
 
 def set_isa(isa: str | None = None) -> str:
-    """Run the 4- and 2-bit kernel on `isa` ("avx2", "avx512"), or `$BITQUILT_ISA` / the widest when None; the path
-    now taken (`bitquilt.isa.choose`)."""
+    """Run the 4- and 2-bit kernel on `isa` ("avx2", "avxvnni", "avx512"), or `$BITQUILT_ISA` / the widest when
+    None; the path now taken (`bitquilt.isa.choose`)."""
     lib = library()
-    chosen = choose("standalone", INT8_ISAS if lib.bq_has_vnni() else INT8_ISAS[:1], isa)
-    lib.bq_set_vnni(int(chosen == "avx512"))
+    chosen = choose("standalone", tuple(name for i, name in enumerate(INT8_ISAS) if lib.bq_isa_supported(i)), isa)
+    lib.bq_set_isa(INT8_ISAS.index(chosen))
     return chosen
 
 

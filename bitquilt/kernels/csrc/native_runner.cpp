@@ -35,7 +35,7 @@ namespace {
 constexpr const char* kFile = "standalone.safetensors";
 constexpr const char* kUsage =
     "usage: bitquilt-native MODEL --prompt TEXT [--max-new-tokens N] [--temperature T] [--seed S] [--ignore-eos]\n"
-    "                       [--threads N] [--isa {avx2,avx512}] [--json]\n"
+    "                       [--threads N] [--isa {avx2,avxvnni,avx512}] [--json]\n"
     "\n"
     "Generate text with a standalone export (`bitquilt export SAVED -o OUT --to standalone`), without Python.\n"
     "\n"
@@ -60,6 +60,15 @@ struct WriteError : std::runtime_error {
 
 // The ranges bitquilt-run takes (bitquilt/flag_checks.py): a larger count would wrap in an int or overflow a length.
 constexpr int64_t kMaxNewTokens = 2147483647, kMaxThreads = 1024, kMaxSeed = INT64_MAX;
+
+// The int8 kernels' paths by name, in bitquilt_q4::Isa's order (bitquilt.isa.INT8_ISAS).
+constexpr const char* kIsaNames[] = {"avx2", "avxvnni", "avx512"};
+
+int isa_index(const std::string& name) {
+  for (int i = 0; i < 3; ++i)
+    if (name == kIsaNames[i]) return i;
+  return -1;
+}
 
 struct Options {
   std::string model, prompt, isa;
@@ -118,8 +127,8 @@ Options parse(int argc, char** argv) {
       o.threads = static_cast<int>(integer_option(arg, value(), 1, kMaxThreads));
     } else if (arg == "--isa") {
       o.isa = value();
-      if (o.isa != "avx2" && o.isa != "avx512")
-        throw UserError("argument --isa: invalid choice: '" + o.isa + "' (choose from 'avx2', 'avx512')");
+      if (isa_index(o.isa) < 0)
+        throw UserError("argument --isa: invalid choice: '" + o.isa + "' (choose from 'avx2', 'avxvnni', 'avx512')");
     } else if (arg == "--ignore-eos") {
       o.ignore_eos = true;
     } else if (arg == "--json") {
@@ -139,23 +148,30 @@ Options parse(int argc, char** argv) {
 
 // The kernel path: --isa, else $BITQUILT_ISA where supported, else the widest (bitquilt.isa.choose's rule).
 void choose_isa(const std::string& requested) {
-  const bool vnni = bq_has_vnni() != 0;
-  std::string isa = requested;
-  if (isa.empty()) {
+  std::string supported;
+  int widest = 0;
+  for (int i = 0; i < 3; ++i)
+    if (bq_isa_supported(i)) {
+      supported += (supported.empty() ? "" : ", ") + std::string(kIsaNames[i]);
+      widest = i;
+    }
+  int isa = isa_index(requested);
+  if (requested.empty()) {
     std::string wanted;
     if (const char* env = std::getenv("BITQUILT_ISA"))
       for (const char* c = env; *c; ++c)
         if (!std::isspace(static_cast<unsigned char>(*c))) wanted += static_cast<char>(std::tolower(*c));
-    isa = vnni ? "avx512" : "avx2";
-    if (wanted == "avx2" || (wanted == "avx512" && vnni))
-      isa = wanted;
-    else if (!wanted.empty())
-      std::fprintf(stderr, "bitquilt: BITQUILT_ISA=%s is not a supported standalone kernel path (%s); using %s\n",
-                   wanted.c_str(), vnni ? "avx2, avx512" : "avx2", isa.c_str());
-  } else if (isa == "avx512" && !vnni) {
-    throw UserError("standalone kernel path 'avx512' unavailable here; supported: avx2");
+    isa = isa_index(wanted);
+    if (isa < 0 || !bq_isa_supported(isa)) {
+      if (!wanted.empty())
+        std::fprintf(stderr, "bitquilt: BITQUILT_ISA=%s is not a supported standalone kernel path (%s); using %s\n",
+                     wanted.c_str(), supported.c_str(), kIsaNames[widest]);
+      isa = widest;
+    }
+  } else if (!bq_isa_supported(isa)) {
+    throw UserError("standalone kernel path '" + requested + "' unavailable here; supported: " + supported);
   }
-  bq_set_vnni(isa == "avx512");
+  bq_set_isa(isa);
 }
 
 // Python's random.Random(seed).random(): MT19937 seeded by init_by_array with |seed|'s 32-bit words.

@@ -193,32 +193,54 @@ int64_t default_prefetch_bytes() {
   return __builtin_cpu_is("amd") ? 8192 : 2048;  // q4_int8.h
 }
 
-bool has_vnni() {
+bool isa_supported(int isa) {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512vnni");
+  switch (isa) {
+    case ISA_AVX2:
+      return true;
+    case ISA_AVXVNNI:
+      return __builtin_cpu_supports("avxvnni");
+    case ISA_AVX512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vnni");
+    default:
+      return false;
+  }
 }
 
 namespace {
 
-bool g_vnni = has_vnni();  // the widest path by default
+int widest_isa() {
+  int isa = ISA_AVX512;
+  while (!isa_supported(isa)) --isa;
+  return isa;
+}
+
+int g_isa = widest_isa();
 
 }  // namespace
 
-bool vnni_enabled() { return g_vnni; }
+int active_isa() { return g_isa; }
 
-bool set_vnni(bool enabled) {
-  if (enabled && !has_vnni()) return false;
-  g_vnni = enabled;
+bool set_isa(int isa) {
+  if (!isa_supported(isa)) return false;
+  g_isa = isa;
   return true;
 }
 
 void matmul_into(const float* x, int64_t T, const Weight& W, float* y) {
   const bitquilt_int8::RoundedTokens a(x, T, W.K, W.group);
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / W.tile_bytes());  // tiles per task: ~32 KB of codes
-  const auto tiles = W.bits == 4 ? (g_vnni ? &tiles_vnni<4> : &tiles_avx2<4>)
-                                 : (g_vnni ? &tiles_vnni<2> : &tiles_avx2<2>);
+  if (g_isa == ISA_AVXVNNI && T == 1) {
+    const auto tiles = W.bits == 4 ? &tiles_avxvnni<4> : &tiles_avxvnni<2>;
+    bitquilt_par::parallel_for(0, W.tiles(), grain, [&](int64_t i0, int64_t i1) {
+      tiles(W, i0, i1, a.codes.data(), a.d.data(), a.X.data(), y);
+    });
+    return;
+  }
+  const bool vnni = g_isa == ISA_AVX512;
+  const auto tiles = W.bits == 4 ? (vnni ? &tiles_vnni<4> : &tiles_avx2<4>) : (vnni ? &tiles_vnni<2> : &tiles_avx2<2>);
   bitquilt_par::parallel_for(0, W.tiles(), grain, [&](int64_t i0, int64_t i1) {
     tiles(W, i0, i1, T, a.codes.data(), a.d.data(), a.X.data(), y);
   });
@@ -247,13 +269,13 @@ void register_q4_int8(pybind11::module& m) {
   m.def("q4_int8_matmul", &bitquilt_q4::q4_int8_matmul,
         "y = x_hat @ W^T for 4- or 2-bit uniform W, x_hat = x rounded to int8 per block of 32 (AVX2 maddubs or "
         "AVX-512 VNNI)");
-  m.def("q4_int8_has_vnni", &bitquilt_q4::has_vnni, "whether the CPU runs the AVX-512 VNNI path");
+  m.def("q4_int8_isa_supported", &bitquilt_q4::isa_supported,
+        "whether the CPU runs path `isa` (0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI)");
   m.def("q4_int8_prefetch_bytes", [] { return bitquilt_q4::PREFETCH_BYTES; },
         "how far ahead the batch-1 tiles prefetch their codes on this CPU");
-  m.def("q4_int8_vnni_enabled", &bitquilt_q4::vnni_enabled, "whether the kernel takes the AVX-512 VNNI path");
-  m.def("q4_int8_set_vnni", [](bool enabled) {
-    TORCH_CHECK(bitquilt_q4::set_vnni(enabled), "the AVX-512 VNNI path of the int8-activation kernel needs a CPU "
-                "with AVX-512 F/BW/VL/DQ and VNNI");
-  }, "take the AVX-512 VNNI path (true) or AVX2 (false)");
+  m.def("q4_int8_active_isa", &bitquilt_q4::active_isa, "the path the int8-activation kernels take (as above)");
+  m.def("q4_int8_set_isa", [](int isa) {
+    TORCH_CHECK(bitquilt_q4::set_isa(isa), "int8-activation kernel path ", isa, " is not supported by this CPU");
+  }, "take path `isa` (0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI)");
 }
 #endif

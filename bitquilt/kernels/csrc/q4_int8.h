@@ -98,20 +98,27 @@ std::string layout_error(int64_t N, int64_t K, int64_t group, int64_t bits, int6
 void row_into(const Weight& W, int64_t r, float* out);
 
 // y [T, N] = x [T, K] @ W^T with each token's activations rounded to int8 per block of 32 (scale max|x| / 127),
-// rows contiguous; on the AVX-512 VNNI path when `vnni_enabled()`.
+// rows contiguous; on the path `active_isa()` names.
 void matmul_into(const float* x, int64_t T, const Weight& W, float* y);
 
-// Whether the CPU runs the AVX-512 VNNI path (q4_int8_vnni.cpp), and whether matmul_into takes it (by default
-// when the CPU has it; `set_vnni(false)` forces AVX2).
-bool has_vnni();
-bool vnni_enabled();
-bool set_vnni(bool enabled);  // false (and nothing changed) when asked for VNNI on a CPU without it
+// The int8-activation kernels' paths, narrowest first (bitquilt.isa.INT8_ISAS, in this order): AVX2 (vpmaddubsw);
+// AVX-VNNI (256-bit VEX vpdpbusd for one token, q4_int8_avxvnni.cpp; AVX2 for several and for the 8-bit GEMV);
+// AVX-512 VNNI (q4_int8_vnni.cpp, uniform8_vnni.cpp). The widest the CPU runs is active by default.
+enum Isa : int { ISA_AVX2 = 0, ISA_AVXVNNI = 1, ISA_AVX512 = 2 };
+bool isa_supported(int isa);  // whether this CPU runs `isa` (false for a value not in Isa)
+int active_isa();
+bool set_isa(int isa);  // false (and nothing changed) when `isa` is not supported
 
 // Tiles [i0, i1) of y for T tokens rounded in column order (xi [T, K], d [T, K / 32] block scales, X [T, groups]
-// group sums) on AVX-512 VNNI, for BITS = W.bits: only after has_vnni().
+// group sums) on AVX-512 VNNI, for BITS = W.bits: only where isa_supported(ISA_AVX512).
 template <int BITS>
 void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y);
+
+// The same for one token on AVX-VNNI: only where isa_supported(ISA_AVXVNNI).
+template <int BITS>
+void tiles_avxvnni(const Weight& W, int64_t i0, int64_t i1, const int8_t* xi, const float* d, const float* X,
+                   float* y);
 
 }  // namespace bitquilt_q4
 

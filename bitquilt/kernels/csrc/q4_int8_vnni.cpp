@@ -7,10 +7,10 @@
 // and s * z once per group. Two tokens run together for prefill, each step's masks serving both; a single token
 // prefetches the code stream PREFETCH_BYTES ahead (2-bit, Zen 4, cold weights: prefetching the row groups' stream
 // too measured 4-11% slower, two accumulators per vector no faster cold and slower in L1). A single token at 4 bits
-// runs the same steps in 256-bit halves (tile_token4_ymm: faster on cold weights on Zen 4).
+// runs the same steps in 256-bit halves (q4_int8_ymm.h: faster on cold weights on Zen 4).
 //
 // This file is compiled for AVX-512 VNNI (pragma below, after every include, so that no inline function of a
-// shared header is built for that target); its entry points run only after `has_vnni()`.
+// shared header is built for that target); its entry points run only where `isa_supported(ISA_AVX512)`.
 
 #include <immintrin.h>
 
@@ -22,9 +22,21 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,f16c")
 
+#include "q4_int8_ymm.h"  // built for this target (its header comment)
+
 namespace bitquilt_q4 {
 
 namespace {
+
+// vpdpbusd on 256-bit vectors, EVEX-encoded (AVX-512 VL + VNNI), for q4_int8_ymm.h. A single token at 4 bits runs
+// there: on Zen 4, cold weights, alternating builds, its 256-bit halves read 87-94% of the plain read ceiling where
+// the 512-bit loop read 83-89% (11 of 12 paired rows; 2026-12-05), though 5-10% slower in cache; at 2 bits the
+// 256-bit loop lost (80-83% against 80-93%), and prefill keeps the 512-bit two-token loop.
+struct DotEvex {
+  static __m256i dot(__m256i acc, __m256i codes, __m256i activations) {
+    return _mm256_dpbusd_epi32(acc, codes, activations);
+  }
+};
 
 // 4 activations (one 32-bit word) broadcast to every lane of a 512-bit vector.
 inline __m512i broadcast_word_512(const int8_t* x) {
@@ -112,46 +124,6 @@ void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, const
   }
 }
 
-// One token through a 4-bit tile in 256-bit halves, as the AVX2 loop splits its steps (lane l of half h: rows 8h + l
-// in the low nibble, 16 + 8h + l in the high one, masked in place, x16), each block's eight prefetches issued
-// together at its start. On Zen 4, cold weights, alternating builds, this read 87-94% of the plain read ceiling
-// where the 512-bit loop read 83-89% (11 of 12 paired rows; 2026-12-05), though 5-10% slower in cache; at 2 bits the
-// 256-bit loop lost (80-83% against 80-93%), and prefill keeps the 512-bit two-token loop.
-void tile_token4_ymm(const uint8_t* codes, const uint8_t* sz, const Weight& W, const int8_t* xi, const float* d,
-                     const float* X, float* out) {
-  constexpr int64_t STEPS = BLOCK / step_columns(4);
-  const int64_t K = W.K, G = W.groups(), blocks_per_group = W.group / BLOCK;
-  const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(-16);
-  __m256 total[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  const uint8_t* step = codes;
-  for (int64_t g = 0; g < G; ++g) {
-    __m256 af[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = g * blocks_per_group; b < std::min(K / BLOCK, (g + 1) * blocks_per_group);
-         ++b, step += STEPS * STEP_BYTES) {
-      prefetch_ahead(step, STEPS);
-      __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                        _mm256_setzero_si256()};  // [2h + upper]
-      for (int64_t c = 0; c < STEPS; ++c) {
-        const __m256i a = broadcast_word(xi + b * BLOCK + step_columns(4) * c);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + c * STEP_BYTES + 32 * h));
-          acc[2 * h] = _mm256_dpbusd_epi32(acc[2 * h], _mm256_and_si256(v, low), a);
-          acc[2 * h + 1] = _mm256_dpbusd_epi32(acc[2 * h + 1], _mm256_and_si256(v, high), a);
-        }
-      }
-      const __m256 D = _mm256_set1_ps(d[b]);
-      for (int k = 0; k < 4; ++k) af[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[k]), D, af[k]);
-    }
-    const uint8_t* group_bytes = sz + g * GROUP_BYTES;
-    const __m256 Xg = _mm256_set1_ps(X[g]);
-    for (int k = 0; k < 4; ++k) {
-      const HalfScales f = half_scales(group_bytes, k, 1.0f / 16);
-      total[k] = _mm256_fnmadd_ps(f.s_z, Xg, _mm256_fmadd_ps(af[k], f.s, total[k]));
-    }
-  }
-  for (int k = 0; k < 4; ++k) _mm256_storeu_ps(out + half_rows(k), total[k]);
-}
-
 }  // namespace
 
 template <int BITS>
@@ -168,7 +140,7 @@ void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t
       if (n == 2)
         tile_tokens<BITS, 2>(W.tile_codes(i), W.tile_scales(i), W, x, dt, Xt, out);
       else if constexpr (BITS == 4)
-        tile_token4_ymm(W.tile_codes(i), W.tile_scales(i), W, x, dt, Xt, out);
+        tile_token_ymm<4, DotEvex>(W.tile_codes(i), W.tile_scales(i), W, x, dt, Xt, out);
       else
         tile_tokens<BITS, 1>(W.tile_codes(i), W.tile_scales(i), W, x, dt, Xt, out);
       for (int u = 0; u < n; ++u, ++t) std::copy_n(out + u * ROWS, rows, y + t * W.N + i * ROWS);

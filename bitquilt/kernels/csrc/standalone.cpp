@@ -287,11 +287,11 @@ extern "C" {
 
 const char* bq_error() { return g_error.c_str(); }
 
-int bq_has_vnni() { return bitquilt_q4::has_vnni(); }
-int bq_vnni_enabled() { return bitquilt_q4::vnni_enabled(); }
-int bq_set_vnni(int enabled) {
-  if (bitquilt_q4::set_vnni(enabled != 0)) return 0;
-  return static_cast<int>(fail("the AVX-512 VNNI path needs a CPU with AVX-512 F/BW/VL/DQ and VNNI"));
+int bq_isa_supported(int isa) { return bitquilt_q4::isa_supported(isa); }
+int bq_active_isa() { return bitquilt_q4::active_isa(); }
+int bq_set_isa(int isa) {
+  if (bitquilt_q4::set_isa(isa)) return 0;
+  return static_cast<int>(fail("int8 kernel path " + std::to_string(isa) + " is not supported by this CPU"));
 }
 void bq_set_threads(int threads) { omp_set_num_threads(threads); }
 int bq_threads() { return omp_get_max_threads(); }

@@ -11,9 +11,9 @@
 
 extern "C" {
 const char* bq_error();
-int bq_has_vnni();
-int bq_vnni_enabled();
-int bq_set_vnni(int enabled);
+int bq_isa_supported(int isa);  // the int8 kernels' paths, bitquilt_q4::Isa: 0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI
+int bq_active_isa();
+int bq_set_isa(int isa);
 void bq_set_threads(int threads);
 int bq_threads();
 void* bq_file_open(const char* path);

@@ -1,5 +1,5 @@
 // The 8-bit x int8 GEMV's row loop (uniform8_gemv.cpp) on AVX-512 VNNI, taken at run time where the CPU has it and
-// the int8-activation kernels run their VNNI path (bitquilt_q4::vnni_enabled: one switch for both kernels).
+// the int8-activation kernels run their VNNI path (bitquilt_q4::active_isa: one switch for both kernels).
 //
 // vpdpbusd multiplies unsigned bytes by signed ones and sums each 4 adjacent products into an int32 lane, so the
 // uint8 codes meet the int8 activations as they are: no shift to signed codes q' and no |q'|, sign(i, q') as the
@@ -15,7 +15,7 @@
 // of its pointers in vector registers inside the inner loop: 0.5-0.93x in cache and 0.88-0.95x on cold codes, on
 // both paths (C-timed, alternating). So the two loops stay written out.
 //
-// Compiled for AVX-512 VNNI (pragma after every include, as q4_int8_vnni.cpp); runs only after has_vnni().
+// Compiled for AVX-512 VNNI (pragma after every include, as q4_int8_vnni.cpp); runs only where isa_supported(ISA_AVX512).
 
 #include <immintrin.h>
 
