@@ -66,12 +66,14 @@ def loadavg() -> str:
 
 
 def machine() -> dict:
-    """What a reader needs to compare runs: CPU, cores, torch threads and library versions."""
+    """What a reader needs to compare runs: CPU, cores, torch threads, library versions, and the kernel path forced by
+    $BITQUILT_ISA where it is set."""
     import transformers
 
+    forced = {"BITQUILT_ISA": os.environ["BITQUILT_ISA"]} if os.environ.get("BITQUILT_ISA") else {}
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": sys.version.split()[0]}
+            "python": sys.version.split()[0], **forced}
 
 
 def write_atomic(path: Path, text: str) -> None:

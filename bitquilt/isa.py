@@ -13,7 +13,7 @@ import logging
 import os
 
 INT8_ISAS = ("avx2", "avxvnni", "avx512")  # the 4- and 2-bit × int8 kernel's paths, in csrc/q4_int8.h's Isa order;
-# avxvnni: 256-bit VEX vpdpbusd (one token); avx512: F, BW, VL, DQ and VNNI
+# avxvnni: 256-bit VEX vpdpbusd; avx512: F, BW, VL, DQ and VNNI
 log = logging.getLogger(__name__)
 _warned: set[tuple[str, str]] = set()
 

@@ -135,8 +135,6 @@ void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, int64
   }
 }
 
-constexpr int64_t PREFILL_TOKENS = 16;  // tokens per pass over a tile on AVX2 (their sums stay in L1)
-
 template <int BITS>
 void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y) {
@@ -229,18 +227,20 @@ bool set_isa(int isa) {
   return true;
 }
 
+namespace {
+
+// The tile loop of path `isa` for BITS-bit codes.
+template <int BITS>
+auto tiles_on(int isa) {
+  return isa == ISA_AVX512 ? &tiles_vnni<BITS> : isa == ISA_AVXVNNI ? &tiles_avxvnni<BITS> : &tiles_avx2<BITS>;
+}
+
+}  // namespace
+
 void matmul_into(const float* x, int64_t T, const Weight& W, float* y) {
   const bitquilt_int8::RoundedTokens a(x, T, W.K, W.group);
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / W.tile_bytes());  // tiles per task: ~32 KB of codes
-  if (g_isa == ISA_AVXVNNI && T == 1) {
-    const auto tiles = W.bits == 4 ? &tiles_avxvnni<4> : &tiles_avxvnni<2>;
-    bitquilt_par::parallel_for(0, W.tiles(), grain, [&](int64_t i0, int64_t i1) {
-      tiles(W, i0, i1, a.codes.data(), a.d.data(), a.X.data(), y);
-    });
-    return;
-  }
-  const bool vnni = g_isa == ISA_AVX512;
-  const auto tiles = W.bits == 4 ? (vnni ? &tiles_vnni<4> : &tiles_avx2<4>) : (vnni ? &tiles_vnni<2> : &tiles_avx2<2>);
+  const auto tiles = W.bits == 4 ? tiles_on<4>(g_isa) : tiles_on<2>(g_isa);
   bitquilt_par::parallel_for(0, W.tiles(), grain, [&](int64_t i0, int64_t i1) {
     tiles(W, i0, i1, T, a.codes.data(), a.d.data(), a.X.data(), y);
   });

@@ -18,6 +18,10 @@ constexpr int64_t STEP_BYTES = 64;  // one step of a tile: 64 bytes of codes, 16
 constexpr int64_t BLOCK = bitquilt_int8::BLOCK;  // columns per activation scale
 constexpr int64_t GROUP_BYTES = 3 * ROWS;  // a tile's row group: 32 fp16 s, then 32 uint8 z
 
+// Tokens per pass over a tile on the 256-bit paths (AVX2, AVX-VNNI): a block's codes are decoded once for them
+// all, and their sums stay in L1.
+constexpr int64_t PREFILL_TOKENS = 16;
+
 // Columns of a tile's 64-byte step: 4 at 4 bits, 8 at 2.
 constexpr int64_t step_columns(int bits) { return 16 / bits; }
 
@@ -102,7 +106,7 @@ void row_into(const Weight& W, int64_t r, float* out);
 void matmul_into(const float* x, int64_t T, const Weight& W, float* y);
 
 // The int8-activation kernels' paths, narrowest first (bitquilt.isa.INT8_ISAS, in this order): AVX2 (vpmaddubsw);
-// AVX-VNNI (256-bit VEX vpdpbusd for one token, q4_int8_avxvnni.cpp; AVX2 for several and for the 8-bit GEMV);
+// AVX-VNNI (256-bit VEX vpdpbusd, q4_int8_avxvnni.cpp; the 8-bit GEMV stays AVX2);
 // AVX-512 VNNI (q4_int8_vnni.cpp, uniform8_vnni.cpp). The widest the CPU runs is active by default.
 enum Isa : int { ISA_AVX2 = 0, ISA_AVXVNNI = 1, ISA_AVX512 = 2 };
 bool isa_supported(int isa);  // whether this CPU runs `isa` (false for a value not in Isa)
@@ -115,10 +119,10 @@ template <int BITS>
 void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y);
 
-// The same for one token on AVX-VNNI: only where isa_supported(ISA_AVXVNNI).
+// The same on AVX-VNNI: only where isa_supported(ISA_AVXVNNI).
 template <int BITS>
-void tiles_avxvnni(const Weight& W, int64_t i0, int64_t i1, const int8_t* xi, const float* d, const float* X,
-                   float* y);
+void tiles_avxvnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d,
+                   const float* X, float* y);
 
 }  // namespace bitquilt_q4
 

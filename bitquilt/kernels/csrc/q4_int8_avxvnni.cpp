@@ -1,7 +1,9 @@
 // The batch-1 4- and 2-bit x int8 matmul of q4_int8.cpp on AVX-VNNI: the 256-bit vpdpbusd (VEX) of CPUs that have it
 // without AVX-512 (Intel's client cores since Alder Lake), picked at run time after `isa_supported(ISA_AVXVNNI)`.
-// One token runs q4_int8_ymm.h's loop, as the AVX-512 path's 4-bit token does; several tokens (prefill) take the AVX2
-// loop, which decodes a block's codes once for up to 16 of them.
+// One token runs q4_int8_ymm.h's loop, as the AVX-512 path's 4-bit token does; several tokens (prefill) run the AVX2
+// path's plan (q4_int8.cpp: a block's codes masked once into vectors kept in L1, then up to PREFILL_TOKENS tokens
+// over them) with vpdpbusd into int32: no pair sums in int16 to widen, and the high nibbles masked in place (x16)
+// instead of shifted down.
 //
 // Compiled for AVX-VNNI (pragma below, after every include, so that no inline function of a shared header is built
 // for that target, as in q4_int8_vnni.cpp).
@@ -29,20 +31,87 @@ struct DotVex {
   }
 };
 
-}  // namespace
-
+// n tokens (strided by K, K / 32 and groups) through one tile: out[t * 32 + r].
 template <int BITS>
-void tiles_avxvnni(const Weight& W, int64_t i0, int64_t i1, const int8_t* xi, const float* d, const float* X,
-                   float* y) {
-  float out[ROWS];
-  for (int64_t i = i0; i < i1; ++i) {
-    tile_token_ymm<BITS, DotVex>(W.tile_codes(i), W.tile_scales(i), W, xi, d, X, out);
-    std::copy_n(out, std::min(ROWS, W.N - i * ROWS), y + i * ROWS);
+void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, int64_t n, const int8_t* xi,
+                 const float* d, const float* X, float* out) {
+  constexpr int64_t COLUMNS = step_columns(BITS), STEPS = BLOCK / COLUMNS;
+  constexpr int WORDS = BITS == 4 ? 1 : 2;
+  constexpr float HIGH = BITS == 4 ? 1.0f / 16 : 0.25f;
+  const int64_t K = W.K, G = W.groups(), blocks_per_group = W.group / BLOCK;
+  const __m256i low = _mm256_set1_epi8(BITS == 4 ? 0x0F : 0x03), high = _mm256_set1_epi8(BITS == 4 ? -16 : 0x0C);
+  std::fill_n(out, n * ROWS, 0.0f);
+  const uint8_t* step = codes;
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 af[PREFILL_TOKENS][4];  // [t][2h + upper]
+    for (int64_t t = 0; t < n; ++t)
+      for (int k = 0; k < 4; ++k) af[t][k] = _mm256_setzero_ps();
+    for (int64_t b = g * blocks_per_group; b < std::min(K / BLOCK, (g + 1) * blocks_per_group);
+         ++b, step += STEPS * STEP_BYTES) {
+      __m256i block[STEPS][2][WORDS][2];  // [c][h][w][upper]
+      for (int64_t c = 0; c < STEPS; ++c)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + c * STEP_BYTES + 32 * h));
+          const __m256i fields[2] = {v, BITS == 2 ? _mm256_srli_epi16(v, 4) : v};
+          for (int w = 0; w < WORDS; ++w) {
+            block[c][h][w][0] = _mm256_and_si256(fields[w], low);
+            block[c][h][w][1] = _mm256_and_si256(fields[w], high);
+          }
+        }
+      for (int64_t t = 0; t < n; ++t) {
+        __m256i acc[2][4];  // [c % 2][2h + upper]: two sets, so that half as many vpdpbusd wait on each other
+        for (int e = 0; e < 2; ++e)
+          for (int k = 0; k < 4; ++k) acc[e][k] = _mm256_setzero_si256();
+        for (int64_t c = 0; c < STEPS; ++c)
+          for (int w = 0; w < WORDS; ++w) {
+            const __m256i a = broadcast_word(xi + t * K + b * BLOCK + COLUMNS * c + 4 * w);
+            for (int h = 0; h < 2; ++h)
+              for (int upper = 0; upper < 2; ++upper)
+                acc[c % 2][2 * h + upper] = DotVex::dot(acc[c % 2][2 * h + upper], block[c][h][w][upper], a);
+          }
+        const __m256 D = _mm256_set1_ps(d[t * (K / BLOCK) + b]);
+        for (int k = 0; k < 4; ++k)
+          af[t][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[0][k], acc[1][k])), D, af[t][k]);
+      }
+    }
+    const uint8_t* group_bytes = sz + g * GROUP_BYTES;
+    for (int k = 0; k < 4; ++k) {
+      const HalfScales f = half_scales(group_bytes, k, HIGH);
+      for (int64_t t = 0; t < n; ++t) {
+        float* o = out + t * ROWS + half_rows(k);
+        const __m256 y = _mm256_fmadd_ps(af[t][k], f.s, _mm256_loadu_ps(o));
+        _mm256_storeu_ps(o, _mm256_fnmadd_ps(f.s_z, _mm256_set1_ps(X[t * G + g]), y));
+      }
+    }
   }
 }
 
-template void tiles_avxvnni<4>(const Weight&, int64_t, int64_t, const int8_t*, const float*, const float*, float*);
-template void tiles_avxvnni<2>(const Weight&, int64_t, int64_t, const int8_t*, const float*, const float*, float*);
+}  // namespace
+
+template <int BITS>
+void tiles_avxvnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d,
+                   const float* X, float* y) {
+  float out[PREFILL_TOKENS * ROWS];
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t rows = std::min(ROWS, W.N - i * ROWS);
+    for (int64_t t = 0; t < T; t += PREFILL_TOKENS) {
+      const int64_t n = std::min(PREFILL_TOKENS, T - t);
+      const int8_t* x = xi + t * W.K;
+      const float* dt = d + t * W.K / BLOCK;
+      const float* Xt = X + t * W.groups();
+      if (n == 1)
+        tile_token_ymm<BITS, DotVex>(W.tile_codes(i), W.tile_scales(i), W, x, dt, Xt, out);
+      else
+        tile_tokens<BITS>(W.tile_codes(i), W.tile_scales(i), W, n, x, dt, Xt, out);
+      for (int64_t u = 0; u < n; ++u) std::copy_n(out + u * ROWS, rows, y + (t + u) * W.N + i * ROWS);
+    }
+  }
+}
+
+template void tiles_avxvnni<4>(const Weight&, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
+                               float*);
+template void tiles_avxvnni<2>(const Weight&, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
+                               float*);
 
 }  // namespace bitquilt_q4
 
