@@ -92,6 +92,20 @@ inline HalfScales half_scales(const uint8_t* group_bytes, int k, float high) {
   return {k % 2 ? _mm256_mul_ps(s, _mm256_set1_ps(high)) : s, _mm256_mul_ps(s, z)};
 }
 
+// A row group's part of n tokens' outputs out[t * 32 + r], added in place for those loops' vectors k: s * af[t][k] -
+// (s z) * X[t * G] (af: the group's sums, activation scales applied; X: the group's activation sums, G apart).
+inline void add_row_group(const uint8_t* group_bytes, float high, const __m256 (*af)[4], int64_t n, const float* X,
+                          int64_t G, float* out) {
+  for (int k = 0; k < 4; ++k) {
+    const HalfScales f = half_scales(group_bytes, k, high);
+    for (int64_t t = 0; t < n; ++t) {
+      float* o = out + t * ROWS + half_rows(k);
+      const __m256 y = _mm256_fmadd_ps(af[t][k], f.s, _mm256_loadu_ps(o));
+      _mm256_storeu_ps(o, _mm256_fnmadd_ps(f.s_z, _mm256_set1_ps(X[t * G]), y));
+    }
+  }
+}
+
 // Why a [N, K] weight of `bits`-bit codes in groups of `group` columns, `w_bytes` of codes and `sz_bytes` of
 // scales, is not a layout the kernel takes; empty if it is (K and group multiples of 64, bits 4 or 2, sizes as
 // Weight::code_bytes and scale_bytes).

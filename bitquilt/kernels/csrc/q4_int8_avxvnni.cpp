@@ -74,15 +74,7 @@ void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, int64
           af[t][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[0][k], acc[1][k])), D, af[t][k]);
       }
     }
-    const uint8_t* group_bytes = sz + g * GROUP_BYTES;
-    for (int k = 0; k < 4; ++k) {
-      const HalfScales f = half_scales(group_bytes, k, HIGH);
-      for (int64_t t = 0; t < n; ++t) {
-        float* o = out + t * ROWS + half_rows(k);
-        const __m256 y = _mm256_fmadd_ps(af[t][k], f.s, _mm256_loadu_ps(o));
-        _mm256_storeu_ps(o, _mm256_fnmadd_ps(f.s_z, _mm256_set1_ps(X[t * G + g]), y));
-      }
-    }
+    add_row_group(sz + g * GROUP_BYTES, HIGH, af, n, X + g, G, out);
   }
 }
 
