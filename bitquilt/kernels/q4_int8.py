@@ -14,8 +14,9 @@ AVX2 decodes a block of codes once for up to 16 tokens; a prompt's rows equal on
 format it keeps its own layout in a `LayoutCache`.
 
 Three paths, the same layout and exact integer dot products: AVX2 (vpmaddubsw); AVX-VNNI, 256-bit vpdpbusd where
-the CPU has it without AVX-512 (csrc/q4_int8_avxvnni.cpp); AVX-512 VNNI (csrc/q4_int8_vnni.cpp). They differ only in fp32 summation order. The widest runs
-by default, in this kernel and inside the fused decode step; `set_isa` or `BITQUILT_ISA=avx2` picks one.
+the CPU has it without AVX-512 (csrc/q4_int8_avxvnni.cpp); AVX-512 VNNI (csrc/q4_int8_vnni.cpp). They differ only in
+fp32 summation order. The widest runs by default, in this kernel and inside the fused decode step; `set_isa` or
+`BITQUILT_ISA=avx2` picks one.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-// The batch-1 4- and 2-bit x int8 matmul of q4_int8.cpp on AVX-VNNI: the 256-bit vpdpbusd (VEX) of CPUs that have it
-// without AVX-512 (Intel's client cores since Alder Lake), picked at run time after `isa_supported(ISA_AVXVNNI)`.
+// The int8-activation kernels on AVX-VNNI, the 256-bit vpdpbusd (VEX) of CPUs that have it without AVX-512 (Intel's
+// client cores since Alder Lake), picked at run time after `isa_supported(ISA_AVXVNNI)`: the 4- and 2-bit matmul of
+// q4_int8.cpp, and the 8-bit GEMV's row loop (uniform8_rows.h, as uniform8_vnni.cpp builds it for AVX-512).
 // One token runs q4_int8_ymm.h's loop, as the AVX-512 path's 4-bit token does; several tokens (prefill) run the AVX2
 // path's plan (q4_int8.cpp: a block's codes masked once into vectors kept in L1, then up to PREFILL_TOKENS tokens
 // over them) with vpdpbusd into int32: no pair sums in int16 to widen, and the high nibbles masked in place (x16)
@@ -13,23 +14,22 @@
 #include <algorithm>
 #include <cstring>
 
+#include "avx2_simd.h"
 #include "q4_int8.h"
+#include "uniform8.h"
+#include "vnni_dot.h"
 
 #pragma GCC push_options
 #pragma GCC target("avxvnni,avx2,fma,f16c")
 
-#include "q4_int8_ymm.h"  // built for this target (its header comment)
+#include "q4_int8_ymm.h"     // built for this target (their header comments)
+#include "uniform8_rows.h"
 
 namespace bitquilt_q4 {
 
 namespace {
 
-// vpdpbusd on 256-bit vectors, VEX-encoded (AVX-VNNI).
-struct DotVex {
-  static __m256i dot(__m256i acc, __m256i codes, __m256i activations) {
-    return _mm256_dpbusd_avx_epi32(acc, codes, activations);
-  }
-};
+using bitquilt_vnni::DotVex;
 
 // n tokens (strided by K, K / 32 and groups) through one tile: out[t * 32 + r].
 template <int BITS>
@@ -106,5 +106,11 @@ template void tiles_avxvnni<2>(const Weight&, int64_t, int64_t, int64_t, const i
                                float*);
 
 }  // namespace bitquilt_q4
+
+void bitquilt_u8::rows_int8_avxvnni(const uint8_t* q, const float* scale, const float* scale_zero, const int8_t* i,
+                                    const float* d, const float* X, int64_t K, int64_t G, int64_t group, int64_t r0,
+                                    int64_t r1, float* y) {
+  rows_int8_dot<bitquilt_vnni::DotVex>(q, scale, scale_zero, i, d, X, K, G, group, r0, r1, y);
+}
 
 #pragma GCC pop_options

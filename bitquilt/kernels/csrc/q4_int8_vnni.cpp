@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "q4_int8.h"
+#include "vnni_dot.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,f16c")
@@ -28,15 +29,11 @@ namespace bitquilt_q4 {
 
 namespace {
 
-// vpdpbusd on 256-bit vectors, EVEX-encoded (AVX-512 VL + VNNI), for q4_int8_ymm.h. A single token at 4 bits runs
-// there: on Zen 4, cold weights, alternating builds, its 256-bit halves read 87-94% of the plain read ceiling where
-// the 512-bit loop read 83-89% (11 of 12 paired rows; 2026-12-05), though 5-10% slower in cache; at 2 bits the
-// 256-bit loop lost (80-83% against 80-93%), and prefill keeps the 512-bit two-token loop.
-struct DotEvex {
-  static __m256i dot(__m256i acc, __m256i codes, __m256i activations) {
-    return _mm256_dpbusd_epi32(acc, codes, activations);
-  }
-};
+// A single token at 4 bits runs q4_int8_ymm.h's 256-bit loop (EVEX vpdpbusd): on Zen 4, cold weights, alternating
+// builds, its 256-bit halves read 87-94% of the plain read ceiling where the 512-bit loop read 83-89% (11 of 12 paired
+// rows; 2026-12-05), though 5-10% slower in cache; at 2 bits the 256-bit loop lost (80-83% against 80-93%), and
+// prefill keeps the 512-bit two-token loop.
+using bitquilt_vnni::DotEvex;
 
 // 4 activations (one 32-bit word) broadcast to every lane of a 512-bit vector.
 inline __m512i broadcast_word_512(const int8_t* x) {

@@ -5,8 +5,7 @@
 // the one before it. Each block's lines are prefetched together at its start.
 //
 // Included by those two files after their target pragma, so that this code is built for each file's target; the
-// template lives in an unnamed namespace (one copy per file). `Dot` supplies the instruction:
-//   static __m256i dot(__m256i acc, __m256i codes_u8, __m256i activations_s8)  (acc + 4-product sums per lane).
+// template lives in an unnamed namespace (one copy per file). `Dot` supplies the instruction (vnni_dot.h).
 
 #pragma once
 

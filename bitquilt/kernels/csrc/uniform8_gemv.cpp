@@ -185,7 +185,10 @@ void bitquilt_u8::gemv_int8_into(const float* xp, int64_t T, const Weight& W, fl
   const int64_t K = W.K, G = W.groups(), N = W.N, group = W.group, blocks = K / 32;
   const bitquilt_int8::RoundedTokens a(xp, T, K, group);
   const int64_t grain = std::max<int64_t>(16, (1 << 16) / K);  // rows per task: ~64 KB of codes
-  const auto row_loop = bitquilt_q4::active_isa() == bitquilt_q4::ISA_AVX512 ? bitquilt_u8::rows_int8_vnni : rows_int8;
+  const int isa = bitquilt_q4::active_isa();
+  const auto row_loop = isa == bitquilt_q4::ISA_AVX512    ? bitquilt_u8::rows_int8_vnni
+                        : isa == bitquilt_q4::ISA_AVXVNNI ? bitquilt_u8::rows_int8_avxvnni
+                                                          : rows_int8;
   bitquilt_par::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t t = 0; t < T; ++t)
       row_loop(W.q, W.s, W.sz, a.codes.data() + t * K, a.d.data() + t * blocks, a.X.data() + t * G, K, G, group,
