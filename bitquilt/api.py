@@ -29,6 +29,7 @@ from bitquilt.io import (  # noqa: F401  (API)
 from bitquilt.models.adapters import supported_model_types
 from bitquilt.models.loading import config_model_type, resolve_path
 from bitquilt.models.streaming import StreamingCheckpoint
+from bitquilt.nn.finite import non_finite_parameter
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.pipeline.engine import quantize_model
 from bitquilt.pipeline.head import HEAD_STAGE, quantize_head
@@ -58,9 +59,9 @@ def fetch(name: str, force: bool = False) -> Path:
 
 
 def check_finite_weights(model: nn.Module) -> None:
-    for name, p in model.named_parameters():
-        if p.is_floating_point() and not torch.isfinite(p).all():
-            raise UserError(f"parameter {name} contains NaN/Inf values; refusing to quantize a corrupted model")
+    name = non_finite_parameter(model)
+    if name is not None:
+        raise UserError(f"parameter {name} contains NaN/Inf values; refusing to quantize a corrupted model")
 
 
 def check_calibration_ids(model: nn.Module, ids: torch.Tensor) -> None:

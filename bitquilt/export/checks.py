@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from bitquilt.errors import UserError
 from bitquilt.formats.base import WeightFormat
 from bitquilt.nn import online
+from bitquilt.nn.finite import all_finite, non_finite_parameter
 from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
 
@@ -32,7 +32,7 @@ def check_layers(model: nn.Module, target: str, runtime_cannot: str,
     if embeddings and not quantized_embeddings:
         raise UserError(f"cannot export {embeddings[0]} to {target}: quantized input embeddings (--head-bits) are "
                         "not exported yet; quantize with --head-bits 16")
-    damaged = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    damaged = non_finite_parameter(model)
     if damaged is not None:
         raise UserError(f"cannot export to {target}: {damaged} holds NaN or Inf (the checkpoint is damaged or was "
                         "edited)")
@@ -46,5 +46,5 @@ def check_layers(model: nn.Module, target: str, runtime_cannot: str,
 
 def _non_finite(fmt: WeightFormat) -> str | None:
     """Why a format holding NaN or Inf (a damaged or edited checkpoint) is not exported; None when all finite."""
-    bad = [key for key, t in fmt.tensors().items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    bad = [key for key, t in fmt.tensors().items() if not all_finite(t)]
     return f"its {', '.join(bad)} hold NaN or Inf (the checkpoint is damaged or was edited)" if bad else None

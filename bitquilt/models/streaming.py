@@ -32,6 +32,7 @@ from bitquilt.heap import return_free_memory
 from bitquilt.mapped import map_file, tensor_view
 from bitquilt.models.adapters import architecture_of, decoder_layers
 from bitquilt.models.loading import TOKENIZER_FILES, _load_tokenizer, check_safetensors, checked_config, empty_model
+from bitquilt.nn.finite import all_finite
 from bitquilt.nn.quant_linear import QuantLinear
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -97,13 +98,6 @@ class TensorFiles:
             if f.readinto(raw.numpy()) != e.nbytes:
                 raise UserError(f"{e.path} ended inside tensor {name}; re-fetch or re-save the model")
         return raw.view(e.dtype).reshape(e.shape)
-
-
-def _all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
-    """`torch.isfinite(t).all()` a chunk at a time: on the whole tensor it allocates an fp32 copy (abs) and two
-    boolean masks, a transient of twice an embedding matrix."""
-    flat = t.reshape(-1)
-    return all(bool(torch.isfinite(part).all()) for part in flat.split(chunk))
 
 
 def _identity(hidden_states: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
@@ -173,7 +167,7 @@ class StreamingCheckpoint:
                                 f"{tuple(t.shape)}, the config implies {tuple(old.shape)}")
             if t.is_floating_point():
                 t = t.to(self.dtype)
-                if not _all_finite(t):
+                if not all_finite(t):
                     raise UserError(f"parameter {full} contains NaN/Inf values; refusing to quantize a corrupted "
                                     "model")
             owner, _, leaf = name.rpartition(".")
