@@ -28,7 +28,7 @@ import torch
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
 from bitquilt.isa import INT8_ISAS as ISAS
-from bitquilt.isa import choose
+from bitquilt.isa import choose, int8_supported
 from bitquilt.kernels import (
     PACK_ROWS,
     LayoutCache,
@@ -51,7 +51,7 @@ ROWS = 32  # output rows per tile (csrc/q4_int8.h, Weight)
 def supported_isas() -> tuple[str, ...]:
     """The kernel paths this CPU runs (empty without the extension)."""
     ext = cpu.extension()
-    return () if ext is None else tuple(name for i, name in enumerate(ISAS) if ext.q4_int8_isa_supported(i))
+    return () if ext is None else int8_supported(ext.q4_int8_isa_supported)
 
 
 def set_isa(isa: str | None = None) -> str | None:

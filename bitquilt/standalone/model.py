@@ -21,7 +21,7 @@ from typing import Any
 
 from bitquilt.errors import UserError
 from bitquilt.flag_checks import INT32_MAX, MAX_THREADS, is_integer
-from bitquilt.isa import INT8_ISAS, choose
+from bitquilt.isa import INT8_ISAS, choose, int8_supported
 from bitquilt.models.tokenizer import FastTokenizer
 from bitquilt.standalone.file import MappedTensors
 from bitquilt.standalone.library import last_error, library
@@ -48,7 +48,7 @@ def set_isa(isa: str | None = None) -> str:
     """Run the 4- and 2-bit kernel on `isa` ("avx2", "avxvnni", "avx512"), or `$BITQUILT_ISA` / the widest when
     None; the path now taken (`bitquilt.isa.choose`)."""
     lib = library()
-    chosen = choose("standalone", tuple(name for i, name in enumerate(INT8_ISAS) if lib.bq_isa_supported(i)), isa)
+    chosen = choose("standalone", int8_supported(lib.bq_isa_supported), isa)
     lib.bq_set_isa(INT8_ISAS.index(chosen))
     return chosen
 

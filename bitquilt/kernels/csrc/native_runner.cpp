@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -64,8 +65,10 @@ constexpr int64_t kMaxNewTokens = 2147483647, kMaxThreads = 1024, kMaxSeed = INT
 // The int8 kernels' paths by name, in bitquilt_q4::Isa's order (bitquilt.isa.INT8_ISAS).
 constexpr const char* kIsaNames[] = {"avx2", "avxvnni", "avx512"};
 
+constexpr int kIsas = static_cast<int>(std::size(kIsaNames));
+
 int isa_index(const std::string& name) {
-  for (int i = 0; i < 3; ++i)
+  for (int i = 0; i < kIsas; ++i)
     if (name == kIsaNames[i]) return i;
   return -1;
 }
@@ -150,7 +153,7 @@ Options parse(int argc, char** argv) {
 void choose_isa(const std::string& requested) {
   std::string supported;
   int widest = 0;
-  for (int i = 0; i < 3; ++i)
+  for (int i = 0; i < kIsas; ++i)
     if (bq_isa_supported(i)) {
       supported += (supported.empty() ? "" : ", ") + std::string(kIsaNames[i]);
       widest = i;
