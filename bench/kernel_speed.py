@@ -461,7 +461,7 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
     isas = q4_int8.supported_isas()
     meta = run_meta(isas=list(isas))
     ext = cpu.extension()
-    prefetch = ext.q4_int8_prefetch_bytes()  # the batch-1 kernels' distance on this CPU (csrc/q4_int8.h)
+    prefetch = ext.q4_int8_prefetch_plan()  # how the batch-1 kernels prefetch on this CPU (csrc/q4_int8.h)
 
     def on(isa: str, *args):  # the path switch is one store in the extension: nothing measurable
         q4_int8.set_isa(isa)
@@ -500,7 +500,7 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
                                       # before would still be in L3 (1536²'s ceiling read warm until 2026-12-04)
                                       "read": (ext.read_pass_seconds, buffers[2 * r % len(buffers)], 0),
                                       "read_prefetch": (ext.read_pass_seconds, buffers[(2 * r + 1) % len(buffers)],
-                                                        prefetch)}
+                                                        *prefetch)}
                                      for r in range(reps)], self_timed)
             # the ceiling, timed in C in the same rounds as the kernels: the faster pass, plain or prefetching; each
             # kernel's share of it is the median over the rounds of its round's ceiling time over its own (the host's

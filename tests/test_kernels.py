@@ -379,16 +379,26 @@ def test_uniform8_runs_decode_batches_ahead_of_the_lookup_tables_and_declines_th
 
 
 @needs_ext
-@pytest.mark.parametrize("prefetch", [0, 4096])
-def test_read_pass_ors_every_word_with_or_without_prefetch(prefetch):
+@pytest.mark.parametrize(("near", "far"), [(0, 0), (4096, 0), (1024, 4096)])
+def test_read_pass_ors_every_word_with_or_without_prefetch(near, far):
     """The benchmarks' bandwidth ceiling really reads the whole buffer: its result is the OR of all 64-bit words."""
     words = torch.zeros(1024, dtype=torch.int64)  # 8 KB, 64 steps of 128 bytes
     words[-1] = 1 << 40
     words[17] = 5
-    assert cpu.extension().read_pass(words, prefetch) == (1 << 40) | 5
+    assert cpu.extension().read_pass(words, near, far) == (1 << 40) | 5
     with pytest.raises(RuntimeError, match="multiple of 128 bytes"):
-        cpu.extension().read_pass(words[:-1], prefetch)
-    assert 0 < cpu.extension().read_pass_seconds(words, prefetch) < 1  # the same pass, timed in C
+        cpu.extension().read_pass(words[:-1], near, far)
+    with pytest.raises(RuntimeError, match="distances must be >= 0"):
+        cpu.extension().read_pass(words, -near - 1, far)
+    assert 0 < cpu.extension().read_pass_seconds(words, near, far) < 1  # the same pass, timed in C
+
+
+@needs_ext
+def test_the_batch1_kernels_prefetch_plan_names_distances_in_bytes():
+    """The plan the report's prefetching ceiling copies: T0 distance > 0, T1 distance 0 (none) or beyond it."""
+    near, far = cpu.extension().q4_int8_prefetch_plan()
+    assert near > 0 and near % 64 == 0
+    assert far == 0 or (far > near and far % 64 == 0)
 
 
 @needs_ext

@@ -1,8 +1,10 @@
 """Ad hoc: the batch-1 int8-activation kernel of two or more builds of `csrc/`, alternating on cold weights.
 
 How a kernel change is judged on this noisy host (docs/benchmarks.md, "Prefetch on the VNNI path"): each source tree
-is built as its own extension, and in every round each build's kernel reads its own cold copy of the weights, beside
-the read ceiling (plain and prefetching passes, as bench/kernel_speed.py); medians of thread CPU time over the rounds.
+is built as its own extension, and in every round each build's kernel reads its own cold copy of the weights (the
+builds in an order rotated each round: the first after the read passes ran up to 5% slower), beside the read ceiling
+(this tree's read passes: plain, prefetching into L1 2 or 8 KB ahead, and as this tree's kernels prefetch on this CPU);
+medians of thread CPU time over the rounds.
 
     python bench/prototypes/build_ab.py old=/tmp/csrc_old new=bitquilt/kernels/csrc [--bits 2] [--isas avx512,avx2]
 
@@ -26,7 +28,7 @@ from bitquilt.isa import INT8_ISAS as ISAS  # noqa: E402
 from bitquilt.kernels import cpu, q4_int8  # noqa: E402
 
 SHAPES = "1536x1536,8960x1536,1536x8960,4096x4096"
-READ_PREFETCH = (0, 4096, 8192)  # bytes ahead in the ceiling's read passes
+READ_PREFETCH = ((0, 0), (2048, 0), (8192, 0))  # (into L1, into L2) bytes ahead in the ceiling's read passes
 
 
 def cpu_us(fn, *args) -> float:
@@ -37,7 +39,8 @@ def cpu_us(fn, *args) -> float:
 
 def compare(builds: dict, shapes: list[tuple[int, int]], bits: int, isas: list[str], rounds: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    reader = next(iter(builds.values()))
+    reader = cpu.extension()
+    passes = (*READ_PREFETCH, tuple(reader.q4_int8_prefetch_plan()))
     for n, k in shapes:
         layouts = [q4_int8.layout(random_uniform(n, k, bits, gen, 128 if bits == 4 else 64))
                    for _ in range(cold_copies(n * k * bits // 8))]
@@ -45,19 +48,23 @@ def compare(builds: dict, shapes: list[tuple[int, int]], bits: int, isas: list[s
         buffers = [torch.randn(nbytes // 128 * 32, generator=gen) for _ in range(cold_copies(nbytes))]
         x = torch.randn(1, k, generator=gen)
         times: dict[str, list[float]] = {f"{isa} {name}": [] for isa in isas for name in builds}
-        reads: dict[int, list[float]] = {d: [] for d in READ_PREFETCH}
+        reads: dict[tuple[int, int], list[float]] = {d: [] for d in passes}
+        names = list(builds)
         copy = 0
-        for _ in range(rounds):
+        for r in range(rounds):
             for isa in isas:
-                for name, ext in builds.items():
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    ext = builds[name]
                     lay = layouts[copy % len(layouts)]
                     copy += 1
                     ext.q4_int8_set_isa(ISAS.index(isa))
                     times[f"{isa} {name}"].append(cpu_us(ext.q4_int8_matmul, x, lay.codes, lay.scales, n, lay.group,
                                                          lay.bits))
-            for ahead in READ_PREFETCH:
-                reads[ahead].append(cpu_us(reader.read_pass, buffers[copy % len(buffers)], ahead))
+            for ahead in reads:
+                reads[ahead].append(cpu_us(reader.read_pass, buffers[copy % len(buffers)], *ahead))
                 copy += 1
+        print("reads, GB/s by (L1, L2) bytes ahead: " + ", ".join(
+            f"{ahead} {nbytes / statistics.median(t) / 1e3:.1f}" for ahead, t in reads.items()))
         ceiling = max(nbytes / statistics.median(t) / 1e3 for t in reads.values())
         cells = [f"{key} {statistics.median(t):.1f} µs ({100 * nbytes / statistics.median(t) / 1e3 / ceiling:.0f}%)"
                  for key, t in times.items()]

@@ -39,6 +39,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "avx2_simd.h"
 #include "int8_round.h"
@@ -87,12 +88,14 @@ void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, int64
   const int64_t K = W.K, G = W.groups(), blocks_per_group = W.group / BLOCK;
   const int64_t tokens = NT == 1 ? 1 : n;
   const __m256i ones = _mm256_set1_epi16(1);
+  const RowGroupPrefetch prefetch_row_group(W);
   std::fill_n(out, tokens * ROWS, 0.0f);
   const uint8_t* step = codes;
   for (int64_t g = 0; g < G; ++g) {
     __m256 af[NT][4];  // [t][2h + upper]: the group's sums of rows 8h + 16 * upper .., activation scales applied
     for (int64_t t = 0; t < tokens; ++t)
       for (int k = 0; k < 4; ++k) af[t][k] = _mm256_setzero_ps();
+    if constexpr (NT == 1) prefetch_row_group(sz + g * GROUP_BYTES);
     for (int64_t b = g * blocks_per_group; b < std::min(K / BLOCK, (g + 1) * blocks_per_group);
          ++b, step += STEPS * STEP_BYTES) {
       HalfCodes<BITS> block[NT == 1 ? 1 : STEPS][2];
@@ -178,9 +181,9 @@ Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t
 }
 #endif
 
-int64_t default_prefetch_bytes() {
+PrefetchPlan default_prefetch_plan() {
   __builtin_cpu_init();
-  return __builtin_cpu_is("amd") ? 8192 : 2048;  // q4_int8.h
+  return __builtin_cpu_is("amd") ? PrefetchPlan{8192, 0, false} : PrefetchPlan{1024, 4096, true};  // q4_int8.h
 }
 
 bool isa_supported(int isa) {
@@ -263,8 +266,8 @@ void register_q4_int8(pybind11::module& m) {
         "AVX-512 VNNI)");
   m.def("q4_int8_isa_supported", &bitquilt_q4::isa_supported,
         "whether the CPU runs path `isa` (0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI)");
-  m.def("q4_int8_prefetch_bytes", [] { return bitquilt_q4::PREFETCH_BYTES; },
-        "how far ahead the batch-1 tiles prefetch their codes on this CPU");
+  m.def("q4_int8_prefetch_plan", [] { return std::pair(bitquilt_q4::PREFETCH.near, bitquilt_q4::PREFETCH.far); },
+        "how far ahead the batch-1 tiles prefetch their codes on this CPU: bytes into L1, bytes into L2 (0: none)");
   m.def("q4_int8_active_isa", &bitquilt_q4::active_isa, "the path the int8-activation kernels take (as above)");
   m.def("q4_int8_set_isa", [](int isa) {
     TORCH_CHECK(bitquilt_q4::set_isa(isa), "int8-activation kernel path ", isa, " is not supported by this CPU");

@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -25,25 +26,37 @@ constexpr int64_t PREFILL_TOKENS = 16;
 // Columns of a tile's 64-byte step: 4 at 4 bits, 8 at 2.
 constexpr int64_t step_columns(int bits) { return 16 / bits; }
 
-// How far ahead a batch-1 tile prefetches its code stream, on both paths (the tiles are back to back, so the
-// prefetch runs on into the next tile), chosen once per process by CPU vendor. The layouts sit on huge pages
-// (kernels.layout_empty); on them, cold 4-bit weights, 1 thread, 1536² to 8960 x 1536, builds alternating in two
-// rounds: an AMD Zen 4 (2026-12-05) ran its VNNI path at 85-90% of the read ceiling 8 KB ahead against 74-78% at
-// 2 KB, 69-84% at 4 KB and 68-84% at 16 KB (AVX2 64-81% at every distance: it is bound by instructions there, as was
-// the 2-bit path before its 32-row layout); on 4 KB pages (1536^2) 8 KB was ahead too, 78-81% against 71-73% at
-// 2 KB; an Intel Xeon with AVX-512 (2026-12-04) 1.05-1.25x faster at 2 KB than at 4 KB on both paths, 1 KB close
-// behind, 512 B and 16 KB slower. Zen 3 (on 4 KB pages): 2 to 8 KB alike. (Measured on the 4-row tiles the 32-row
-// ones replaced; the 32-row 2-bit loop on Zen 4 had 8 KB first too: 82-90%, 4 KB 72-84%, 16 KB 74-83%, none 58-70%.
-// Re-checked on the 256-bit 4-bit VNNI token and the in-order AVX2 loop, 2026-12-05, three rounds: 8 KB 83-92%,
-// 6 KB and 12 KB 1-5 points lower on every 4-bit row (medians); at 2 bits 6 KB and 8 KB alike.)
-int64_t default_prefetch_bytes();
-inline const int64_t PREFETCH_BYTES = default_prefetch_bytes();
+// How a batch-1 tile prefetches its code stream, on every path (the tiles are back to back, so the prefetch runs on
+// into the next tile), chosen once per process by CPU vendor: each line `near` bytes ahead into L1 (T0) and, where
+// `far` > 0, `far` bytes ahead into L2 (T1) as well. The layouts sit on huge pages (kernels.layout_empty).
+//   AMD: 8 KB into L1. Zen 4 (2026-12-05), cold 4-bit weights, 1 thread, 1536² to 8960 x 1536, builds alternating:
+//     the VNNI path at 85-90% of the read ceiling 8 KB ahead against 74-78% at 2 KB, 69-84% at 4 KB and 68-84% at
+//     16 KB; re-checked on the 256-bit 4-bit token and the AVX2 loop, three rounds: 6 and 12 KB 1-5 points lower on
+//     every 4-bit row, 6 and 8 KB alike at 2 bits; a far T1 prefetch with a near T0 one measured slower (18-23 GB/s
+//     against 24-28 in cache-cold C timing). Zen 3 (4 KB pages): 2 to 8 KB alike.
+//   Intel: 1 KB into L1 and 4 KB into L2. On a Xeon with AVX-512 and AVX-VNNI (family 6 model 207, 2026-12-05), 2-bit
+//     codes, every path, builds alternating: 1.04-1.13x faster than 2 KB into L1 alone (AVX2 and AVX-VNNI 74-80% ->
+//     84-87% of the read ceiling, AVX-512 80-82% -> 83-86%, the ceiling the faster of the two plans' reads); 4 or
+//     8 KB far with 0.5, 1 or 2 KB near all within 3 points. T0 alone: 2 KB, 1 KB close behind, 4 KB 1.05-1.25x
+//     slower on an earlier Xeon; T1 alone 1-5% slower than T0 alone.
+struct PrefetchPlan {
+  int64_t near, far;  // bytes ahead into L1 (T0) and into L2 (T1; 0: none)
+  bool row_groups;    // the row groups' stream too (RowGroupPrefetch)
+};
+PrefetchPlan default_prefetch_plan();
+inline const PrefetchPlan PREFETCH = default_prefetch_plan();
 
-// Prefetches `lines` cache lines PREFETCH_BYTES past p (past the end is harmless: a prefetch never faults).
-inline void prefetch_ahead(const uint8_t* p, int lines) {
-  for (int line = 0; line < lines; ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * line), _MM_HINT_T0);
+// Prefetches `lines` cache lines of a stream: `near` bytes past p into L1 and, if `far`, `far` bytes past p into L2
+// (past the end is harmless: a prefetch never faults).
+inline void prefetch_stream(const uint8_t* p, int lines, int64_t near, int64_t far) {
+  for (int line = 0; line < lines; ++line) {
+    if (far) _mm_prefetch(reinterpret_cast<const char*>(p + far + 64 * line), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(p + near + 64 * line), _MM_HINT_T0);
+  }
 }
+
+// The code stream's `lines` past p, as PREFETCH plans.
+inline void prefetch_ahead(const uint8_t* p, int lines) { prefetch_stream(p, lines, PREFETCH.near, PREFETCH.far); }
 
 // A [N, K] weight W[r, c] = s[r, g] * (q[r, c] - z[r, g]), g = c / group, q of `bits` = 4 or 2 bits, in the
 // kernel's layout: tiles of 32 rows (the last padded with zero rows), each a run of 64-byte steps, byte 4l + j
@@ -66,6 +79,28 @@ struct Weight {
   int64_t scale_bytes() const { return tiles() * groups() * GROUP_BYTES; }
   const uint8_t* tile_codes(int64_t i) const { return w + i * tile_bytes(); }
   const uint8_t* tile_scales(int64_t i) const { return sz + i * groups() * GROUP_BYTES; }
+};
+
+// The prefetch of a tile's row-group stream (sz, which runs on into the next tile's), where PREFETCH.row_groups: as
+// many row groups ahead as the code stream is prefetched groups of codes ahead (at least one). On the Xeon of
+// PrefetchPlan (2-bit codes, group 64: 2 row groups ahead into L1, 8 into L2) 1.02-1.06x faster on every path; on
+// Zen 4 a T0 prefetch of that stream 4, 8 or 16 groups ahead measured 4-11% slower (2-bit VNNI), so AMD has none.
+class RowGroupPrefetch {
+ public:
+  explicit RowGroupPrefetch(const Weight& W) {
+    if (!PREFETCH.row_groups) return;
+    const int64_t group_code_bytes = ROWS * W.group * W.bits / 8;
+    near_ = GROUP_BYTES * std::max<int64_t>(1, (PREFETCH.near + group_code_bytes - 1) / group_code_bytes);
+    if (PREFETCH.far)
+      far_ = GROUP_BYTES * std::max<int64_t>(1, (PREFETCH.far + group_code_bytes - 1) / group_code_bytes);
+  }
+  // Prefetches the row group that many groups past `group_bytes` (its 96 bytes span two cache lines).
+  void operator()(const uint8_t* group_bytes) const {
+    if (near_) prefetch_stream(group_bytes, 2, near_, far_);
+  }
+
+ private:
+  int64_t near_ = 0, far_ = 0;
 };
 
 // For the loops that split a 64-byte step into two 256-bit halves h, whose lane l holds rows 8h + l and 16 + 8h + l:

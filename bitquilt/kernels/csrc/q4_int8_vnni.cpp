@@ -5,7 +5,7 @@
 // vector adds each row's 4 products into its lane (every vector its own accumulator, so no dot product waits for
 // the one before); a block's sums are converted and scaled by its activation scale once per 32 columns, the rows' s
 // and s * z once per group. Two tokens run together for prefill, each step's masks serving both; a single token
-// prefetches the code stream PREFETCH_BYTES ahead (2-bit, Zen 4, cold weights: prefetching the row groups' stream
+// prefetches the code stream as q4_int8.h's PrefetchPlan says (2-bit, Zen 4, cold weights: prefetching the row groups' stream
 // too measured 4-11% slower, two accumulators per vector no faster cold and slower in L1). A single token at 4 bits
 // runs the same steps in 256-bit halves (q4_int8_ymm.h: faster on cold weights on Zen 4).
 //
@@ -71,12 +71,14 @@ void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, const
   constexpr int64_t COLUMNS = step_columns(BITS), STEPS = BLOCK / COLUMNS;
   constexpr float HIGH = BITS == 4 ? 1.0f / 16 : 0.25f;  // rows 16-31 were summed x16 / x4
   const int64_t K = W.K, G = W.groups(), blocks_per_group = W.group / BLOCK;
+  const RowGroupPrefetch prefetch_row_group(W);
   __m512 total[NT][2];
   for (int t = 0; t < NT; ++t) total[t][0] = total[t][1] = _mm512_setzero_ps();
   const uint8_t* step = codes;
   for (int64_t g = 0; g < G; ++g) {
     __m512 af[NT][2];  // the group's sums of rows 0-15 and (scaled) 16-31, activation scales applied
     for (int t = 0; t < NT; ++t) af[t][0] = af[t][1] = _mm512_setzero_ps();
+    if constexpr (NT == 1) prefetch_row_group(sz + g * GROUP_BYTES);
     for (int64_t b = g * blocks_per_group; b < std::min(K / BLOCK, (g + 1) * blocks_per_group); ++b) {
       __m512i acc[NT][Step::VECTORS];
       for (int t = 0; t < NT; ++t)

@@ -19,18 +19,19 @@
 namespace {
 
 // OR of every 64-bit word of `t` (contiguous; a multiple of 128 bytes), returned so the pass cannot be elided.
-// `prefetch` > 0: each 128-byte step also prefetches the two cache lines that many bytes ahead, as the batch-1
-// kernels do; on some CPUs the hardware prefetcher alone leaves a plain pass below what those kernels reach.
-int64_t read_pass(const at::Tensor& t, int64_t prefetch) {
+// `near` > 0: each 128-byte step also prefetches its two cache lines that many bytes ahead into L1, and `far` > 0
+// that many bytes ahead into L2, as the batch-1 kernels do (q4_int8.h, PrefetchPlan); on some CPUs the hardware
+// prefetcher alone leaves a plain pass below what those kernels reach.
+int64_t read_pass(const at::Tensor& t, int64_t near, int64_t far) {
   TORCH_CHECK(t.is_contiguous() && t.nbytes() % 128 == 0, "a contiguous buffer of a multiple of 128 bytes");
-  TORCH_CHECK(prefetch >= 0, "prefetch distance must be >= 0 bytes");
+  TORCH_CHECK(near >= 0 && far >= 0, "prefetch distances must be >= 0 bytes");
   const auto* p = static_cast<const uint8_t*>(t.data_ptr());
   const size_t n = t.nbytes();
   __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
   for (size_t i = 0; i < n; i += 128) {
-    if (prefetch) {  // past the end is harmless: a prefetch never faults
-      _mm_prefetch(reinterpret_cast<const char*>(p + i + prefetch), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p + i + prefetch + 64), _MM_HINT_T0);
+    for (int line = 0; line < 2; ++line) {  // past the end is harmless: a prefetch never faults
+      if (far) _mm_prefetch(reinterpret_cast<const char*>(p + i + far + 64 * line), _MM_HINT_T1);
+      if (near) _mm_prefetch(reinterpret_cast<const char*>(p + i + near + 64 * line), _MM_HINT_T0);
     }
     a = _mm256_or_si256(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
     b = _mm256_or_si256(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
@@ -49,9 +50,9 @@ double thread_seconds() {
 }
 
 // Thread CPU seconds of one read_pass.
-double read_pass_seconds(const at::Tensor& t, int64_t prefetch) {
+double read_pass_seconds(const at::Tensor& t, int64_t near, int64_t far) {
   const double start = thread_seconds();
-  volatile int64_t sink = read_pass(t, prefetch);
+  volatile int64_t sink = read_pass(t, near, far);
   static_cast<void>(sink);
   return thread_seconds() - start;
 }
@@ -72,8 +73,8 @@ double q4_int8_seconds(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 void register_read_rate(pybind11::module& m) {
   m.def("read_pass", &read_pass, "one streaming read over a buffer (the bandwidth ceiling of batch-1 kernels)",
-        pybind11::arg("t"), pybind11::arg("prefetch") = 0);
+        pybind11::arg("t"), pybind11::arg("near") = 0, pybind11::arg("far") = 0);
   m.def("read_pass_seconds", &read_pass_seconds, "thread CPU seconds of one read_pass", pybind11::arg("t"),
-        pybind11::arg("prefetch") = 0);
+        pybind11::arg("near") = 0, pybind11::arg("far") = 0);
   m.def("q4_int8_seconds", &q4_int8_seconds, "thread CPU seconds of one q4_int8 matmul, timed in C");
 }
