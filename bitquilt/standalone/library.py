@@ -26,8 +26,8 @@ CSRC = Path(__file__).resolve().parent.parent / "kernels" / "csrc"
 SOURCES = ("standalone.cpp", "bpe_tokenizer.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "q4_int8_avxvnni.cpp",
            "uniform8_gemv.cpp", "uniform8_vnni.cpp")
 HEADERS = ("avx2_simd.h", "bpe_tokenizer.h", "decoder_core.h", "int8_round.h", "json_value.h", "parallel.h",
-           "q4_int8.h", "q4_int8_ymm.h", "standalone.h", "standalone_file.h", "uniform8.h", "uniform8_rows.h",
-           "vnni_dot.h")
+           "q4_int8.h", "q4_int8_ymm.h", "standalone.h", "standalone_file.h", "stream_prefetch.h", "uniform8.h",
+           "uniform8_rows.h", "vnni_dot.h")
 RUNNER = "native_runner.cpp"  # main() of bitquilt-native, on the library's sources
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 CPU_FLAGS = ("avx2", "fma", "f16c")  # the baseline the library is compiled for

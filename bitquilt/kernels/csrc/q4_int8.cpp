@@ -181,11 +181,6 @@ Weight make_weight(const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t
 }
 #endif
 
-PrefetchPlan default_prefetch_plan() {
-  __builtin_cpu_init();
-  return __builtin_cpu_is("amd") ? PrefetchPlan{8192, 0, false} : PrefetchPlan{1024, 4096, true};  // q4_int8.h
-}
-
 bool isa_supported(int isa) {
   __builtin_cpu_init();
   switch (isa) {
@@ -267,7 +262,8 @@ void register_q4_int8(pybind11::module& m) {
   m.def("q4_int8_isa_supported", &bitquilt_q4::isa_supported,
         "whether the CPU runs path `isa` (0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI)");
   m.def("q4_int8_prefetch_plan", [] { return std::pair(bitquilt_q4::PREFETCH.near, bitquilt_q4::PREFETCH.far); },
-        "how far ahead the batch-1 tiles prefetch their codes on this CPU: bytes into L1, bytes into L2 (0: none)");
+        "how far ahead the batch-1 tiles and the 8-bit GEMV prefetch their codes on this CPU: bytes into L1, bytes "
+        "into L2 (0: none)");
   m.def("q4_int8_active_isa", &bitquilt_q4::active_isa, "the path the int8-activation kernels take (as above)");
   m.def("q4_int8_set_isa", [](int isa) {
     TORCH_CHECK(bitquilt_q4::set_isa(isa), "int8-activation kernel path ", isa, " is not supported by this CPU");

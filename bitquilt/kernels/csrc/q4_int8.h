@@ -11,6 +11,7 @@
 #include <string>
 
 #include "int8_round.h"
+#include "stream_prefetch.h"
 
 namespace bitquilt_q4 {
 
@@ -26,37 +27,11 @@ constexpr int64_t PREFILL_TOKENS = 16;
 // Columns of a tile's 64-byte step: 4 at 4 bits, 8 at 2.
 constexpr int64_t step_columns(int bits) { return 16 / bits; }
 
-// How a batch-1 tile prefetches its code stream, on every path (the tiles are back to back, so the prefetch runs on
-// into the next tile), chosen once per process by CPU vendor: each line `near` bytes ahead into L1 (T0) and, where
-// `far` > 0, `far` bytes ahead into L2 (T1) as well. The layouts sit on huge pages (kernels.layout_empty).
-//   AMD: 8 KB into L1. Zen 4 (2026-12-05), cold 4-bit weights, 1 thread, 1536² to 8960 x 1536, builds alternating:
-//     the VNNI path at 85-90% of the read ceiling 8 KB ahead against 74-78% at 2 KB, 69-84% at 4 KB and 68-84% at
-//     16 KB; re-checked on the 256-bit 4-bit token and the AVX2 loop, three rounds: 6 and 12 KB 1-5 points lower on
-//     every 4-bit row, 6 and 8 KB alike at 2 bits; a far T1 prefetch with a near T0 one measured slower (18-23 GB/s
-//     against 24-28 in cache-cold C timing). Zen 3 (4 KB pages): 2 to 8 KB alike.
-//   Intel: 1 KB into L1 and 4 KB into L2. On a Xeon with AVX-512 and AVX-VNNI (family 6 model 207, 2026-12-05), 2-bit
-//     codes, every path, builds alternating: 1.04-1.13x faster than 2 KB into L1 alone (AVX2 and AVX-VNNI 74-80% ->
-//     84-87% of the read ceiling, AVX-512 80-82% -> 83-86%, the ceiling the faster of the two plans' reads); 4 or
-//     8 KB far with 0.5, 1 or 2 KB near all within 3 points. T0 alone: 2 KB, 1 KB close behind, 4 KB 1.05-1.25x
-//     slower on an earlier Xeon; T1 alone 1-5% slower than T0 alone.
-struct PrefetchPlan {
-  int64_t near, far;  // bytes ahead into L1 (T0) and into L2 (T1; 0: none)
-  bool row_groups;    // the row groups' stream too (RowGroupPrefetch)
-};
-PrefetchPlan default_prefetch_plan();
-inline const PrefetchPlan PREFETCH = default_prefetch_plan();
-
-// Prefetches `lines` cache lines of a stream: `near` bytes past p into L1 and, if `far`, `far` bytes past p into L2
-// (past the end is harmless: a prefetch never faults).
-inline void prefetch_stream(const uint8_t* p, int lines, int64_t near, int64_t far) {
-  for (int line = 0; line < lines; ++line) {
-    if (far) _mm_prefetch(reinterpret_cast<const char*>(p + far + 64 * line), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(p + near + 64 * line), _MM_HINT_T0);
-  }
-}
-
-// The code stream's `lines` past p, as PREFETCH plans.
-inline void prefetch_ahead(const uint8_t* p, int lines) { prefetch_stream(p, lines, PREFETCH.near, PREFETCH.far); }
+// How the batch-1 loops prefetch their code stream (stream_prefetch.h; the tiles are back to back, so the prefetch
+// runs on into the next tile).
+using bitquilt_prefetch::PREFETCH;
+using bitquilt_prefetch::prefetch_ahead;
+using bitquilt_prefetch::prefetch_stream;
 
 // A [N, K] weight W[r, c] = s[r, g] * (q[r, c] - z[r, g]), g = c / group, q of `bits` = 4 or 2 bits, in the
 // kernel's layout: tiles of 32 rows (the last padded with zero rows), each a run of 64-byte steps, byte 4l + j

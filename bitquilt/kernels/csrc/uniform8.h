@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "stream_prefetch.h"
+
 namespace bitquilt_u8 {
 
 // W[r, c] = s[r, g] * (q[r, c] - z[r, g]): codes uint8 [N, K] row-major, s and s * z fp32 [N, groups].
@@ -28,12 +30,8 @@ void gemv_into(const float* x, int64_t T, const Weight& W, float* y);
 // The same with each token's activations rounded to int8 per block of 32 (int8_round.h): y = x_hat @ W^T.
 void gemv_int8_into(const float* x, int64_t T, const Weight& W, float* y);
 
-// How far ahead the row loops prefetch the code stream, chosen once per process by CPU vendor: on Zen 4 (huge
-// pages, cold codes, 1 thread, builds alternating, 2026-12-05) 8 KB ran the AVX2 loop 1.02-1.13x faster than 4 KB,
-// and the VNNI loop 1.03-1.35x faster than 4 KB, 2 KB or none; Zen 3 (AVX2 only): 4 KB 1.2-1.5x faster than none;
-// Intel not measured apart (4 KB kept).
-int64_t default_prefetch_bytes();
-inline const int64_t PREFETCH_BYTES = default_prefetch_bytes();
+// The row loops prefetch their (row-major, contiguous) code stream as stream_prefetch.h plans, once per 64 bytes.
+using bitquilt_prefetch::prefetch_ahead;
 
 // Rows [r0, r1) for one token rounded to int8 (codes i [K], block steps d [K / 32], group sums X [groups]) on
 // AVX-512 VNNI (uniform8_vnni.cpp) and on AVX-VNNI (q4_int8_avxvnni.cpp): y[r] for r0 <= r < r1.

@@ -38,12 +38,12 @@
 
 namespace {
 
-using bitquilt_u8::PREFETCH_BYTES;
+using bitquilt_u8::prefetch_ahead;
 
 constexpr int MAX_TOKENS = 4;  // tokens per pass over the weights
-// Each row's codes are read once, in order; the next row's first line is hinted, and every 32-byte step prefetches
-// PREFETCH_BYTES ahead in the (row-major, contiguous) code stream (uniform8.h), where the hardware prefetcher alone
-// left the loop waiting on memory.
+// Each row's codes are read once, in order; the next row's first line is hinted, and every other 32-byte step
+// prefetches ahead in the (row-major, contiguous) code stream (uniform8.h), where the hardware prefetcher alone left
+// the loop waiting on memory.
 
 inline __m256 widen(const uint8_t* q) {  // 8 codes -> 8 exact floats
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
@@ -67,7 +67,7 @@ void rows(const uint8_t* q, const float* scale, const float* scale_zero, const f
         for (int u = 0; u < U; ++u) acc[t][u] = _mm256_setzero_ps();
       const int64_t c1 = std::min(K, (g + 1) * group);
       for (int64_t c = g * group; c < c1; c += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(qr + c + PREFETCH_BYTES), _MM_HINT_T0);
+        if (c % 64 == 0) prefetch_ahead(qr + c, 1);
         const __m256 w[4] = {widen(qr + c), widen(qr + c + 8), widen(qr + c + 16), widen(qr + c + 24)};
         for (int t = 0; t < T; ++t) {
           const float* xt = x + t * ldx + c;
@@ -100,7 +100,7 @@ void rows_int8(const uint8_t* q, const float* scale, const float* scale_zero, co
     for (int64_t g = 0; g < G; ++g) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t b = g * per_group; b < std::min(blocks, (g + 1) * per_group); ++b) {
-        _mm_prefetch(reinterpret_cast<const char*>(qr + 32 * b + PREFETCH_BYTES), _MM_HINT_T0);
+        if (b % 2 == 0) prefetch_ahead(qr + 32 * b, 1);
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(i + 32 * b));
         const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + 32 * b)), flip);
         // |q'| as unsigned (abs(-128) = 0x80 = 128) against sign(i, q'): |i| <= 127, so nothing overflows
@@ -132,11 +132,6 @@ at::Tensor uniform8_gemv(const at::Tensor& x, const at::Tensor& codes, const at:
 #endif
 
 }  // namespace
-
-int64_t bitquilt_u8::default_prefetch_bytes() {
-  __builtin_cpu_init();
-  return __builtin_cpu_is("amd") ? 8192 : 4096;  // uniform8.h
-}
 
 std::string bitquilt_u8::shape_error(int64_t K, int64_t group) {
   return K % 32 == 0 && group % 32 == 0 && group > 0 ? "" : "columns and group size must be multiples of 32";

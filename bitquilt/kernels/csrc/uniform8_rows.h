@@ -20,7 +20,7 @@ void rows_int8_dot(const uint8_t* q, const float* scale, const float* scale_zero
     for (int64_t g = 0; g < G; ++g) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t b = g * per_group; b < std::min(blocks, (g + 1) * per_group); ++b) {
-        _mm_prefetch(reinterpret_cast<const char*>(qr + 32 * b + PREFETCH_BYTES), _MM_HINT_T0);
+        if (b % 2 == 0) prefetch_ahead(qr + 32 * b, 1);
         const __m256i dot = Dot::dot(_mm256_setzero_si256(),
                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + 32 * b)),
                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(i + 32 * b)));
