@@ -82,20 +82,19 @@ inline HalfCodes<BITS> half_codes(const uint8_t* p) {
 // over them, so the shifts and masks are paid once per block instead of once per token.
 template <int BITS, int NT>
 void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, int64_t n, const int8_t* xi,
-                 const float* d, const float* X, float* out) {
+                 const float* d, const float* X, float* out, [[maybe_unused]] const RowGroupPrefetch& row_groups) {
   constexpr int64_t STEPS = BLOCK / step_columns(BITS);  // per block
   constexpr float HIGH = BITS == 2 ? 0.25f : 1.0f;       // rows 16-31 summed x4 at 2 bits (masked in place)
   const int64_t K = W.K, G = W.groups(), blocks_per_group = W.group / BLOCK;
   const int64_t tokens = NT == 1 ? 1 : n;
   const __m256i ones = _mm256_set1_epi16(1);
-  const RowGroupPrefetch prefetch_row_group(W);
   std::fill_n(out, tokens * ROWS, 0.0f);
   const uint8_t* step = codes;
   for (int64_t g = 0; g < G; ++g) {
     __m256 af[NT][4];  // [t][2h + upper]: the group's sums of rows 8h + 16 * upper .., activation scales applied
     for (int64_t t = 0; t < tokens; ++t)
       for (int k = 0; k < 4; ++k) af[t][k] = _mm256_setzero_ps();
-    if constexpr (NT == 1) prefetch_row_group(sz + g * GROUP_BYTES);
+    if constexpr (NT == 1) row_groups(sz + g * GROUP_BYTES);
     for (int64_t b = g * blocks_per_group; b < std::min(K / BLOCK, (g + 1) * blocks_per_group);
          ++b, step += STEPS * STEP_BYTES) {
       HalfCodes<BITS> block[NT == 1 ? 1 : STEPS][2];
@@ -133,16 +132,12 @@ void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, int64
 template <int BITS>
 void tiles_avx2(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y) {
-  float out[PREFILL_TOKENS * ROWS];
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t rows = std::min(ROWS, W.N - i * ROWS);
-    for (int64_t t = 0; t < T; t += PREFILL_TOKENS) {
-      const int64_t n = std::min(PREFILL_TOKENS, T - t);
-      const auto pass = n == 1 ? &tile_tokens<BITS, 1> : &tile_tokens<BITS, PREFILL_TOKENS>;
-      pass(W.tile_codes(i), W.tile_scales(i), W, n, xi + t * W.K, d + t * W.K / BLOCK, X + t * W.groups(), out);
-      for (int64_t u = 0; u < n; ++u) std::copy_n(out + u * ROWS, rows, y + (t + u) * W.N + i * ROWS);
-    }
-  }
+  for_tiles<PREFILL_TOKENS>(W, i0, i1, T, xi, d, X, y, [&](const uint8_t* codes, const uint8_t* sz, int64_t n,
+                                                            const int8_t* x, const float* dt, const float* Xt,
+                                                            float* out, const RowGroupPrefetch& row_groups) {
+    (n == 1 ? &tile_tokens<BITS, 1> : &tile_tokens<BITS, PREFILL_TOKENS>)(codes, sz, W, n, x, dt, Xt, out,
+                                                                          row_groups);
+  });
 }
 
 }  // namespace

@@ -78,6 +78,25 @@ class RowGroupPrefetch {
   int64_t near_ = 0, far_ = 0;
 };
 
+// The tile loop every path shares: tiles [i0, i1) of y for T tokens rounded in column order (xi [T, K], d [T, K / 32]
+// block scales, X [T, groups] group sums), up to CHUNK tokens per pass over a tile: pass(codes, sz, n, xi, d, X, out,
+// row_groups) writes n tokens' outputs out[t * 32 + r] of the tile whose codes and row groups it is given.
+template <int64_t CHUNK, class Pass>
+void for_tiles(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
+               float* y, const Pass& pass) {
+  float out[CHUNK * ROWS];
+  const RowGroupPrefetch row_groups(W);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t rows = std::min(ROWS, W.N - i * ROWS);
+    for (int64_t t = 0; t < T; t += CHUNK) {
+      const int64_t n = std::min(CHUNK, T - t);
+      pass(W.tile_codes(i), W.tile_scales(i), n, xi + t * W.K, d + t * W.K / BLOCK, X + t * W.groups(), out,
+           row_groups);
+      for (int64_t u = 0; u < n; ++u) std::copy_n(out + u * ROWS, rows, y + (t + u) * W.N + i * ROWS);
+    }
+  }
+}
+
 // For the loops that split a 64-byte step into two 256-bit halves h, whose lane l holds rows 8h + l and 16 + 8h + l:
 // vector k = 2h + upper holds rows half_rows(k) .. + 7.
 constexpr int half_rows(int k) { return 8 * (k / 2) + 16 * (k % 2); }

@@ -83,21 +83,14 @@ void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, int64
 template <int BITS>
 void tiles_avxvnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d,
                    const float* X, float* y) {
-  float out[PREFILL_TOKENS * ROWS];
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t rows = std::min(ROWS, W.N - i * ROWS);
-    for (int64_t t = 0; t < T; t += PREFILL_TOKENS) {
-      const int64_t n = std::min(PREFILL_TOKENS, T - t);
-      const int8_t* x = xi + t * W.K;
-      const float* dt = d + t * W.K / BLOCK;
-      const float* Xt = X + t * W.groups();
-      if (n == 1)
-        tile_token_ymm<BITS, DotVex>(W.tile_codes(i), W.tile_scales(i), W, x, dt, Xt, out);
-      else
-        tile_tokens<BITS>(W.tile_codes(i), W.tile_scales(i), W, n, x, dt, Xt, out);
-      for (int64_t u = 0; u < n; ++u) std::copy_n(out + u * ROWS, rows, y + (t + u) * W.N + i * ROWS);
-    }
-  }
+  for_tiles<PREFILL_TOKENS>(W, i0, i1, T, xi, d, X, y, [&](const uint8_t* codes, const uint8_t* sz, int64_t n,
+                                                            const int8_t* x, const float* dt, const float* Xt,
+                                                            float* out, const RowGroupPrefetch& row_groups) {
+    if (n == 1)
+      tile_token_ymm<BITS, DotVex>(codes, sz, W, x, dt, Xt, out, row_groups);
+    else
+      tile_tokens<BITS>(codes, sz, W, n, x, dt, Xt, out);
+  });
 }
 
 template void tiles_avxvnni<4>(const Weight&, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,

@@ -66,19 +66,18 @@ inline StepCodes<BITS> step_codes(const uint8_t* p) {
 // NT tokens (strided by K, K / 32 and groups) through one tile: out[t * 32 + r].
 template <int BITS, int NT>
 void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, const int8_t* xi, const float* d,
-                 const float* X, float* out) {
+                 const float* X, float* out, [[maybe_unused]] const RowGroupPrefetch& row_groups) {
   using Step = StepCodes<BITS>;
   constexpr int64_t COLUMNS = step_columns(BITS), STEPS = BLOCK / COLUMNS;
   constexpr float HIGH = BITS == 4 ? 1.0f / 16 : 0.25f;  // rows 16-31 were summed x16 / x4
   const int64_t K = W.K, G = W.groups(), blocks_per_group = W.group / BLOCK;
-  const RowGroupPrefetch prefetch_row_group(W);
   __m512 total[NT][2];
   for (int t = 0; t < NT; ++t) total[t][0] = total[t][1] = _mm512_setzero_ps();
   const uint8_t* step = codes;
   for (int64_t g = 0; g < G; ++g) {
     __m512 af[NT][2];  // the group's sums of rows 0-15 and (scaled) 16-31, activation scales applied
     for (int t = 0; t < NT; ++t) af[t][0] = af[t][1] = _mm512_setzero_ps();
-    if constexpr (NT == 1) prefetch_row_group(sz + g * GROUP_BYTES);
+    if constexpr (NT == 1) row_groups(sz + g * GROUP_BYTES);
     for (int64_t b = g * blocks_per_group; b < std::min(K / BLOCK, (g + 1) * blocks_per_group); ++b) {
       __m512i acc[NT][Step::VECTORS];
       for (int t = 0; t < NT; ++t)
@@ -128,23 +127,16 @@ void tile_tokens(const uint8_t* codes, const uint8_t* sz, const Weight& W, const
 template <int BITS>
 void tiles_vnni(const Weight& W, int64_t i0, int64_t i1, int64_t T, const int8_t* xi, const float* d, const float* X,
                 float* y) {
-  float out[2 * ROWS];
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t rows = std::min(ROWS, W.N - i * ROWS);
-    for (int64_t t = 0; t < T;) {
-      const int n = t + 1 < T ? 2 : 1;
-      const int8_t* x = xi + t * W.K;
-      const float* dt = d + t * W.K / BLOCK;
-      const float* Xt = X + t * W.groups();
-      if (n == 2)
-        tile_tokens<BITS, 2>(W.tile_codes(i), W.tile_scales(i), W, x, dt, Xt, out);
-      else if constexpr (BITS == 4)
-        tile_token_ymm<4, DotEvex>(W.tile_codes(i), W.tile_scales(i), W, x, dt, Xt, out);
-      else
-        tile_tokens<BITS, 1>(W.tile_codes(i), W.tile_scales(i), W, x, dt, Xt, out);
-      for (int u = 0; u < n; ++u, ++t) std::copy_n(out + u * ROWS, rows, y + t * W.N + i * ROWS);
-    }
-  }
+  for_tiles<2>(W, i0, i1, T, xi, d, X, y, [&](const uint8_t* codes, const uint8_t* sz, int64_t n, const int8_t* x,
+                                              const float* dt, const float* Xt, float* out,
+                                              const RowGroupPrefetch& row_groups) {
+    if (n == 2)
+      tile_tokens<BITS, 2>(codes, sz, W, x, dt, Xt, out, row_groups);
+    else if constexpr (BITS == 4)
+      tile_token_ymm<4, DotEvex>(codes, sz, W, x, dt, Xt, out, row_groups);
+    else
+      tile_tokens<BITS, 1>(codes, sz, W, x, dt, Xt, out, row_groups);
+  });
 }
 
 template void tiles_vnni<4>(const Weight&, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,

@@ -14,18 +14,17 @@ namespace {
 
 template <int BITS, class Dot>
 void tile_token_ymm(const uint8_t* codes, const uint8_t* sz, const Weight& W, const int8_t* xi, const float* d,
-                    const float* X, float* out) {
+                    const float* X, float* out, const RowGroupPrefetch& row_groups) {
   constexpr int64_t COLUMNS = step_columns(BITS), STEPS = BLOCK / COLUMNS;
   constexpr int WORDS = BITS == 4 ? 1 : 2;              // activation words a step's bytes meet
   constexpr float HIGH = BITS == 4 ? 1.0f / 16 : 0.25f;  // rows 16-31 summed x16 / x4
   const int64_t K = W.K, G = W.groups(), blocks_per_group = W.group / BLOCK;
   const __m256i low = _mm256_set1_epi8(BITS == 4 ? 0x0F : 0x03), high = _mm256_set1_epi8(BITS == 4 ? -16 : 0x0C);
-  const RowGroupPrefetch prefetch_row_group(W);
   __m256 total[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   const uint8_t* step = codes;
   for (int64_t g = 0; g < G; ++g) {
     __m256 af[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    prefetch_row_group(sz + g * GROUP_BYTES);
+    row_groups(sz + g * GROUP_BYTES);
     for (int64_t b = g * blocks_per_group; b < std::min(K / BLOCK, (g + 1) * blocks_per_group);
          ++b, step += STEPS * STEP_BYTES) {
       prefetch_ahead(step, STEPS);
