@@ -9,12 +9,15 @@
 //     faster than 4 KB, 2 KB or none (VNNI loop). Zen 3 (4 KB pages): 2 to 8 KB alike; the GEMV 1.2-1.5x faster at
 //     4 KB than with none.
 //   Intel: 1 KB into L1 and 4 KB into L2. On a Xeon with AVX-512 and AVX-VNNI (family 6 model 207, 2026-12-05),
-//     builds alternating (bench/prototypes/build_ab.py, the ceiling the fastest of a plain read and reads prefetching
-//     2 KB, 8 KB, or as this plan): against 2 KB into L1 alone, the int8 tiles 1.08-1.17x faster at 4 bits on every
-//     path (AVX2 76-78% -> 89-91% of the ceiling, AVX-VNNI 81-82% -> 90-93%, AVX-512 83-86% -> 90-93%) and 1.03-1.12x
-//     at 2 bits; 4 or 8 KB far with 0.5, 1 or 2 KB near all within 3 points. The 8-bit GEMV (C harness, three runs
-//     alternating): 1.07-1.11x faster than 4 KB into L1 alone, 100-103% of the plain read against 92-94%. T0 alone:
-//     2 KB best, 4 KB 1.05-1.25x slower on an earlier Xeon; T1 alone 1-5% slower than T0 alone.
+//     cold weights, builds alternating (bench/prototypes/build_ab.py, the ceiling the fastest of a plain read and
+//     reads prefetching 2 KB, 8 KB or as this plan), against 2 KB into L1 alone: the int8 tiles 1.10-1.18x faster at
+//     4 bits and, with the row groups' prefetch (q4_int8.h), 1.12-1.17x at 2, on every path (AVX2 76-77% -> 89-90% of
+//     the ceiling at 4 bits, 73-76% -> 83-86% at 2; AVX-VNNI 81-82% -> 92-94%, 76-79% -> 88-91%; AVX-512 83-86% ->
+//     92-95%, 76-80% -> 87-91%); 4 or 8 KB far with 0.5, 1 or 2 KB near all within 3 points. The 8-bit GEMV (C
+//     harness, three runs alternating): 1.07-1.11x faster than 4 KB into L1 alone, 100-103% of the plain read against
+//     92-94%. T0 alone: 2 KB best, 4 KB 1.05-1.25x slower on an earlier Xeon; T1 alone 1-5% slower than T0 alone.
+//     Weights resident in that Xeon's 300 MB L3 (smollm2-135m's 210 linears, 32-56 MB, called in order) pay for the
+//     extra prefetches: 1.03-1.08x slower per step than with 2 KB into L1 alone.
 
 #pragma once
 
