@@ -5,9 +5,9 @@
 // vector adds each row's 4 products into its lane (every vector its own accumulator, so no dot product waits for
 // the one before); a block's sums are converted and scaled by its activation scale once per 32 columns, the rows' s
 // and s * z once per group. Two tokens run together for prefill, each step's masks serving both; a single token
-// prefetches the code stream as q4_int8.h's PrefetchPlan says (2-bit, Zen 4, cold weights: prefetching the row groups' stream
-// too measured 4-11% slower, two accumulators per vector no faster cold and slower in L1). A single token at 4 bits
-// runs the same steps in 256-bit halves (q4_int8_ymm.h: faster on cold weights on Zen 4).
+// prefetches the code stream, and on Intel the row groups' stream, as stream_prefetch.h plans (2-bit, Zen 4, cold
+// weights: two accumulators per vector no faster cold and slower in L1). A single token at 4 bits runs the same
+// steps in 256-bit halves (q4_int8_ymm.h: faster on cold weights on Zen 4; at 2 bits alike on the Xeon of the plan).
 //
 // This file is compiled for AVX-512 VNNI (pragma below, after every include, so that no inline function of a
 // shared header is built for that target); its entry points run only where `isa_supported(ISA_AVX512)`.

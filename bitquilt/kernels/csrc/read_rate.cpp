@@ -20,7 +20,7 @@ namespace {
 
 // OR of every 64-bit word of `t` (contiguous; a multiple of 128 bytes), returned so the pass cannot be elided.
 // `near` > 0: each 128-byte step also prefetches its two cache lines that many bytes ahead into L1, and `far` > 0
-// that many bytes ahead into L2, as the batch-1 kernels do (q4_int8.h, PrefetchPlan); on some CPUs the hardware
+// that many bytes ahead into L2, as the batch-1 kernels do (stream_prefetch.h); on some CPUs the hardware
 // prefetcher alone leaves a plain pass below what those kernels reach.
 int64_t read_pass(const at::Tensor& t, int64_t near, int64_t far) {
   TORCH_CHECK(t.is_contiguous() && t.nbytes() % 128 == 0, "a contiguous buffer of a multiple of 128 bytes");
