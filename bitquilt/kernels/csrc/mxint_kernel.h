@@ -7,7 +7,8 @@
 //   group4(bytes, e8m0, step, sink)  4 blocks of the nibble-packed 4-bit class (64 bytes)
 //   block8(int8s, e8m0, step, sink)  1 block of int8 elements (32 bytes)
 // and MAX_TT, the most tokens sharing one decode of a weight row (bounded by the vector registers).
-// It has no include guard on purpose.
+// It has no include guard on purpose. Each row's weight stream is prefetched as stream_prefetch.h plans, once per
+// 64 bytes.
 
 // Every dequantized weight vector of row r, handed to sink(i, col, w) with col in padded columns.
 template <class Sink>
@@ -20,14 +21,14 @@ inline void row_weights(const Mx& m, int64_t r, Sink&& sink) {
     const uint8_t* es = er + s.col / BLOCK;
     if (s.bits == 4) {
       for (int64_t g = 0; g < s.blocks / 4; ++g) {
-        _mm_prefetch(reinterpret_cast<const char*>(wr + s.byte + 64 * g + PREFETCH), _MM_HINT_T0);
+        bitquilt_prefetch::prefetch_ahead(wr + s.byte + 64 * g, 1);
         group4(wr + s.byte + 64 * g, es + 4 * g, step,
                [&](int i, int64_t col, typename V::F w) { sink(i, s.col + 4 * BLOCK * g + col, w); });
       }
     } else {
       // blocks in pairs, the second feeding other accumulators (shorter FMA dependency chains)
       const auto block = [&](int64_t b, int base) {
-        _mm_prefetch(reinterpret_cast<const char*>(wr + s.byte + BLOCK * b + PREFETCH), _MM_HINT_T0);
+        if (b % 2 == 0) bitquilt_prefetch::prefetch_ahead(wr + s.byte + BLOCK * b, 1);
         block8(reinterpret_cast<const int8_t*>(wr + s.byte + BLOCK * b), es[b], step,
                [&](int i, int64_t col, typename V::F w) { sink(base + i, s.col + BLOCK * b + col, w); });
       };

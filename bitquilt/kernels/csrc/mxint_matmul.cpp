@@ -33,11 +33,11 @@
 #include <vector>
 
 #include "avx2_simd.h"
+#include "stream_prefetch.h"
 
 namespace {
 
 constexpr int64_t BLOCK = 32;
-constexpr int64_t PREFETCH = 2048;             // bytes ahead in the weight stream (rows are back to back)
 constexpr int64_t ROW_GRAIN = 16;              // fewest rows per parallel task
 constexpr int64_t L1_WEIGHT_BYTES = 16 << 10;  // weight bytes per row chunk (re-read once per token group)
 constexpr int64_t CHUNK_FLOATS = 1 << 19;      // dequantized fp32 values per at::mm call (2 MiB, about L2)
