@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "avx2_simd.h"
+#include "stream_prefetch.h"
 #include "lut_parts.h"
 #include "sparse_residual.h"
 
@@ -57,7 +58,6 @@ using bitquilt_sparse::Residual;
 
 constexpr int64_t MAX_BLOCK = 128;  // int16 accumulators hold <= 16 pair sums of each limb
 constexpr float VMAX = (1 << 20) - 1;  // largest table entry
-constexpr int64_t PREFETCH = 2048;  // bytes ahead in the weight stream
 
 inline __m256 half8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -140,7 +140,7 @@ inline void plane_block(const uint8_t* w, const uint8_t* tab, int64_t pairs, __m
     lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(ls, odd));
   };
   for (int64_t p = 0; p < pairs; p += 2) {  // pairs is even (block >= 32)
-    _mm_prefetch(reinterpret_cast<const char*>(w + 32 * p + PREFETCH), _MM_HINT_T0);
+    bitquilt_prefetch::prefetch_ahead(w + 32 * p, 1);
     pair(w + 32 * p, reinterpret_cast<const __m128i*>(tab + 96 * p));
     pair(w + 32 * p + 32, reinterpret_cast<const __m128i*>(tab + 96 * p + 96));
   }

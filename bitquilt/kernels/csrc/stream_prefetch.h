@@ -1,5 +1,5 @@
 // How the streaming kernels (the int8-activation tiles of q4_int8.h, the 8-bit GEMV of uniform8.h, the MXINT GEMV of
-// mxint_kernel.h) prefetch the weights they read once per call, chosen once per process by CPU vendor: each line
+// mxint_kernel.h, the bit-plane lookup-table kernel of lut_matmul.cpp) prefetch the weights they read once per call, chosen once per process by CPU vendor: each line
 // `near` bytes ahead into L1 (T0) and, where `far` > 0, `far` bytes ahead into L2 (T1) as well. The int8 and 8-bit
 // layouts sit on huge pages (kernels.layout_empty).
 //   AMD: 8 KB into L1. Zen 4 (2026-12-05), cold 4-bit weights, 1 thread, 1536² to 8960 x 1536, builds alternating:
@@ -16,11 +16,12 @@
 //     the ceiling at 4 bits, 73-76% -> 83-86% at 2; AVX-VNNI 81-82% -> 92-94%, 76-79% -> 88-91%; AVX-512 83-86% ->
 //     92-95%, 76-80% -> 87-91%); 4 or 8 KB far with 0.5, 1 or 2 KB near all within 3 points. The 8-bit GEMV (C
 //     harness, three runs alternating): 1.07-1.11x faster than 4 KB into L1 alone, 100-103% of the plain read against
-//     92-94%. The MXINT GEMV (bench/prototypes/mxint_ab.py, two runs): its AVX-512 loop 1.11-1.14x faster than 2 KB
-//     into L1 alone (13.0-14.4 GB/s against 11.3-12.6, 4-bit and MXSens 8/6/4 rows), its AVX2 loop bound by its
-//     instructions (6-8 GB/s) and unchanged (0.98-1.03x); on AMD it moved from 2 KB to the 8 KB the other kernels
-//     measured best there (not measured on MXINT). T0 alone: 2 KB best, 4 KB 1.05-1.25x slower on an earlier Xeon;
-//     T1 alone 1-5% slower than T0 alone.
+//     92-94%. The MXINT GEMV (bench/prototypes/gemv_ab.py, three runs): its AVX-512 loop 1.10-1.14x faster than 2 KB
+//     into L1 alone (13.0-14.4 GB/s against 11.3-12.9, 4-bit and MXSens 8/6/4 rows), its AVX2 loop bound by its
+//     instructions (6-8 GB/s) and unchanged (0.98-1.03x). The bit-plane lookup-table kernel (same script, three runs):
+//     1.07-1.10x faster at 4 bits, 1.00-1.04x at 2 (bound by its instructions at ~10 GB/s). On AMD both moved from
+//     2 KB to the 8 KB the int8 and 8-bit kernels measured best there (not measured on them). T0 alone: 2 KB best,
+//     4 KB 1.05-1.25x slower on an earlier Xeon; T1 alone 1-5% slower than T0 alone.
 //     Weights resident in that Xeon's 300 MB L3 (smollm2-135m's 210 linears, 32-56 MB, called in order) pay for the
 //     extra prefetches: 1.03-1.08x slower per step than with 2 KB into L1 alone.
 
