@@ -461,7 +461,7 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
     isas = q4_int8.supported_isas()
     meta = run_meta(isas=list(isas))
     ext = cpu.extension()
-    prefetch = ext.q4_int8_prefetch_plan()  # how the batch-1 kernels prefetch on this CPU (csrc/q4_int8.h)
+    prefetch = ext.prefetch_plan()  # how the batch-1 kernels prefetch on this CPU (csrc/stream_prefetch.h)
 
     def on(isa: str, *args):  # the path switch is one store in the extension: nothing measurable
         q4_int8.set_isa(isa)

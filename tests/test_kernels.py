@@ -396,7 +396,7 @@ def test_read_pass_ors_every_word_with_or_without_prefetch(near, far):
 @needs_ext
 def test_the_batch1_kernels_prefetch_plan_names_distances_in_bytes():
     """The plan the report's prefetching ceiling copies: T0 distance > 0, T1 distance 0 (none) or beyond it."""
-    near, far = cpu.extension().q4_int8_prefetch_plan()
+    near, far = cpu.extension().prefetch_plan()
     assert near > 0 and near % 64 == 0
     assert far == 0 or (far > near and far % 64 == 0)
 

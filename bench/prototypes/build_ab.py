@@ -2,9 +2,9 @@
 
 How a kernel change is judged on this noisy host (docs/benchmarks.md, "Prefetch on the VNNI path"): each source tree
 is built as its own extension, and in every round each build's kernel reads its own cold copy of the weights (the
-builds in an order rotated each round: the first after the read passes ran up to 5% slower), beside the read ceiling
-(this tree's read passes: plain, prefetching into L1 2 or 8 KB ahead, and as this tree's kernels prefetch on this CPU);
-medians of thread CPU time over the rounds.
+builds in an order rotated each round: in one run the first build of every round ran 3-8% slower), beside the read
+ceiling (this tree's read passes: plain, prefetching into L1 2 or 8 KB ahead, and as this tree's kernels prefetch on
+this CPU); medians of thread CPU time over the rounds. gemv_ab.py and resident_ab.py share its build helpers.
 
     python bench/prototypes/build_ab.py old=/tmp/csrc_old new=bitquilt/kernels/csrc [--bits 2] [--isas avx512,avx2]
 
@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -40,7 +41,7 @@ def cpu_us(fn, *args) -> float:
 def compare(builds: dict, shapes: list[tuple[int, int]], bits: int, isas: list[str], rounds: int) -> None:
     gen = torch.Generator().manual_seed(0)
     reader = cpu.extension()
-    passes = (*READ_PREFETCH, tuple(reader.q4_int8_prefetch_plan()))
+    passes = (*READ_PREFETCH, tuple(reader.prefetch_plan()))
     for n, k in shapes:
         layouts = [q4_int8.layout(random_uniform(n, k, bits, gen, 128 if bits == 4 else 64))
                    for _ in range(cold_copies(n * k * bits // 8))]
@@ -49,11 +50,10 @@ def compare(builds: dict, shapes: list[tuple[int, int]], bits: int, isas: list[s
         x = torch.randn(1, k, generator=gen)
         times: dict[str, list[float]] = {f"{isa} {name}": [] for isa in isas for name in builds}
         reads: dict[tuple[int, int], list[float]] = {d: [] for d in passes}
-        names = list(builds)
         copy = 0
         for r in range(rounds):
             for isa in isas:
-                for name in names[r % len(names):] + names[:r % len(names)]:
+                for name in in_round_order(list(builds), r):
                     ext = builds[name]
                     lay = layouts[copy % len(layouts)]
                     copy += 1
@@ -71,6 +71,11 @@ def compare(builds: dict, shapes: list[tuple[int, int]], bits: int, isas: list[s
         print(f"w{bits} {n}x{k}, ceiling {ceiling:.1f} GB/s: " + ", ".join(cells), flush=True)
 
 
+def in_round_order(names: list[str], r: int) -> list[str]:
+    """The builds' order in round r: rotated by r, so that each build takes each place equally often."""
+    return names[r % len(names):] + names[:r % len(names)]
+
+
 def named_source(arg: str) -> tuple[str, Path]:
     """`name=path` of a build: a name usable in a module name and a folder holding the extension's sources."""
     name, _, path = arg.partition("=")
@@ -80,17 +85,26 @@ def named_source(arg: str) -> tuple[str, Path]:
     return name, Path(path)
 
 
+def add_builds_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("builds", nargs="+", type=named_source, help="name=path of a copy of bitquilt/kernels/csrc")
+
+
+def build_all(sources: list[tuple[str, Path]]) -> dict[str, ModuleType]:
+    """Each `named_source` built as its own extension (cached under /tmp/bitquilt_ab/<name>), by name."""
+    return {name: cpu.build_extension(f"bitquilt_ab_{name}", path, Path("/tmp/bitquilt_ab") / name)
+            for name, path in sources}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("builds", nargs="+", type=named_source, help="name=path of a copy of bitquilt/kernels/csrc")
+    add_builds_argument(ap)
     ap.add_argument("--bits", type=int, choices=(4, 2), default=4)
     ap.add_argument("--isas", default="avx512,avx2", help=f"of: {', '.join(ISAS)}")
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--rounds", type=int, default=60)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    builds = {name: cpu.build_extension(f"bitquilt_ab_{name}", path, Path("/tmp/bitquilt_ab") / name)
-              for name, path in args.builds}
+    builds = build_all(args.builds)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"load average {Path('/proc/loadavg').read_text().split()[:3]}")
     compare(builds, shapes, args.bits, args.isas.split(","), args.rounds)

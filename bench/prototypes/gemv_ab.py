@@ -2,7 +2,7 @@
 
 For qwen2.5-1.5b's shapes (random codes, as bench/kernel_speed.py makes them): `--kernel mxint` a 4-bit MXINT weight
 and an MXSens 8/6/4 one through `mxint_gemv` (on `--isa`); `--kernel lut` uniform 4-bit g128 and 2-bit g64 weights
-through `lut_matmul`. Each round calls every build on its own cold copy, the builds' order reversed every other round;
+through `lut_matmul`. Each round calls every build on its own cold copy, the builds' order rotated each round;
 medians of thread CPU time and the layout's bytes per second (build_ab.py does the same for the int8 kernels).
 
     python bench/prototypes/gemv_ab.py old=/tmp/csrc_old new=bitquilt/kernels/csrc --kernel mxint [--isa avx2]
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from build_ab import named_source  # noqa: E402
+from build_ab import add_builds_argument, build_all, in_round_order  # noqa: E402
 from kernel_speed import cold_copies, mxsens_columns, random_mxint, random_uniform  # noqa: E402
 
 from bitquilt.kernels import cpu  # noqa: E402
@@ -56,14 +56,13 @@ def lut_cases(n: int, k: int, gen: torch.Generator, isa: str) -> Iterator[Case]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("builds", nargs="+", type=named_source, help="name=path of a copy of bitquilt/kernels/csrc")
+    add_builds_argument(ap)
     ap.add_argument("--kernel", choices=("mxint", "lut"), required=True)
     ap.add_argument("--isa", choices=mxk.supported_isas(), default=mxk.supported_isas()[-1], help="--kernel mxint")
     ap.add_argument("--rounds", type=int, default=60)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    builds = {name: cpu.build_extension(f"bitquilt_ab_{name}", path, Path("/tmp/bitquilt_ab") / name)
-              for name, path in args.builds}
+    builds = build_all(args.builds)
     names = list(builds)
     cases = mxint_cases if args.kernel == "mxint" else lut_cases
     gen = torch.Generator().manual_seed(0)
@@ -72,7 +71,7 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in names}
             copy = 0
             for r in range(args.rounds):
-                for name in names if r % 2 else names[::-1]:
+                for name in in_round_order(names, r):
                     c = copies[copy % len(copies)]
                     copy += 1
                     start = time.thread_time_ns()

@@ -45,7 +45,7 @@ def measure(n: int, k: int, rounds: int, gen: torch.Generator) -> tuple[dict[str
                               **{f"cold {isa}": (on, isa, cold(r, j)) for j, isa in enumerate(isas)},
                               "read": (ext.read_pass, buffers[2 * r % len(buffers)], 0),
                               "read prefetching": (ext.read_pass, buffers[(2 * r + 1) % len(buffers)],
-                                                   *ext.q4_int8_prefetch_plan())}
+                                                   *ext.prefetch_plan())}
                              for r in range(rounds)])
     q4_int8.set_isa()
     return {name: v * 1e3 for name, v in ms.items()}, layouts[0].nbytes()

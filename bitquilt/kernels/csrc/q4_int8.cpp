@@ -39,7 +39,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <utility>
 
 #include "avx2_simd.h"
 #include "int8_round.h"
@@ -252,13 +251,10 @@ at::Tensor q4_int8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Te
 // Adds the int8-activation 4-bit matmul to the extension module (called from its PYBIND11_MODULE).
 void register_q4_int8(pybind11::module& m) {
   m.def("q4_int8_matmul", &bitquilt_q4::q4_int8_matmul,
-        "y = x_hat @ W^T for 4- or 2-bit uniform W, x_hat = x rounded to int8 per block of 32 (AVX2 maddubs or "
-        "AVX-512 VNNI)");
+        "y = x_hat @ W^T for 4- or 2-bit uniform W, x_hat = x rounded to int8 per block of 32 (AVX2 maddubs, "
+        "AVX-VNNI or AVX-512 VNNI)");
   m.def("q4_int8_isa_supported", &bitquilt_q4::isa_supported,
         "whether the CPU runs path `isa` (0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI)");
-  m.def("q4_int8_prefetch_plan", [] { return std::pair(bitquilt_q4::PREFETCH.near, bitquilt_q4::PREFETCH.far); },
-        "how far ahead the batch-1 tiles and the 8-bit GEMV prefetch their codes on this CPU: bytes into L1, bytes "
-        "into L2 (0: none)");
   m.def("q4_int8_active_isa", &bitquilt_q4::active_isa, "the path the int8-activation kernels take (as above)");
   m.def("q4_int8_set_isa", [](int isa) {
     TORCH_CHECK(bitquilt_q4::set_isa(isa), "int8-activation kernel path ", isa, " is not supported by this CPU");

@@ -12,9 +12,11 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "q4_int8.h"
+#include "stream_prefetch.h"
 
 namespace {
 
@@ -77,4 +79,7 @@ void register_read_rate(pybind11::module& m) {
   m.def("read_pass_seconds", &read_pass_seconds, "thread CPU seconds of one read_pass", pybind11::arg("t"),
         pybind11::arg("near") = 0, pybind11::arg("far") = 0);
   m.def("q4_int8_seconds", &q4_int8_seconds, "thread CPU seconds of one q4_int8 matmul, timed in C");
+  m.def("prefetch_plan", [] { return std::pair(bitquilt_prefetch::PREFETCH.near, bitquilt_prefetch::PREFETCH.far); },
+        "how far ahead the streaming kernels prefetch their weights on this CPU (stream_prefetch.h): bytes into L1, "
+        "bytes into L2 (0: none), as read_pass takes them");
 }
