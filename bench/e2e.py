@@ -51,7 +51,6 @@ from torch import nn
 
 from bitquilt.api import export, load, quantize, save
 from bitquilt.errors import UserError
-from bitquilt.eval.speed import ENGINES, stepper
 from bitquilt.formats import BitplaneFormat
 from bitquilt.io import model_nbytes, model_summary
 from bitquilt.models.loading import resolve_path
@@ -59,6 +58,7 @@ from bitquilt.models.registry import fetched_dir, get_spec
 from bitquilt.nn.online import swap_host
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import Recipe
+from bitquilt.runtime.engines import ENGINES, stepper
 
 CONFIGS = [(4, 128), (3, 128), (2, 64)]  # (bits, group size), as in the accuracy tables
 WARMUP_TOKENS = 2  # decode steps of the warm-up
@@ -106,7 +106,7 @@ def to_bitplane(model: nn.Module) -> None:
 # ---------------------------------------------------------------- workers (fresh processes)
 @torch.no_grad()
 def generate(model: nn.Module, prompt: list[int], new_tokens: int, engine: str) -> dict[str, float]:
-    """The forward passes of `bitquilt.eval.speed.decode` with `engine` (greedy prefill in one pass, then
+    """The forward passes of `bitquilt.runtime.engines.decode` with `engine` (greedy prefill in one pass, then
     `new_tokens` − 1 single-token steps with the KV cache), timed by `llamacpp.timed_decode`."""
 
     def start(max_len: int):
@@ -218,13 +218,13 @@ def render(records: list[dict]) -> str:
              "weights (speed does not depend on the values), quantized once and loaded saved: *uniform* the "
              "bit-stream format, *bitplane* the same grid as bit-planes + per-group coefficients (BPDQ's format); "
              "embeddings and LM head fp32 except in *head8* (8-bit RTN, `Recipe.head_bits`); bitquilt decodes with "
-             "`bitquilt.eval.speed.decode`'s default engine (*auto*: *fused*, every decoder layer of a one-token step "
-             "in one compiled call, for weight-only models of a supported family; else *lean*, the static KV cache and "
-             "the model's own modules; a row named *[engine]* runs that engine, *+int8* with int8 activations for "
-             "the 4- and 2-bit linears, `--int8-activations`; the others exact; *[standalone]*: the variant "
-             "exported with `bitquilt export --to standalone` and run by the torch-free runtime, `bitquilt-run` (int8 "
-             "activations, the fused layers' arithmetic; its worker imports no torch; weights MB: the export's "
-             "file, whose layouts are the kernels' own)). llama.cpp "
+             "`bitquilt.runtime.engines.decode`'s default engine (*auto*: *fused*, every decoder layer of a one-token "
+             "step in one compiled call, for weight-only models of a supported family; else *lean*, the static KV "
+             "cache and the model's own modules; a row named *[engine]* runs that engine, *+int8* with int8 "
+             "activations for the 4- and 2-bit linears, `--int8-activations`; the others exact; *[standalone]*: the "
+             "variant exported with `bitquilt export --to standalone` and run by the torch-free runtime, "
+             "`bitquilt-run` (int8 activations, the fused layers' arithmetic; its worker imports no torch; weights MB: "
+             "the export's file, whose layouts are the kernels' own)). llama.cpp "
              "(xllamacpp CPU wheel, default settings): *original* the packaged model's own GGUF; *q4_0* bitquilt's "
              "GGUF export of the *uniform w4 g32 sym* row (the same weights bit for bit, F32 embeddings and LM head). "
              "bits/weight as `model_summary` counts it: the linears, plus embeddings and LM head when quantized. "

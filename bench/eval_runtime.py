@@ -1,4 +1,4 @@
-"""Perplexity with `bitquilt eval` in the native runtime against the transformers model: the whole command.
+"""Perplexity with `bitquilt eval` in the bitquilt runtime against the transformers model: the whole command.
 
     python bench/eval_runtime.py --models smollm2-135m,qwen2.5-1.5b --variants "w4 g128 head8,w4 g128 head4"
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from common import RESULTS, append_record, command_line, loadavg, machine, provenance, run, write_atomic
 from load_memory import quantize
 
-RUNTIMES = ("transformers", "native")
+RUNTIMES = ("transformers", "bitquilt")
 KEY = ("model", "variant", "runtime")
 
 
@@ -44,7 +44,7 @@ def timed_eval(saved: Path, runtime: str, seqlen: int, windows: int, threads: in
 
 
 def render(records: list[dict]) -> str:
-    lines = ["# Perplexity in the native runtime vs the transformers model (`bitquilt eval`, whole command)", "",
+    lines = ["# Perplexity in the bitquilt runtime vs the transformers model (`bitquilt eval`, whole command)", "",
              __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), "",
              "| model | variant | runtime | windows × tokens | threads | ppl | wall s | CPU s | peak MB "
              "| wall ÷ transformers | peak ÷ transformers | load avg |",

@@ -1,12 +1,12 @@
 """Memory of a saved quantized model at run time: what loading and running it adds to the process.
 
     python bench/load_memory.py --models smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b \
-        --runtimes transformers,native,standalone,bitquilt-native
+        --runtimes transformers,bitquilt,standalone,bitquilt-native
 
 For each model and variant (RTN weights, quantized once with `bitquilt quantize --stream` into --workdir), a child
 process with one thread: imports what the runtime needs and loads the tokenizer (the *base*: torch, transformers
 with the model's modeling code and AutoTokenizer for the transformers runtime; torch, bitquilt and the `tokenizers`
-library alone for the native one, `bitquilt.models.native`; the `tokenizers` library and the C library for the
+library alone for the bitquilt one, `bitquilt.runtime.module_tree`; the `tokenizers` library and the C library for the
 standalone one, no torch or numpy), then loads the model with that runtime (`bitquilt.load` of the saved directory;
 for the standalone runtime, `StandaloneModel` of its export, `bitquilt export --to standalone`, written once beside
 the saved directory) (RSS *after load*), then runs what `bench/e2e.py` times: a 128-token prefill and 31 decode
@@ -53,12 +53,12 @@ def _base(directory: Path, runtime: str) -> float:
 
     from bitquilt.heap import return_free_memory
 
-    if runtime in ("native", "standalone"):
+    if runtime in ("bitquilt", "standalone"):
         if runtime == "standalone":
-            from bitquilt.standalone.model import set_threads
+            from bitquilt.runtime.standalone.model import set_threads
 
             set_threads(1)  # builds and loads the library
-        from bitquilt.models.tokenizer import FastTokenizer
+        from bitquilt.runtime.tokenizer import FastTokenizer
 
         tokenizer = FastTokenizer(directory)
     else:
@@ -83,10 +83,10 @@ def child(saved: str, engine: str, runtime: str) -> dict:
     import torch
 
     from bitquilt import kernels
-    from bitquilt.eval.speed import stepper
     from bitquilt.io import WEIGHTS_NAME, load
     from bitquilt.nn.quant_linear import QuantLinear
     from bitquilt.resources import peak_rss_mb, resident_bytes
+    from bitquilt.runtime.engines import stepper
 
     torch.set_num_threads(1)
     directory = Path(saved)
@@ -113,8 +113,8 @@ def standalone_child(exported: Path) -> dict:
     import random
 
     from bitquilt.resources import peak_rss_mb, resident_bytes
-    from bitquilt.standalone.generate import picker
-    from bitquilt.standalone.model import FILE, StandaloneModel
+    from bitquilt.runtime.standalone.generate import picker
+    from bitquilt.runtime.standalone.model import FILE, StandaloneModel
 
     base = _base(exported, "standalone")
     t0 = time.perf_counter()
@@ -135,7 +135,7 @@ def native_runner_child(exported: Path) -> dict:
     """The *bitquilt-native* measurement: the runner on a 128-token text prompt, greedy, 32 new tokens, one thread."""
     from native_runner import prompt_of
 
-    from bitquilt.standalone.library import runner_path
+    from bitquilt.runtime.standalone.library import runner_path
 
     prompt = prompt_of(exported)
     runner = str(runner_path())  # built first if need be, outside the timing
@@ -205,8 +205,8 @@ def main() -> None:
     p.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b")
     p.add_argument("--variants", default="w4 g128,w4 g128 head8,w4 g128 head4")
     p.add_argument("--engines", default="auto,auto+int8")
-    p.add_argument("--runtimes", default="transformers,native,standalone",
-                   help="transformers, native (bitquilt.load's runtimes), standalone (bitquilt.standalone), "
+    p.add_argument("--runtimes", default="transformers,bitquilt,standalone",
+                   help="transformers, bitquilt (bitquilt.load's runtimes), standalone (bitquilt.runtime.standalone), "
                         "bitquilt-native (the standalone export run by the native runner)")
     p.add_argument("--workdir", default="/tmp/bitquilt-load-memory")
     args = p.parse_args()

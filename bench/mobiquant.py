@@ -237,7 +237,8 @@ def speed_rounds(mobi, todo: list[tuple[str, float]], apply: Callable[[str, floa
                  rounds: int) -> list[tuple[str, float, float, list]]:
     """Batch-1 decode of each (kind, bits) of `todo`, one run each per round, the precisions taken in turn
     so that every one sees the same machine load; (kind, bits, bits used, runs) per precision."""
-    from bitquilt.eval.speed import decode, measure_speed
+    from bitquilt.eval.speed import measure_speed
+    from bitquilt.runtime.engines import decode
 
     probe = torch.randint(0, mobi.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
     used = {}

@@ -30,7 +30,7 @@ KEY = ("export", "threads", "program")
 def prompt_of(export: Path) -> str:
     """The first 128 tokens of a Wikipedia passage, as text, in the export's tokenizer (load_memory's prompt too)."""
     from bitquilt.data.corpora import load_documents
-    from bitquilt.models.tokenizer import FastTokenizer
+    from bitquilt.runtime.tokenizer import FastTokenizer
 
     tokenizer = FastTokenizer(export)
     return tokenizer.decode(tokenizer.encode(load_documents("wiki")[0])[:128])
@@ -69,7 +69,7 @@ def render(records: list[dict]) -> str:
 def main() -> None:
     from common import RESULTS, append_record, command_line, loadavg, machine, write_atomic
 
-    from bitquilt.standalone.library import library, runner_path
+    from bitquilt.runtime.standalone.library import library, runner_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--exports", required=True, help="standalone export directories, comma-separated")
@@ -77,7 +77,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     library()  # both programs built before any timing
-    commands = {"bitquilt-run": [sys.executable, "-m", "bitquilt.standalone.cli"],
+    commands = {"bitquilt-run": [sys.executable, "-m", "bitquilt.runtime.standalone.cli"],
                 "bitquilt-native": [str(runner_path())]}
     command = command_line()
     for export in map(Path, args.exports.split(",")):

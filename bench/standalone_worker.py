@@ -1,6 +1,7 @@
 """`bench/e2e.py`'s worker for its *[standalone]* rows: one measurement of a standalone export (`bitquilt export
---to standalone`) run by `bitquilt.standalone`, in a process that imports no torch, as llama.cpp's worker imports
-none: load (map) the export, the untimed warm-up, one timed greedy prefill + decode (`llamacpp.timed_decode`).
+--to standalone`) run by `bitquilt.runtime.standalone`, in a process that imports no torch, as llama.cpp's
+worker imports none: load (map) the export, the untimed warm-up, one timed greedy prefill + decode
+(`llamacpp.timed_decode`).
 
     python bench/standalone_worker.py '{"export": DIR, "prompt": [...], "new_tokens": 32, "threads": 1,
                                         "vocab_size": V}'
@@ -15,8 +16,8 @@ from typing import Any
 
 import llamacpp
 
-from bitquilt.standalone.generate import picker
-from bitquilt.standalone.model import StandaloneModel, set_threads
+from bitquilt.runtime.standalone.generate import picker
+from bitquilt.runtime.standalone.model import StandaloneModel, set_threads
 
 WARMUP_TOKENS = 2  # as e2e.py's bitquilt rows
 

@@ -262,7 +262,7 @@ def export(saved: str | Path, output: str | Path, to: str = "gguf", overwrite: b
     `to="compressed-tensors"`: a Hugging Face directory in compressed-tensors' pack-quantized format for vLLM and
     transformers (`bitquilt.export.compressed_tensors`).
     `to="standalone"`: the kernel layouts in one mapped file for the torch-free runtime (`bitquilt-run`,
-    `bitquilt.standalone`; `bitquilt.export.standalone`)."""
+    `bitquilt.runtime.standalone`; `bitquilt.export.standalone`)."""
     if to not in EXPORT_FORMATS:
         raise UserError(f"unknown export format {to!r}; supported: {', '.join(EXPORT_FORMATS)}")
     if to != "gguf" and tokenizer_from is not None:

@@ -2,7 +2,7 @@
 generate and bench (here).
 
 generate and bench run a saved model: they parse with a parser of their own and never import `bitquilt.commands`,
-so the process that answers a prompt holds no calibration or quantization code (nor transformers, in the native
+so the process that answers a prompt holds no calibration or quantization code (nor transformers, in the bitquilt
 runtime)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 
 from bitquilt.cli_common import MODEL_HELP, add_int8_activations, add_runtime, chosen_runtime, print_json, print_table
 from bitquilt.errors import UserError, run_command
-from bitquilt.eval.speed import ENGINES
 from bitquilt.flag_checks import check_flags
 from bitquilt.io import model_summary
+from bitquilt.runtime.engines import ENGINES
 
 RUN_COMMANDS = ("generate", "bench")
 
@@ -31,7 +31,7 @@ def set_threads(threads: int | None) -> None:
 def _runtime(args) -> str:
     """The runtime `--runtime` and `--engine` load a saved model into (the transformers engine needs the transformers
     model)."""
-    return chosen_runtime(args, "--engine transformers runs the transformers model; drop --runtime native or pick "
+    return chosen_runtime(args, "--engine transformers runs the transformers model; drop --runtime bitquilt or pick "
                           "another engine (auto, fused, lean)" if args.engine == "transformers" else None)
 
 
@@ -42,9 +42,9 @@ def cmd_generate(args) -> int:
         return _generate_standalone(args)
     import torch
 
-    from bitquilt.decoding import generation_stats
-    from bitquilt.eval.speed import decode
     from bitquilt.io import load
+    from bitquilt.runtime.engines import decode
+    from bitquilt.runtime.loop import generation_stats
 
     set_threads(args.threads)
     model, tokenizer = load(args.model, _runtime(args))
@@ -60,7 +60,7 @@ def cmd_generate(args) -> int:
 
 
 def _is_standalone_export(model: str) -> bool:
-    from bitquilt.standalone.model import FILE
+    from bitquilt.runtime.standalone.model import FILE
 
     return (Path(model) / FILE).is_file()
 
@@ -71,8 +71,8 @@ def _standalone(args, model: str):
     if args.engine != "auto" or args.runtime != "auto":
         raise UserError(f"{model} is a standalone export, which runs in the standalone runtime only; drop "
                         "--engine and --runtime")
-    from bitquilt.standalone.model import StandaloneModel
-    from bitquilt.standalone.model import set_threads as set_standalone_threads
+    from bitquilt.runtime.standalone.model import StandaloneModel
+    from bitquilt.runtime.standalone.model import set_threads as set_standalone_threads
 
     set_standalone_threads(args.threads or os.cpu_count() or 1)
     return StandaloneModel(model)
@@ -80,7 +80,7 @@ def _standalone(args, model: str):
 
 def _generate_standalone(args) -> int:
     """`generate` of a standalone export: the standalone runtime's, as `bitquilt-run`."""
-    from bitquilt.standalone.generate import generate
+    from bitquilt.runtime.standalone.generate import generate
 
     result = generate(_standalone(args, args.model), args.prompt, args.max_new_tokens, args.temperature, args.seed,
                       args.ignore_eos)
@@ -97,10 +97,10 @@ def _print_generation(args, text: str, stats: dict) -> None:
 
 
 def cmd_bench(args) -> int:
-    from bitquilt.decoding import check_speed_settings
     from bitquilt.eval.speed import measure_speed
     from bitquilt.io import load
     from bitquilt.resources import reset_peak_rss
+    from bitquilt.runtime.loop import check_speed_settings
 
     check_speed_settings(args.prompt_tokens, args.new_tokens, args.repeats)
     set_threads(args.threads)
@@ -108,7 +108,7 @@ def cmd_bench(args) -> int:
     for spec in args.models:
         reset_peak_rss()
         if _is_standalone_export(spec):  # the standalone runtime's measurement, same protocol and fields
-            from bitquilt.standalone.generate import measure_speed as measure_standalone
+            from bitquilt.runtime.standalone.generate import measure_speed as measure_standalone
 
             model = _standalone(args, spec)
             row = {"model": spec, "size_mb": model.size_mb(), "bits_per_weight": model.bits_per_weight(),
@@ -140,7 +140,7 @@ def _add_engine(s: argparse.ArgumentParser) -> None:
                    "glue; llama/mistral/qwen2/qwen3), fused (lean, with every decoder layer of a one-token step in "
                    "one compiled call: weight-only models), transformers, or auto (the first of fused, lean, "
                    "transformers that runs the model; default)")
-    add_runtime(s, "native where it covers the model; default; transformers with --engine transformers")
+    add_runtime(s, "bitquilt where it covers the model; default; transformers with --engine transformers")
 
 
 def _add_run_commands(sub: argparse._SubParsersAction) -> None:

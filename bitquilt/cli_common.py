@@ -41,16 +41,17 @@ def print_json(obj: Any) -> None:
 def add_runtime(s: argparse.ArgumentParser, auto: str) -> None:
     """--runtime of the commands that run a saved model (generate, bench, eval); `auto` says what auto picks."""
     s.add_argument("--runtime", choices=RUNTIMES, default="auto",
-                   help="what a saved model is loaded into: native (bitquilt's own modules, llama/mistral/qwen2/qwen3, "
-                   "no transformers import: less memory, a faster start), transformers, or auto (" + auto + ")")
+                   help="what a saved model is loaded into: bitquilt (bitquilt's own module tree, "
+                   "llama/mistral/qwen2/qwen3, no transformers import: less memory, a faster start), transformers, "
+                   "or auto (" + auto + ")")
 
 
 def chosen_runtime(args, transformers_only: str | None) -> str:
     """The runtime a saved model loads into: --runtime, or "transformers" when an option runs only on the transformers
-    model; `transformers_only` then says which and why, the error for an explicit --runtime native."""
+    model; `transformers_only` then says which and why, the error for an explicit --runtime bitquilt."""
     if transformers_only is None:
         return args.runtime
-    if args.runtime == "native":
+    if args.runtime == "bitquilt":
         raise UserError(transformers_only)
     return "transformers"
 

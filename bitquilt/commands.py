@@ -494,7 +494,7 @@ def _precision_settings(model, args) -> list[tuple[str, Any]]:
 def _eval_runtime(args) -> str:
     """The runtime `eval` loads a saved model into: zero-shot tasks score padded batches of choices, which only the
     transformers model runs; perplexity (whole windows, no padding) runs in either, the same numbers."""
-    return chosen_runtime(args, "--tasks score padded batches, which the native runtime does not run; drop --tasks "
+    return chosen_runtime(args, "--tasks score padded batches, which the bitquilt runtime does not run; drop --tasks "
                           "or use --runtime transformers (or auto)" if _tasks(args) else None)
 
 
@@ -810,7 +810,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("model", help=model_help)
     s.add_argument("--json", action="store_true")
     _add_eval_args(s, ppl_flag=True)
-    add_runtime(s, "native for perplexity alone where it covers the model, transformers with --tasks; default")
+    add_runtime(s, "bitquilt for perplexity alone where it covers the model, transformers with --tasks; default")
     add_int8_activations(s)
     s.set_defaults(fn=cmd_eval)
 

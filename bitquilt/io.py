@@ -44,12 +44,12 @@ from bitquilt.formats import format_class
 from bitquilt.formats.base import BUFFER_PREFIX, WeightFormat, split_buffers
 from bitquilt.mapped import release_after_calls
 from bitquilt.models.loading import SAVED_MODEL_TYPE, checked_config, empty_model, load_model, resolve_path
-from bitquilt.models.native import NativeCausalLM, NativeConfig
 from bitquilt.models.streaming import TensorFiles
-from bitquilt.models.tokenizer import FastTokenizer
 from bitquilt.nn import online
 from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.runtime.module_tree import ModuleTreeConfig, ModuleTreeLM
+from bitquilt.runtime.tokenizer import FastTokenizer
 
 CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -371,7 +371,7 @@ def _quantized_module(kind: str, fmt: WeightFormat, bias: torch.Tensor | None, o
     return QuantLinear(fmt, bias)
 
 
-RUNTIMES = ("transformers", "native", "auto")
+RUNTIMES = ("transformers", "bitquilt", "auto")
 
 
 def _check_runtime(runtime: str) -> None:
@@ -381,27 +381,27 @@ def _check_runtime(runtime: str) -> None:
 
 def _skeleton(directory: Path, runtime: str) -> tuple[nn.Module, Any]:
     """(model without weights, its config) for `runtime`: transformers' model class, or bitquilt's own module tree
-    (`bitquilt.models.native`: no transformers import); "auto" takes the native one where it covers the model."""
+    (`bitquilt.runtime.module_tree`: no transformers import); "auto" takes the module tree where it covers the model."""
     _check_runtime(runtime)
     saved = saved_config(directory)
     if runtime != "transformers":
         try:
-            native = NativeConfig.from_dict(saved)
+            tree = ModuleTreeConfig.from_dict(saved)
         except ValueError as e:
             raise UserError(f"{directory} is corrupt or was edited: {e}; quantize the model again") from None
-        reason = native.unsupported_reason()
+        reason = tree.unsupported_reason()
         if reason is None:
-            return NativeCausalLM(native), native
-        if runtime == "native":
-            raise UserError(f"the native runtime cannot run {directory}: {reason}; use runtime 'transformers'")
+            return ModuleTreeLM(tree), tree
+        if runtime == "bitquilt":
+            raise UserError(f"the bitquilt runtime cannot run {directory}: {reason}; use runtime 'transformers'")
     config = base_config(directory, saved)
     return empty_model(config, torch.float32), config
 
 
 def _saved_tokenizer(directory: Path, model: nn.Module, config: Any) -> Any:
-    """The tokenizer saved with the model (None if there is none): `FastTokenizer` for the native runtime,
+    """The tokenizer saved with the model (None if there is none): `FastTokenizer` for the bitquilt runtime,
     transformers' AutoTokenizer otherwise."""
-    if isinstance(model, NativeCausalLM):
+    if isinstance(model, ModuleTreeLM):
         return FastTokenizer(directory) if FastTokenizer.available(directory) else None
     from transformers import AutoTokenizer
 
@@ -428,8 +428,8 @@ def _lookup_tables(model: nn.Module, files: TensorFiles, expected: dict[str, tor
 def load_quantized(directory: str | Path, runtime: str = "transformers") -> tuple[nn.Module, Any]:
     """Rebuild a model saved by `save` (no recalibration); returns (model, tokenizer or None). No full-precision
     copy of the model is built (see the module's docstring). runtime: "transformers" (the model class of
-    transformers, with `generate`, masks and caches), "native" (`bitquilt.models.native`: generation through
-    `LeanDecoder` without importing transformers; llama, mistral, qwen2, qwen3), or "auto" (native where it
+    transformers, with `generate`, masks and caches), "bitquilt" (`bitquilt.runtime.module_tree`: generation through
+    `LeanDecoder` without importing transformers; llama, mistral, qwen2, qwen3), or "auto" (the module tree where it
     covers the model)."""
     directory = Path(directory)
     qconfig = read_qconfig(directory)
@@ -500,14 +500,14 @@ def load_quantized(directory: str | Path, runtime: str = "transformers") -> tupl
 
 def load(spec: str | Path, runtime: str = "transformers") -> tuple[nn.Module, Any]:
     """A packaged model name, HF directory, .gguf file, or saved quantized directory. runtime (saved directories):
-    "transformers" (default; the transformers model class), "native" (bitquilt's own module tree: generation without
-    importing transformers, less memory and a faster start) or "auto" (native where it covers the model); see
+    "transformers" (default; the transformers model class), "bitquilt" (bitquilt's own module tree: generation without
+    importing transformers, less memory and a faster start) or "auto" (the module tree where it covers the model); see
     `load_quantized`. Defined here, with the runtime, so that loading imports no calibration code."""
     _check_runtime(runtime)
     path = resolve_path(spec)
     if is_quantized_dir(path):
         return load_quantized(path, runtime)
-    if runtime == "native":
-        raise UserError(f"the native runtime runs directories saved by bitquilt; {spec} is not one (use runtime "
+    if runtime == "bitquilt":
+        raise UserError(f"the bitquilt runtime runs directories saved by bitquilt; {spec} is not one (use runtime "
                         "'transformers' or 'auto')")
     return load_model(path)

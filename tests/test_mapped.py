@@ -119,7 +119,7 @@ def test_an_embedding_gives_its_table_back_after_lookups_unless_a_head_reads_it(
 
 
 @linux_only
-@pytest.mark.parametrize("runtime", ["transformers", "native"])
+@pytest.mark.parametrize("runtime", ["transformers", "bitquilt"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_full_precision_table_is_mapped_and_given_back_unless_a_head_reads_it(tmp_path, tied, runtime):
     """An unquantized embedding table (the LM head kept in full precision too) loads as a view of the file, its
@@ -138,7 +138,7 @@ def test_a_full_precision_table_is_mapped_and_given_back_unless_a_head_reads_it(
     table = loaded.model.embed_tokens.weight
     assert (mapped._mapping_of(table) is not None) is not tied
     with torch.no_grad():
-        logits = loaded(ids) if runtime == "native" else loaded(ids).logits
+        logits = loaded(ids) if runtime == "bitquilt" else loaded(ids).logits
         assert torch.allclose(logits[0], model(ids).logits[0], atol=1e-5)
     if not tied:  # 64 looked-up rows spread over the table; their pages are back after the call
         assert resident_bytes(tmp_path / "q" / WEIGHTS_NAME) < table.numel() * 4 // 8

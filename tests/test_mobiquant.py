@@ -462,7 +462,7 @@ def test_routing_beats_static_slices_at_equal_average_bits_on_the_default_model(
 def test_fused_decode_routes_each_token_as_the_modules_do(routed_tiny):
     """The compiled decode step counts each token's slices with the same routers (threshold read at every step, so
     `set_precision` after the decoder is built applies) and gives the module-by-module logits."""
-    from bitquilt.models.lean_decode import LeanDecoder
+    from bitquilt.runtime.lean import LeanDecoder
 
     model, _ = routed_tiny
     set_slices(model, None)

@@ -12,9 +12,9 @@ from tokenizers import Tokenizer
 from bitquilt.data.corpora import load_documents
 from bitquilt.export.tokenizer_tables import Unsupported, tokenizer_tables
 from bitquilt.models.registry import DEFAULT_MODEL, model_dir
-from bitquilt.models.tokenizer import QWEN2_SPLIT
-from bitquilt.standalone.library import last_error, library
-from bitquilt.standalone.model import FILE, FORMAT_VERSION, METADATA_KEY
+from bitquilt.runtime.standalone.library import last_error, library
+from bitquilt.runtime.standalone.model import FILE, FORMAT_VERSION, METADATA_KEY
+from bitquilt.runtime.tokenizer import QWEN2_SPLIT
 
 EDGE_CASES = [
     "The capital of France is", "  leading and trailing  ", "tabs\tand\nnew\r\nlines\n\n\n  \n", "a  \n\n  b",

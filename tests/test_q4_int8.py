@@ -9,13 +9,13 @@ from test_kernels import llm_like, make_uniform, needs_ext, term_magnitudes
 from bitquilt import kernels
 from bitquilt.api import quantize
 from bitquilt.cli import main
-from bitquilt.eval.speed import decode
 from bitquilt.formats.uniform import UniformFormat
 from bitquilt.isa import INT8_ISAS
 from bitquilt.kernels import cpu, q4_int8
-from bitquilt.models.lean_decode import LeanDecoder
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import Recipe
+from bitquilt.runtime.engines import decode
+from bitquilt.runtime.lean import LeanDecoder
 
 
 def rounded(x: torch.Tensor) -> torch.Tensor:

@@ -509,7 +509,7 @@ def test_a_recipe_field_of_the_wrong_kind_is_named(fields, message):
 
 def test_the_python_api_names_a_missing_tokenizer_a_wrong_prompt_or_model_spec():
     from bitquilt.api import load
-    from bitquilt.eval.speed import decode
+    from bitquilt.runtime.engines import decode
 
     model = make_tiny("llama")
     with pytest.raises(UserError, match="perplexity needs the model's tokenizer object"):

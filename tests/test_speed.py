@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from bitquilt.api import quantize
-from bitquilt.eval.speed import decode, measure_speed
+from bitquilt.eval.speed import measure_speed
 from bitquilt.recipes import Recipe
+from bitquilt.runtime.engines import decode
 
 
 def greedy_without_cache(model, ids: torch.Tensor, n: int) -> list[int]:

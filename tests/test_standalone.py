@@ -1,4 +1,4 @@
-"""The standalone runtime (bitquilt.standalone) and its export (bitquilt.export.standalone): the torch runtime's
+"""The standalone runtime (bitquilt.runtime.standalone) and its export (bitquilt.export.standalone): the torch runtime's
 fused int8 layers, bit for bit, from a mapped file, in a process that never imports torch."""
 
 import json
@@ -16,11 +16,11 @@ from bitquilt.api import export, quantize, save
 from bitquilt.errors import UserError
 from bitquilt.io import load_quantized
 from bitquilt.kernels import q4_int8
-from bitquilt.models.lean_decode import LeanDecoder
 from bitquilt.recipes import Recipe
-from bitquilt.standalone.file import MappedTensors
-from bitquilt.standalone.generate import generate, generate_ids, picker
-from bitquilt.standalone.model import FILE, StandaloneModel, set_isa, set_threads
+from bitquilt.runtime.lean import LeanDecoder
+from bitquilt.runtime.standalone.file import MappedTensors
+from bitquilt.runtime.standalone.generate import generate, generate_ids, picker
+from bitquilt.runtime.standalone.model import FILE, StandaloneModel, set_isa, set_threads
 
 
 def _saved(tmp_path, model_type: str, recipe: Recipe):
@@ -40,8 +40,8 @@ def widest_path():
 
 
 def _reference(saved, monkeypatch, standalone: StandaloneModel) -> LeanDecoder:
-    """The native runtime's fused int8 decoder for `saved`, its RoPE tables those of `standalone` (begun)."""
-    model, _ = load_quantized(saved, runtime="native")
+    """The bitquilt runtime's fused int8 decoder for `saved`, its RoPE tables those of `standalone` (begun)."""
+    model, _ = load_quantized(saved, runtime="bitquilt")
     cos, sin = (torch.tensor(np.asarray(t))[None] for t in standalone.rope())
     angles = torch.arange(standalone.max_len, dtype=torch.float32)[:, None] * \
         torch.tensor(np.asarray(standalone.tensors["rope.inv_freq"].values()))[None]
@@ -174,9 +174,9 @@ def test_a_damaged_standalone_header_is_one_clear_error(tmp_path):
     original = path.read_bytes()
 
     def drop_vocab_size(header):
-        meta = json.loads(header["__metadata__"]["bitquilt.standalone"])
+        meta = json.loads(header["__metadata__"]["bitquilt.runtime.standalone"])
         del meta["vocab_size"]
-        header["__metadata__"]["bitquilt.standalone"] = json.dumps(meta)
+        header["__metadata__"]["bitquilt.runtime.standalone"] = json.dumps(meta)
 
     _edit_header(path, drop_vocab_size)
     with pytest.raises(UserError, match="standalone metadata lacks vocab_size: the file is damaged"):
@@ -192,7 +192,7 @@ def test_a_damaged_standalone_header_is_one_clear_error(tmp_path):
 
 RUN = """
 import json, sys
-from bitquilt.standalone.cli import main
+from bitquilt.runtime.standalone.cli import main
 code = main([sys.argv[1], "--prompt", "The capital of France is", "--max-new-tokens", "8", "--threads", "1", "--json"])
 print(json.dumps({"code": code, "torch": "torch" in sys.modules, "numpy": "numpy" in sys.modules}))
 """
@@ -220,19 +220,19 @@ def test_bitquilt_run_generates_text_without_importing_torch_or_numpy(exported_s
     assert status == {"code": 0, "torch": False, "numpy": False}
     assert "Paris" in result["completion"] and result["new_tokens"] == 8 and result["peak_rss_mb"] > 0
     assert result["decode_tokens_per_s"] > 0 and result["prefill_tokens_per_s"] > 0
-    done = subprocess.run([sys.executable, "-m", "bitquilt.standalone.cli", str(exported_smollm / "out"), "--prompt",
-                           "The capital of France is", "--max-new-tokens", "8", "--threads", "1"],
+    done = subprocess.run([sys.executable, "-m", "bitquilt.runtime.standalone.cli", str(exported_smollm / "out"),
+                           "--prompt", "The capital of France is", "--max-new-tokens", "8", "--threads", "1"],
                           capture_output=True, text=True, check=True)  # streamed: the same text, figures on stderr
     assert done.stdout == "The capital of France is" + result["completion"] + "\n"
     assert "decode_tokens_per_s" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "bitquilt.standalone.cli", str(exported_smollm / "saved"),
+    done = subprocess.run([sys.executable, "-m", "bitquilt.runtime.standalone.cli", str(exported_smollm / "saved"),
                            "--prompt", "hi"], capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "is not a standalone export" in done.stderr
     capsys.readouterr()
     assert main(["generate", str(exported_smollm / "out"), "--prompt", "The capital of France is", "--max-new-tokens",
                  "8", "--threads", "1", "--json"]) == 0  # `bitquilt generate` runs a standalone export as bitquilt-run
     assert json.loads(capsys.readouterr().out)["completion"] == result["completion"]
-    assert main(["generate", str(exported_smollm / "out"), "--prompt", "hi", "--runtime", "native"]) == 2
+    assert main(["generate", str(exported_smollm / "out"), "--prompt", "hi", "--runtime", "bitquilt"]) == 2
     assert "runs in the standalone runtime only" in capsys.readouterr().err
     assert main(["export", str(exported_smollm / "saved"), "-o", str(exported_smollm / "out"), "--to",
                  "standalone"]) == 2
@@ -257,7 +257,8 @@ def test_bitquilt_bench_measures_a_standalone_export_beside_its_saved_model(expo
 
 
 def _native(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bitquilt.standalone.native", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "bitquilt.runtime.standalone.program", *args], capture_output=True,
+                          text=True)
 
 
 def _run_json(command: list[str]) -> dict:
@@ -272,7 +273,7 @@ def test_bitquilt_native_runs_the_export_without_python_as_bitquilt_run_does(exp
     completions = []
     for extra in ([], ["--temperature", "0.9", "--seed", "7"]):  # greedy, and the same draws as Python's generator
         native = _run_json([runner, out, *common, *extra])
-        python = _run_json([sys.executable, "-m", "bitquilt.standalone.cli", out, *common, *extra])
+        python = _run_json([sys.executable, "-m", "bitquilt.runtime.standalone.cli", out, *common, *extra])
         assert native["completion"] == python["completion"] and native["new_tokens"] == python["new_tokens"]
         assert native["prompt_tokens"] == python["prompt_tokens"] == 5
         assert native["decode_tokens_per_s"] > 0 and native["prefill_tokens_per_s"] > 0
@@ -293,7 +294,8 @@ def test_bitquilt_native_runs_the_export_without_python_as_bitquilt_run_does(exp
 @pytest.mark.parametrize("command", ["bitquilt-run", "bitquilt-native"])
 def test_a_closed_or_full_output_ends_the_runtimes_quietly_or_with_one_line(exported_smollm, command):
     """`| head` stops them as it stops cat (SIGPIPE, no traceback); a full disk is one line and exit 1."""
-    module = {"bitquilt-run": "bitquilt.standalone.cli", "bitquilt-native": "bitquilt.standalone.native"}[command]
+    module = {"bitquilt-run": "bitquilt.runtime.standalone.cli",
+              "bitquilt-native": "bitquilt.runtime.standalone.program"}[command]
     args = [sys.executable, "-m", module, str(exported_smollm / "out"), "--prompt", "Once upon a time", "--threads",
             "1", "--ignore-eos", "--max-new-tokens"]
     with subprocess.Popen([*args, "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE) as reader:
@@ -313,8 +315,8 @@ def test_bitquilt_run_refuses_bad_flags_in_one_line(exported_smollm):
                           (["--prompt", "x", "--temperature", "-1"], "--temperature must be ≥ 0"),
                           (["--prompt", "x", "--max-new-tokens", "18446744073709551616"],
                            "--max-new-tokens must be ≤ 2147483647")]:
-        done = subprocess.run([sys.executable, "-m", "bitquilt.standalone.cli", out, *args], capture_output=True,
-                              text=True, errors="surrogateescape")
+        done = subprocess.run([sys.executable, "-m", "bitquilt.runtime.standalone.cli", out, *args],
+                              capture_output=True, text=True, errors="surrogateescape")
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, (args, done.stderr)
 
 

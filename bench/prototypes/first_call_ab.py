@@ -29,7 +29,7 @@ CHILD = """
 import json, sys, time, torch
 from bitquilt import kernels
 from bitquilt.api import load
-from bitquilt.eval.speed import stepper
+from bitquilt.runtime.engines import stepper
 torch.set_num_threads(1)
 kernels.set_int8_activations(sys.argv[2] == "int8")
 t0 = time.perf_counter()

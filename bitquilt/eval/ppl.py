@@ -5,8 +5,8 @@ Documents are joined with blank lines, tokenized without BOS, cut into windows o
 its own: loss = mean over positions t ≥ 1 of −log p(x_t | x_<t), exactly transformers'
 `labels=input_ids` loss, and ppl = exp(mean of the window losses) (windows are equal-length,
 so this is the token mean). A diverged model's perplexity is inf or NaN, reported as it is
-(the CLI prints null and exits non-zero). The windows run in a transformers model or in the native runtime
-(`bitquilt.models.native`: the same logits, without transformers' per-layer glue).
+(the CLI prints null and exits non-zero). The windows run in a transformers model or in the bitquilt runtime
+(`bitquilt.runtime.module_tree`: the same logits, without transformers' per-layer glue).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from bitquilt.errors import UserError
 from bitquilt.flag_checks import is_integer
-from bitquilt.models.native import NativeCausalLM
+from bitquilt.runtime.module_tree import ModuleTreeLM
 
 log = logging.getLogger(__name__)
 
@@ -82,17 +82,17 @@ def _exp(loss: float) -> float:
         return math.inf
 
 
-HEAD_POSITIONS = 256  # positions whose logits the native runtime holds at once while scoring a window
+HEAD_POSITIONS = 256  # positions whose logits the bitquilt runtime holds at once while scoring a window
 
 
 @torch.no_grad()
 def window_loss(model: nn.Module, ids: torch.Tensor) -> float:
     """Mean −log p(x_t | x_<t) over t ≥ 1 of one window ids [1, T]. A transformers model gives every position's
     logits at once ([T, vocab] fp32, and as much again for their log-softmax: 2.5 GB for a 2,048-token window of
-    Qwen's 151,936-token vocabulary); the native runtime (`bitquilt.models.native`) applies the head HEAD_POSITIONS
-    positions at a time to its final hidden states and sums their losses."""
+    Qwen's 151,936-token vocabulary); the bitquilt runtime (`bitquilt.runtime.module_tree`) applies the head
+    HEAD_POSITIONS positions at a time to its final hidden states and sums their losses."""
     targets = ids[0, 1:]
-    if not isinstance(model, NativeCausalLM):
+    if not isinstance(model, ModuleTreeLM):
         return float(F.cross_entropy(model(ids, use_cache=False).logits[0, :-1].float(), targets))
     hidden = model.final_hidden(ids)[0, :-1]
     total = sum(F.cross_entropy(model.lm_head(hidden[i:i + HEAD_POSITIONS]).float(),

@@ -52,8 +52,8 @@ from bitquilt.formats.uniform import UniformFormat
 from bitquilt.io import check_writable, is_quantized_dir, load_quantized
 from bitquilt.models import registry
 from bitquilt.models.loading import TOKENIZER_FILES
-from bitquilt.models.tokenizer import QWEN2_SPLIT, pre_tokenizer_steps
 from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.runtime.tokenizer import QWEN2_SPLIT, pre_tokenizer_steps
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Standalone export: a saved model as the kernel layouts themselves, for `bitquilt.standalone` (no torch at run time).
+"""Standalone export: a saved model as the kernel layouts themselves, for `bitquilt.runtime.standalone` (no torch at
+run time).
 
 The file is what the runtime's kernels read, so loading it is mapping it: nothing is repacked, and the process
 holds one copy of each weight (the file's pages). `standalone.safetensors` holds, per linear (HF module names):
@@ -11,9 +12,9 @@ holds one copy of each weight (the file's pages). `standalone.safetensors` holds
   and `.bias` fp32 where the linear has one; the input embedding as one more such matrix [vocab, hidden] read by rows
   (or, tied, the LM head's own), the norms' weights, and RoPE's inverse frequencies (`rope.inv_freq`, the native
   runtime's, so scaled RoPE variants need no code of their own at run time). The header's metadata
-  "bitquilt.standalone" is JSON: the dimensions, each linear's kind and shape, what the embedding reads.
+  "bitquilt.runtime.standalone" is JSON: the dimensions, each linear's kind and shape, what the embedding reads.
 
-Both 4/2- and 8-bit weights run on int8-rounded activations (the native runtime's `--int8-activations` engine), so
+Both 4/2- and 8-bit weights run on int8-rounded activations (the bitquilt runtime's `--int8-activations` engine), so
 the standalone runtime computes what `bitquilt generate --int8-activations` does, in another fp32 order.
 Exportable: llama, mistral, qwen2 and qwen3 models whose linears are uniform 4- or 2-bit grids (width and groups
 multiples of 64 columns, fp16 scales, no act-order g_idx), uniform 8-bit grids (multiples of 32) or full precision,
@@ -45,9 +46,9 @@ from bitquilt.formats.uniform import UniformFormat, resolve_group_size
 from bitquilt.heap import HUGE_PAGE
 from bitquilt.io import CONFIG_NAME, WEIGHTS_NAME, check_output, is_quantized_dir, load_quantized
 from bitquilt.kernels import q4_int8, uniform8
-from bitquilt.models.native import NativeCausalLM, inverse_frequencies
-from bitquilt.models.tokenizer import TOKENIZER_FILE, FastTokenizer
-from bitquilt.standalone.model import FILE, FORMAT_VERSION, METADATA_KEY, PROJECTIONS
+from bitquilt.runtime.module_tree import ModuleTreeLM, inverse_frequencies
+from bitquilt.runtime.standalone.model import FILE, FORMAT_VERSION, METADATA_KEY, PROJECTIONS
+from bitquilt.runtime.tokenizer import TOKENIZER_FILE, FastTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def _same_table(embedding: nn.Module, head: nn.Module) -> bool:
     return isinstance(head, nn.Linear) and embedding.weight is head.weight
 
 
-def standalone_tensors(model: NativeCausalLM) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def standalone_tensors(model: ModuleTreeLM) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every tensor of the standalone file and its metadata (module docstring)."""
     check_layers(model, "the standalone runtime", "which the standalone runtime does not run", refusal, EXPORTABLE,
                  quantized_embeddings=True)
@@ -182,8 +183,8 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
     if not is_quantized_dir(directory):
         raise UserError(f"{directory} is not a directory saved by bitquilt (no {CONFIG_NAME}); quantize a model first")
     check_output(output, overwrite, source=directory)
-    model, _ = load_quantized(directory, runtime="native")
-    if not isinstance(model, NativeCausalLM):
+    model, _ = load_quantized(directory, runtime="bitquilt")
+    if not isinstance(model, ModuleTreeLM):
         raise UserError(f"cannot export {directory} to the standalone runtime: its model type is not one the native "
                         "runtime covers (llama, mistral, qwen2, qwen3)")
     tensors, metadata = standalone_tensors(model)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from bitquilt.models.tokenizer import QWEN2_SPLIT, TOKENIZER_FILE, FastTokenizer, pre_tokenizer_steps
+from bitquilt.runtime.tokenizer import QWEN2_SPLIT, TOKENIZER_FILE, FastTokenizer, pre_tokenizer_steps
 
 PRE_TOKENIZERS = {  # tokenizer.json's pre-tokenizer steps -> the native tokenizer's name for the same split
     ("ByteLevel regex",): "gpt2",

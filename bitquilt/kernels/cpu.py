@@ -20,7 +20,7 @@ The same extension also holds the MXINT kernel (csrc/mxint_matmul.cpp), register
 `bitquilt.kernels.mxint`, the 8-bit uniform GEMV (csrc/uniform8_gemv.cpp, `bitquilt.kernels.uniform8`; its
 AVX-512 VNNI row loop in csrc/uniform8_vnni.cpp),
 the MoBiRoute slice counts (csrc/slice_router.cpp, used by `bitquilt.kernels.router`), the fused
-decoder layers of a batch-1 decode step (csrc/decode_step.cpp, `bitquilt.kernels.decode_step`) and the
+decoder layers of a batch-1 decode step (csrc/decode_step.cpp, `bitquilt.runtime.fused`) and the
 4- and 2-bit × int8-activation matmul (csrc/q4_int8.cpp, `bitquilt.kernels.q4_int8`; its AVX-512 VNNI path in
 csrc/q4_int8_vnni.cpp, its AVX-VNNI one in csrc/q4_int8_avxvnni.cpp), and a plain streaming read
 (csrc/read_rate.cpp) that the kernel benchmarks take as

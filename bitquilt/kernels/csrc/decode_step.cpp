@@ -1,5 +1,5 @@
 // One decoded token through every decoder layer of a Llama-like model in one call, used by
-// bitquilt.kernels.decode_step (built by bitquilt.models.lean_decode).
+// bitquilt.runtime.fused (built by bitquilt.runtime.lean).
 //
 // A batch-1 decode step of a small model run module by module spends more time in the framework's
 // per-op overhead (hundreds of views, slices and element-wise ops per token, a few µs each) than in

@@ -257,7 +257,7 @@ std::string json_string(const std::string& s) {
   return out + "\"";
 }
 
-// The completion printed as tokens come, as bitquilt.standalone.generate does: the text of the new ids so far,
+// The completion printed as tokens come, as bitquilt.runtime.standalone.generate does: the text of the new ids so far,
 // shown when it grew and does not end inside a character (U+FFFD), the prompt before the first piece.
 class Stream {
  public:

@@ -1,4 +1,4 @@
-// The library of the standalone runtime (bitquilt.standalone): a whole Llama-like model run from the kernel
+// The library of the standalone runtime (bitquilt.runtime.standalone): a whole Llama-like model run from the kernel
 // layouts of a standalone export, with a C interface that ctypes calls, so that generating text needs neither
 // torch nor its extension. Built on its own (bitquilt/standalone/library.py) from this file and the torch-free
 // kernels: q4_int8.cpp (+ its VNNI twin) for 4- and 2-bit linears, uniform8_gemv.cpp for 8-bit ones, both on

@@ -1,4 +1,4 @@
-// The C interface of the standalone runtime's library (standalone.cpp), for ctypes (bitquilt.standalone.library)
+// The C interface of the standalone runtime's library (standalone.cpp), for ctypes (bitquilt.runtime.standalone.library)
 // and for the native runner (native_runner.cpp). A file is opened once (bq_file_open) and serves every model
 // (one per sequence length, bq_open) and the tokenizer (bq_tokenizer_open) opened on it, which keep it mapped.
 // Functions that can fail return -1 (or null) and leave the reason in bq_error().

@@ -1,5 +1,5 @@
 // A standalone export's file (bitquilt.export.standalone) mapped read-only: a safetensors file, its tensors as
-// pointers into the mapping and its "bitquilt.standalone" metadata parsed. The mapping is private and never
+// pointers into the mapping and its "bitquilt.runtime.standalone" metadata parsed. The mapping is private and never
 // written, so its pages are the page cache's and count once, as they are first touched; it asks for huge pages. Errors are
 // std::runtime_error with a one-line reason for the user.
 #pragma once
@@ -21,8 +21,8 @@
 
 namespace bitquilt_standalone {
 
-constexpr const char* kMetadataKey = "bitquilt.standalone";
-constexpr int kFormatVersion = 3;  // bitquilt.standalone.model.FORMAT_VERSION
+constexpr const char* kMetadataKey = "bitquilt.runtime.standalone";
+constexpr int kFormatVersion = 3;  // bitquilt.runtime.standalone.model.FORMAT_VERSION
 
 struct Tensor {
   std::string dtype;  // safetensors' name: F32, U8, I8, I32, I64
@@ -93,7 +93,7 @@ class MappedFile {
   MappedFile& operator=(const MappedFile&) = delete;
 
   const std::string& path() const { return path_; }
-  const bitquilt_json::Value& config() const { return config_; }  // the parsed "bitquilt.standalone" metadata
+  const bitquilt_json::Value& config() const { return config_; }  // the parsed "bitquilt.runtime.standalone" metadata
   bool has(const std::string& name) const { return name != "__metadata__" && header_.has(name); }
 
   // Tensor `name`, checked to lie inside the file; `dtype` when given must be its dtype.

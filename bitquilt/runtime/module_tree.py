@@ -1,11 +1,11 @@
 """Llama-family causal LMs without transformers: the runtime's own module tree for a saved model.
 
-Running a saved model needs none of transformers' modeling code: `LeanDecoder` (bitquilt.models.lean_decode)
+Running a saved model needs none of transformers' modeling code: `LeanDecoder` (bitquilt.runtime.lean)
 calls the embedding, norms, linears, rotary table and LM head itself. Importing a transformers model class
 costs ≈ 1.7 s and ≈ 100 MB of resident memory (sympy, torch._dynamo and torch.distributed come with it), more
 than a 4-bit small model; this module builds the same tree from `config.json` alone:
 
-    NativeCausalLM
+    ModuleTreeLM
       model.embed_tokens                 nn.Embedding [vocab, hidden]
       model.layers[i].input_layernorm    RMSNorm
       model.layers[i].self_attn          {q,k,v,o}_proj (+ q_norm, k_norm on qwen3)
@@ -17,7 +17,7 @@ than a 4-bit small model; this module builds the same tree from `config.json` al
 Module names are transformers' so a checkpoint's tensor names, saved layer names and online-module hosts apply
 unchanged. Biases follow each family: qwen2's q/k/v carry one, mistral's nothing; llama and qwen3 follow
 `attention_bias` (and llama `mlp_bias`). RoPE: inverse frequencies θ^(-2i/d), optionally divided by a linear factor or
-rescaled by Llama 3's wavelength bands; `NativeConfig.unsupported_reason` names anything else (another family,
+rescaled by Llama 3's wavelength bands; `ModuleTreeConfig.unsupported_reason` names anything else (another family,
 activation or RoPE type), for which the transformers model stays the runtime.
 """
 
@@ -31,14 +31,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from bitquilt.models.lean_decode import FAMILIES, LeanDecoder
+from bitquilt.runtime.lean import FAMILIES, LeanDecoder
 
 ROPE_TYPES = ("default", "linear", "llama3")
 REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass(frozen=True)
-class NativeConfig:
+class ModuleTreeConfig:
     """The fields of a config.json the runtime reads (names as in transformers' configs)."""
 
     model_type: str
@@ -62,7 +62,7 @@ class NativeConfig:
     pad_token_id: int | None = None
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> NativeConfig:
+    def from_dict(cls, d: dict[str, Any]) -> ModuleTreeConfig:
         """From a config.json's dict; ValueError naming the first required field it lacks."""
         missing = [k for k in REQUIRED if not isinstance(d.get(k), int if k != "model_type" else str)]
         if missing:
@@ -87,17 +87,17 @@ class NativeConfig:
     def unsupported_reason(self) -> str | None:
         """Why this module cannot build the model; None if it can."""
         if self.model_type not in FAMILIES:
-            return f"model type {self.model_type!r} (the native runtime covers {', '.join(FAMILIES)})"
+            return f"model type {self.model_type!r} (the bitquilt runtime covers {', '.join(FAMILIES)})"
         if self.hidden_act != "silu":
-            return f"activation {self.hidden_act!r} (the native runtime runs SiLU-gated MLPs)"
+            return f"activation {self.hidden_act!r} (the bitquilt runtime runs SiLU-gated MLPs)"
         if self.rope["rope_type"] not in ROPE_TYPES:
-            return f"RoPE type {self.rope['rope_type']!r} (the native runtime computes {', '.join(ROPE_TYPES)})"
+            return f"RoPE type {self.rope['rope_type']!r} (the bitquilt runtime computes {', '.join(ROPE_TYPES)})"
         if self.partial_rotary_factor != 1.0:
             return f"a partial rotary factor of {self.partial_rotary_factor}"
         return None
 
 
-def inverse_frequencies(config: NativeConfig) -> torch.Tensor:
+def inverse_frequencies(config: ModuleTreeConfig) -> torch.Tensor:
     """RoPE's ω_i = θ^(-2i/d), i < d/2, with the config's scaling:
 
     - linear:  ω_i / factor;
@@ -123,7 +123,7 @@ def inverse_frequencies(config: NativeConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos and sin of position·ω for every position asked, [B, T, head_dim] (the halves repeated)."""
 
-    def __init__(self, config: NativeConfig):
+    def __init__(self, config: ModuleTreeConfig):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
 
@@ -172,7 +172,7 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
 
 
-def _attention_biases(config: NativeConfig) -> tuple[bool, bool]:
+def _attention_biases(config: ModuleTreeConfig) -> tuple[bool, bool]:
     """(q/k/v, o) bias of each family: qwen2 always has q/k/v biases and no o bias, mistral none, llama and
     qwen3 follow attention_bias."""
     if config.model_type == "qwen2":
@@ -183,7 +183,7 @@ def _attention_biases(config: NativeConfig) -> tuple[bool, bool]:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: NativeConfig):
+    def __init__(self, config: ModuleTreeConfig):
         super().__init__()
         d, heads, kv_heads, hidden = config.head_dim, config.num_attention_heads, config.num_key_value_heads, \
             config.hidden_size
@@ -198,7 +198,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: NativeConfig):
+    def __init__(self, config: ModuleTreeConfig):
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
         bias = config.mlp_bias and config.model_type == "llama"
@@ -208,7 +208,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: NativeConfig):
+    def __init__(self, config: ModuleTreeConfig):
         super().__init__()
         self.self_attn, self.mlp = Attention(config), MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -216,24 +216,24 @@ class DecoderLayer(nn.Module):
 
 
 class Body(nn.Module):
-    def __init__(self, config: NativeConfig):
+    def __init__(self, config: ModuleTreeConfig):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class NativeCausalLM(nn.Module):
+class ModuleTreeLM(nn.Module):
     """A Llama-family causal LM built from its config (module docstring). Runs through `LeanDecoder`;
     `forward` gives every position's logits of unpadded sequences, for scoring."""
 
     runs_attention_site = True  # LeanDecoder calls the attention site's online modules itself
 
-    def __init__(self, config: NativeConfig):
+    def __init__(self, config: ModuleTreeConfig):
         super().__init__()
         reason = config.unsupported_reason()
         if reason is not None:
-            raise ValueError(f"the native runtime does not support this model: {reason}")
+            raise ValueError(f"the bitquilt runtime does not support this model: {reason}")
         self.config = config
         with torch.device("meta"):  # the weights come from the checkpoint
             self.model = Body(config)

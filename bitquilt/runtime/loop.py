@@ -3,8 +3,8 @@
 `run_decode(step, prompt, max_new_tokens, pick, stop_ids)` calls `step(ids)` (logits of the last of `ids`,
 appended to the sequence's cache) on the prompt, then on each new token, `pick(logits)` choosing it, until
 `max_new_tokens` or a stop id; it times the prompt (prefill) and the steps after it (decode) apart. The torch
-runtimes (`bitquilt.eval.speed.decode`) and the standalone runtime (`bitquilt.standalone.generate`) bring their
-own step and pick.
+runtimes (`bitquilt.runtime.engines.decode`) and the standalone runtime (`bitquilt.runtime.standalone.generate`)
+bring their own step and pick.
 """
 
 from __future__ import annotations

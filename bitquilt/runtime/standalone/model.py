@@ -22,12 +22,12 @@ from typing import Any
 from bitquilt.errors import UserError
 from bitquilt.flag_checks import INT32_MAX, MAX_THREADS, is_integer
 from bitquilt.isa import INT8_ISAS, choose, int8_supported
-from bitquilt.models.tokenizer import FastTokenizer
-from bitquilt.standalone.file import MappedTensors
-from bitquilt.standalone.library import last_error, library
+from bitquilt.runtime.standalone.file import MappedTensors
+from bitquilt.runtime.standalone.library import last_error, library
+from bitquilt.runtime.tokenizer import FastTokenizer
 
 FILE = "standalone.safetensors"  # what bitquilt.export.standalone writes, and its metadata
-METADATA_KEY = "bitquilt.standalone"
+METADATA_KEY = "bitquilt.runtime.standalone"
 FORMAT_VERSION = 3  # 3: 4- and 2-bit linears in 32-row tiles (csrc/q4_int8.h)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")  # a layer's linears, as csrc/standalone.cpp's loader reads them

@@ -1,4 +1,4 @@
-"""Text from a standalone model: the shared decode loop (`bitquilt.decoding`) with the C library's sampling.
+"""Text from a standalone model: the shared decode loop (`bitquilt.runtime.loop`) with the C library's sampling.
 
 Greedy at temperature 0, else one draw from softmax(logits / temperature) (`bq_sample`) at a uniform number from
 Python's generator seeded by `seed` (reproducible here, not the same draws as the torch runtimes' generator).
@@ -12,7 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bitquilt.decoding import (
+from bitquilt.errors import UserError
+from bitquilt.resources import peak_rss_mb
+from bitquilt.runtime.loop import (
     DecodeRun,
     check_generation,
     check_speed_settings,
@@ -20,10 +22,8 @@ from bitquilt.decoding import (
     median_rates,
     run_decode,
 )
-from bitquilt.errors import UserError
-from bitquilt.resources import peak_rss_mb
-from bitquilt.standalone.library import library
-from bitquilt.standalone.model import StandaloneModel
+from bitquilt.runtime.standalone.library import library
+from bitquilt.runtime.standalone.model import StandaloneModel
 
 
 @dataclass

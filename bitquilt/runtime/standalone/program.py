@@ -15,7 +15,7 @@ import os
 import sys
 
 from bitquilt.errors import UserError
-from bitquilt.standalone.library import runner_path
+from bitquilt.runtime.standalone.library import runner_path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,10 +6,11 @@ from conftest import make_tiny
 
 from bitquilt import kernels
 from bitquilt.api import quantize
-from bitquilt.eval.speed import decode, measure_speed, stepper
-from bitquilt.models.lean_decode import LeanDecoder, unsupported_reason
+from bitquilt.eval.speed import measure_speed
 from bitquilt.nn.quant_linear import set_slices
 from bitquilt.recipes import Recipe
+from bitquilt.runtime.engines import decode, stepper
+from bitquilt.runtime.lean import LeanDecoder, unsupported_reason
 
 
 def transformers_logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
 
     def work() -> int:
-        from bitquilt.standalone.generate import generate
-        from bitquilt.standalone.model import StandaloneModel, set_isa, set_threads
+        from bitquilt.runtime.standalone.generate import generate
+        from bitquilt.runtime.standalone.model import StandaloneModel, set_isa, set_threads
 
         check_flags(args)
         set_threads(args.threads)

@@ -16,7 +16,7 @@ output dataclasses. `LeanDecoder` runs the model's own modules for one sequence:
   RoPE, keys and values the whole filled cache);
 - an RMSNorm without hooks runs as one fused `rms_norm` call;
 - with `fuse=True`, a one-token step runs every decoder layer in one compiled call
-  (`bitquilt.kernels.decode_step`) when every layer qualifies: plain RMSNorms, no attention-site
+  (`bitquilt.runtime.fused`) when every layer qualifies: plain RMSNorms, no attention-site
   modules, no hooks, fp32, and linears that are `nn.Linear` or `QuantLinear` without online modules
   (a slice router excepted) whose weight a CPU kernel takes (bitplane, uniform at any width, the slices
   of a MoBiQuant checkpoint, static or routed per token); `fused_reason` says why not otherwise, and
@@ -45,7 +45,7 @@ from bitquilt.nn.online import run_site, slots_at
 from bitquilt.nn.quant_linear import QuantLinear
 
 if TYPE_CHECKING:  # importing the kernels builds the extension: done on first use instead
-    from bitquilt.kernels.decode_step import FusedLayers
+    from bitquilt.runtime.fused import FusedLayers
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -119,8 +119,8 @@ def _linear_spec(name: str, linear: nn.Module) -> LinearSpec | str:
 
 
 def fuse_layers(decoder: LeanDecoder) -> tuple[FusedLayers | None, str | None]:
-    """The decoder's layers in one compiled step (`bitquilt.kernels.decode_step.FusedLayers`), or None and why not."""
-    from bitquilt.kernels.decode_step import FusedLayers
+    """The decoder's layers in one compiled step (`bitquilt.runtime.fused.FusedLayers`), or None and why not."""
+    from bitquilt.runtime.fused import FusedLayers
 
     if decoder.keys[0].dtype != torch.float32:
         return None, f"dtype {decoder.keys[0].dtype} (fused layers run fp32)"

@@ -22,7 +22,7 @@ from pathlib import Path
 from bitquilt import cache
 from bitquilt.errors import UserError
 
-CSRC = Path(__file__).resolve().parent.parent / "kernels" / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "kernels" / "csrc"
 SOURCES = ("standalone.cpp", "bpe_tokenizer.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp", "q4_int8_avxvnni.cpp",
            "uniform8_gemv.cpp", "uniform8_vnni.cpp")
 HEADERS = ("avx2_simd.h", "bpe_tokenizer.h", "decoder_core.h", "int8_round.h", "json_value.h", "parallel.h",

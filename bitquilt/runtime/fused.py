@@ -8,9 +8,9 @@ static prefix, or routed per token by its router; a MosaicQuant base with its sp
 tables), an 8-bit uniform weight run by the 8-bit GEMV, or a dense fp32 matrix: the kernel each would run module
 by module. While `set_int8_activations` is on as the
 layers are built, 4- and 2-bit uniform weights run the low-bit × int8 kernel and 8-bit ones the GEMV's int8 path,
-as module by module too. The model side (which modules qualify) is `bitquilt.models.lean_decode`; the
+as module by module too. The model side (which modules qualify) is `bitquilt.runtime.lean`; the
 math is the eager modules' in another fp32 order, tested against them, and csrc/decoder_core.h's, which the standalone
-runtime's library runs too (`bitquilt.standalone`).
+runtime's library runs too (`bitquilt.runtime.standalone`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A model's tokenizer.json run by the `tokenizers` library alone, for the native runtime.
+"""A model's tokenizer.json run by the `tokenizers` library alone, for the bitquilt runtime.
 
 transformers' AutoTokenizer reads the same file but first imports its tokenizer classes and parses the JSON in
 Python again (≈ 0.9 s and ≈ 45 MB more for Qwen's 151,936-entry vocabulary), and the parse's temporaries stay in

@@ -1,5 +1,5 @@
-"""The native runtime (bitquilt.models.native, models.tokenizer): a saved model run without transformers, against
-the transformers model and tokenizer it replaces."""
+"""The bitquilt runtime (bitquilt.runtime.module_tree, runtime.tokenizer): a saved model run without transformers,
+against the transformers model and tokenizer it replaces."""
 
 import argparse
 import json
@@ -12,12 +12,12 @@ from conftest import make_tiny
 
 from bitquilt.api import load, quantize, save
 from bitquilt.errors import UserError
-from bitquilt.eval.speed import decode
 from bitquilt.io import load_quantized
 from bitquilt.models import registry
-from bitquilt.models.native import NativeCausalLM, NativeConfig, inverse_frequencies
-from bitquilt.models.tokenizer import FastTokenizer
 from bitquilt.recipes import Recipe
+from bitquilt.runtime.engines import decode
+from bitquilt.runtime.module_tree import ModuleTreeConfig, ModuleTreeLM, inverse_frequencies
+from bitquilt.runtime.tokenizer import FastTokenizer
 
 
 def _ids(n: int, seed: int = 0, vocab: int = 320) -> torch.Tensor:
@@ -40,8 +40,8 @@ def _saved(tmp_path, model_type: str, recipe: Recipe):
 def test_native_model_gives_the_transformers_logits_and_tokens(tmp_path, model_type, recipe):
     path = _saved(tmp_path, model_type, recipe)
     reference, _ = load_quantized(path)
-    native, _ = load_quantized(path, runtime="native")
-    assert isinstance(native, NativeCausalLM) and not isinstance(reference, NativeCausalLM)
+    native, _ = load_quantized(path, runtime="bitquilt")
+    assert isinstance(native, ModuleTreeLM) and not isinstance(reference, ModuleTreeLM)
     assert native.state_dict().keys() == reference.state_dict().keys()
     ids = _ids(2 * 12, seed=1).view(2, 12)
     with torch.no_grad():
@@ -55,7 +55,7 @@ def test_native_window_loss_scores_slices_of_positions_as_the_whole_logits(tmp_p
     from bitquilt.eval import ppl
 
     path = _saved(tmp_path, "qwen2", Recipe("rtn", w_bits=4, group_size=64, head_bits=4))
-    reference, native = load_quantized(path)[0], load_quantized(path, runtime="native")[0]
+    reference, native = load_quantized(path)[0], load_quantized(path, runtime="bitquilt")[0]
     ids = _ids(50, seed=4)
     monkeypatch.setattr(ppl, "HEAD_POSITIONS", 16)  # 49 targets: three whole slices and one of 1
     assert ppl.window_loss(native, ids) == pytest.approx(ppl.window_loss(reference, ids), rel=1e-5)
@@ -73,30 +73,30 @@ def test_rope_scaling_matches_transformers(rope):
     config = LlamaConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=512,
                          rope_parameters={"rope_theta": 50000.0, **rope})
     want, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
-    got = inverse_frequencies(NativeConfig.from_dict(config.to_dict()))
+    got = inverse_frequencies(ModuleTreeConfig.from_dict(config.to_dict()))
     assert torch.allclose(got, want, rtol=1e-6)
-    assert not torch.allclose(got, inverse_frequencies(NativeConfig.from_dict(
+    assert not torch.allclose(got, inverse_frequencies(ModuleTreeConfig.from_dict(
         {**config.to_dict(), "rope_parameters": {"rope_theta": 50000.0}})))  # the scaling did something
 
 
 def test_runtime_choice_and_bad_input(tmp_path):
     gemma = _saved(tmp_path, "gemma3_text", Recipe("rtn", w_bits=4, group_size=32))
-    with pytest.raises(UserError, match="native runtime cannot run .*gemma3_text"):
-        load(gemma, runtime="native")
-    assert not isinstance(load(gemma, runtime="auto")[0], NativeCausalLM)  # auto falls back to transformers
+    with pytest.raises(UserError, match="bitquilt runtime cannot run .*gemma3_text"):
+        load(gemma, runtime="bitquilt")
+    assert not isinstance(load(gemma, runtime="auto")[0], ModuleTreeLM)  # auto falls back to transformers
     llama = _saved(tmp_path, "llama", Recipe("rtn", w_bits=4, group_size=64))
-    assert isinstance(load(llama, runtime="auto")[0], NativeCausalLM)
-    with pytest.raises(UserError, match="unknown runtime 'fast'; accepted: transformers, native, auto"):
+    assert isinstance(load(llama, runtime="auto")[0], ModuleTreeLM)
+    with pytest.raises(UserError, match="unknown runtime 'fast'; accepted: transformers, bitquilt, auto"):
         load(llama, runtime="fast")
     with pytest.raises(UserError, match="runs directories saved by bitquilt"):
-        load("smollm2-135m", runtime="native")
-    with pytest.raises(ValueError, match="loaded in the native runtime"):
-        decode(load(llama, runtime="native")[0], _ids(4), 2, engine="transformers")
+        load("smollm2-135m", runtime="bitquilt")
+    with pytest.raises(ValueError, match="loaded in the bitquilt runtime"):
+        decode(load(llama, runtime="bitquilt")[0], _ids(4), 2, engine="transformers")
     config = json.loads((llama / "config.json").read_text())
     del config["bitquilt"]["model_type"]  # the guard's record of the base type, gone
     (llama / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="corrupt or was edited: config.json has no valid 'model_type'"):
-        load(llama, runtime="native")
+        load(llama, runtime="bitquilt")
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "tokenizer.json").write_text("{not json")
     with pytest.raises(UserError, match="cannot load the tokenizer"):
@@ -136,8 +136,8 @@ print(json.dumps({"code": code, "heavy": heavy_imported()}))
 """
 RUNTIME_ONLY = "import sys, torch\n" + HEAVY_IMPORTED + """
 import bitquilt
-from bitquilt.eval.speed import decode
-model, tok = bitquilt.load(sys.argv[1], runtime="native")
+from bitquilt.runtime.engines import decode
+model, tok = bitquilt.load(sys.argv[1], runtime="bitquilt")
 ids = decode(model, torch.tensor([tok("The capital of France is")["input_ids"]]), 4).new_ids
 print(heavy_imported())
 """
@@ -167,13 +167,13 @@ def test_cli_generate_runs_a_saved_model_without_importing_transformers_or_calib
                  "--engine", "transformers"]) == 0
     assert json.loads(capsys.readouterr().out)["completion"] == native["completion"]
     assert "Paris" in native["completion"]
-    for runtime in ("native", "transformers"):  # forced either way: the same text
+    for runtime in ("bitquilt", "transformers"):  # forced either way: the same text
         assert main(["generate", str(out), "--prompt", "The capital of France is", "--max-new-tokens", "6", "--json",
                      "--runtime", runtime]) == 0
         assert json.loads(capsys.readouterr().out)["completion"] == native["completion"]
-    code = main(["generate", str(out), "--prompt", "hi", "--engine", "transformers", "--runtime", "native"])
-    assert code == 2 and "drop --runtime native" in capsys.readouterr().err
-    code = main(["bench", str(out), "--runtime", "native", "--engine", "lean", "--prompt-tokens", "8", "--new-tokens",
+    code = main(["generate", str(out), "--prompt", "hi", "--engine", "transformers", "--runtime", "bitquilt"])
+    assert code == 2 and "drop --runtime bitquilt" in capsys.readouterr().err
+    code = main(["bench", str(out), "--runtime", "bitquilt", "--engine", "lean", "--prompt-tokens", "8", "--new-tokens",
                  "3", "--repeats", "1", "--json"])
     assert code == 0 and json.loads(capsys.readouterr().out)[0]["decode_tokens_per_s"] > 0
 
@@ -183,14 +183,14 @@ def test_eval_perplexity_runs_in_the_native_runtime_with_the_transformers_number
     from bitquilt.commands import _eval_runtime
 
     ppl = {}
-    for runtime in ("native", "transformers"):
+    for runtime in ("bitquilt", "transformers"):
         assert main(["eval", str(saved_smollm), "--seqlen", "64", "--ppl-windows", "2", "--json", "--runtime",
                      runtime]) == 0
         ppl[runtime] = json.loads(capsys.readouterr().out)["ppl_wiki"]
-    assert ppl["native"] == pytest.approx(ppl["transformers"], rel=1e-4)
-    assert 10 < ppl["native"] < 100  # a working model, not a diverged one
+    assert ppl["bitquilt"] == pytest.approx(ppl["transformers"], rel=1e-4)
+    assert 10 < ppl["bitquilt"] < 100  # a working model, not a diverged one
     tasks = argparse.Namespace(tasks="piqa", runtime="auto")
     assert _eval_runtime(argparse.Namespace(tasks="", runtime="auto")) == "auto"  # perplexity alone: native
     assert _eval_runtime(tasks) == "transformers"  # padded zero-shot batches
-    code = main(["eval", str(saved_smollm), "--tasks", "piqa", "--runtime", "native"])
+    code = main(["eval", str(saved_smollm), "--tasks", "piqa", "--runtime", "bitquilt"])
     assert code == 2 and "drop --tasks or use --runtime transformers" in capsys.readouterr().err
