@@ -124,17 +124,17 @@ def bitquilt_worker(source: str, prompt: list[int], new_tokens: int, threads: in
 
     torch.set_num_threads(threads)
     engine, _, option = engine.partition("+")
-    kernels.set_int8_activations(option == "int8")
-    t0 = time.perf_counter()
-    model, _ = load(source, "transformers" if engine == "transformers" else "auto")  # as `bitquilt generate`
-    setup_s = time.perf_counter() - t0
-    generate(model, llamacpp.warmup_prompt(prompt, vocab_size), WARMUP_TOKENS, engine)  # kernel layouts, allocator
-    ready_s = time.perf_counter() - t0
-    result = generate(model, prompt, new_tokens, engine)
-    layouts = sum(kernels.kernel_layout_bytes(m.fmt) for m in model.modules() if isinstance(m, QuantLinear))
-    return {**result, "peak_rss_mb": llamacpp.peak_rss_mb(), "setup_s": setup_s, "ready_s": ready_s,
-            "weights_mb": model_nbytes(model) / 2**20, "kernel_layout_mb": layouts / 2**20,
-            "bits_per_weight": model_summary(model)["bits_per_weight"], "torch_threads": torch.get_num_threads()}
+    with kernels.using(int8_activations=option == "int8"):
+        t0 = time.perf_counter()
+        model, _ = load(source, "transformers" if engine == "transformers" else "auto")  # as `bitquilt generate`
+        setup_s = time.perf_counter() - t0
+        generate(model, llamacpp.warmup_prompt(prompt, vocab_size), WARMUP_TOKENS, engine)  # kernel layouts, allocator
+        ready_s = time.perf_counter() - t0
+        result = generate(model, prompt, new_tokens, engine)
+        layouts = sum(kernels.kernel_layout_bytes(m.fmt) for m in model.modules() if isinstance(m, QuantLinear))
+        return {**result, "peak_rss_mb": llamacpp.peak_rss_mb(), "setup_s": setup_s, "ready_s": ready_s,
+                "weights_mb": model_nbytes(model) / 2**20, "kernel_layout_mb": layouts / 2**20,
+                "bits_per_weight": model_summary(model)["bits_per_weight"], "torch_threads": torch.get_num_threads()}
 
 
 def save_worker(model: str, variant: str, saved: str, gguf: str | None = None) -> dict[str, Any]:

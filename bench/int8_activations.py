@@ -3,7 +3,7 @@
     python bench/int8_activations.py --model smollm2-135m --threads 1
 
 Each configuration is quantized once and evaluated twice on the same windows: with the exact kernels
-(activations to 2^-21) and with `bitquilt.kernels.set_int8_activations(True)`, where every 4- or 2-bit uniform
+(activations to 2^-21) and with `bitquilt.kernels.using(int8_activations=True)`, where every 4- or 2-bit uniform
 linear rounds its input to int8 per block of 32 columns (scale max|x| / 127) before the vpmaddubsw kernel
 (llama.cpp's Q8 activations). The LM head and embeddings follow their own format (fp32, or 4-bit in *head4*,
 which then runs on int8 activations too). Results: bench/results/int8_activations.{json,md}.
@@ -77,15 +77,14 @@ def main() -> None:
         quantize(model, CONFIGS[config], calibration_ids(tokenizer, calib), progress=False)
         quant_time = time.perf_counter() - t0
         for activations in todo:
-            kernels.set_int8_activations(activations == "int8")
             t0 = time.perf_counter()
-            ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl
+            with kernels.using(int8_activations=activations == "int8"):
+                ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl
             record = {"model": args.model, "config": config, "activations": activations, "settings": settings,
                       "ppl": ppl, "eval_s": time.perf_counter() - t0, "quant_time_s": quant_time,
                       **model_summary(model), "machine": machine(), "command": command}
             print(f"{config:20s} {activations:5s} ppl {ppl:.3f}", flush=True)
             store("int8_activations", record, KEY, render, args.recheck)
-        kernels.set_int8_activations(False)
 
 
 if __name__ == "__main__":

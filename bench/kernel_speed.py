@@ -40,8 +40,9 @@ from common import RESULTS, cpu_name, loadavg, run, write_atomic
 
 from bitquilt.formats import BitplaneFormat, UniformFormat
 from bitquilt.formats.mxint import BLOCK, MXIntFormat
-from bitquilt.kernels import composite, cpu, layout_empty, q4_int8, uniform8
+from bitquilt.kernels import composite, cpu, q4_int8, uniform8
 from bitquilt.kernels import mxint as mxk
+from bitquilt.kernels.huge_pages import layout_empty
 from bitquilt.nn.hadamard import hadamard_transform, random_signs, reference_transform
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec
@@ -480,7 +481,7 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
         int8_args = [(lay.codes, lay.scales, n, lay.group, lay.bits) for lay in layouts]
         exact = [cpu.packed(f) for f in fmts]
         nbytes = layouts[0].nbytes()
-        # whole 128 B, in pages like the layouts' (huge pages: `kernels.layout_empty`)
+        # whole 128 B, in pages like the layouts' (huge pages: `kernels.huge_pages.layout_empty`)
         buffers = [layout_empty(nbytes // 128 * 32, torch.float32).normal_(generator=gen)
                    for _ in range(cold_copies(nbytes))]
         fp32 = [torch.randn(n, k, generator=gen) for _ in range(cold_copies(n * k * 4))]
@@ -539,7 +540,7 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
              f"the {bits}-bit format runs without `--int8-activations` (lookup tables, from a width-dependent batch "
              "dequantize + sgemm). GB/s: the int8 kernel's layout bytes (codes + scales) per second; *ceiling*: one "
              "streaming read of a cold buffer of the same bytes in the same kind of pages (huge pages, as the layouts: "
-             "`kernels.layout_empty`), timed in the same alternating rounds as the kernels "
+             "`kernels.huge_pages.layout_empty`), timed in the same alternating rounds as the kernels "
              "(csrc/read_rate.cpp: 256-bit loads OR-ed together, 1 thread, timed in C; the faster of a plain pass "
              "and one "
              f"prefetching {prefetch} bytes ahead, as the kernels do on this CPU), the read rate a batch-1 kernel can "

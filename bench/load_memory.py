@@ -91,21 +91,21 @@ def child(saved: str, engine: str, runtime: str) -> dict:
     torch.set_num_threads(1)
     directory = Path(saved)
     base = _base(directory, runtime)
-    kernels.set_int8_activations(engine.endswith("+int8"))
-    t0 = time.perf_counter()
-    model, _ = load(directory, runtime)
-    load_s, after_load = time.perf_counter() - t0, rss_mb()
-    prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        step = stepper(model, 160, engine.partition("+")[0])
-        token = int(step(prompt).argmax())  # as bench/e2e.py: the step returns the last position's logits
-        for _ in range(31):
-            token = int(step(torch.tensor([[token]])).argmax())
-    run_s = time.perf_counter() - t0
-    layouts = sum(kernels.kernel_layout_bytes(m.fmt) for m in model.modules() if isinstance(m, QuantLinear))
-    mapped = resident_bytes(directory / WEIGHTS_NAME) / 2**20
-    return {"base_mb": base, "after_load_mb": after_load, "peak_mb": peak_rss_mb(), "load_s": load_s,
-            "run_s": run_s, "layout_mb": layouts / 2**20, "mapped_resident_mb": mapped}
+    with kernels.using(int8_activations=engine.endswith("+int8")):
+        t0 = time.perf_counter()
+        model, _ = load(directory, runtime)
+        load_s, after_load = time.perf_counter() - t0, rss_mb()
+        prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            step = stepper(model, 160, engine.partition("+")[0])
+            token = int(step(prompt).argmax())  # as bench/e2e.py: the step returns the last position's logits
+            for _ in range(31):
+                token = int(step(torch.tensor([[token]])).argmax())
+        run_s = time.perf_counter() - t0
+        layouts = sum(kernels.kernel_layout_bytes(m.fmt) for m in model.modules() if isinstance(m, QuantLinear))
+        mapped = resident_bytes(directory / WEIGHTS_NAME) / 2**20
+        return {"base_mb": base, "after_load_mb": after_load, "peak_mb": peak_rss_mb(), "load_s": load_s,
+                "run_s": run_s, "layout_mb": layouts / 2**20, "mapped_resident_mb": mapped}
 
 
 def standalone_child(exported: Path) -> dict:

@@ -200,11 +200,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def work() -> int:
         check_flags(args)  # before anything is loaded (recipe flags: when the recipe is built)
-        if getattr(args, "int8_activations", False):
-            from bitquilt import kernels
+        if not getattr(args, "int8_activations", False):
+            return args.fn(args)
+        from bitquilt import kernels
 
-            kernels.set_int8_activations(True)
-        return args.fn(args)
+        with kernels.using(int8_activations=True):
+            return args.fn(args)
 
     return run_command(f"bitquilt {args.command}", work, args.debug)
 

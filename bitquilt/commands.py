@@ -31,6 +31,7 @@ from bitquilt.errors import UserError
 from bitquilt.export import FORMATS as EXPORT_FORMATS
 from bitquilt.io import model_summary
 from bitquilt.models.registry import DEFAULT_MODEL
+from bitquilt.pipeline.builtins import register_builtins
 from bitquilt.recipes import BEST_RECIPES, CalibConfig, Recipe, expand_method, solver_name
 from bitquilt.solvers import SOLVERS
 from bitquilt.solvers.mosaic import SCORES, parse_block
@@ -217,6 +218,7 @@ def _add_eval_args(p: argparse.ArgumentParser, ppl_flag: bool) -> None:
 
 def budget_stages(method: str) -> list[str]:
     """The stages of `method` that take a bit budget (`target_bits`)."""
+    register_builtins()
     names = expand_method(method).split("+")[:-1]
     return [n for n in names
             if n in STAGES and "target_bits" in {f.name for f in dataclasses.fields(STAGES.get(n).options)}]

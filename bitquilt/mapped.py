@@ -2,7 +2,7 @@
 and the allocator's free pages.
 
 A saved model's packed weights are read by the kernels only once, to build each kernel's own layout
-(`bitquilt.kernels.LayoutCache`); from then on the layout serves every call. Read into memory of their own, the
+(`bitquilt.kernels.layouts.LayoutCache`); from then on the layout serves every call. Read into memory of their own, the
 packed tensors would stay resident next to the layouts: two copies of every linear. Mapped instead, their pages
 are the file's, faulted in when the layout is built and dropped again right after (`release`, `madvise
 MADV_DONTNEED`): the process keeps one copy, and the format stays whole, since a dropped page is read back from

@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import PurePath
 from typing import Any
 
-import bitquilt.pipeline  # noqa: F401  (registers the built-in solvers, transforms and policies)
 from bitquilt.calib.stages import STAGES, Stage
 from bitquilt.flag_checks import is_integer, is_number
+from bitquilt.formats.uniform import UniformFormat
 from bitquilt.nn.act_quant import ActQuantConfig
-from bitquilt.pipeline.head import head_spec
+from bitquilt.pipeline.builtins import register_builtins
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec, Solver
 from bitquilt.solvers.mosaic import RESIDUALS
@@ -72,6 +72,22 @@ class CalibConfig:
             raise ValueError(f"CalibConfig: {', '.join(wrong)} expected")
 
 
+HEAD_BITS = (16, 8, 4)  # 16: the head and embeddings stay in full precision
+
+
+def head_spec(bits: int, group_size: int) -> LayerSpec:
+    """The grid of the head and embeddings at `bits` (symmetric at 8, asymmetric at 4); a ValueError listing what is
+    accepted otherwise."""
+    if bits not in HEAD_BITS:
+        raise ValueError(f"head_bits (--head-bits) must be one of {', '.join(map(str, HEAD_BITS))} (16: the LM head "
+                         f"and embeddings stay in full precision), got {bits}")
+    spec = LayerSpec(bits, group_size, sym=bits == 8)
+    try:
+        return spec.validate(UniformFormat) if bits < 16 else spec
+    except ValueError as e:
+        raise ValueError(f"head_group_size (--head-group-size): {e}") from None
+
+
 @dataclass
 class Recipe:
     # the best uniform grid measured at 3-4 bits (docs/benchmarks.md); 2 bits wants "bpdq"
@@ -99,6 +115,7 @@ class Recipe:
     head_group_size: int = 128  # their group size along the hidden dimension (-1: one group per row)
 
     def __post_init__(self) -> None:
+        register_builtins()  # the names below are looked up in the registries
         self._check_types()
         self.method = expand_method(self.method)
         self.skip = tuple(self.skip)

@@ -15,13 +15,13 @@ from bitquilt.models.registry import DEFAULT_MODEL  # noqa: E402
 torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True)
-def _int8_activations_restored(monkeypatch):
-    """Each test starts and ends with the process's int8-activation switch as it was: a CLI call in a test
-    (`--int8-activations`) sets it for the whole process, as it does for a real one."""
+@pytest.fixture
+def int8_on():
+    """The test runs where kernels may round activations to int8 (what `--int8-activations` allows)."""
     from bitquilt import kernels
 
-    monkeypatch.setattr(kernels, "_int8_activations", kernels.int8_activations())
+    with kernels.using(int8_activations=True):
+        yield
 
 
 @pytest.fixture(scope="session")

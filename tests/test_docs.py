@@ -14,11 +14,6 @@ README_MAX_BYTES = 20_000
 LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
 
-# Pages written on another branch of issue 61 (how a token is generated): links to them are accepted while they are
-# still absent, and checked like every other link once they exist. Remove an entry when its page has landed.
-PENDING = {ROOT / "docs" / "runtime.md"}
-
-
 def markdown_files() -> list[Path]:
     return [README, *sorted((ROOT / "docs").rglob("*.md"))]
 
@@ -46,7 +41,7 @@ def test_relative_links_exist():
         for target in relative_links(path):
             file_part = unquote(target.split("#", 1)[0].split("?", 1)[0])
             linked = (path.parent / file_part).resolve()
-            if not linked.exists() and linked not in PENDING:
+            if not linked.exists():
                 broken.append(f"{path.relative_to(ROOT)}: {target}")
     assert not broken, "links to missing files:\n" + "\n".join(broken)
 

@@ -13,7 +13,7 @@ from torch import nn
 from bitquilt import kernels
 from bitquilt.formats import BitplaneFormat, CompositeFormat, MatmulContext, UniformFormat, UniformGrid
 from bitquilt.formats.packing import pack
-from bitquilt.kernels import cpu
+from bitquilt.kernels import cpu, registry
 from bitquilt.nn.online import attach
 from bitquilt.nn.quant_linear import QuantLinear
 
@@ -231,7 +231,8 @@ def test_per_token_context_declines_to_the_reference():
 
 def test_quant_matmul_hands_the_context_to_kernels(monkeypatch):
     seen = []
-    monkeypatch.setattr(kernels, "_KERNELS", {})
+    monkeypatch.setattr(registry, "_KERNELS", {})
+    monkeypatch.setattr(kernels, "_builtin_loaded", True)  # the spy alone
     kernels.register_kernel("bitplane", "spy", lambda fmt, x, ctx: seen.append(ctx))
     ctx = MatmulContext(slices=torch.zeros(2))
     assert kernels.quant_matmul(make_bitplane(8, 32, 2, 32), torch.randn(2, 32), ctx) is None
@@ -313,11 +314,8 @@ def test_quant_linear_dispatches_to_the_kernel(make, kernel):
         y = layer(x)
         y16 = layer(x.bfloat16())
         assert layer._dequantized is None  # the kernel never materialised the fp32 weight
-        kernels.set_kernels_enabled(False)
-        try:
+        with kernels.using(enabled=False):
             ref = layer(x)
-        finally:
-            kernels.set_kernels_enabled(True)
     assert y.shape == (2, 3, 96) and y16.dtype == torch.bfloat16
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     expected16 = (x.bfloat16().float() @ fmt.dequantize().T).bfloat16() + layer.bias.bfloat16()
@@ -331,7 +329,7 @@ def test_fallback_when_the_extension_cannot_build(monkeypatch, caplog):
     monkeypatch.setattr(cpu, "_load_extension", broken)
     monkeypatch.setattr(cpu, "_ext", None)
     monkeypatch.setattr(cpu, "_failed", False)
-    monkeypatch.setattr(kernels, "_KERNELS", {})
+    monkeypatch.setattr(registry, "_KERNELS", {})
     with caplog.at_level(logging.WARNING, logger=cpu.__name__):
         assert cpu.register() is False
         assert cpu.register() is False
@@ -455,16 +453,16 @@ def test_planes_to_tiles_is_the_reference_reordering(bytes_per_row, block):
 
 
 def test_layouts_from_2mb_start_on_a_huge_page_and_smaller_ones_share_huge_pages(monkeypatch):
-    from bitquilt import kernels
     from bitquilt.heap import HUGE_PAGE, advise_huge_pages
-    from bitquilt.kernels import layout_empty
+    from bitquilt.kernels import huge_pages
+    from bitquilt.kernels.huge_pages import layout_empty
 
-    monkeypatch.setattr(kernels, "_slabs", kernels._Slabs())  # no block left open by earlier tests
+    monkeypatch.setattr(huge_pages, "_slabs", huge_pages._Slabs())  # no block left open by earlier tests
     small = [layout_empty(n, dtype) for n, dtype in [(1000, torch.float16), (3, torch.uint8), (50_000, torch.float32)]]
     assert [t.shape for t in small] == [(1000,), (3,), (50_000,)] and small[0].dtype == torch.float16
     blocks = {t.data_ptr() // HUGE_PAGE for t in small}  # cut back to back from one block, 64-byte aligned
     assert len(blocks) == 1 and all(t.data_ptr() % 64 == 0 for t in small)
-    assert small[0].untyped_storage().nbytes() >= kernels._Slabs.BLOCK  # a view of the shared block
+    assert small[0].untyped_storage().nbytes() >= huge_pages._Slabs.BLOCK  # a view of the shared block
     for t, value in zip(small, (1.0, 2, 3.0)):
         t.fill_(value)
     assert float(small[0].sum()) == 1000 and int(small[1].sum()) == 6 and float(small[2].sum()) == 150_000
@@ -472,7 +470,7 @@ def test_layouts_from_2mb_start_on_a_huge_page_and_smaller_ones_share_huge_pages
     for i, t in enumerate(many):
         t.fill_(i)
     assert [int(t[-1]) for t in many] == list(range(79)) and len({t.untyped_storage().data_ptr() for t in many}) >= 10
-    monkeypatch.setattr(kernels, "_slabs", kernels._Slabs())
+    monkeypatch.setattr(huge_pages, "_slabs", huge_pages._Slabs())
     two = [layout_empty(HUGE_PAGE * 5 // 8) for _ in range(2)]  # 1.25 MB each (qwen2.5-1.5b's q_proj at 4 bits):
     assert two[1].data_ptr() == two[0].data_ptr() + two[0].nbytes  # back to back, across a huge-page boundary
     big = layout_empty(3 * HUGE_PAGE // 4 + 5, torch.float32)

@@ -129,11 +129,8 @@ def test_fused_layers_step_aside_for_what_they_do_not_run():
     prompt = _ids(6)
     fused = decode(plain, prompt, 6, engine="fused").new_ids
     assert fused == decode(plain, prompt, 6, engine="lean").new_ids == decode(plain, prompt, 6).new_ids
-    kernels.set_kernels_enabled(False)  # the oracle switch turns the compiled step off too
-    try:
+    with kernels.using(enabled=False):  # the oracle switch turns the compiled step off too
         decoder = LeanDecoder(plain, 8)
         decoder.forward(prompt)
         eager = lean_logits(plain, torch.cat([prompt, prompt[:, :1]], 1), 6)[-1]
         assert torch.allclose(decoder.forward(prompt[:, :1]), eager, atol=1e-5)
-    finally:
-        kernels.set_kernels_enabled(True)

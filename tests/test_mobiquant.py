@@ -88,11 +88,8 @@ def test_a_token_pays_only_for_the_slices_it_uses(monkeypatch):
     parts = []  # part by part (the reference kernels' way): each part once, on the tokens that use it
     real_part = composite.part_matmul
     monkeypatch.setattr(composite, "part_matmul", lambda p, x: parts.append(x.shape[0]) or real_part(p, x))
-    kernels.set_kernels_enabled(False)
-    try:
+    with kernels.using(enabled=False):
         composite.matmul(fmt, x, ctx)
-    finally:
-        kernels.set_kernels_enabled(True)
     assert parts == [3, 1, 1]  # slice 1: three tokens; slices 2, 3: one; later slices: none
 
 
@@ -132,11 +129,8 @@ def test_compiled_slice_counts_match_the_torch_reference(in_features, slices, to
         assert torch.equal(router.counts(x), fast)  # the router takes the compiled path
         seen |= set(fast.tolist())
     assert len(seen) >= 3
-    kernels.set_kernels_enabled(False)
-    try:
+    with kernels.using(enabled=False):
         assert router_kernel.slice_counts(x, router.fc1, router.fc2, 0.0) is None
-    finally:
-        kernels.set_kernels_enabled(True)
 
 
 def test_static_mode_equals_a_router_forced_to_k():
@@ -166,13 +160,10 @@ def test_static_slices_are_checked_and_dequantized_only_by_the_reference():
         linear.set_slices(9)
     x = torch.randn(5, 128)
     want = fmt.reference_matmul(x, MatmulContext(slices=torch.full((5,), 2)))
-    kernels.set_kernels_enabled(False)
-    try:
+    with kernels.using(enabled=False):
         with torch.no_grad():
             torch.testing.assert_close(linear(x), want)
         assert torch.equal(linear._dequantized, fmt.dequantize(2))  # built on the reference's first use
-    finally:
-        kernels.set_kernels_enabled(True)
 
 
 # ---------------------------------------------------------------- joint calibration, end to end

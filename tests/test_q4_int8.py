@@ -11,7 +11,8 @@ from bitquilt.api import quantize
 from bitquilt.cli import main
 from bitquilt.formats.uniform import UniformFormat
 from bitquilt.isa import INT8_ISAS
-from bitquilt.kernels import cpu, q4_int8
+from bitquilt.kernels import cpu, huge_pages, q4_int8
+from bitquilt.kernels.layouts import PACK_ROWS
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import Recipe
 from bitquilt.runtime.engines import decode
@@ -40,13 +41,6 @@ def isa(request):
     assert q4_int8.active_isa() == request.param
     yield request.param
     q4_int8.set_isa()
-
-
-@pytest.fixture
-def int8_on():
-    kernels.set_int8_activations(True)
-    yield
-    kernels.set_int8_activations(False)
 
 
 @needs_ext
@@ -104,8 +98,8 @@ def test_8bit_gemv_on_int8_activations_is_the_exact_product_with_the_rounded_act
     w_hat = fmt.dequantize().double()
     fp32_scale = (x.double().abs() @ term_magnitudes(fmt).double().abs().T) * 2**-19
     assert ((y.double() - rounded(x).double() @ w_hat.T).abs() <= fp32_scale + 1e-6).all()
-    kernels.set_int8_activations(False)
-    exact = uniform8.matmul(fmt, x)
+    with kernels.using(int8_activations=False):
+        exact = uniform8.matmul(fmt, x)
     assert (y - exact).abs().max() > 10 * (exact.double() - x.double() @ w_hat.T).abs().max()  # it really rounds
 
 
@@ -116,10 +110,9 @@ def test_quant_linear_takes_the_int8_kernel_only_when_switched_on(int8_on):
     ref = x @ linear.fmt.dequantize().T
     on = linear(x)
     assert torch.allclose(on, rounded(x) @ linear.fmt.dequantize().T, rtol=1e-5, atol=1e-4)
-    kernels.set_int8_activations(False)
-    off = linear(x)  # the exact kernels (21-bit activation tables)
+    with kernels.using(int8_activations=False):
+        off = linear(x)  # the exact kernels (21-bit activation tables)
     assert (on - ref).abs().max() > 100 * (off - ref).abs().max()
-    kernels.set_int8_activations(True)
     assert q4_int8.layout(make_uniform(w, 4, 32, sym=False)) is None  # groups of 32: the exact kernels take it
     fmt = make_uniform(w, 4, 128, sym=False)
     fp32_scales = UniformFormat(fmt.qweight, fmt.scales.float() * (1 + 2**-15), fmt.zeros, 4, 128, 256)
@@ -134,16 +127,16 @@ def test_quant_linear_takes_the_int8_kernel_only_when_switched_on(int8_on):
 def test_a_grid_refused_past_its_first_rows_takes_no_layout_room():
     """Layouts are cut from shared huge-page blocks that keep their room: every chunk of the grid is checked before
     any room is taken."""
-    w, _ = llm_like(kernels.PACK_ROWS + 76, 64)
+    w, _ = llm_like(PACK_ROWS + 76, 64)
     fmt = make_uniform(w, 4, 64, sym=False)
     scales = fmt.scales.float().clone()
-    scales[kernels.PACK_ROWS + 3] *= 1 + 2**-15  # not an fp16 value, in the second chunk
+    scales[PACK_ROWS + 3] *= 1 + 2**-15  # not an fp16 value, in the second chunk
     late = UniformFormat(fmt.qweight, scales, fmt.zeros, 4, 64, 64)
-    used = sum(u for _, u in kernels._slabs.blocks)
+    used = sum(u for _, u in huge_pages._slabs.blocks)
     assert q4_int8.layout(late) is None
-    assert sum(u for _, u in kernels._slabs.blocks) == used
+    assert sum(u for _, u in huge_pages._slabs.blocks) == used
     lay = q4_int8.layout(fmt)
-    assert lay is not None and sum(u for _, u in kernels._slabs.blocks) > used
+    assert lay is not None and sum(u for _, u in huge_pages._slabs.blocks) > used
 
 
 @needs_ext
@@ -167,9 +160,8 @@ def test_fused_decode_with_int8_activations_matches_module_by_module(model_type,
     fused = LeanDecoder(model, 12)
     assert fused.fused is not None
     on, eager = steps(fused), steps(LeanDecoder(model, 12, fuse=False))
-    kernels.set_int8_activations(False)
-    exact = steps(LeanDecoder(model, 12, fuse=False))
-    kernels.set_int8_activations(True)
+    with kernels.using(int8_activations=False):
+        exact = steps(LeanDecoder(model, 12, fuse=False))
     close = [torch.allclose(a, b, atol=1e-4) for a, b in zip(on, eager)]
     assert close[0] and any(close[1:]), close  # the prompt (module by module in both) and the steps before a flip
     for a, b, e in zip(on, eager, exact):
@@ -178,17 +170,22 @@ def test_fused_decode_with_int8_activations_matches_module_by_module(model_type,
 
 
 @needs_ext
-def test_cli_flag_switches_int8_activations_on(tmp_path, capsys):
+def test_cli_flag_switches_int8_activations_on_for_its_run_alone(tmp_path, capsys, monkeypatch):
     model = make_tiny("llama")
     quantize(model, Recipe("rtn", w_bits=4, group_size=64), torch.randint(0, 320, (2, 32)), progress=False)
+    from bitquilt.eval import speed
     from bitquilt.io import save
 
     save(model, tmp_path / "m")
-    assert main(["bench", str(tmp_path / "m"), "--prompt-tokens", "8", "--new-tokens", "3", "--repeats", "1",
-                 "--int8-activations", "--json"]) == 0
-    assert kernels.int8_activations()
-    kernels.set_int8_activations(False)
-    assert '"decode_tokens_per_s"' in capsys.readouterr().out
+    seen = []
+    measure = speed.measure_speed
+    monkeypatch.setattr(speed, "measure_speed", lambda *a, **k: seen.append(kernels.options()) or measure(*a, **k))
+    for flag in (["--int8-activations"], []):
+        assert main(["bench", str(tmp_path / "m"), "--prompt-tokens", "8", "--new-tokens", "3", "--repeats", "1",
+                     "--json", *flag]) == 0
+        assert '"decode_tokens_per_s"' in capsys.readouterr().out
+    assert [o.int8_activations for o in seen] == [True, False]
+    assert not kernels.options().int8_activations  # the command's choice ended with it
 
 
 @needs_ext

@@ -11,7 +11,6 @@ import pytest
 import torch
 from conftest import make_tiny
 
-from bitquilt import kernels
 from bitquilt.api import export, quantize, save
 from bitquilt.errors import UserError
 from bitquilt.io import load_quantized
@@ -40,7 +39,8 @@ def widest_path():
 
 
 def _reference(saved, monkeypatch, standalone: StandaloneModel) -> LeanDecoder:
-    """The bitquilt runtime's fused int8 decoder for `saved`, its RoPE tables those of `standalone` (begun)."""
+    """The bitquilt runtime's fused int8 decoder for `saved`, its RoPE tables those of `standalone` (begun); the
+    caller runs where int8 activations are allowed (`int8_on`)."""
     model, _ = load_quantized(saved, runtime="bitquilt")
     cos, sin = (torch.tensor(np.asarray(t))[None] for t in standalone.rope())
     angles = torch.arange(standalone.max_len, dtype=torch.float32)[:, None] * \
@@ -48,7 +48,6 @@ def _reference(saved, monkeypatch, standalone: StandaloneModel) -> LeanDecoder:
     angles = torch.cat([angles, angles], 1).double()  # the C tables: fp32 angles, cos and sin in double
     assert torch.equal(cos[0], angles.cos().float()) and torch.equal(sin[0], angles.sin().float())
     monkeypatch.setattr(model.model.rotary_emb, "forward", lambda x, positions: (cos, sin))
-    monkeypatch.setattr(kernels, "_int8_activations", True)
     decoder = LeanDecoder(model, standalone.max_len)
     assert decoder.fused is not None, decoder.fused_reason
     return decoder
@@ -60,8 +59,8 @@ def _reference(saved, monkeypatch, standalone: StandaloneModel) -> LeanDecoder:
     ("qwen2", Recipe("rtn", w_bits=4, group_size=64), {"q4", "dense"}),
     ("qwen3", Recipe("rtn", w_bits=2, group_size=64, head_bits=4), {"q4"}),
 ], ids=["llama-w4-head8", "qwen2-w4-biases", "qwen3-w2-head4-qknorms"])
-def test_standalone_runs_the_fused_int8_runtimes_layers_bit_for_bit(tmp_path, monkeypatch, widest_path, model_type,
-                                                                    recipe, kinds, isa):
+def test_standalone_runs_the_fused_int8_runtimes_layers_bit_for_bit(tmp_path, monkeypatch, widest_path, int8_on,
+                                                                    model_type, recipe, kinds, isa):
     if isa not in ("widest", *q4_int8.supported_isas()):
         pytest.skip(f"this CPU has no {isa} path")
     saved = _saved(tmp_path, model_type, recipe)

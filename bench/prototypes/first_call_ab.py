@@ -31,14 +31,14 @@ from bitquilt import kernels
 from bitquilt.api import load
 from bitquilt.runtime.engines import stepper
 torch.set_num_threads(1)
-kernels.set_int8_activations(sys.argv[2] == "int8")
-t0 = time.perf_counter()
-model, tokenizer = load(sys.argv[1])
-t1 = time.perf_counter()
-step = stepper(model, 64)
-t2 = time.perf_counter()
-step(tokenizer("The capital of France is", return_tensors="pt").input_ids)
-t3 = time.perf_counter()
+with kernels.using(int8_activations=sys.argv[2] == "int8"):
+    t0 = time.perf_counter()
+    model, tokenizer = load(sys.argv[1])
+    t1 = time.perf_counter()
+    step = stepper(model, 64)
+    t2 = time.perf_counter()
+    step(tokenizer("The capital of France is", return_tensors="pt").input_ids)
+    t3 = time.perf_counter()
 print(json.dumps({"load_s": t1 - t0, "stepper_s": t2 - t1, "prefill_s": t3 - t2, "total_s": t3 - t0}))
 """
 

@@ -22,14 +22,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from bitquilt import kernels
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.composite import CompositeFormat
+from bitquilt.kernels.options import options
+from bitquilt.kernels.registry import dispatch, register_kernel
 
 
 def part_matmul(part: WeightFormat, x: torch.Tensor) -> torch.Tensor:
     """x @ P_eᵀ by the part's kernel, else its reference."""
-    y = kernels.quant_matmul(part, x)
+    y = dispatch(part, x) if options().enabled else None
     return part.reference_matmul(x) if y is None else y
 
 
@@ -103,7 +104,7 @@ def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None)
         x = x[:, fmt.perm.long()]
     formats = list(fmt.parts.values())
     counts = torch.tensor(len(formats)) if ctx is None or ctx.slices is None else ctx.slices
-    y = by_count(formats, x, counts, fmt.out_features) if kernels.kernels_enabled() else None
+    y = by_count(formats, x, counts, fmt.out_features) if options().enabled else None
     if y is not None:
         return y
     return grouped_matmul(x, counts, [functools.partial(part_matmul, p) for p in formats], fmt.out_features)
@@ -118,4 +119,7 @@ def by_count(formats: list[WeightFormat], x: torch.Tensor, counts: torch.Tensor,
     return per_count(x, counts, len(formats), out_features, lambda k, rows: cpu.matmul_parts(formats[:k], rows))
 
 
-kernels.register_kernel("composite", "by_parts", matmul)
+def register() -> bool:
+    """Register the by-parts kernel (it needs no extension: its parts' kernels decide)."""
+    register_kernel("composite", "by_parts", matmul)
+    return True

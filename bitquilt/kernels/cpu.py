@@ -44,18 +44,9 @@ from bitquilt import cache
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.bitplane import BitplaneFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
-from bitquilt.kernels import (
-    PACK_ROWS,
-    LayoutCache,
-    fp16_grid,
-    fp32_rows,
-    grid_chunks,
-    kernels_for,
-    layout_empty,
-    like,
-    register_kernel,
-    takes,
-)
+from bitquilt.kernels.huge_pages import layout_empty
+from bitquilt.kernels.layouts import PACK_ROWS, LayoutCache, fp16_grid, grid_chunks
+from bitquilt.kernels.registry import fp32_rows, like, register_kernel, takes
 from bitquilt.mapped import release_chunk
 
 log = logging.getLogger(__name__)
@@ -334,8 +325,7 @@ def register() -> bool:
     if extension() is None:
         return False
     for name in _PACKERS:
-        if "cpu_lut" not in kernels_for(name):
-            register_kernel(name, "cpu_lut", matmul)
+        register_kernel(name, "cpu_lut", matmul)
     return True
 
 
@@ -354,5 +344,3 @@ def build() -> bool:
 
 if __name__ == "__main__":
     sys.exit(0 if build() else 1)
-else:
-    register()

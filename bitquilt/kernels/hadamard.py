@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from bitquilt.kernels import kernels_enabled
+from bitquilt.kernels.options import options
 
 
 def transform(x: torch.Tensor, signs: torch.Tensor | None, factor: torch.Tensor) -> torch.Tensor | None:
     """(x ⊙ signs) M_n along the last dimension, M_n = F ⊗ H_k with `factor` = F / √k (fp32 [p, p]); None to
     decline."""
-    if not kernels_enabled() or x.dtype != torch.float32 or not x.is_cpu or x.numel() == 0 \
+    if not options().enabled or x.dtype != torch.float32 or not x.is_cpu or x.numel() == 0 \
             or (x.requires_grad and torch.is_grad_enabled()):
         return None
     from bitquilt.kernels import cpu  # here, not at import: importing it builds the extension, and the command

@@ -40,7 +40,9 @@ import torch
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.composite import CompositeFormat
 from bitquilt.formats.sparse_blocks import QMIN, SparseBlockFormat
-from bitquilt.kernels import LayoutCache, cpu, fp32_rows, kernels_for, like, register_kernel, takes
+from bitquilt.kernels import cpu
+from bitquilt.kernels.layouts import LayoutCache
+from bitquilt.kernels.registry import fp32_rows, like, register_kernel, takes
 
 SEGMENT = 32  # columns per residual segment
 PARTS = ("base", "residual")
@@ -169,11 +171,6 @@ def register() -> bool:
     """Register the kernels if the extension loads ("fused" ahead of "by_parts"); False otherwise."""
     if cpu.extension() is None:
         return False
-    if "fused" not in kernels_for("composite"):
-        register_kernel("composite", "fused", matmul, before="by_parts")
-    if "cpu_sparse" not in kernels_for("sparse_blocks"):
-        register_kernel("sparse_blocks", "cpu_sparse", sparse_matmul)
+    register_kernel("composite", "fused", matmul, before="by_parts")
+    register_kernel("sparse_blocks", "cpu_sparse", sparse_matmul)
     return True
-
-
-register()

@@ -34,7 +34,9 @@ import torch.nn.functional as F
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.mxint import BLOCK, EXP_BIAS, MXIntFormat
 from bitquilt.isa import choose
-from bitquilt.kernels import LayoutCache, cpu, fp32_rows, kernels_for, like, register_kernel, takes
+from bitquilt.kernels import cpu
+from bitquilt.kernels.layouts import LayoutCache
+from bitquilt.kernels.registry import fp32_rows, like, register_kernel, takes
 
 ISAS = ("avx2", "avx512")
 _ISA_CODE = {"avx2": 0, "avx512": 1}
@@ -170,9 +172,5 @@ def register() -> bool:
     """Register the kernel if the extension loads; False (torch reference path) otherwise."""
     if cpu.extension() is None:
         return False
-    if "cpu_mxint" not in kernels_for("mxint"):
-        register_kernel("mxint", "cpu_mxint", matmul)
+    register_kernel("mxint", "cpu_mxint", matmul)
     return True
-
-
-register()

@@ -4,7 +4,7 @@ The lookup-table kernel (`bitquilt.kernels.cpu`) keeps activations exact to 2^-2
 token's activations to int8 per block of 32 columns (scale max|x| / 127, as llama.cpp's Q8 activations) and
 multiplies the 4- or 2-bit codes with them in integer instructions. The result is exactly x̂ @ Ŵᵀ for the rounded
 x̂, so the only error is the activations' rounding (≤ d/2 per value); that trade is opt-in,
-`bitquilt.kernels.set_int8_activations(True)` (CLI `--int8-activations`), and its perplexity cost is
+`bitquilt.kernels.using(int8_activations=True)` (CLI `--int8-activations`), and its perplexity cost is
 measured in docs/benchmarks.md. Registered as "cpu_q4_int8" ahead of cpu_lut (the 8-bit kernel takes no
 4- or 2-bit call); it declines every call while the switch is off, and formats with act-order (g_idx) or
 widths/groups not multiples of 64. The layout (`Q4Layout`): tiles of 32 rows whose bytes hold two rows' codes, so
@@ -29,20 +29,11 @@ from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
 from bitquilt.isa import INT8_ISAS as ISAS
 from bitquilt.isa import choose, int8_supported
-from bitquilt.kernels import (
-    PACK_ROWS,
-    LayoutCache,
-    cpu,
-    fp16_grid,
-    fp32_rows,
-    grid_chunks,
-    int8_activations,
-    kernels_for,
-    layout_empty,
-    like,
-    register_kernel,
-    takes,
-)
+from bitquilt.kernels import cpu
+from bitquilt.kernels.huge_pages import layout_empty
+from bitquilt.kernels.layouts import PACK_ROWS, LayoutCache, fp16_grid, grid_chunks
+from bitquilt.kernels.options import options
+from bitquilt.kernels.registry import fp32_rows, like, register_kernel, takes
 from bitquilt.mapped import release_chunk
 
 ROWS = 32  # output rows per tile (csrc/q4_int8.h, Weight)
@@ -146,7 +137,7 @@ def layout(fmt: WeightFormat) -> Q4Layout | None:
 
 def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None) -> torch.Tensor | None:
     """x̂ [T, in] @ Ŵᵀ for a 4- or 2-bit `UniformFormat` while int8 activations are on; None to decline."""
-    if not int8_activations() or getattr(fmt, "bits", None) not in BITS or not takes(x, ctx):
+    if not options().int8_activations or getattr(fmt, "bits", None) not in BITS or not takes(x, ctx):
         return None
     lay = layout(fmt)
     if lay is None:
@@ -155,6 +146,12 @@ def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None)
                                                lay.bits), x)
 
 
+def register() -> bool:
+    """Register the int8-activation kernel ahead of cpu_lut if the extension loads; False otherwise."""
+    if cpu.extension() is None:
+        return False
+    register_kernel("uniform", "cpu_q4_int8", matmul, before="cpu_lut")
+    return True
+
+
 set_isa()  # $BITQUILT_ISA, else the widest
-if cpu.extension() is not None and "cpu_q4_int8" not in kernels_for("uniform"):
-    register_kernel("uniform", "cpu_q4_int8", matmul, before="cpu_lut")  # cpu_lut is registered by importing cpu

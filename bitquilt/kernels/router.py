@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bitquilt import kernels
-from bitquilt.kernels import fp32_rows
+from bitquilt.kernels.options import options
+from bitquilt.kernels.registry import fp32_rows
 
 
 def slice_counts(x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, threshold: float) -> torch.Tensor | None:
     """k_t for the rows of x [T, in] (1 + number of logits above `threshold`); None to decline
     (kernels disabled, extension unavailable, or not a CPU tensor)."""
-    if not kernels.kernels_enabled() or not x.is_cpu or x.dim() != 2:
+    if not options().enabled or not x.is_cpu or x.dim() != 2:
         return None
     from bitquilt.kernels import cpu  # builds the extension on first use, like every kernel
 

@@ -6,7 +6,7 @@ per weight, straight from the format's packed words, no extra layout) and multip
 takes calls of up to `MAX_TOKENS` tokens, registered as "cpu_uniform8" ahead of "cpu_lut"; larger batches go
 on to cpu_lut, whose dequantize + sgemm path serves them. Per format it keeps the fp32 scales and
 scale × zero per (row, group) in a `LayoutCache` (8 bytes per group). Exact up to fp32 summation order;
-with `set_int8_activations(True)` it rounds each token to int8 per block of 32 and multiplies in integer
+with `kernels.using(int8_activations=True)` it rounds each token to int8 per block of 32 and multiplies in integer
 instructions (vpmaddubsw on the codes shifted to signed), exactly x̂ @ Ŵᵀ for the rounded x̂.
 """
 
@@ -19,7 +19,10 @@ import torch
 
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
-from bitquilt.kernels import LayoutCache, cpu, fp32_rows, int8_activations, kernels_for, like, register_kernel, takes
+from bitquilt.kernels import cpu
+from bitquilt.kernels.layouts import LayoutCache
+from bitquilt.kernels.options import options
+from bitquilt.kernels.registry import fp32_rows, like, register_kernel, takes
 
 # measured up to here (bench/kernel_speed.py --uniform8: at 16 tokens 2.0–2.8× the tables); beyond: cpu_lut
 MAX_TOKENS = 16
@@ -70,9 +73,13 @@ def matmul(fmt: WeightFormat, x: torch.Tensor, ctx: MatmulContext | None = None)
         return None
     codes, groups = found
     y = cpu.extension().uniform8_gemv(fp32_rows(x), codes, groups.scale, groups.scale_zero, groups.group,
-                                      int8=int8_activations())
+                                      int8=options().int8_activations)
     return like(y, x)
 
 
-if cpu.extension() is not None and "cpu_uniform8" not in kernels_for("uniform"):
+def register() -> bool:
+    """Register the 8-bit GEMV ahead of cpu_lut if the extension loads; False otherwise."""
+    if cpu.extension() is None:
+        return False
     register_kernel("uniform", "cpu_uniform8", matmul, before="cpu_lut")
+    return True

@@ -1,7 +1,2 @@
-"""The quantization pipeline: recipes become a list of stages that the engine walks.
-
-Importing it registers every built-in solver, transform and policy.
-"""
-
-from bitquilt import policies, solvers, transforms  # noqa: F401  (registration)
-from bitquilt.pipeline import apply, recon, route  # noqa: F401  (register kv_quant, solve, reconstruction, routing)
+"""The quantization pipeline: recipes become a list of stages that the engine walks (`engine`); the built-in
+stages it runs are registered by `builtins.register_builtins`."""

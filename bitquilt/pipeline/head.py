@@ -13,7 +13,7 @@ into the quantization report under `stages["head_quant"]`, each matrix with its 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,28 +23,12 @@ from bitquilt.models.adapters import Architecture, architecture_of
 from bitquilt.nn.online import swap_host
 from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.recipes import Recipe, head_spec
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec
 
-if TYPE_CHECKING:
-    from bitquilt.recipes import Recipe
-
-HEAD_BITS = (16, 8, 4)  # 16: the head and embeddings stay in full precision
 HEAD_STAGE = "head_quant"  # its entry in QuantReport.stages
 ROW_CHUNK = 8192  # rows quantized at a time: RTN is row-wise, so chunks bound the temporaries (a 150k vocabulary)
-
-
-def head_spec(bits: int, group_size: int) -> LayerSpec:
-    """The grid of the head and embeddings at `bits` (symmetric at 8, asymmetric at 4); a ValueError listing what is
-    accepted otherwise."""
-    if bits not in HEAD_BITS:
-        raise ValueError(f"head_bits (--head-bits) must be one of {', '.join(map(str, HEAD_BITS))} (16: the LM head "
-                         f"and embeddings stay in full precision), got {bits}")
-    spec = LayerSpec(bits, group_size, sym=bits == 8)
-    try:
-        return spec.validate(UniformFormat) if bits < 16 else spec
-    except ValueError as e:
-        raise ValueError(f"head_group_size (--head-group-size): {e}") from None
 
 
 def _rtn(weight: torch.Tensor, spec: LayerSpec) -> UniformFormat:

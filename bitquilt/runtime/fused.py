@@ -6,7 +6,7 @@ biases, RoPE, attention over the cache, SiLU-gated MLP and residuals, without a 
 linear is bit-plane packed parts run by the lookup-table kernel (the slices of a MoBiQuant weight as a
 static prefix, or routed per token by its router; a MosaicQuant base with its sparse residual added inside the
 tables), an 8-bit uniform weight run by the 8-bit GEMV, or a dense fp32 matrix: the kernel each would run module
-by module. While `set_int8_activations` is on as the
+by module. While `kernels.using(int8_activations=True)` is in force as the
 layers are built, 4- and 2-bit uniform weights run the low-bit × int8 kernel and 8-bit ones the GEMV's int8 path,
 as module by module too. The model side (which modules qualify) is `bitquilt.runtime.lean`; the
 math is the eager modules' in another fp32 order, tested against them, and csrc/decoder_core.h's, which the standalone
@@ -19,7 +19,7 @@ import torch
 
 from bitquilt.formats.base import WeightFormat
 from bitquilt.formats.sparse_blocks import SparseBlockFormat
-from bitquilt.kernels import cpu, int8_activations, mosaic, q4_int8, uniform8
+from bitquilt.kernels import cpu, mosaic, options, q4_int8, uniform8
 
 
 class FusedLayers:
@@ -46,12 +46,12 @@ class FusedLayers:
                 return None
             fmts, residual = fmts[:1], segments.segments()
         single = fmts is not None and len(fmts) == 1 and not residual
-        if single and int8_activations() and (q4 := q4_int8.layout(fmts[0])) is not None:
+        if single and options().int8_activations and (q4 := q4_int8.layout(fmts[0])) is not None:
             return self._decoder.add_q4_linear(q4.codes, q4.scales, q4.group, q4.bits, out_features, in_features, bias)
         if single and (u8 := uniform8.operands(fmts[0])) is not None:  # as module by module
             codes, groups = u8
             return self._decoder.add_u8_linear(codes, groups.scale, groups.scale_zero, groups.group, out_features,
-                                               in_features, int8_activations(), bias)
+                                               in_features, options().int8_activations, bias)
         kwargs = {"block": 32, "group": 32}
         if fmts:
             layouts = cpu.packed_alike(fmts)

@@ -217,7 +217,7 @@ class LeanDecoder:
 
         T > 1 (a prompt) only on an empty cache; then one token at a time."""
         t, start = self._check(ids)
-        if t == 1 and self.fused is not None and kernels.kernels_enabled():
+        if t == 1 and self.fused is not None and kernels.options().enabled:
             self.pos = start + 1
             x = self.fused.step(self.model.model.embed_tokens(ids), start).view(1, 1, -1)
             return self.model.lm_head(self.final_norm(x))[0, -1]
