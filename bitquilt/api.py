@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from bitquilt.calib.report import QuantReport
 from bitquilt.errors import UserError
 from bitquilt.export import FORMATS as EXPORT_FORMATS
 from bitquilt.io import (  # noqa: F401  (API)
@@ -33,7 +34,6 @@ from bitquilt.nn.finite import non_finite_parameter
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.pipeline.engine import quantize_model
 from bitquilt.pipeline.head import HEAD_STAGE, quantize_head
-from bitquilt.pipeline.report import QuantReport
 from bitquilt.recipes import CalibConfig, Recipe
 from bitquilt.resources import peak_rss_mb
 

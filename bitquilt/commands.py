@@ -31,10 +31,10 @@ from bitquilt.errors import UserError
 from bitquilt.export import FORMATS as EXPORT_FORMATS
 from bitquilt.io import model_summary
 from bitquilt.models.registry import DEFAULT_MODEL
-from bitquilt.pipeline.builtins import register_builtins
 from bitquilt.recipes import BEST_RECIPES, CalibConfig, Recipe, expand_method, solver_name
 from bitquilt.solvers import SOLVERS
 from bitquilt.solvers.mosaic import SCORES, parse_block
+from bitquilt.stages import register_builtins
 
 RECIPE = {f.name: f.default for f in dataclasses.fields(Recipe) if f.default is not dataclasses.MISSING}
 CALIB = {f.name: f.default for f in dataclasses.fields(CalibConfig)}

@@ -22,10 +22,10 @@ from bitquilt.calib.stages import STAGES, Stage
 from bitquilt.flag_checks import is_integer, is_number
 from bitquilt.formats.uniform import UniformFormat
 from bitquilt.nn.act_quant import ActQuantConfig
-from bitquilt.pipeline.builtins import register_builtins
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec, Solver
 from bitquilt.solvers.mosaic import RESIDUALS
+from bitquilt.stages import register_builtins
 
 METHOD_ALIASES = {"awq": "awq+rtn", "mxsens": "mx_sens+fold_perm+mxint", "mobiquant": "mobiroute+mobislice"}
 

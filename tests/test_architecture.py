@@ -22,7 +22,7 @@ FLOORS = [
     {"runtime"},
     {"io", "export"},
     {"calib", "solvers"},
-    {"transforms", "policies"},
+    {"transforms", "policies", "stages"},
     {"recipes", "pipeline"},
     {"eval"},
     {"api", "cli_common"},
@@ -30,7 +30,7 @@ FLOORS = [
     {"cli"},
 ]
 RUNTIME = {"formats", "kernels", "nn", "io", "models", "runtime"}
-ALGORITHMS = {"calib", "solvers", "transforms", "policies", "recipes", "pipeline"}
+ALGORITHMS = {"calib", "solvers", "transforms", "policies", "stages", "recipes", "pipeline"}
 STANDALONE = "bitquilt.runtime.standalone"
 # What the standalone runtime may import besides itself: modules that import no torch (tests/test_standalone.py
 # runs it in a process without torch to check)

@@ -123,9 +123,9 @@ def test_solving_a_linear_keeps_no_fp32_copy_of_the_weight():
 
     from bitquilt.calib.plan import LinearPlan, Plan
     from bitquilt.calib.stages import BlockContext
-    from bitquilt.pipeline.apply import solve_linear
     from bitquilt.solvers import get_solver
     from bitquilt.solvers.base import LayerSpec, LinearStats
+    from bitquilt.stages.solve import solve_linear
 
     block = nn.Module()
     block.proj = nn.Linear(64, 32)
@@ -142,12 +142,12 @@ def test_solving_a_linear_keeps_no_fp32_copy_of_the_weight():
 
 def test_too_few_calibration_tokens_for_a_layer_warn_once(caplog):
     model = make_tiny("llama")  # MLP width 256: 2 × 64 = 128 tokens leave down_proj's Hessian rank-deficient
-    with caplog.at_level("WARNING", logger="bitquilt.pipeline.apply"):
+    with caplog.at_level("WARNING", logger="bitquilt.stages.solve"):
         quantize_model(model, Recipe("gptq", w_bits=4, group_size=32), _ids(2), progress=False)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "model.layers.0.mlp.down_proj: 128 calibration tokens for 256 inputs" in warnings[0]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="bitquilt.pipeline.apply"):
+    with caplog.at_level("WARNING", logger="bitquilt.stages.solve"):
         quantize_model(make_tiny("llama"), Recipe("gptq", w_bits=4, group_size=32), _ids(8), progress=False)
     assert not caplog.records
 

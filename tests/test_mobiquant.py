@@ -216,7 +216,7 @@ def test_prefix_streams_run_the_blocks_before_at_each_prefix():
     """mobiroute.prefix_streams: block i + 1's stream k is block i run with its first k slices on stream k."""
     from bitquilt.api import quantize
     from bitquilt.calib.capture import block_output
-    from bitquilt.pipeline.route import PREFIX_STREAMS, advance_streams, prefix_inputs
+    from bitquilt.stages.route import PREFIX_STREAMS, advance_streams, prefix_inputs
 
     model = make_tiny("llama")
     quantize(model, Recipe("mobislice", w_bits=6, group_size=32), None, progress=False)
@@ -252,7 +252,7 @@ def test_without_prefix_streams_every_prefix_still_falls_with_each_slice():
 
 
 def test_prefix_streams_apply_to_refitted_slices_with_full_precision_targets_only():
-    from bitquilt.pipeline.route import RouteOptions, uses_prefix_streams
+    from bitquilt.stages.route import RouteOptions, uses_prefix_streams
 
     assert RouteOptions().prefix_streams  # the default
     assert uses_prefix_streams(RouteOptions(), 3, "fp")

@@ -186,7 +186,7 @@ def test_recon_trains_through_quantized_activations_and_rotations():
 
 def _block_losses(smollm, calib_ids, solver, options, steps):
     """(before, after) output error of block 3 of smollm2-135m at W3g128: `solver`, then `steps` of reconstruction."""
-    from bitquilt.pipeline.recon import fp_reference, recon
+    from bitquilt.stages.recon import fp_reference, recon
 
     recipe = Recipe(solver, w_bits=3, group_size=128, options=options, recon_steps=steps,
                     stage_options={"recon": {"batch": 2}})
@@ -216,7 +216,7 @@ def test_reference_targets_follow_the_stream(stream):
     """fp: the fp block on the fp trajectory (the previous block's fp outputs); quantized: on the block's own
     (quantized-stream) inputs; mixed: mix · the first + (1 − mix) · the second. The fp trajectory is passed on
     whatever the blend."""
-    from bitquilt.pipeline.recon import REFERENCE, fp_reference
+    from bitquilt.stages.recon import REFERENCE, fp_reference
 
     model = make_tiny("llama")
     ids = torch.randint(0, 320, (4, 16), generator=torch.Generator().manual_seed(3))

@@ -1,2 +1,3 @@
-"""The quantization pipeline: recipes become a list of stages that the engine walks (`engine`); the built-in
-stages it runs are registered by `builtins.register_builtins`."""
+"""The quantization pipeline: a recipe becomes a list of stages that the engine walks (`engine`), the LM head in low
+bits (`head`), resumable progress (`resume`). The stages themselves are registered pieces (`bitquilt.stages`,
+`transforms`, `policies`)."""

@@ -24,13 +24,13 @@ from tqdm.auto import tqdm
 
 from bitquilt.calib.capture import attention_reused, capture_block_inputs, run_block
 from bitquilt.calib.plan import Plan
+from bitquilt.calib.report import QuantReport
 from bitquilt.calib.stages import SCOPES, BlockContext, ModelContext, Stage
 from bitquilt.formats.sparse_blocks import check_block_shape
 from bitquilt.formats.uniform import resolve_group_size
 from bitquilt.io import set_quantization_record
 from bitquilt.models.adapters import Architecture, architecture_of, decoder_layers
 from bitquilt.pipeline.head import HEAD_STAGE, quantize_head
-from bitquilt.pipeline.report import QuantReport
 from bitquilt.pipeline.resume import Progress, fingerprint, load_progress, restore_blocks, save_progress
 from bitquilt.recipes import CalibConfig, Recipe
 from bitquilt.resources import peak_rss_mb, reset_peak_rss

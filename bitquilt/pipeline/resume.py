@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from bitquilt.calib.plan import Plan
-from bitquilt.pipeline.report import QuantReport
+from bitquilt.calib.report import QuantReport
 
 STATE = "state.pt"
 

@@ -10,13 +10,13 @@ from typing import Any
 import torch
 
 from bitquilt.calib.capture import collect_stats
+from bitquilt.calib.report import LinearReport
 from bitquilt.calib.stages import BlockContext, ModelContext, register_stage
 from bitquilt.models.adapters import decoder_layers
 from bitquilt.nn.act_quant import input_quantizer
 from bitquilt.nn.kv_quant import KVQuantizer
 from bitquilt.nn.online import attach, enable_attention_site, swap_host
 from bitquilt.nn.quant_linear import QuantLinear
-from bitquilt.pipeline.report import LinearReport
 from bitquilt.registry import option
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LinearStats, relative_error

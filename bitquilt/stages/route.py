@@ -45,9 +45,9 @@ from bitquilt.formats.composite import CompositeFormat
 from bitquilt.nn.online import attach, swap_host
 from bitquilt.nn.quant_linear import QuantLinear, set_slices
 from bitquilt.nn.slice_router import TAU_GRID, SliceRouter
-from bitquilt.pipeline.recon import REFERENCE
 from bitquilt.registry import option
 from bitquilt.solvers import get_solver
+from bitquilt.stages.recon import REFERENCE
 
 
 @dataclass(frozen=True)
