@@ -12,23 +12,20 @@ bench/results/dynamicptq.{json,md} and the phase plot of each model.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 from common import (
     GPTQ_PLAIN,
     RESULTS,
-    add_protocol_args,
     by_setting,
-    command_line,
+    doc_protocol,
     fmt_ppl,
-    machine,
+    parser,
     pivot,
-    protocol_settings,
+    ppl_bench,
     run,
     setting_header,
-    store,
-    stored_record,
+    stamp,
 )
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
@@ -57,7 +54,7 @@ def column(r: dict) -> str:
 
 
 def render(records: list[dict]) -> str:
-    lines = ["# DynamicPTQ benchmark", "", __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), "",
+    lines = ["# DynamicPTQ benchmark", "", doc_protocol(__doc__), "",
              "W4A4KV4: 4-bit weights (groups of 128, asymmetric; GPTQ without act-order), per-token asymmetric "
              "4-bit activations with searched clipping, 4-bit keys (centred) and values per head.", ""]
     for model, settings, rows in by_setting(records):
@@ -83,8 +80,7 @@ def render(records: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p = parser(__doc__, model="smollm2-135m")
     p.add_argument("--backbones", default=",".join(BACKBONES))
     p.add_argument("--ks", default="2,4,6", help="layer counts chosen by the Jump Ratio (rows by the Jump Ratio "
                    "at --compare-k run only when it is listed here)")
@@ -97,10 +93,7 @@ def main() -> None:
     p.add_argument("--tasks-rows", choices=("all", "headline"), default="all",
                    help="rows scored on --tasks: every row, or only each backbone alone and at --compare-k by the "
                    "Jump Ratio (zero-shot costs more than the quantization on the larger models)")
-    add_protocol_args(p, calib_samples=32, ppl_windows=20)
-    args = p.parse_args()
-    calib, settings = protocol_settings(args)
-    command = command_line()
+    args, calib, settings, bench = ppl_bench(p, "dynamicptq", KEY, render, calib_samples=32, ppl_windows=20)
     backbones = args.backbones.split(",")
     ks = [int(k) for k in args.ks.split(",") if k]
     # most telling first (the run resumes where it stopped): each backbone alone and at --compare-k, the
@@ -113,7 +106,7 @@ def main() -> None:
     ids = None
     for backbone, k, select in configs:
         wanted = {"model": args.model, "backbone": backbone, "layers": k, "select": select, "settings": settings}
-        stored = stored_record("dynamicptq", wanted, KEY)
+        stored = bench.stored(wanted)
         tasks = args.tasks if args.tasks_rows == "all" or (k in (0, args.compare_k) and select == "jr") else ""
         done = stored is not None and (not tasks or (stored.get("tasks"), stored.get("limit")) == (tasks, args.limit))
         if done != args.recheck:
@@ -139,14 +132,14 @@ def main() -> None:
         record = {**wanted, "tasks": tasks, "limit": args.limit if tasks else None, "ppl": ppl.ppl,
                   "chosen": decision.get("layers", []),
                   "a8_bytes_per_token": a8_bytes_per_token(model, decision.get("layers", [])),
-                  **model_summary(model), "quant_time_s": quant_time, "machine": machine(), "command": command}
+                  **model_summary(model), "quant_time_s": quant_time, **stamp()}
         if tasks:
             scores = evaluate_tasks(model, tokenizer, tasks.split(","), limit=args.limit, progress=False,
                                     cache_key=f"dynamicptq|{backbone}|{k}|{select}|{calib}")
             record["zeroshot"], record["zeroshot_avg"] = scores, average_accuracy(scores)
         print(f"{backbone:16s} K={k} {select:6s} {record['chosen']} ppl {ppl.ppl:9.2f} quant {quant_time:5.0f} s",
               flush=True)
-        store("dynamicptq", record, KEY, render, args.recheck)
+        bench.store(record)
         del model
 
 
