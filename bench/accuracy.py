@@ -13,18 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from common import (
-    GPTQ_ACT_ORDER_STATIC,
-    GPTQ_PLAIN,
-    by_setting,
-    fmt_ppl,
-    parser,
-    pivot,
-    ppl_bench,
-    run,
-    setting_header,
-    stamp,
-)
+from common import GPTQ_ACT_ORDER_STATIC, GPTQ_PLAIN, fmt_ppl, parser, pivot, ppl_bench, run, sections, stamp
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize, save
 from bitquilt.errors import UserError
@@ -111,8 +100,8 @@ def render(records: list[dict]) -> str:
              "reference is the dequantized GGUF, so mild re-quantization (4-bit, small groups) looks better "
              "than it would on a true FP16 checkpoint. 2–3-bit results and the ordering of methods are the "
              "meaningful part.", ""]
-    for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows) + [
+    for model, _settings, rows, header in sections(records):
+        lines += header + [
             "| method | bits | group | ppl | ref | size MB | bits/weight | quant time s | peak RSS MB |",
             "|---|---|---|---|---|---|---|---|---|"]
         order = {"fp": 0, "rtn": 1, "awq": 2, "gptq": 3, "bpdq": 9}

@@ -138,6 +138,12 @@ def setting_header(model: str, settings: dict, rows: list[dict]) -> list[str]:
             f"Command(s): {commands}", ""]
 
 
+def sections(records: list[dict]) -> list[tuple[str, dict, list[dict], list[str]]]:
+    """A perplexity report's sections: (model, settings, rows, the section's heading lines) per `by_setting` group."""
+    return [(model, settings, rows, setting_header(model, settings, rows))
+            for model, settings, rows in by_setting(records)]
+
+
 def load_records(name: str) -> list[dict]:
     """The records in results/NAME.json (empty if it does not exist yet)."""
     path = RESULTS / f"{name}.json"

@@ -14,19 +14,7 @@ from __future__ import annotations
 
 import time
 
-from common import (
-    GPTQ_PLAIN,
-    RESULTS,
-    by_setting,
-    doc_protocol,
-    fmt_ppl,
-    parser,
-    pivot,
-    ppl_bench,
-    run,
-    setting_header,
-    stamp,
-)
+from common import GPTQ_PLAIN, RESULTS, doc_protocol, fmt_ppl, parser, pivot, ppl_bench, run, sections, stamp
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
 from bitquilt.eval import perplexity
@@ -57,8 +45,8 @@ def render(records: list[dict]) -> str:
     lines = ["# DynamicPTQ benchmark", "", doc_protocol(__doc__), "",
              "W4A4KV4: 4-bit weights (groups of 128, asymmetric; GPTQ without act-order), per-token asymmetric "
              "4-bit activations with searched clipping, 4-bit keys (centred) and values per head.", ""]
-    for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows)
+    for model, _settings, rows, header in sections(records):
+        lines += header
         cols = list(dict.fromkeys(column(r) for r in sorted(rows, key=lambda r: (r["layers"], r["select"] != "jr"))))
         backbones = list(dict.fromkeys(r["backbone"] for r in rows))
         ppl = {(r["backbone"], column(r)): fmt_ppl(r["ppl"]) for r in rows}

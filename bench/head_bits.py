@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import by_setting, doc_protocol, fmt_ppl, parser, ppl_bench, run, setting_header, stamp
+from common import doc_protocol, fmt_ppl, parser, ppl_bench, run, sections, stamp
 
 from bitquilt.api import load, model_summary, quantize, save
 from bitquilt.eval import perplexity
@@ -32,8 +32,8 @@ KEY = ("model", "config")
 
 def render(records: list[dict]) -> str:
     lines = ["# LM head and embeddings: size and perplexity", "", doc_protocol(__doc__), ""]
-    for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows)
+    for _model, _settings, rows, header in sections(records):
+        lines += header
         lines += ["| configuration | saved MB | bits/weight, quantized matrices | bits/weight, whole file | ppl |",
                   "|---|---:|---:|---:|---:|"]
         for r in rows:

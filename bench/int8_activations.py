@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from common import GPTQ_PLAIN, by_setting, doc_protocol, fmt_ppl, parser, ppl_bench, run, setting_header, stamp
+from common import GPTQ_PLAIN, doc_protocol, fmt_ppl, parser, ppl_bench, run, sections, stamp
 
 from bitquilt import kernels
 from bitquilt.api import calibration_ids, load, model_summary, quantize
@@ -30,8 +30,8 @@ KEY = ("model", "config", "activations")
 
 def render(records: list[dict]) -> str:
     lines = ["# Int8 activations: perplexity cost", "", doc_protocol(__doc__), ""]
-    for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows)
+    for _model, _settings, rows, header in sections(records):
+        lines += header
         lines += ["| configuration | bits/weight | exact kernels | int8 activations | change |",
                   "|---|---:|---:|---:|---:|"]
         for config in dict.fromkeys(r["config"] for r in rows):

@@ -31,19 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import (
-    GPTQ_PLAIN,
-    RESULTS,
-    by_setting,
-    fmt_ppl,
-    loadavg,
-    parser,
-    ppl_bench,
-    run,
-    setting_header,
-    stamp,
-    write_atomic,
-)
+from common import GPTQ_PLAIN, RESULTS, fmt_ppl, loadavg, parser, ppl_bench, run, sections, stamp, write_atomic
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize, save
 from bitquilt.eval import perplexity
@@ -132,8 +120,8 @@ def calibration_of(checkpoint: str) -> str:
 
 def render(records: list[dict]) -> str:
     lines = ["# MoBiQuant benchmark", "", __doc__.split("\n\n", 2)[2].strip(), ""]
-    for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows)
+    for model, settings, rows, header in sections(records):
+        lines += header
         lines += [f"- Checkpoint '{c}' (g{settings['group_size']}): {MODES[mode_of(c)]}"
                   + ("" if " grid, " in c else " Slices on the lloyd grid.")
                   + TARGET_NOTES.get(stream_of(c), "")

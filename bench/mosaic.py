@@ -34,20 +34,7 @@ import statistics
 import time
 
 import torch
-from common import (
-    GPTQ_PLAIN,
-    RESULTS,
-    Bench,
-    by_setting,
-    fmt_ppl,
-    load_records,
-    loadavg,
-    parser,
-    ppl_bench,
-    run,
-    setting_header,
-    stamp,
-)
+from common import GPTQ_PLAIN, RESULTS, Bench, fmt_ppl, load_records, loadavg, parser, ppl_bench, run, sections, stamp
 from matplotlib.figure import Figure
 from mosaic_kernels import kernel_latency, latency_table
 
@@ -341,8 +328,8 @@ def render(records: list[dict]) -> str:
              "Δ-score; `bitquilt/solvers/mosaic.py` states the method. Recovered fraction: 1 − tr(D H Dᵀ)/tr(E H Eᵀ) "
              "on calibration inputs, E the base's error, D what base + residual leave (pooled over the probed "
              "linears: sums of each).", ""]
-    for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows)
+    for _model, _settings, rows, header in sections(records):
+        lines += header
         rec = [r for r in rows if r["part"] == "recovery"]
         for r in rec:
             header = f"| {'ranking' if 'curves' in r else 'tile shape'} | " + " | ".join(

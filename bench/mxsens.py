@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, by_setting, fmt_ppl, parser, pivot, ppl_bench, run, setting_header, stamp
+from common import RESULTS, fmt_ppl, parser, pivot, ppl_bench, run, sections, stamp
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
 from bitquilt.eval import perplexity
@@ -70,8 +70,8 @@ def render(records: list[dict]) -> str:
     lines = ["# MXSens benchmark", "", __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), "",
              "**Caveat:** the packaged FP models are dequantized 4-bit GGUFs (see docs/benchmarks.md): re-quantizing "
              "them to 4 bits is flattered where the grids happen to align.", ""]
-    for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows)
+    for model, _settings, rows, header in sections(records):
+        lines += header
         fp = next((r for r in rows if r["config"] == "fp"), None)
         if fp:
             lines += [f"FP perplexity: {fmt_ppl(fp['ppl'])}.", ""]

@@ -47,7 +47,7 @@ from typing import Any
 
 import psutil
 import torch
-from common import GPTQ_PLAIN, by_setting, fmt_ppl, loadavg, parser, pivot, ppl_bench, run, setting_header, stamp
+from common import GPTQ_PLAIN, fmt_ppl, loadavg, parser, pivot, ppl_bench, run, sections, stamp
 from torch import nn
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
@@ -218,7 +218,7 @@ def render(records: list[dict]) -> str:
              "its defaults: it also tunes each group's min/max range (a learned clipping), keeps the iteration of "
              "least mini-batch loss, matches the FP model's block outputs from the quantized model's block inputs, "
              "masks the last token of each window, and torch.compiles from 10 iterations on.", ""]
-    for model, settings, rows in by_setting(records):
+    for _model, _settings, rows, header in sections(records):
         quantized = [r for r in rows if r["engine"] != "fp"]
         grids = list(dict.fromkeys(grid_label(r["w_bits"], r["group_size"])
                                    for r in sorted(quantized, key=lambda r: (-r["w_bits"], -r["group_size"]))))
@@ -228,7 +228,7 @@ def render(records: list[dict]) -> str:
                 f"(cpu {r['quant_cpu_s']:.0f} s)" for r in quantized}
         fp = next((r for r in rows if r["engine"] == "fp"), None)
         corner = f"engine, setting (fp {fmt_ppl(fp['ppl'])})" if fp else "engine, setting"
-        lines += setting_header(model, settings, rows)
+        lines += header
         lines += pivot(corner, labels, grids, cell) if quantized else [f"FP perplexity {fmt_ppl(fp['ppl'])}."]
         lines.append("")
         for r in (r for r in quantized if r["engine"] == "autoround"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from common import GPTQ_PLAIN, by_setting, fmt_ppl, parser, pivot, ppl_bench, run, setting_header, stamp
+from common import GPTQ_PLAIN, fmt_ppl, parser, pivot, ppl_bench, run, sections, stamp
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
 from bitquilt.eval import perplexity
@@ -40,14 +40,14 @@ def render(records: list[dict]) -> str:
              "**Caveat:** the packaged FP reference is a dequantized 4-bit GGUF, so plain RTN re-quantization of "
              "unrotated weights is flattered at W4A16 (the weights already sit on a 4-bit grid); rotations destroy "
              "that alignment.", ""]
-    for model, settings, rows in by_setting(records):
+    for _model, _settings, rows, header in sections(records):
         cell = {(row_label(r), r["method"]): r for r in rows}
         labels = list(PRECISIONS) + [f"{p}, keys not centred" for p, (_, kv) in PRECISIONS.items() if kv < 16]
         labels = [p for p in labels if any(row == p for row, _ in cell)]
         ppl = {k: fmt_ppl(r["ppl"]) for k, r in cell.items()}
         if ("FP", "fp") in cell:
             ppl["FP", METHODS[0]] = f"{ppl.pop(('FP', 'fp'))} (all)"
-        lines += setting_header(model, settings, rows) + pivot("precision", ["FP"] * (("FP", "fp") in cell) + labels,
+        lines += header + pivot("precision", ["FP"] * (("FP", "fp") in cell) + labels,
                                                                list(METHODS), ppl)
         seconds = {k: f"{r['quant_time_s']:.0f}" for k, r in cell.items() if k[0] != "FP"}
         lines += ["", "Calibration + quantization time (s):", ""] + pivot("precision", labels, list(METHODS), seconds)
