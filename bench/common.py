@@ -242,21 +242,23 @@ def protocol_settings(args: argparse.Namespace) -> tuple[CalibConfig, dict]:
 
 # ---------------------------------------------------------------- one bench: arguments, results file, run facts
 def parser(doc: str, *, model: str | None = None, models: str | None = None, threads: int | None | bool = False,
-           workdir: str | None = None) -> argparse.ArgumentParser:
+           workdir: str | None = None, helps: dict[str, str] | None = None) -> argparse.ArgumentParser:
     """A bench's argument parser: its description the docstring's first paragraph, and the argument groups the
     benches share where asked for: --model (one packaged model or saved directory, default `model`), --models
     (comma-separated, default `models`), --threads (torch threads, default `threads`; None: torch's own) and
-    --workdir (where saved models and exports go, default `workdir`)."""
+    --workdir (where saved models and exports go, default `workdir`); `helps` words a group's help for this bench."""
+    helps = {"models": "comma-separated models", "workdir": "saved models and exports",
+             "threads": f"torch threads (default: {'torch' + chr(39) + 's' if threads is None else threads})",
+             **(helps or {})}
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     if model is not None:
         p.add_argument("--model", default=model)
     if models is not None:
-        p.add_argument("--models", default=models, help="comma-separated models")
+        p.add_argument("--models", default=models, help=helps["models"])
     if threads is not False:
-        p.add_argument("--threads", type=int, default=threads,
-                       help=f"torch threads (default: {'torch' + chr(39) + 's' if threads is None else threads})")
+        p.add_argument("--threads", type=int, default=threads, help=helps["threads"])
     if workdir is not None:
-        p.add_argument("--workdir", default=workdir, help="saved models and exports")
+        p.add_argument("--workdir", default=workdir, help=helps["workdir"])
     return p
 
 
