@@ -10,29 +10,10 @@ and bench/results/accuracy.md is regenerated from all records.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
-from common import (
-    GPTQ_ACT_ORDER_STATIC,
-    GPTQ_PLAIN,
-    RESULTS,
-    add_protocol_args,
-    by_setting,
-    command_line,
-    fmt_ppl,
-    load_records,
-    machine,
-    measured,
-    pivot,
-    protocol_settings,
-    record_key,
-    run,
-    setting_header,
-    store,
-    write_atomic,
-)
+from common import GPTQ_ACT_ORDER_STATIC, GPTQ_PLAIN, fmt_ppl, parser, pivot, ppl_bench, run, sections, stamp
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize, save
 from bitquilt.errors import UserError
@@ -119,8 +100,8 @@ def render(records: list[dict]) -> str:
              "reference is the dequantized GGUF, so mild re-quantization (4-bit, small groups) looks better "
              "than it would on a true FP16 checkpoint. 2–3-bit results and the ordering of methods are the "
              "meaningful part.", ""]
-    for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows) + [
+    for model, _settings, rows, header in sections(records):
+        lines += header + [
             "| method | bits | group | ppl | ref | size MB | bits/weight | quant time s | peak RSS MB |",
             "|---|---|---|---|---|---|---|---|---|"]
         order = {"fp": 0, "rtn": 1, "awq": 2, "gptq": 3, "bpdq": 9}
@@ -162,26 +143,22 @@ def select_configs(suites: str, labels: str | None, grid: str | None) -> list[tu
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p = parser(__doc__, model="smollm2-135m")
     p.add_argument("--suites", default="main,reference,improvements", help=f"comma-separated: {', '.join(SUITES)}")
     p.add_argument("--labels", default=None, help="only these config labels, e.g. rtn,gptq")
     p.add_argument("--grid", default=None, help="only these bits:group pairs, in this order, e.g. 3:128,2:64")
-    add_protocol_args(p, calib_samples=64, ppl_windows=40)
     p.add_argument("--save-dir", type=Path, default=None,
                    help="also save each quantized model under SAVE_DIR (see saved_name) for other benches")
     p.add_argument("--render-only", action="store_true", help="only rewrite accuracy.md from accuracy.json")
-    args = p.parse_args()
+    args, calib, settings, bench = ppl_bench(p, "accuracy", KEY, render, calib_samples=64, ppl_windows=40)
     if args.render_only:
-        write_atomic(RESULTS / "accuracy.md", render(load_records("accuracy")))
+        bench.rerender()
         return
-    calib, settings = protocol_settings(args)
-    command = command_line()
 
     ids = None
     for label, method, bits, group, options in select_configs(args.suites, args.labels, args.grid):
         wanted = {"model": args.model, "label": label, "w_bits": bits, "group_size": group, "settings": settings}
-        if (record_key(wanted, KEY) in measured("accuracy", KEY)) != args.recheck:
+        if not bench.todo(wanted):
             continue  # measure what is missing, or (--recheck) again what is stored
         model, tokenizer = load(args.model)  # one model in memory at a time: two 1.5B jobs must fit in RAM
         quant_time = None
@@ -197,12 +174,12 @@ def main() -> None:
         record = {"model": args.model, "label": label, "method": method, "w_bits": bits, "group_size": group,
                   "options": options, "ppl": ppl.ppl, "ppl_seconds": ppl.seconds, **model_summary(model),
                   "quant_time_s": quant_time, "peak_rss_mb": peak_rss_mb(),
-                  "settings": settings, "machine": machine(), "command": command}
+                  "settings": settings, **stamp()}
         print(f"{label:24s} w{bits} g{group}: ppl {ppl.ppl:.2f}  {record['size_mb']:.1f} MB  "
               f"{record['bits_per_weight']:.3f} bpw  {quant_time or 0:.0f} s", flush=True)
         if args.save_dir and method != "fp":
             save(model, args.save_dir / saved_name(args.model, label, bits, group), tokenizer, overwrite=True)
-        store("accuracy", record, KEY, render, args.recheck)
+        bench.store(record)
         del model
 
 

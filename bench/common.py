@@ -8,9 +8,13 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
+import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -134,6 +138,12 @@ def setting_header(model: str, settings: dict, rows: list[dict]) -> list[str]:
             f"Command(s): {commands}", ""]
 
 
+def sections(records: list[dict]) -> list[tuple[str, dict, list[dict], list[str]]]:
+    """A perplexity report's sections: (model, settings, rows, the section's heading lines) per `by_setting` group."""
+    return [(model, settings, rows, setting_header(model, settings, rows))
+            for model, settings, rows in by_setting(records)]
+
+
 def load_records(name: str) -> list[dict]:
     """The records in results/NAME.json (empty if it does not exist yet)."""
     path = RESULTS / f"{name}.json"
@@ -228,3 +238,124 @@ def protocol_settings(args: argparse.Namespace) -> tuple[CalibConfig, dict]:
     calib = CalibConfig(args.calib_data, args.calib_samples, args.calib_seqlen, 0)
     return calib, {"calibration": vars(calib), "ppl_data": args.ppl_data, "seqlen": args.seqlen,
                    "ppl_windows": args.ppl_windows}
+
+
+# ---------------------------------------------------------------- one bench: arguments, results file, run facts
+def parser(doc: str, *, model: str | None = None, models: str | None = None, threads: int | None | bool = False,
+           workdir: str | None = None, helps: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """A bench's argument parser: its description the docstring's first paragraph, and the argument groups the
+    benches share where asked for: --model (one packaged model or saved directory, default `model`), --models
+    (comma-separated, default `models`), --threads (torch threads, default `threads`; None: torch's own) and
+    --workdir (where saved models and exports go, default `workdir`); `helps` words a group's help for this bench."""
+    helps = {"models": "comma-separated models", "workdir": "saved models and exports",
+             "threads": f"torch threads (default: {'torch' + chr(39) + 's' if threads is None else threads})",
+             **(helps or {})}
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    if model is not None:
+        p.add_argument("--model", default=model)
+    if models is not None:
+        p.add_argument("--models", default=models, help=helps["models"])
+    if threads is not False:
+        p.add_argument("--threads", type=int, default=threads, help=helps["threads"])
+    if workdir is not None:
+        p.add_argument("--workdir", default=workdir, help=helps["workdir"])
+    return p
+
+
+def doc_protocol(doc: str) -> str:
+    """The paragraphs of a bench's docstring after its title and command, as one line: the protocol its report
+    states."""
+    return " ".join(doc.split("\n\n", 2)[2].split())
+
+
+def stamp() -> dict:
+    """The run facts every record ends with: the machine it ran on and the command that ran."""
+    return {"machine": machine(), "command": command_line()}
+
+
+class Bench:
+    """One bench's results file, bench/results/NAME.{json,md}: records keyed by `key` (+ their settings), the report
+    `render` makes of them, and the --recheck mode (`again`: measure stored keys again, compare, keep nothing)."""
+
+    def __init__(self, name: str, key: tuple[str, ...], render: Callable[[list[dict]], str], again: bool = False):
+        self.name, self.key, self.render, self.again = name, key, render, again
+
+    def records(self) -> list[dict]:
+        return load_records(self.name)
+
+    def stored(self, wanted: dict) -> dict | None:
+        """The stored record with the key of `wanted` (re-read each call: other runs may be appending)."""
+        return stored_record(self.name, wanted, self.key)
+
+    def todo(self, wanted: dict) -> bool:
+        """Whether to measure `wanted`: it is not stored yet, or (--recheck) it is."""
+        return (record_key(wanted, self.key) in measured(self.name, self.key)) == self.again
+
+    def store(self, record: dict) -> None:
+        """Keep `record` (NAME.md re-rendered), or in the --recheck mode compare it with the stored one."""
+        store(self.name, record, self.key, self.render, self.again)
+
+    def rerender(self) -> None:
+        """Rewrite NAME.md from NAME.json."""
+        write_atomic(RESULTS / f"{self.name}.md", self.render(self.records()))
+
+
+def ppl_bench(p: argparse.ArgumentParser, name: str, key: tuple[str, ...], render: Callable[[list[dict]], str], *,
+              calib_samples: int, ppl_windows: int) -> tuple[argparse.Namespace, CalibConfig, dict, Bench]:
+    """A perplexity bench's start: the protocol options added to `p` and parsed, the calibration config and settings
+    (`protocol_settings`) and its results file, in the --recheck mode where asked."""
+    add_protocol_args(p, calib_samples, ppl_windows)
+    args = p.parse_args()
+    calib, settings = protocol_settings(args)
+    return args, calib, settings, Bench(name, key, render, args.recheck)
+
+
+@dataclass
+class Child:
+    """A finished child process: exit status, output, wall seconds start to exit, and its own CPU seconds (user +
+    system) and peak RSS (ru_maxrss from wait4, not this process's)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+    cpu_s: float
+    peak_rss_mb: float
+
+
+def run_child(argv: list[str], env: dict | None = None) -> Child:
+    """Run `argv` to its exit and measure it (stderr goes through a file, so neither pipe can fill and stall it)."""
+    with tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err)
+        stdout = child.stdout.read()
+        _, status, usage = os.wait4(child.pid, 0)
+        wall = time.perf_counter() - t0
+        child.stdout.close()
+        child.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        stderr = err.read()
+    return Child(child.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace"), wall,
+                 usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024)
+
+
+def run_facts() -> dict:
+    """What a one-shot report's header states, taken at the start of a run: command, machine, load average, date
+    (`finish` adds the load average at the end)."""
+    return {"command": command_line(), "machine": machine(), "loadavg_start": loadavg(),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def finish(facts: dict) -> dict:
+    facts["loadavg_end"] = loadavg()
+    return facts
+
+
+def run_header(facts: dict) -> str:
+    """A one-shot report's header line from `run_facts` (a fact an older record lacks is left out)."""
+    parts = [f"Command: `{facts['command']}`.", f"Machine: {facts['machine']}."]
+    if "loadavg_start" in facts:
+        parts.append(f"Load average {facts['loadavg_start']} at the start, {facts.get('loadavg_end', '?')} at the end.")
+    if "date" in facts:
+        parts.append(f"Date: {facts['date']}.")
+    return " ".join(parts)

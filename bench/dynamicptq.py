@@ -12,24 +12,9 @@ bench/results/dynamicptq.{json,md} and the phase plot of each model.
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from common import (
-    GPTQ_PLAIN,
-    RESULTS,
-    add_protocol_args,
-    by_setting,
-    command_line,
-    fmt_ppl,
-    machine,
-    pivot,
-    protocol_settings,
-    run,
-    setting_header,
-    store,
-    stored_record,
-)
+from common import GPTQ_PLAIN, RESULTS, doc_protocol, fmt_ppl, parser, pivot, ppl_bench, run, sections, stamp
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
 from bitquilt.eval import perplexity
@@ -57,11 +42,11 @@ def column(r: dict) -> str:
 
 
 def render(records: list[dict]) -> str:
-    lines = ["# DynamicPTQ benchmark", "", __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), "",
+    lines = ["# DynamicPTQ benchmark", "", doc_protocol(__doc__), "",
              "W4A4KV4: 4-bit weights (groups of 128, asymmetric; GPTQ without act-order), per-token asymmetric "
              "4-bit activations with searched clipping, 4-bit keys (centred) and values per head.", ""]
-    for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows)
+    for model, _settings, rows, header in sections(records):
+        lines += header
         cols = list(dict.fromkeys(column(r) for r in sorted(rows, key=lambda r: (r["layers"], r["select"] != "jr"))))
         backbones = list(dict.fromkeys(r["backbone"] for r in rows))
         ppl = {(r["backbone"], column(r)): fmt_ppl(r["ppl"]) for r in rows}
@@ -83,8 +68,7 @@ def render(records: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p = parser(__doc__, model="smollm2-135m")
     p.add_argument("--backbones", default=",".join(BACKBONES))
     p.add_argument("--ks", default="2,4,6", help="layer counts chosen by the Jump Ratio (rows by the Jump Ratio "
                    "at --compare-k run only when it is listed here)")
@@ -97,10 +81,7 @@ def main() -> None:
     p.add_argument("--tasks-rows", choices=("all", "headline"), default="all",
                    help="rows scored on --tasks: every row, or only each backbone alone and at --compare-k by the "
                    "Jump Ratio (zero-shot costs more than the quantization on the larger models)")
-    add_protocol_args(p, calib_samples=32, ppl_windows=20)
-    args = p.parse_args()
-    calib, settings = protocol_settings(args)
-    command = command_line()
+    args, calib, settings, bench = ppl_bench(p, "dynamicptq", KEY, render, calib_samples=32, ppl_windows=20)
     backbones = args.backbones.split(",")
     ks = [int(k) for k in args.ks.split(",") if k]
     # most telling first (the run resumes where it stopped): each backbone alone and at --compare-k, the
@@ -113,7 +94,7 @@ def main() -> None:
     ids = None
     for backbone, k, select in configs:
         wanted = {"model": args.model, "backbone": backbone, "layers": k, "select": select, "settings": settings}
-        stored = stored_record("dynamicptq", wanted, KEY)
+        stored = bench.stored(wanted)
         tasks = args.tasks if args.tasks_rows == "all" or (k in (0, args.compare_k) and select == "jr") else ""
         done = stored is not None and (not tasks or (stored.get("tasks"), stored.get("limit")) == (tasks, args.limit))
         if done != args.recheck:
@@ -139,14 +120,14 @@ def main() -> None:
         record = {**wanted, "tasks": tasks, "limit": args.limit if tasks else None, "ppl": ppl.ppl,
                   "chosen": decision.get("layers", []),
                   "a8_bytes_per_token": a8_bytes_per_token(model, decision.get("layers", [])),
-                  **model_summary(model), "quant_time_s": quant_time, "machine": machine(), "command": command}
+                  **model_summary(model), "quant_time_s": quant_time, **stamp()}
         if tasks:
             scores = evaluate_tasks(model, tokenizer, tasks.split(","), limit=args.limit, progress=False,
                                     cache_key=f"dynamicptq|{backbone}|{k}|{select}|{calib}")
             record["zeroshot"], record["zeroshot_avg"] = scores, average_accuracy(scores)
         print(f"{backbone:16s} K={k} {select:6s} {record['chosen']} ppl {ppl.ppl:9.2f} quant {quant_time:5.0f} s",
               flush=True)
-        store("dynamicptq", record, KEY, render, args.recheck)
+        bench.store(record)
         del model
 
 

@@ -11,16 +11,13 @@ RSS, and the perplexity, which both runtimes must give alike. Results: bench/res
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from common import RESULTS, append_record, command_line, loadavg, machine, provenance, run, write_atomic
+from common import Bench, loadavg, parser, provenance, run, run_child, stamp
 from load_memory import quantize
 
 RUNTIMES = ("transformers", "bitquilt")
@@ -31,16 +28,11 @@ def timed_eval(saved: Path, runtime: str, seqlen: int, windows: int, threads: in
     """One `bitquilt eval` child: wall s, CPU s, peak RSS MB (its own, from wait4) and its perplexity."""
     argv = [sys.executable, "-m", "bitquilt.cli", "eval", str(saved), "--ppl-data", "wiki", "--seqlen", str(seqlen),
             "--ppl-windows", str(windows), "--json", "--runtime", runtime]
-    t0 = time.perf_counter()
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-    out = child.stdout.read()
-    _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status):
-        raise RuntimeError(f"bitquilt eval {saved} --runtime {runtime} failed (exit {status})")
-    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": usage.ru_maxrss / 1024,
-            "ppl": json.loads(out)["ppl_wiki"]}
+    done = run_child(argv, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if done.returncode:
+        raise RuntimeError(f"bitquilt eval {saved} --runtime {runtime} failed (exit {done.returncode})")
+    return {"wall_s": done.wall_s, "cpu_s": done.cpu_s, "peak_mb": done.peak_rss_mb,
+            "ppl": json.loads(done.stdout)["ppl_wiki"]}
 
 
 def render(records: list[dict]) -> str:
@@ -59,16 +51,13 @@ def render(records: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="smollm2-135m,qwen2.5-1.5b")
+    p = parser(__doc__, models="smollm2-135m,qwen2.5-1.5b", threads=2, workdir="/tmp/bitquilt-load-memory")
     p.add_argument("--variants", default="w4 g128 head8,w4 g128 head4")
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--ppl-windows", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--workdir", default="/tmp/bitquilt-load-memory")
     args = p.parse_args()
-    command = command_line()
+    bench = Bench("eval_runtime", KEY, render)
     for model in args.models.split(","):
         for variant in args.variants.split(","):
             saved = Path(args.workdir) / model / variant.replace(" ", "-")
@@ -85,10 +74,10 @@ def main() -> None:
                           "seqlen": args.seqlen, "windows": args.ppl_windows, "threads": args.threads,
                           "repeats": args.repeats, "ppl": results[0]["ppl"],
                           **{k: statistics.median(x[k] for x in results) for k in ("wall_s", "cpu_s", "peak_mb")},
-                          "loadavg": f"{start} → {loadavg()}", "machine": machine(), "command": command}
+                          "loadavg": f"{start} → {loadavg()}", **stamp()}
                 print(f"  {runtime}: {record['wall_s']:.1f} s wall, {record['cpu_s']:.1f} s CPU, "
                       f"{record['peak_mb']:.0f} MB", flush=True)
-                write_atomic(RESULTS / "eval_runtime.md", render(append_record("eval_runtime", record, KEY)))
+                bench.store(record)
 
 
 if __name__ == "__main__":

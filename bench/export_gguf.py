@@ -84,7 +84,7 @@ def main() -> None:
     import numpy as np
     import torch
     import torch.nn.functional as F
-    from common import RESULTS, append_record, command_line, loadavg, machine, run, write_atomic
+    from common import Bench, command_line, loadavg, machine, run
 
     from bitquilt.api import export, load, quantize, save
     from bitquilt.data.windows import eval_windows
@@ -207,7 +207,7 @@ def main() -> None:
         record = {"model": args.model, "settings": {"ppl_data": args.ppl_data, "windows": args.windows,
                                                     "seqlen": args.seqlen},
                   "threads": args.threads, "machine": versions, "command": command_line(), "rows": rows}
-        write_atomic(RESULTS / "export_gguf.md", render(append_record("export_gguf", record, ("model",))))
+        Bench("export_gguf", ("model",), render).store(record)
 
     run(bench)
 

@@ -12,23 +12,11 @@ once: what a full-precision table costs the file), and perplexity. *head4 g32* i
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
 
-from common import (
-    add_protocol_args,
-    by_setting,
-    command_line,
-    fmt_ppl,
-    machine,
-    protocol_settings,
-    run,
-    setting_header,
-    store,
-    stored_record,
-)
+from common import doc_protocol, fmt_ppl, parser, ppl_bench, run, sections, stamp
 
 from bitquilt.api import load, model_summary, quantize, save
 from bitquilt.eval import perplexity
@@ -43,10 +31,9 @@ KEY = ("model", "config")
 
 
 def render(records: list[dict]) -> str:
-    protocol = __doc__.split("\n\n", 2)[2].replace("\n", " ").strip()
-    lines = ["# LM head and embeddings: size and perplexity", "", protocol, ""]
-    for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows)
+    lines = ["# LM head and embeddings: size and perplexity", "", doc_protocol(__doc__), ""]
+    for _model, _settings, rows, header in sections(records):
+        lines += header
         lines += ["| configuration | saved MB | bits/weight, quantized matrices | bits/weight, whole file | ppl |",
                   "|---|---:|---:|---:|---:|"]
         for r in rows:
@@ -64,17 +51,14 @@ def saved_file_mb(model, tokenizer) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p = parser(__doc__, model="smollm2-135m")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of: {', '.join(CONFIGS)}")
-    add_protocol_args(p, calib_samples=1, ppl_windows=8)  # the calibration flags unused: RTN
-    args = p.parse_args()
-    _, settings = protocol_settings(args)
+    # the calibration flags unused: RTN
+    args, _, settings, bench = ppl_bench(p, "head_bits", KEY, render, calib_samples=1, ppl_windows=8)
     settings.pop("calibration")  # RTN: none
-    command = command_line()
     for config in args.configs.split(","):
         record = {"model": args.model, "config": config, "settings": settings}
-        if (stored_record("head_bits", record, KEY) is None) == args.recheck:
+        if not bench.todo(record):
             continue
         model, tokenizer = load(args.model)
         parameters = sum(t.numel() for t in model.parameters())  # a tied head and table counted once
@@ -85,9 +69,9 @@ def main() -> None:
         ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl
         record.update(ppl=ppl, eval_s=time.perf_counter() - t0, file_mb=file_mb,
                       file_bits_per_weight=file_mb * 2**20 * 8 / parameters, **model_summary(model),
-                      machine=machine(), command=command)
+                      **stamp())
         print(f"{config:10s} {file_mb:7.1f} MB  ppl {ppl:.3f}", flush=True)
-        store("head_bits", record, KEY, render, args.recheck)
+        bench.store(record)
 
 
 if __name__ == "__main__":

@@ -12,21 +12,11 @@ block, bits, group size and settings (a rerun replaces it); heldout_error.md sho
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import torch
-from common import (
-    GPTQ_ACT_ORDER_STATIC,
-    GPTQ_PLAIN,
-    RESULTS,
-    append_record,
-    command_line,
-    machine,
-    run,
-    write_atomic,
-)
+from common import GPTQ_ACT_ORDER_STATIC, GPTQ_PLAIN, Bench, command_line, machine, parser, run
 
 from bitquilt.api import calibration_ids, load
 from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_block
@@ -57,15 +47,13 @@ def block_inputs(model, arch, ids: torch.Tensor, layer: int) -> tuple[list[torch
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-1.5b")
+    p = parser(__doc__, model="qwen2.5-1.5b", threads=None)
     p.add_argument("--layer", type=int, default=3)
     p.add_argument("--linears", default="mlp.down_proj,mlp.gate_proj,self_attn.o_proj")
     p.add_argument("--bits", type=int, default=2)
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--calib-samples", type=int, default=16, help="windows the solvers fit on (4× more are held out)")
     p.add_argument("--eval-windows", type=int, default=8)
-    p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,7 +85,7 @@ def main() -> None:
     record = {"model": args.model, "layer": args.layer, "bits": args.bits, "group_size": args.group_size,
               "settings": settings, "command": command_line(),
               "machine": machine(), "total_seconds": time.perf_counter() - t0, "rows": rows}
-    write_atomic(RESULTS / "heldout_error.md", render(append_record("heldout_error", record, KEY)))
+    Bench("heldout_error", KEY, render).store(record)
 
 
 def render(records: list[dict]) -> str:

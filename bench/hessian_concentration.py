@@ -10,12 +10,11 @@ and of the next 12.5% of the columns. Results: bench/results/hessian_concentrati
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 
 import torch
-from common import RESULTS, command_line, machine, run, write_atomic
+from common import RESULTS, doc_protocol, finish, parser, run, run_facts, run_header, write_atomic
 
 from bitquilt.api import load
 from bitquilt.calib.capture import capture_block_inputs, feed_linears, run_block
@@ -49,22 +48,20 @@ def concentration(model_name: str, windows: int) -> dict[str, tuple[float, float
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b")
+    p = parser(__doc__, models="smollm2-135m,qwen2.5-0.5b", threads=1)
     p.add_argument("--windows", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    facts = run_facts()
     results = {m: concentration(m, args.windows) for m in args.models.split(",")}
-    lines = ["# Hessian-diagonal concentration", "", __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), "",
-             f"Command: `{command_line()}`. Machine: {machine()}.", "",
+    finish(facts)
+    lines = ["# Hessian-diagonal concentration", "", doc_protocol(__doc__), "", run_header(facts), "",
              "| model | linear | top-32 share | next 12.5% share |", "|---|---|---:|---:|"]
     for model, shares in results.items():
         lines += [f"| {model} | {k} | {a:.3f} | {b:.3f} |" for k, (a, b) in shares.items()]
     lines += ["", "Median top-32 share: " + ", ".join(
         f"{m} {statistics.median(a for a, _ in s.values()):.3f}" for m, s in results.items()) + ".", ""]
-    write_atomic(RESULTS / "hessian_concentration.json", json.dumps({"results": results, "machine": machine(),
-                                                                     "command": command_line()}, indent=1))
+    write_atomic(RESULTS / "hessian_concentration.json", json.dumps({"results": results, **facts}, indent=1))
     write_atomic(RESULTS / "hessian_concentration.md", "\n".join(lines))
     print("\n".join(lines))
 

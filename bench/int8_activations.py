@@ -11,22 +11,9 @@ which then runs on int8 activations too). Results: bench/results/int8_activation
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from common import (
-    GPTQ_PLAIN,
-    add_protocol_args,
-    by_setting,
-    command_line,
-    fmt_ppl,
-    machine,
-    protocol_settings,
-    run,
-    setting_header,
-    store,
-    stored_record,
-)
+from common import GPTQ_PLAIN, doc_protocol, fmt_ppl, parser, ppl_bench, run, sections, stamp
 
 from bitquilt import kernels
 from bitquilt.api import calibration_ids, load, model_summary, quantize
@@ -42,9 +29,9 @@ KEY = ("model", "config", "activations")
 
 
 def render(records: list[dict]) -> str:
-    lines = ["# Int8 activations: perplexity cost", "", __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), ""]
-    for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows)
+    lines = ["# Int8 activations: perplexity cost", "", doc_protocol(__doc__), ""]
+    for _model, _settings, rows, header in sections(records):
+        lines += header
         lines += ["| configuration | bits/weight | exact kernels | int8 activations | change |",
                   "|---|---:|---:|---:|---:|"]
         for config in dict.fromkeys(r["config"] for r in rows):
@@ -59,17 +46,12 @@ def render(records: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p = parser(__doc__, model="smollm2-135m")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of: {', '.join(CONFIGS)}")
-    add_protocol_args(p, calib_samples=32, ppl_windows=40)
-    args = p.parse_args()
-    calib, settings = protocol_settings(args)
-    command = command_line()
+    args, calib, settings, bench = ppl_bench(p, "int8_activations", KEY, render, calib_samples=32, ppl_windows=40)
     for config in args.configs.split(","):
         wanted = {"model": args.model, "config": config, "settings": settings}
-        todo = [a for a in ("exact", "int8")
-                if (stored_record("int8_activations", {**wanted, "activations": a}, KEY) is None) != args.recheck]
+        todo = [a for a in ("exact", "int8") if bench.todo({**wanted, "activations": a})]
         if not todo:
             continue
         model, tokenizer = load(args.model)
@@ -82,9 +64,9 @@ def main() -> None:
                 ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl
             record = {"model": args.model, "config": config, "activations": activations, "settings": settings,
                       "ppl": ppl, "eval_s": time.perf_counter() - t0, "quant_time_s": quant_time,
-                      **model_summary(model), "machine": machine(), "command": command}
+                      **model_summary(model), **stamp()}
             print(f"{config:20s} {activations:5s} ppl {ppl:.3f}", flush=True)
-            store("int8_activations", record, KEY, render, args.recheck)
+            bench.store(record)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ of the decode steps (*ready + run s*). Results: bench/results/load_memory.{json,
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -199,19 +198,17 @@ def render(records: list[dict]) -> str:
 
 def main() -> None:
     import torch
-    from common import RESULTS, append_record, command_line, loadavg, machine, write_atomic
+    from common import Bench, loadavg, parser, stamp
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b")
+    p = parser(__doc__, models="smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b", workdir="/tmp/bitquilt-load-memory")
     p.add_argument("--variants", default="w4 g128,w4 g128 head8,w4 g128 head4")
     p.add_argument("--engines", default="auto,auto+int8")
     p.add_argument("--runtimes", default="transformers,bitquilt,standalone",
                    help="transformers, bitquilt (bitquilt.load's runtimes), standalone (bitquilt.runtime.standalone), "
                         "bitquilt-native (the standalone export run by the native runner)")
-    p.add_argument("--workdir", default="/tmp/bitquilt-load-memory")
     args = p.parse_args()
     torch.set_num_threads(1)  # as the children (the machine record states it)
-    command = command_line()
+    bench = Bench("load_memory", KEY, render)
     for model in args.models.split(","):
         for variant in args.variants.split(","):
             saved = Path(args.workdir) / model / variant.replace(" ", "-")
@@ -232,10 +229,10 @@ def main() -> None:
                 settings = {} if runtime == "transformers" else {"runtime": runtime}
                 record = {"model": model, "variant": variant, "engine": engine, "settings": settings,
                           "file_mb": (target / weights).stat().st_size / 2**20, **result,
-                          "loadavg": loadavg(), "machine": machine(), "command": command}
+                          "loadavg": loadavg(), **stamp()}
                 print(f"{model} {variant} [{runtime} {engine}]: peak {result['peak_mb']:.0f} MB, "
                       f"base {result.get('base_mb', 0):.0f}, file {record['file_mb']:.0f}", flush=True)
-                write_atomic(RESULTS / "load_memory.md", render(append_record("load_memory", record, KEY)))
+                bench.store(record)
 
 
 if __name__ == "__main__":

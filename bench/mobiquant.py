@@ -22,7 +22,6 @@ Results: bench/results/mobiquant.{json,md} and mobiquant_<model>.png (perplexity
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -32,24 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import (
-    GPTQ_PLAIN,
-    RESULTS,
-    add_protocol_args,
-    by_setting,
-    command_line,
-    fmt_ppl,
-    load_records,
-    loadavg,
-    machine,
-    measured,
-    protocol_settings,
-    record_key,
-    run,
-    setting_header,
-    store,
-    write_atomic,
-)
+from common import GPTQ_PLAIN, RESULTS, fmt_ppl, loadavg, parser, ppl_bench, run, sections, stamp, write_atomic
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize, save
 from bitquilt.eval import perplexity
@@ -138,8 +120,8 @@ def calibration_of(checkpoint: str) -> str:
 
 def render(records: list[dict]) -> str:
     lines = ["# MoBiQuant benchmark", "", __doc__.split("\n\n", 2)[2].strip(), ""]
-    for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows)
+    for model, settings, rows, header in sections(records):
+        lines += header
         lines += [f"- Checkpoint '{c}' (g{settings['group_size']}): {MODES[mode_of(c)]}"
                   + ("" if " grid, " in c else " Slices on the lloyd grid.")
                   + TARGET_NOTES.get(stream_of(c), "")
@@ -300,8 +282,7 @@ def requantize(model: torch.nn.Module, bits: int, group_size: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p = parser(__doc__, model="smollm2-135m")
     p.add_argument("--slices", default="2,1,1,1,1,1,1")
     p.add_argument("--grid", default="nested", choices=("nested", "lloyd"), help="MoBiSlice's grid for the checkpoint")
     p.add_argument("--group-size", type=int, default=128)
@@ -333,13 +314,10 @@ def main() -> None:
     p.add_argument("--migration-bits", default="2,3,4")
     p.add_argument("--migration-windows", type=int, default=4)
     p.add_argument("--save-dir", default=str(Path.home() / ".cache/bitquilt/bench-models"))
-    add_protocol_args(p, calib_samples=64, ppl_windows=40)
-    args = p.parse_args()
+    args, calib, settings, bench = ppl_bench(p, "mobiquant", KEY, render, calib_samples=64, ppl_windows=40)
     if not 0 < args.reference_mix < 1:
         p.error(f"--reference-mix is the fp target's share of the blend, strictly between 0 and 1; got "
                 f"{args.reference_mix}")
-    calib, settings = protocol_settings(args)
-    command = command_line()
     slices = tuple(int(b) for b in args.slices.split(","))
     parts = args.parts.split(",")
     settings = {**settings, "group_size": args.group_size}
@@ -350,9 +328,8 @@ def main() -> None:
 
     def keep(record: dict) -> None:
         ours = checkpoint if record["label"].startswith("mobiquant") else ""
-        store("mobiquant", {**base, **record, "checkpoint": ours, "machine": machine(), "command": command,
-                            "load": loadavg()}, KEY, render, args.recheck)
-        records = load_records("mobiquant")
+        bench.store({**base, **record, "checkpoint": ours, **stamp(), "load": loadavg()})
+        records = bench.records()
         plot(records, args.model)
         if record["kind"] == "migration":
             plot_migrations(records, args.model)
@@ -360,7 +337,7 @@ def main() -> None:
     def wanted(kind: str, label: str, precision: str) -> bool:
         ours = checkpoint if label.startswith("mobiquant") else ""
         record = {**base, "kind": kind, "label": label, "precision": precision, "checkpoint": ours}
-        return (record_key(record, KEY) in measured("mobiquant", KEY)) == args.recheck  # re-read: this run adds
+        return bench.todo(record)  # re-read: this run adds
 
     def ppl(model, tok) -> float:
         return perplexity(model, tok, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl

@@ -13,12 +13,11 @@ reported). Results: bench/results/mobiquant_blocks.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 
 import torch
-from common import command_line, loadavg, machine, measured, record_key, run, store
+from common import Bench, command_line, doc_protocol, loadavg, machine, parser, run
 
 from bitquilt.api import load, quantize
 from bitquilt.calib.capture import capture_block_inputs, run_block
@@ -34,7 +33,7 @@ MODES = {"router-only": {"train_slices": False}, "refit + re-cut": {"train_slice
 
 
 def render(records: list[dict]) -> str:
-    lines = ["# MoBiQuant calibration, block by block", "", __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), ""]
+    lines = ["# MoBiQuant calibration, block by block", "", doc_protocol(__doc__), ""]
     for model, setup in dict.fromkeys((r["model"], r["setup"]) for r in records):
         rows = [r for r in records if (r["model"], r["setup"]) == (model, setup)]
         cols = list(rows[0]["errors"])
@@ -53,8 +52,7 @@ def render(records: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p = parser(__doc__, model="smollm2-135m", threads=1)
     p.add_argument("--blocks", default="0,10")
     p.add_argument("--slices", default="2,1,1,1,1,1,1")
     p.add_argument("--group-size", type=int, default=128)
@@ -64,8 +62,8 @@ def main() -> None:
     p.add_argument("--train", type=int, default=8, help="calibration windows the block is trained on")
     p.add_argument("--held", type=int, default=8, help="held-out windows the errors are measured on")
     p.add_argument("--seqlen", type=int, default=256)
-    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
+    bench = Bench("mobiquant_blocks", KEY, render)
     torch.set_num_threads(args.threads)
     slices = tuple(int(b) for b in args.slices.split(","))
     setup = (f"slices {args.slices} g{args.group_size}, routers at {args.target_bits:g} bits, {args.steps} steps, "
@@ -85,7 +83,7 @@ def main() -> None:
         skip = tuple(f"{arch.layers}.{i}.*" for i in range(len(blocks)) if i != index)
         for mode, route in MODES.items():
             wanted = {"model": args.model, "block": index, "mode": mode, "setup": setup}
-            if record_key({**wanted, "settings": None}, KEY) in measured("mobiquant_blocks", KEY):
+            if not bench.todo({**wanted, "settings": None}):
                 continue
             q = copy.deepcopy(model)
             c0 = time.process_time()
@@ -106,9 +104,8 @@ def main() -> None:
                     errors[f"routed {b:g}"] = block_error(block, x, targets, kwargs[index]) / scale
                 bits[f"routed {b:g}"] = used["avg_bits"]
             print(f"block {index} {mode}: {errors}", flush=True)
-            store("mobiquant_blocks", {**wanted, "settings": None, "errors": errors, "bits": bits, "cpu_s": cpu,
-                                       "machine": machine(), "load": loadavg(), "command": command_line()},
-                  KEY, render, False)
+            bench.store({**wanted, "settings": None, "errors": errors, "bits": bits, "cpu_s": cpu,
+                         "machine": machine(), "load": loadavg(), "command": command_line()})
             del q
 
 

@@ -30,28 +30,11 @@ with the same settings is skipped, so an interrupted run resumes.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
-from common import (
-    GPTQ_PLAIN,
-    RESULTS,
-    add_protocol_args,
-    by_setting,
-    command_line,
-    fmt_ppl,
-    load_records,
-    loadavg,
-    machine,
-    measured,
-    protocol_settings,
-    record_key,
-    run,
-    setting_header,
-    store,
-)
+from common import GPTQ_PLAIN, RESULTS, Bench, fmt_ppl, load_records, loadavg, parser, ppl_bench, run, sections, stamp
 from matplotlib.figure import Figure
 from mosaic_kernels import kernel_latency, latency_table
 
@@ -138,9 +121,9 @@ def overhead_bits(block: tuple[int, int], budget: float) -> float:
     return budget * (4 + 48 / (block[0] * block[1]))
 
 
-def recovery_part(args, rotation: str) -> list[dict]:
+def recovery_part(args, calib, rotation: str) -> list[dict]:
     model, tokenizer = load(args.model)
-    ids = calibration_ids(tokenizer, protocol_settings(args)[0])
+    ids = calibration_ids(tokenizer, calib)
     t0 = time.perf_counter()
     layers = probe_layers(model, ids, args.probe_every, rotation)
     del model
@@ -169,22 +152,20 @@ def recovery_part(args, rotation: str) -> list[dict]:
     return records
 
 
-def ppl_part(args, settings) -> None:
-    command = command_line()
+def ppl_part(args, calib, settings, bench: Bench) -> None:
     precision = args.precision
     a_bits, kv_bits = PRECISIONS[precision]
     for backbone in args.backbones:
         for budget in args.budgets:
             config = f"{backbone} +{budget:g}" if precision == "W4A4KV4" else f"{backbone} {precision} +{budget:g}"
             wanted = {"model": args.model, "part": "ppl", "config": config, "settings": settings}
-            if record_key(wanted, KEY) in measured("mosaic", KEY):
+            if not bench.todo(wanted):
                 continue
             if budget == 0 and (stored := backbone_record(args.model, backbone, precision, settings)) is not None:
-                store("mosaic", {**wanted, "backbone": backbone, "budget": 0.0, "precision": precision, **stored}, KEY,
-                      render, False)
+                bench.store({**wanted, "backbone": backbone, "budget": 0.0, "precision": precision, **stored})
                 continue
             model, tokenizer = load(args.model)
-            ids = calibration_ids(tokenizer, protocol_settings(args)[0])
+            ids = calibration_ids(tokenizer, calib)
             residual = {"residual": "mosaic", "residual_options": {"budget": budget}} if budget > 0 else {}
             recipe = Recipe(backbone, w_bits=4, group_size=128, options=GPTQ_PLAIN if backbone.endswith("gptq") else {},
                             a_bits=a_bits, kv_bits=kv_bits, a_clip=None if a_bits < 16 else 1.0, **residual)
@@ -200,14 +181,14 @@ def ppl_part(args, settings) -> None:
                       "linear_bits_per_weight": 8 * sum(r.nbytes for r in report.linears) / weights,
                       "mean_recovered": sum(rec) / len(rec) if rec else None, **model_summary(model),
                       "quant_time_s": quant[0], "quant_cpu_s": quant[1], "peak_rss_mb": peak_rss_mb(),
-                      "load": loadavg(), "machine": machine(), "command": command}
+                      "load": loadavg(), **stamp()}
             print(f"{config:28s} ppl {ppl.ppl:9.2f}  bits {record['linear_bits_per_weight']:.3f}  quant "
                   f"{quant[0]:5.0f} s", flush=True)
-            store("mosaic", record, KEY, render, False)
+            bench.store(record)
             del model
 
 
-def decode_part(args, settings) -> None:
+def decode_part(args, settings, bench: Bench) -> None:
     """Batch-1 prefill and decode speed of W4 + 8-bit head, alone (budget 0) and with a residual at each budget."""
     budgets = sorted(set(args.budgets) | {0.0})
     models = {}
@@ -232,9 +213,9 @@ def decode_part(args, settings) -> None:
         r["decode_over_dense"] = rows[0]["decode_tokens_per_s"] / r["decode_tokens_per_s"]
         print(f"budget {r['budget']:g}: decode {r['decode_tokens_per_s']:.2f} tok/s ({r['decode_over_dense']:.3f}x "
               f"the dense step's time), prefill {r['prefill_tokens_per_s']:.1f} tok/s", flush=True)
-    store("mosaic", {"model": args.model, "part": "decode", "config": f"threads {torch.get_num_threads()}",
-                     "rows": rows, "threads": torch.get_num_threads(), "repeats": args.repeats, "load": loadavg(),
-                     "settings": settings, "machine": machine(), "command": command_line()}, KEY, render, False)
+    bench.store({"model": args.model, "part": "decode", "config": f"threads {torch.get_num_threads()}",
+                 "rows": rows, "threads": torch.get_num_threads(), "repeats": args.repeats, "load": loadavg(),
+                 "settings": settings, **stamp()})
 
 
 def decode_table(r: dict) -> list[str]:
@@ -347,8 +328,8 @@ def render(records: list[dict]) -> str:
              "Δ-score; `bitquilt/solvers/mosaic.py` states the method. Recovered fraction: 1 − tr(D H Dᵀ)/tr(E H Eᵀ) "
              "on calibration inputs, E the base's error, D what base + residual leave (pooled over the probed "
              "linears: sums of each).", ""]
-    for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows)
+    for _model, _settings, rows, header in sections(records):
+        lines += header
         rec = [r for r in rows if r["part"] == "recovery"]
         for r in rec:
             header = f"| {'ranking' if 'curves' in r else 'tile shape'} | " + " | ".join(
@@ -382,8 +363,7 @@ def render(records: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p = parser(__doc__, model="smollm2-135m")
     p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--backbones", default="quarot+gptq,quarot+rtn,smoothquant+rtn", type=lambda s: s.split(","))
     p.add_argument("--budgets", default="0,0.05,0.1,0.2", type=floats)
@@ -396,28 +376,25 @@ def main() -> None:
     p.add_argument("--rotations", default="quarot,none", type=lambda s: s.split(","),
                    help="recovery: probe the linears after a QuaRot rotation (quarot) and/or as they are (none)")
     p.add_argument("--repeats", type=int, default=3, help="decode: runs per model, taken in turn")
-    add_protocol_args(p, calib_samples=32, ppl_windows=20)
-    args = p.parse_args()
-    _, settings = protocol_settings(args)
+    args, calib, settings, _ = ppl_bench(p, "mosaic", KEY, render, calib_samples=32, ppl_windows=20)
+    bench = Bench("mosaic", KEY, render)  # every record kept: --recheck is not honoured here
     parts = args.parts.split(",")
     for rotation in args.rotations if "recovery" in parts else ():
         wanted = {"model": args.model, "part": "recovery", "config": f"scores rtn {rotation}", "settings": settings}
-        if record_key(wanted, KEY) not in measured("mosaic", KEY):
-            for r in recovery_part(args, rotation):
-                store("mosaic", {"model": args.model, **r, "settings": settings, "machine": machine(),
-                                 "command": command_line()}, KEY, render, False)
+        if bench.todo(wanted):
+            for r in recovery_part(args, calib, rotation):
+                bench.store({"model": args.model, **r, "settings": settings, **stamp()})
     if "ppl" in parts:
-        ppl_part(args, settings)
+        ppl_part(args, calib, settings, bench)
     if "latency" in parts:
         threads = torch.get_num_threads()
         rows = kernel_latency(linear_shapes(args.model), densities=(0.05, 0.1, 0.2), batches=(1, 8, 64))
-        store("mosaic", {"model": args.model, "part": "latency", "config": f"threads {threads}", "rows": rows,
-                         "threads": threads, "load": loadavg(), "settings": settings, "machine": machine(),
-                         "command": command_line()}, KEY, render, False)
+        bench.store({"model": args.model, "part": "latency", "config": f"threads {threads}", "rows": rows,
+                     "threads": threads, "load": loadavg(), "settings": settings, **stamp()})
     if "decode" in parts:
-        decode_part(args, settings)
+        decode_part(args, settings, bench)
     for rotation in args.rotations:
-        plot([r for r in load_records("mosaic") if r["model"] == args.model and r["part"] == "recovery"
+        plot([r for r in bench.records() if r["model"] == args.model and r["part"] == "recovery"
               and r["settings"] == settings], args.model, rotation)
 
 

@@ -19,7 +19,6 @@ to dense. Writes bench/results/mosaic_kernels.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import statistics
@@ -27,7 +26,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from common import RESULTS, command_line, loadavg, machine, run, write_atomic
+from common import RESULTS, finish, parser, run, run_facts, run_header, write_atomic
 
 from bitquilt.formats import CompositeFormat, SparseBlockFormat
 from bitquilt.kernels import cpu, mosaic
@@ -113,8 +112,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         "# MosaicQuant kernels: dense base vs base + sparse int4 residual (two kernels, fused)",
         "",
-        f"Machine: {meta['machine']}. Load average {meta['loadavg_start']} at start, {meta['loadavg_end']} at end. "
-        f"Written by `{meta['command']}`.",
+        run_header(meta),
         "",
         f"Random W4 g128 base (RTN) plus a residual of {meta['block'][0]}×{meta['block'][1]} int4 tiles at random; "
         f"{meta['threads']} thread(s); median of {meta['repeat']} samples per call, weights cache-resident. "
@@ -147,17 +145,15 @@ def ints(text: str) -> list[int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1, help="torch/OpenMP threads (default 1)")
+    ap = parser(__doc__.splitlines()[0], threads=1, helps={"threads": "torch/OpenMP threads (default 1)"})
     ap.add_argument("--densities", type=floats, default=DENSITIES, help="residual tile densities, e.g. 0.05,0.1,0.2")
     ap.add_argument("--batches", type=ints, default=BATCHES, help="tokens per call, e.g. 1,8,64")
     ap.add_argument("--block", default="1x32", help="residual tile shape r x c, c a multiple of 32 (default 1x32)")
     ap.add_argument("--repeat", type=int, default=15, help="timing samples per variant (median reported)")
     args = ap.parse_args()
     block = tuple(int(v) for v in args.block.lower().split("x"))
-    torch.set_num_threads(args.threads)  # before machine(), which records the thread count
-    meta = dict(machine=machine(), loadavg_start=loadavg(), command=command_line(), threads=args.threads,
-                block=list(block), repeat=args.repeat)
+    torch.set_num_threads(args.threads)  # before run_facts(): its machine record states the thread count
+    meta = dict(**run_facts(), threads=args.threads, block=list(block), repeat=args.repeat)
 
     def log(r: dict) -> None:
         print(f"{r['out']}x{r['inp']} density {r['density']:.3f} batch {r['batch']:3d} ({r['path']}): "
@@ -166,7 +162,7 @@ def main() -> None:
               flush=True)
 
     rows = kernel_latency(SHAPES, args.densities, args.batches, block, args.threads, args.repeat, log)
-    meta["loadavg_end"] = loadavg()
+    finish(meta)
     write_atomic(RESULTS / "mosaic_kernels.json", json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
     write_atomic(RESULTS / "mosaic_kernels.md", markdown(rows, meta))
     print(f"wrote {RESULTS / 'mosaic_kernels.json'} and {RESULTS / 'mosaic_kernels.md'}")

@@ -14,26 +14,11 @@ rows); the stored size is reported too. Results: bench/results/mxsens.{json,md} 
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 import torch
-from common import (
-    RESULTS,
-    add_protocol_args,
-    by_setting,
-    command_line,
-    fmt_ppl,
-    machine,
-    measured,
-    pivot,
-    protocol_settings,
-    record_key,
-    run,
-    setting_header,
-    store,
-)
+from common import RESULTS, fmt_ppl, parser, pivot, ppl_bench, run, sections, stamp
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
 from bitquilt.eval import perplexity
@@ -85,8 +70,8 @@ def render(records: list[dict]) -> str:
     lines = ["# MXSens benchmark", "", __doc__.split("\n\n", 2)[2].replace("\n", " ").strip(), "",
              "**Caveat:** the packaged FP models are dequantized 4-bit GGUFs (see docs/benchmarks.md): re-quantizing "
              "them to 4 bits is flattered where the grids happen to align.", ""]
-    for model, settings, rows in by_setting(records):
-        lines += setting_header(model, settings, rows)
+    for model, _settings, rows, header in sections(records):
+        lines += header
         fp = next((r for r in rows if r["config"] == "fp"), None)
         if fp:
             lines += [f"FP perplexity: {fmt_ppl(fp['ppl'])}.", ""]
@@ -167,8 +152,7 @@ def plot(model: str, rows: list[dict]) -> Path | None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p = parser(__doc__, model="smollm2-135m")
     p.add_argument("--targets", default="4.25,4.5,4.75,5,5.5,5.75", help="MXSens average element bits")
     p.add_argument("--variants", default=",".join(VARIANTS), help="allocation variants swept over --targets")
     p.add_argument("--sections", default="weights,w4a4kv4")
@@ -176,12 +160,9 @@ def main() -> None:
     p.add_argument("--sens-samples", type=int, default=None,
                    help="calibration windows of the layer-sensitivity pass (default: the policy's; fewer for "
                    "big models)")
-    add_protocol_args(p, calib_samples=64, ppl_windows=40)
-    args = p.parse_args()
-    calib, settings = protocol_settings(args)
+    args, calib, settings, bench = ppl_bench(p, "mxsens", KEY, render, calib_samples=64, ppl_windows=40)
     if args.sens_samples:
         settings["sensitivity_samples"] = args.sens_samples
-    command = command_line()
     targets = [float(t) for t in args.targets.split(",") if t]
     sections = args.sections.split(",")
     configs = [("weights", "fp", None)] if "weights" in sections else []
@@ -198,7 +179,7 @@ def main() -> None:
             target = minimum if config == "mxsens min" else 4.27
         wanted = {"model": args.model, "section": section, "config": config, "target_bits": target,
                   "settings": settings}
-        if (record_key(wanted, KEY) in measured("mxsens", KEY)) != args.recheck:
+        if not bench.todo(wanted):
             continue
         model, tokenizer = load(args.model)
         recipe = recipe_for(section, config.split(" ")[0] if section == "w4a4kv4" else config, target,
@@ -219,10 +200,10 @@ def main() -> None:
         record = {**wanted, "recipe": recipe.to_dict() if recipe else None, "ppl": ppl.ppl,
                   "element_bits": element_bits(model), **model_summary(model), "quant_time_s": quant_time,
                   "sensitivity": decisions.get("sensitivity") or None,
-                  "machine": machine(), "command": command}
+                  **stamp()}
         print(f"{section:8s} {config:24s} {target or '':>6} bits {record['element_bits']} ppl {ppl.ppl:9.2f} "
               f"quant {quant_time:5.0f} s", flush=True)
-        store("mxsens", record, KEY, render, args.recheck)
+        bench.store(record)
         del model
 
 

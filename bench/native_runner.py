@@ -14,13 +14,10 @@ run. Results: bench/results/native_runner.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 PROGRAMS = ("bitquilt-run", "bitquilt-native")
@@ -38,17 +35,18 @@ def prompt_of(export: Path) -> str:
 
 def measure(command: list[str]) -> dict:
     """One run of `command` (its --json result), the CPU seconds it used and its wall seconds, start to exit."""
-    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    done = subprocess.run(command, check=True, capture_output=True, text=True)
-    wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    return {**json.loads(done.stdout), "cpu_s": cpu, "wall_s": wall}
+    from common import run_child
+
+    done = run_child(command)
+    if done.returncode:
+        raise subprocess.CalledProcessError(done.returncode, command, done.stdout, done.stderr)
+    return {**json.loads(done.stdout), "cpu_s": done.cpu_s, "wall_s": done.wall_s}
 
 
 def render(records: list[dict]) -> str:
-    from common import provenance
+    from common import doc_protocol, provenance
 
-    lines = ["# Native runner against bitquilt-run", "", " ".join(__doc__.split("\n\n", 2)[2].split()), "",
+    lines = ["# Native runner against bitquilt-run", "", doc_protocol(__doc__), "",
              "| export | threads | program | prompt tokens | prefill tok/s | decode tok/s | wall s | CPU s "
              "| peak RSS MB | load s | decode × bitquilt-run | prefill × bitquilt-run | wall × bitquilt-run "
              "| load avg |",
@@ -67,11 +65,11 @@ def render(records: list[dict]) -> str:
 
 
 def main() -> None:
-    from common import RESULTS, append_record, command_line, loadavg, machine, write_atomic
+    from common import Bench, loadavg, parser, stamp
 
     from bitquilt.runtime.standalone.library import library, runner_path
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--exports", required=True, help="standalone export directories, comma-separated")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--repeats", type=int, default=3)
@@ -79,7 +77,7 @@ def main() -> None:
     library()  # both programs built before any timing
     commands = {"bitquilt-run": [sys.executable, "-m", "bitquilt.runtime.standalone.cli"],
                 "bitquilt-native": [str(runner_path())]}
-    command = command_line()
+    bench = Bench("native_runner", KEY, render)
     for export in map(Path, args.exports.split(",")):
         prompt = prompt_of(export)
         for threads in map(int, args.threads.split(",")):
@@ -94,10 +92,10 @@ def main() -> None:
                           **{k: statistics.median(r[k] for r in results) for k in
                              ("prefill_tokens_per_s", "decode_tokens_per_s", "wall_s", "cpu_s", "peak_rss_mb",
                               "load_seconds")},
-                          "loadavg": loadavg(), "machine": machine(), "command": command}
+                          "loadavg": loadavg(), **stamp()}
                 print(f"{export.name} {threads}t {name}: decode {record['decode_tokens_per_s']:.1f} tok/s, prefill "
                       f"{record['prefill_tokens_per_s']:.1f}, peak {record['peak_rss_mb']:.0f} MB", flush=True)
-                write_atomic(RESULTS / "native_runner.md", render(append_record("native_runner", record, KEY)))
+                bench.store(record)
 
 
 if __name__ == "__main__":

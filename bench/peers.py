@@ -37,7 +37,6 @@ per iteration per block), `light` about 45 min; the bitquilt rows take minutes.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import os
@@ -48,22 +47,7 @@ from typing import Any
 
 import psutil
 import torch
-from common import (
-    GPTQ_PLAIN,
-    add_protocol_args,
-    by_setting,
-    command_line,
-    fmt_ppl,
-    loadavg,
-    machine,
-    measured,
-    pivot,
-    protocol_settings,
-    record_key,
-    run,
-    setting_header,
-    store,
-)
+from common import GPTQ_PLAIN, fmt_ppl, loadavg, parser, pivot, ppl_bench, run, sections, stamp
 from torch import nn
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
@@ -234,7 +218,7 @@ def render(records: list[dict]) -> str:
              "its defaults: it also tunes each group's min/max range (a learned clipping), keeps the iteration of "
              "least mini-batch loss, matches the FP model's block outputs from the quantized model's block inputs, "
              "masks the last token of each window, and torch.compiles from 10 iterations on.", ""]
-    for model, settings, rows in by_setting(records):
+    for _model, _settings, rows, header in sections(records):
         quantized = [r for r in rows if r["engine"] != "fp"]
         grids = list(dict.fromkeys(grid_label(r["w_bits"], r["group_size"])
                                    for r in sorted(quantized, key=lambda r: (-r["w_bits"], -r["group_size"]))))
@@ -244,7 +228,7 @@ def render(records: list[dict]) -> str:
                 f"(cpu {r['quant_cpu_s']:.0f} s)" for r in quantized}
         fp = next((r for r in rows if r["engine"] == "fp"), None)
         corner = f"engine, setting (fp {fmt_ppl(fp['ppl'])})" if fp else "engine, setting"
-        lines += setting_header(model, settings, rows)
+        lines += header
         lines += pivot(corner, labels, grids, cell) if quantized else [f"FP perplexity {fmt_ppl(fp['ppl'])}."]
         lines.append("")
         for r in (r for r in quantized if r["engine"] == "autoround"):
@@ -262,15 +246,14 @@ def render(records: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p = parser(__doc__, model="smollm2-135m")
     p.add_argument("--grid", default="4:128,3:128,2:64", help="bits:group pairs, in run order")
     p.add_argument("--autoround", nargs="*", default=[], metavar="PRESET[:k=v,...]",
                    help=f"AutoRound settings: {', '.join(AUTOROUND_PRESETS)} (needs auto-round=={AUTOROUND_VERSION})")
     p.add_argument("--bitquilt", nargs="*", default=[], metavar="METHOD[:k=v,...]", help="bitquilt recipes")
     p.add_argument("--results", default="peers", help="results name: bench/results/NAME.{json,md}")
-    add_protocol_args(p, calib_samples=64, ppl_windows=40)
-    args = p.parse_args()
+    args, calib, settings, bench = ppl_bench(p, "peers", KEY, render, calib_samples=64, ppl_windows=40)
+    bench.name = args.results  # --results names the file
     try:
         grid = [tuple(int(v) for v in pair.split(":")) for pair in args.grid.split(",")]
     except ValueError:
@@ -283,15 +266,13 @@ def main() -> None:
         configs += [("autoround", spec, autoround_settings(spec), bits, group) for spec in args.autoround]
     if args.autoround:
         require_autoround()
-    calib, settings = protocol_settings(args)
-    command = command_line()
-    host = machine()
+    host = stamp()
 
     ids = None
     for engine, label, config, bits, group in configs:
         wanted = {"model": args.model, "engine": engine, "label": label, "w_bits": bits, "group_size": group,
                   "settings": settings}
-        if (record_key(wanted, KEY) in measured(args.results, KEY)) != args.recheck:
+        if not bench.todo(wanted):
             continue  # measure what is missing, or (--recheck) again what is stored
         model, tokenizer = load(args.model)
         if ids is None and engine != "fp":
@@ -311,10 +292,10 @@ def main() -> None:
                   "size_mb": summary["size_mb"], "bits_per_weight": summary["bits_per_weight"],
                   "bitquilt_bits_per_weight": summary["bits_per_weight"], **extra,
                   "quant_wall_s": wall if engine != "fp" else None, "quant_cpu_s": cpu if engine != "fp" else None,
-                  "loadavg": load_at_start, "machine": host, "command": command}
+                  "loadavg": load_at_start, **host}
         print(f"{engine} {label} {grid_label(bits, group) if bits else ''}: ppl {ppl.ppl:.2f}  "
               f"{record['bits_per_weight']:.3f} bpw  {wall:.0f} s wall  {cpu:.0f} s cpu", flush=True)
-        store(args.results, record, KEY, render, args.recheck)
+        bench.store(record)
         del model
 
 

@@ -12,19 +12,16 @@ Writes bench/results/streaming.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, append_record, command_line, loadavg, machine, run, write_atomic
+from common import Bench, loadavg, parser, run, run_child, stamp
 
 from bitquilt.models.loading import resolve_path
 from bitquilt.models.streaming import TensorFiles
@@ -53,17 +50,12 @@ def quantize_child(model: str, method: str, stream: bool, cap_gb: float | None) 
     if cap_gb is not None:
         argv = ["prlimit", f"--as={int(cap_gb * 2**30)}", "--", *argv]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    t0 = time.perf_counter()
-    child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    stdout, stderr = child.stdout.read(), child.stderr.read()
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    seconds = time.perf_counter() - t0
+    child = run_child(argv, env)
     digest = tensors_sha256(out) if child.returncode == 0 else None
     shutil.rmtree(out.parent, ignore_errors=True)
-    error = stderr.decode(errors="replace").strip().splitlines()[-1:] if child.returncode else []
-    engine_peak = json.loads(stdout)["peak_rss_mb"] if child.returncode == 0 else None
-    return {"exit": child.returncode, "seconds": round(seconds, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024),
+    error = child.stderr.strip().splitlines()[-1:] if child.returncode else []
+    engine_peak = json.loads(child.stdout)["peak_rss_mb"] if child.returncode == 0 else None
+    return {"exit": child.returncode, "seconds": round(child.wall_s, 1), "peak_rss_mb": round(child.peak_rss_mb),
             "quantize_peak_rss_mb": engine_peak and round(engine_peak), "sha256": digest,
             "error": error[0][:300] if error else None}
 
@@ -109,14 +101,15 @@ def render(records: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="smollm2-135m,qwen2.5-1.5b", help="comma-separated models (RTN runs)")
+    p = parser(__doc__.splitlines()[0], models="smollm2-135m,qwen2.5-1.5b",
+               helps={"models": "comma-separated models (RTN runs)"})
     p.add_argument("--gptq", default="smollm2-135m", help="comma-separated models that also run GPTQ ('' none)")
     p.add_argument("--cap", type=float, default=None, metavar="GB",
                    help="also run RTN in both modes under this address-space limit, for models whose fp32 weights "
                    "exceed it")
     p.add_argument("--modes", default="in RAM,stream", help="comma-separated: 'in RAM', 'stream'")
     args = p.parse_args()
+    bench = Bench("streaming", FIELDS, render)
     runs = [(m, "rtn") for m in args.models.split(",") if m] + [(m, "gptq") for m in args.gptq.split(",") if m]
     for model, method in runs:
         info = sizes(model)
@@ -127,10 +120,9 @@ def main() -> None:
                 result = quantize_child(model, method, mode == "stream", cap)
                 label = mode if cap is None else f"{mode}, capped"
                 record = {"model": model, "method": f"{method} W4g128", "mode": label, "cap_gb": cap, **info,
-                          **result, "loadavg": f"{before} → {loadavg()}", "machine": machine(),
-                          "command": command_line(), "settings": {"w_bits": 4, "group_size": 128}}
-                records = append_record("streaming", record, FIELDS)
-                write_atomic(RESULTS / "streaming.md", render(records))
+                          **result, "loadavg": f"{before} → {loadavg()}", **stamp(),
+                          "settings": {"w_bits": 4, "group_size": 128}}
+                bench.store(record)
                 print(f"{model} {method} {label}: exit {result['exit']}, peak RSS {result['peak_rss_mb']} MB, "
                       f"{result['seconds']} s", flush=True)
 

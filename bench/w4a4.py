@@ -8,24 +8,9 @@ settings is skipped, so an interrupted run resumes) and bench/results/w4a4.md is
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from common import (
-    GPTQ_PLAIN,
-    add_protocol_args,
-    by_setting,
-    command_line,
-    fmt_ppl,
-    machine,
-    measured,
-    pivot,
-    protocol_settings,
-    record_key,
-    run,
-    setting_header,
-    store,
-)
+from common import GPTQ_PLAIN, fmt_ppl, parser, pivot, ppl_bench, run, sections, stamp
 
 from bitquilt.api import calibration_ids, load, model_summary, quantize
 from bitquilt.eval import perplexity
@@ -55,14 +40,14 @@ def render(records: list[dict]) -> str:
              "**Caveat:** the packaged FP reference is a dequantized 4-bit GGUF, so plain RTN re-quantization of "
              "unrotated weights is flattered at W4A16 (the weights already sit on a 4-bit grid); rotations destroy "
              "that alignment.", ""]
-    for model, settings, rows in by_setting(records):
+    for _model, _settings, rows, header in sections(records):
         cell = {(row_label(r), r["method"]): r for r in rows}
         labels = list(PRECISIONS) + [f"{p}, keys not centred" for p, (_, kv) in PRECISIONS.items() if kv < 16]
         labels = [p for p in labels if any(row == p for row, _ in cell)]
         ppl = {k: fmt_ppl(r["ppl"]) for k, r in cell.items()}
         if ("FP", "fp") in cell:
             ppl["FP", METHODS[0]] = f"{ppl.pop(('FP', 'fp'))} (all)"
-        lines += setting_header(model, settings, rows) + pivot("precision", ["FP"] * (("FP", "fp") in cell) + labels,
+        lines += header + pivot("precision", ["FP"] * (("FP", "fp") in cell) + labels,
                                                                list(METHODS), ppl)
         seconds = {k: f"{r['quant_time_s']:.0f}" for k, r in cell.items() if k[0] != "FP"}
         lines += ["", "Calibration + quantization time (s):", ""] + pivot("precision", labels, list(METHODS), seconds)
@@ -71,23 +56,19 @@ def render(records: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p = parser(__doc__, model="smollm2-135m")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--precisions", default=",".join(PRECISIONS))
     p.add_argument("--no-kv-center", dest="kv_center", action="store_false",
                    help="quantize keys without centring them (the rows marked 'keys not centred')")
-    add_protocol_args(p, calib_samples=32, ppl_windows=20)
-    args = p.parse_args()
-    calib, settings = protocol_settings(args)
-    command = command_line()
+    args, calib, settings, bench = ppl_bench(p, "w4a4", KEY, render, calib_samples=32, ppl_windows=20)
     configs = [("FP", "fp")] + [(prec, m) for prec in args.precisions.split(",") for m in args.methods.split(",")]
     ids = None
     for prec, method in configs:
         kv_center = args.kv_center if prec != "FP" and PRECISIONS[prec][1] < 16 else None  # None: no KV quantization
         wanted = {"model": args.model, "precision": prec, "kv_center": kv_center, "method": method,
                   "settings": settings}
-        if (record_key(wanted, KEY) in measured("w4a4", KEY)) != args.recheck:
+        if not bench.todo(wanted):
             continue  # measure what is missing, or (--recheck) again what is stored
         model, tokenizer = load(args.model)  # one model in memory at a time: two 1.5B jobs must fit in RAM
         if ids is None:
@@ -106,10 +87,10 @@ def main() -> None:
         record = {"model": args.model, "precision": prec, "kv_center": kv_center, "method": method,
                   "recipe": recipe.to_dict() if recipe else None, "ppl": ppl.ppl, "ppl_seconds": ppl.seconds,
                   **model_summary(model), "quant_time_s": quant_time, "peak_rss_mb": peak_rss_mb(),
-                  "settings": settings, "machine": machine(), "command": command}
+                  "settings": settings, **stamp()}
         print(f"{prec:8s} {method:16s} ppl {ppl.ppl:10.2f}  quant {quant_time or 0:5.0f} s  eval {ppl.seconds:.0f} s",
               flush=True)
-        store("w4a4", record, KEY, render, args.recheck)
+        bench.store(record)
         del model
 
 
