@@ -104,9 +104,8 @@ def release_after_calls(module: Any, tensors: list[torch.Tensor]) -> None:
 def release_chunk(index: int, tensors: Iterable[torch.Tensor]) -> None:
     """After chunk `index` of a kernel layout built a few rows at a time: `release` the mapped `tensors` it has
     copied and, every TRIM_EVERY chunks, the allocator's free pages. The chunks' temporaries come back fragmented
-    between longer-lived allocations and glibc keeps them: building qwen2.5-0.5b's 4-bit LM head (68 MB of planes)
-    peaked 109 MB above where it started without trimming, 81 MB trimming every 8 chunks, 69 MB after every chunk;
-    a trim costs ≈ 3 ms (the next chunk faults its pages in again)."""
+    between longer-lived allocations and glibc keeps them, so the peak of building a large layout grows with the chunks
+    left untrimmed; a trim costs the next chunk's page faults, so it runs every few chunks, not after each."""
     release(tensors)
     if index % TRIM_EVERY == TRIM_EVERY - 1:
         return_free_memory()

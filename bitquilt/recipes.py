@@ -90,7 +90,7 @@ def head_spec(bits: int, group_size: int) -> LayerSpec:
 
 @dataclass
 class Recipe:
-    # the best uniform grid measured at 3-4 bits (docs/benchmarks.md); 2 bits wants "bpdq"
+    # the best uniform grid at 3-4 bits (docs/accuracy.md); 2 bits wants "bpdq"
     method: str = "awq+gptq"
     w_bits: int = 4
     group_size: int | None = None  # None: the solver's format's default (128 for integer grids, 32 for MXINT)

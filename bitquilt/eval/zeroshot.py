@@ -23,8 +23,7 @@ Deviations from lm-eval:
   the inputs are identical.
 - ``limit``: a fixed random sample of N items (``seed``), not lm-eval's first N.
 - Batching: the tokens all choices of an item share (the context) run once and are reused through
-  the KV cache (1.5-2.5x faster than padding every choice on CPU for arc, hellaswag, boolq, lambada;
-  equal for piqa and winogrande), and padding differs from lm-eval's, so log-likelihoods differ at
+  the KV cache (faster than padding every choice where contexts are long), and padding differs from lm-eval's, so log-likelihoods differ at
   float rounding level only (≈1e-5 in float32).
 """
 

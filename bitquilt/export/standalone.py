@@ -167,9 +167,9 @@ def standalone_tensors(model: ModuleTreeLM) -> tuple[dict[str, torch.Tensor], di
 
 def copy_in_huge_pages(source: Path, target: Path) -> None:
     """`source` copied to `target` in 2 MB writes at 2 MB offsets, so that the page cache holds the new file in 2 MB
-    folios where the file system makes them (ext4 on Linux 6.18 here), which the runtime's mapping then gets as huge
-    pages: as safetensors wrote it, smollm2-135m's export sat in small folios and decoded 1.6x slower (196 against
-    311 tok/s, W4 + 4-bit head, one thread; qwen2.5-1.5b 1.2x)."""
+    folios where the file system makes them (ext4 does), which the runtime's mapping then gets as huge pages: as
+    safetensors writes it, the file sits in small folios and every decode step pays TLB misses over its weights
+    (docs/memory.md)."""
     buffer = bytearray(HUGE_PAGE)
     view = memoryview(buffer)
     with open(source, "rb", buffering=0) as src, open(target, "wb", buffering=0) as dst:

@@ -42,9 +42,9 @@ ISAS = ("avx2", "avx512")
 _ISA_CODE = {"avx2": 0, "avx512": 1}
 GROUP = 4 * BLOCK  # columns of one 4-bit group (64 bytes per row)
 ALIGN = 64  # bytes: a 4-bit group never straddles two cache lines
-# Batch size from which dequantize + sgemm beats decoding in registers, per path: on a 2-core Xeon
-# with AVX-512 (MKL sgemm, 1 thread, `python bench/kernel_speed.py --mxint`, crossover table) registers
-# win up to 12 tokens with AVX2 (sgemm from 16) and up to 24 with AVX-512 (sgemm from 32).
+# Batch size from which dequantize + sgemm beats decoding in registers, per path: the crossover of
+# `python bench/kernel_speed.py --mxint` (bench/results/mxint_kernels.md); AVX-512 decodes twice the width per
+# instruction, so its crossover lies later.
 SGEMM_BATCH = {"avx2": 14, "avx512": 28}
 _avx512: bool | None = None
 

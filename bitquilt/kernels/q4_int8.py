@@ -5,7 +5,7 @@ token's activations to int8 per block of 32 columns (scale max|x| / 127, as llam
 multiplies the 4- or 2-bit codes with them in integer instructions. The result is exactly x̂ @ Ŵᵀ for the rounded
 x̂, so the only error is the activations' rounding (≤ d/2 per value); that trade is opt-in,
 `bitquilt.kernels.using(int8_activations=True)` (CLI `--int8-activations`), and its perplexity cost is
-measured in docs/benchmarks.md. Registered as "cpu_q4_int8" ahead of cpu_lut (the 8-bit kernel takes no
+in docs/accuracy.md (bench/results/int8_activations.md). Registered as "cpu_q4_int8" ahead of cpu_lut (the 8-bit kernel takes no
 4- or 2-bit call); it declines every call while the switch is off, and formats with act-order (g_idx) or
 widths/groups not multiples of 64. The layout (`Q4Layout`): tiles of 32 rows whose bytes hold two rows' codes, so
 one 64-byte load becomes vectors of codes with 4 columns of one row in each lane, met by those 4 activations

@@ -24,7 +24,8 @@ from bitquilt.kernels.layouts import LayoutCache
 from bitquilt.kernels.options import options
 from bitquilt.kernels.registry import fp32_rows, like, register_kernel, takes
 
-# measured up to here (bench/kernel_speed.py --uniform8: at 16 tokens 2.0–2.8× the tables); beyond: cpu_lut
+# the GEMV beats the lookup tables up to here (bench/kernel_speed.py --uniform8, bench/results/uniform8_kernel_*.md);
+# beyond: cpu_lut
 MAX_TOKENS = 16
 
 
