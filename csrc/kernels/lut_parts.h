@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "sparse_residual.h"
+#include "kernels/sparse_residual.h"
 
 namespace bitquilt_lut {
 

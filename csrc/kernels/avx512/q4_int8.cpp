@@ -17,13 +17,13 @@
 #include <algorithm>
 #include <cstring>
 
-#include "q4_int8.h"
-#include "vnni_dot.h"
+#include "kernels/q4_int8.h"
+#include "kernels/vnni_dot.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,f16c")
 
-#include "q4_int8_ymm.h"  // built for this target (its header comment)
+#include "kernels/q4_int8_ymm.h"  // built for this target (its header comment)
 
 namespace bitquilt_q4 {
 

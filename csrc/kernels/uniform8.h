@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "stream_prefetch.h"
+#include "common/stream_prefetch.h"
 
 namespace bitquilt_u8 {
 
@@ -34,7 +34,7 @@ void gemv_int8_into(const float* x, int64_t T, const Weight& W, float* y);
 using bitquilt_prefetch::prefetch_ahead;
 
 // Rows [r0, r1) for one token rounded to int8 (codes i [K], block steps d [K / 32], group sums X [groups]) on
-// AVX-512 VNNI (uniform8_vnni.cpp) and on AVX-VNNI (q4_int8_avxvnni.cpp): y[r] for r0 <= r < r1.
+// AVX-512 VNNI (avx512/uniform8.cpp) and on AVX-VNNI (avxvnni/q4_int8.cpp): y[r] for r0 <= r < r1.
 void rows_int8_vnni(const uint8_t* q, const float* scale, const float* scale_zero, const int8_t* i, const float* d,
                     const float* X, int64_t K, int64_t G, int64_t group, int64_t r0, int64_t r1, float* y);
 void rows_int8_avxvnni(const uint8_t* q, const float* scale, const float* scale_zero, const int8_t* i, const float* d,

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "standalone_file.h"
+#include "runtime/standalone_file.h"
 
 namespace bitquilt_tokenizer {
 

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "standalone_file.h"
+#include "runtime/standalone_file.h"
 
 extern "C" {
 const char* bq_error();

@@ -15,8 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include "q4_int8.h"
-#include "stream_prefetch.h"
+#include "common/stream_prefetch.h"
+#include "kernels/q4_int8.h"
 
 namespace {
 

@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "avx2_simd.h"
-#include "parallel.h"
+#include "common/avx2_simd.h"
+#include "common/parallel.h"
 
 namespace bitquilt_int8 {
 

@@ -43,10 +43,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "avx2_simd.h"
-#include "stream_prefetch.h"
-#include "lut_parts.h"
-#include "sparse_residual.h"
+#include "common/avx2_simd.h"
+#include "common/stream_prefetch.h"
+#include "kernels/lut_parts.h"
+#include "kernels/sparse_residual.h"
 
 namespace bitquilt_lut {
 

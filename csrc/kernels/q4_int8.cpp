@@ -1,4 +1,4 @@
-// 4- and 2-bit uniform weights times int8-quantized activations (AVX2; the AVX-512 VNNI twin in q4_int8_vnni.cpp),
+// 4- and 2-bit uniform weights times int8-quantized activations (AVX2; the AVX-512 VNNI twin in avx512/q4_int8.cpp),
 // used by bitquilt.kernels.q4_int8.
 //
 // The bit-plane lookup-table kernel keeps activations exact to 2^-21 at the price of three table limbs per
@@ -33,16 +33,16 @@
 // 2 * 15 * 128 = 3,840 (the high nibbles shifted down: x16 would overflow), at 2 bits 4 steps of at most
 // 2 * 2 * 12 * 128 = 6,144 for the x4 rows; at most 30,720, inside int16.
 
-#include "q4_int8.h"
+#include "kernels/q4_int8.h"
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 
-#include "avx2_simd.h"
-#include "int8_round.h"
-#include "parallel.h"
+#include "common/avx2_simd.h"
+#include "common/parallel.h"
+#include "kernels/int8_round.h"
 
 #ifdef TORCH_EXTENSION_NAME
 #include <ATen/ops/empty.h>

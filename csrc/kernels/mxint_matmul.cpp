@@ -32,8 +32,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "avx2_simd.h"
-#include "stream_prefetch.h"
+#include "common/avx2_simd.h"
+#include "common/stream_prefetch.h"
 
 namespace {
 
@@ -110,7 +110,7 @@ inline void block8(const int8_t* q, uint8_t e, const float* step, Sink&& sink) {
 constexpr int MAX_TT = 4;  // 16 ymm registers: 8 accumulators, weights, x
 
 }  // namespace
-#include "mxint_kernel.h"
+#include "kernels/mxint_kernel.h"
 }  // namespace bq_mxint_avx2
 
 #pragma GCC push_options
@@ -156,7 +156,7 @@ inline void block8(const int8_t* q, uint8_t e, const float* step, Sink&& sink) {
 constexpr int MAX_TT = 8;  // 32 zmm registers: 8 accumulators, tables, weights, x
 
 }  // namespace
-#include "mxint_kernel.h"
+#include "kernels/mxint_kernel.h"
 }  // namespace bq_mxint_avx512
 #pragma GCC pop_options
 

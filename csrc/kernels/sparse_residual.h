@@ -29,7 +29,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "avx2_simd.h"
+#include "common/avx2_simd.h"
 
 namespace bitquilt_sparse {
 

@@ -19,8 +19,8 @@
 #include <cmath>
 #include <vector>
 
-#include "avx2_simd.h"
-#include "slice_router.h"
+#include "common/avx2_simd.h"
+#include "kernels/slice_router.h"
 
 namespace {
 

@@ -27,8 +27,8 @@
 #include <sys/stat.h>
 #include <vector>
 
-#include "bpe_tokenizer.h"
-#include "standalone.h"
+#include "runtime/standalone.h"
+#include "text/bpe_tokenizer.h"
 
 
 namespace {

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "json_value.h"
+#include "text/json_value.h"
 
 namespace bitquilt_standalone {
 

@@ -1,29 +1,29 @@
 // The int8-activation kernels on AVX-VNNI, the 256-bit vpdpbusd (VEX) of CPUs that have it without AVX-512 (Intel's
 // client cores since Alder Lake), picked at run time after `isa_supported(ISA_AVXVNNI)`: the 4- and 2-bit matmul of
-// q4_int8.cpp, and the 8-bit GEMV's row loop (uniform8_rows.h, as uniform8_vnni.cpp builds it for AVX-512).
+// q4_int8.cpp, and the 8-bit GEMV's row loop (uniform8_rows.h, as avx512/uniform8.cpp builds it for AVX-512).
 // One token runs q4_int8_ymm.h's loop, as the AVX-512 path's 4-bit token does; several tokens (prefill) run the AVX2
 // path's plan (q4_int8.cpp: a block's codes masked once into vectors kept in L1, then up to PREFILL_TOKENS tokens
 // over them) with vpdpbusd into int32: no pair sums in int16 to widen, and the high nibbles masked in place (x16)
 // instead of shifted down.
 //
 // Compiled for AVX-VNNI (pragma below, after every include, so that no inline function of a shared header is built
-// for that target, as in q4_int8_vnni.cpp).
+// for that target, as in avx512/q4_int8.cpp).
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 
-#include "avx2_simd.h"
-#include "q4_int8.h"
-#include "uniform8.h"
-#include "vnni_dot.h"
+#include "common/avx2_simd.h"
+#include "kernels/q4_int8.h"
+#include "kernels/uniform8.h"
+#include "kernels/vnni_dot.h"
 
 #pragma GCC push_options
 #pragma GCC target("avxvnni,avx2,fma,f16c")
 
-#include "q4_int8_ymm.h"     // built for this target (their header comments)
-#include "uniform8_rows.h"
+#include "kernels/q4_int8_ymm.h"     // built for this target (their header comments)
+#include "kernels/uniform8_rows.h"
 
 namespace bitquilt_q4 {
 

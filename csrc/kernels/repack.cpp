@@ -12,7 +12,7 @@
 #include <cstring>
 #include <vector>
 
-#include "q4_int8.h"
+#include "kernels/q4_int8.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
-// The 8-bit x int8 GEMV's row loop on vpdpbusd (uniform8_vnni.cpp says why it needs no sign tricks), built once
-// per target: included after the target pragma of uniform8_vnni.cpp (AVX-512 VNNI, EVEX) and q4_int8_avxvnni.cpp
+// The 8-bit x int8 GEMV's row loop on vpdpbusd (avx512/uniform8.cpp says why it needs no sign tricks), built once
+// per target: included after the target pragma of avx512/uniform8.cpp (AVX-512 VNNI, EVEX) and avxvnni/q4_int8.cpp
 // (AVX-VNNI, VEX), each passing its encoding (vnni_dot.h); the template lives in an unnamed namespace (one copy per
 // file). Rows [r0, r1) of one token rounded to int8 (codes i [K], block steps d [K / 32], group sums X [groups]).
 

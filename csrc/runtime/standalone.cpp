@@ -26,14 +26,14 @@
 #include <string>
 #include <vector>
 
-#include "avx2_simd.h"
-#include "bpe_tokenizer.h"
-#include "decoder_core.h"
-#include "parallel.h"
-#include "q4_int8.h"
-#include "standalone.h"
-#include "standalone_file.h"
-#include "uniform8.h"
+#include "common/avx2_simd.h"
+#include "common/parallel.h"
+#include "kernels/q4_int8.h"
+#include "kernels/uniform8.h"
+#include "runtime/decoder_core.h"
+#include "runtime/standalone.h"
+#include "runtime/standalone_file.h"
+#include "text/bpe_tokenizer.h"
 
 namespace {
 

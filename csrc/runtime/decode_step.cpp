@@ -24,11 +24,11 @@
 #include <optional>
 #include <vector>
 
-#include "decoder_core.h"
-#include "lut_parts.h"
-#include "q4_int8.h"
-#include "slice_router.h"
-#include "uniform8.h"
+#include "kernels/lut_parts.h"
+#include "kernels/q4_int8.h"
+#include "kernels/slice_router.h"
+#include "kernels/uniform8.h"
+#include "runtime/decoder_core.h"
 
 namespace {
 

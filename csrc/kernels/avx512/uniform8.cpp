@@ -15,20 +15,20 @@
 // of its pointers in vector registers inside the inner loop: 0.5-0.93x in cache and 0.88-0.95x on cold codes, on
 // both paths (C-timed, alternating). So the two loops stay written out.
 //
-// Compiled for AVX-512 VNNI (pragma after every include, as q4_int8_vnni.cpp); runs only where isa_supported(ISA_AVX512).
+// Compiled for AVX-512 VNNI (pragma after every include, as avx512/q4_int8.cpp); runs only where isa_supported(ISA_AVX512).
 
 #include <immintrin.h>
 
 #include <algorithm>
 
-#include "avx2_simd.h"
-#include "uniform8.h"
-#include "vnni_dot.h"
+#include "common/avx2_simd.h"
+#include "kernels/uniform8.h"
+#include "kernels/vnni_dot.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2")
 
-#include "uniform8_rows.h"  // built for this target (its header comment)
+#include "kernels/uniform8_rows.h"  // built for this target (its header comment)
 
 void bitquilt_u8::rows_int8_vnni(const uint8_t* q, const float* scale, const float* scale_zero, const int8_t* i,
                                  const float* d, const float* X, int64_t K, int64_t G, int64_t group, int64_t r0,

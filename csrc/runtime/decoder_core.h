@@ -24,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "avx2_simd.h"
-#include "parallel.h"
+#include "common/avx2_simd.h"
+#include "common/parallel.h"
 
 namespace bitquilt_decoder {
 

@@ -16,7 +16,7 @@
 //   y[r] = sum_g s[r, g] * sum_{b in g} d_b * <q'[r, b], i_b>  +  sum_g (128 s - s z)[r, g] * X_g,
 //   X_g  = sum_{b in g} d_b * sum_{c in b} i_c,
 // exactly x_hat @ W^T; pair sums |128 * 127 * 2| fit int16. Six integer instructions per 32 weights instead of
-// twelve fp32 ones. Where the int8-activation kernels run AVX-512 VNNI, uniform8_vnni.cpp's loop takes the codes
+// twelve fp32 ones. Where the int8-activation kernels run AVX-512 VNNI, avx512/uniform8.cpp's loop takes the codes
 // unshifted, one vpdpbusd per 32.
 
 #include <immintrin.h>
@@ -25,11 +25,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "avx2_simd.h"
-#include "int8_round.h"
-#include "parallel.h"
-#include "q4_int8.h"
-#include "uniform8.h"
+#include "common/avx2_simd.h"
+#include "common/parallel.h"
+#include "kernels/int8_round.h"
+#include "kernels/q4_int8.h"
+#include "kernels/uniform8.h"
 
 #ifdef TORCH_EXTENSION_NAME
 #include <ATen/ops/empty.h>

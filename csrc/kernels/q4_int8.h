@@ -10,8 +10,8 @@
 #include <cstring>
 #include <string>
 
-#include "int8_round.h"
-#include "stream_prefetch.h"
+#include "common/stream_prefetch.h"
+#include "kernels/int8_round.h"
 
 namespace bitquilt_q4 {
 
@@ -150,8 +150,8 @@ void row_into(const Weight& W, int64_t r, float* out);
 void matmul_into(const float* x, int64_t T, const Weight& W, float* y);
 
 // The int8-activation kernels' paths, narrowest first (bitquilt.isa.INT8_ISAS, in this order): AVX2 (vpmaddubsw);
-// AVX-VNNI (256-bit VEX vpdpbusd, q4_int8_avxvnni.cpp, also the 8-bit GEMV's rows);
-// AVX-512 VNNI (q4_int8_vnni.cpp, uniform8_vnni.cpp). The widest the CPU runs is active by default.
+// AVX-VNNI (256-bit VEX vpdpbusd, avxvnni/q4_int8.cpp, also the 8-bit GEMV's rows);
+// AVX-512 VNNI (avx512/q4_int8.cpp, avx512/uniform8.cpp). The widest the CPU runs is active by default.
 enum Isa : int { ISA_AVX2 = 0, ISA_AVXVNNI = 1, ISA_AVX512 = 2 };
 bool isa_supported(int isa);  // whether this CPU runs `isa` (false for a value not in Isa)
 int active_isa();

@@ -1,6 +1,6 @@
 // The byte-level BPE tokenizer of bpe_tokenizer.h.
 
-#include "bpe_tokenizer.h"
+#include "text/bpe_tokenizer.h"
 
 #include <algorithm>
 #include <array>
