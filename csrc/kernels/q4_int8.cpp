@@ -1,4 +1,5 @@
-// 4- and 2-bit uniform weights times int8-quantized activations (AVX2; the AVX-512 VNNI twin in avx512/q4_int8.cpp),
+// 4- and 2-bit uniform weights times int8-quantized activations (AVX2; the AVX-512 VNNI twin in avx512/q4_int8.cpp,
+// the AVX-VNNI one in avxvnni/q4_int8.cpp),
 // used by bitquilt.kernels.q4_int8.
 //
 // The bit-plane lookup-table kernel keeps activations exact to 2^-21 at the price of three table limbs per
@@ -20,14 +21,10 @@
 // a block's activation scale applies once per 32 columns for 32 rows, a group's row scales once per group. Codes
 // masked in place rather than shifted down come out multiplied (rows 16-31: x16 at 4 bits on VNNI, x4 at 2 bits);
 // the factor joins their row scales once per group, exactly. Per 64 bytes of codes a token costs, on VNNI, a load,
-// two masks and two vpdpbusd at 4 bits, a shift, four masks and four vpdpbusd at 2. The 4-row tiles this replaced
-// (each row's 64 codes of two blocks in a chunk, widened and met by activations stored in the chunk's order) paid a
-// conversion and an FMA per 64 codes and, at 2 bits, three shifts and four activation broadcasts per 64 bytes: on
-// Zen 4 at batch 1 the new VNNI loops ran 1.6-1.7x (4 bits) and 2x (2 bits) faster on weights in cache, 1.4-1.6x at
-// 2 bits on cold ones (the 4-bit stream was at the memory's rate already), and 4-bit prefill 1.7-2.1x faster at
-// 16-128 tokens. Prefill runs the same loop, two tokens per pass on VNNI (each step's masks serve both); AVX2
-// decodes a block's codes once for up to 16 tokens (1.28-1.37x faster at 4 bits, 1.05-1.17x at 2 than one token
-// per pass, 16 and 128 tokens, Zen 4 forced onto AVX2, 2026-12-05).
+// two masks and two vpdpbusd at 4 bits, a shift, four masks and four vpdpbusd at 2: no conversion or FMA per code,
+// which is what lets a batch-1 step keep up with the memory (docs/kernels.md, "Int8-activation kernels"). Prefill
+// runs the same loop, two tokens per pass on VNNI (each step's masks serve both); AVX2 decodes a block's codes once
+// for up to 16 tokens, so that the decoding is paid once for all of them.
 //
 // AVX2 adds a block's pair sums in int16 before one vpmaddwd widens them: at 4 bits 8 steps of at most
 // 2 * 15 * 128 = 3,840 (the high nibbles shifted down: x16 would overflow), at 2 bits 4 steps of at most

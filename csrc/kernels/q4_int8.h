@@ -57,10 +57,9 @@ struct Weight {
 };
 
 // The prefetch of a tile's row-group stream (sz, which runs on into the next tile's), where PREFETCH.row_groups: as
-// many row groups ahead as the code stream is prefetched groups of codes ahead (at least one). On the Xeon of
-// PrefetchPlan (2-bit codes, group 64: 2 row groups ahead into L1, 8 into L2) 1.03-1.09x faster on every path, at
-// 4 bits within 2%; on Zen 4 a T0 prefetch of that stream 4, 8 or 16 groups ahead measured 4-11% slower (2-bit
-// VNNI), so AMD has none.
+// many row groups ahead as the code stream is prefetched groups of codes ahead (at least one). It pays on Intel,
+// whose hardware prefetcher misses this second stream beside the codes; on AMD it cost more than it saved, so the
+// plan there has none (stream_prefetch.h).
 class RowGroupPrefetch {
  public:
   explicit RowGroupPrefetch(const Weight& W) {

@@ -11,10 +11,9 @@
 // Each segment's codes are decoded once per call to exact fp32 integers and multiplied with every
 // token's 32 activations in fp32 FMAs; each token's dot product is then scaled (one multiply after the
 // horizontal sum, not 32 before; with one token, one FMA of the 8 partial sums, a row's segments summed before
-// a single horizontal sum: the fused kernel's batch-1 time over the dense base went from 1.19-1.54x to 1.22-1.40x
-// at 10% and 20% of 1x32 tiles on smollm2's shapes, interleaved A/B on Zen 4), so the residual adds no error
-// beyond fp32 rounding and order.
-// (Reducing 8 segments' sums at once with hadd, or decoding through an L1 buffer, measured slower.)
+// a single horizontal sum, since horizontal sums are what a batch-1 residual spends its time on), so the residual
+// adds no error beyond fp32 rounding and order. Reducing 8 segments' sums at once with hadd, or decoding through an
+// L1 buffer, were tried and lost (docs/kernels.md, "Sparse residual").
 // The fused kernels add a tile's segments into the tile's accumulators (lookup-table path) or into
 // its dequantized fp32 rows (sgemm path) while the tile is hot, so y is written once;
 // sparse_residual_add_ is the separate pass y += x @ S^T.
@@ -90,8 +89,7 @@ inline void segment_matvec(const uint8_t* code, float scale, const float* x, int
 }
 
 // One token (decode): the segments of a row (consecutive, as sorted) summed in one vector, scaled per segment
-// by an FMA, and reduced once per row instead of once per segment (≈ 2 segments per touched row at 10% of
-// 1x32 tiles on a 576-wide layer, ≈ 5 on a 1536-wide one).
+// by an FMA, and reduced once per row instead of once per segment (a touched row has several segments).
 inline void tile_residual_one(const Residual& r, int64_t tile, const float* x, float* acc) {
   for (int64_t k = r.begin(tile), end = r.end(tile); k < end;) {
     const int32_t row = r.rows[k];

@@ -2,7 +2,7 @@
 // bitquilt.runtime.fused (built by bitquilt.runtime.lean).
 //
 // A batch-1 decode step of a small model run module by module spends more time in the framework's
-// per-op overhead (hundreds of views, slices and element-wise ops per token, a few µs each) than in
+// per-op overhead (hundreds of views, slices and element-wise ops per token) than in
 // its matmuls. The layer math is decoder_core.h's (shared with the standalone runtime); this file holds the
 // linears and the torch bindings.
 //

@@ -62,7 +62,8 @@ class MappedFile {
     map_.base = base_ = static_cast<const uint8_t*>(p);
     map_.size = size_ = size;
     // Huge pages where the page cache holds the file in 2 MB folios, and 2 MB folios where it reads the file in on
-    // our faults (readahead for a huge-page mapping): on 4 KB pages smollm2-135m decoded 1.6x slower.
+    // our faults (readahead for a huge-page mapping): a decode step reads every weight once, and on 4 KB pages the
+    // TLB misses cost more than the reads (docs/memory.md, "bitquilt-native").
     madvise(p, size, MADV_HUGEPAGE);
     uint64_t length = 0;
     std::memcpy(&length, base_, 8);  // little-endian, as every CPU this runs on

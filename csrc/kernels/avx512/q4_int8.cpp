@@ -1,13 +1,13 @@
-// The 4- and 2-bit x int8 matmul of q4_int8.cpp on AVX-512 VNNI, picked at run time when the CPU has it: a 64-byte
+// The 4- and 2-bit x int8 matmul of kernels/q4_int8.cpp on AVX-512 VNNI, picked at run time when the CPU has it: a 64-byte
 // step of a 32-row tile is one register whose lane l holds rows l and 16 + l. At 4 bits two masks give the codes of
 // rows 0-15 (low nibbles) and, x16, rows 16-31 (high nibbles, masked in place) at columns 4c .. 4c + 3; at 2 bits one
 // shift and four masks give rows 0-15 and (x4) 16-31 at columns 8c .. 8c + 3 and 8c + 4 .. 8c + 7. One vpdpbusd per
 // vector adds each row's 4 products into its lane (every vector its own accumulator, so no dot product waits for
 // the one before); a block's sums are converted and scaled by its activation scale once per 32 columns, the rows' s
 // and s * z once per group. Two tokens run together for prefill, each step's masks serving both; a single token
-// prefetches the code stream, and on Intel the row groups' stream, as stream_prefetch.h plans (2-bit, Zen 4, cold
-// weights: two accumulators per vector no faster cold and slower in L1). A single token at 4 bits runs the same
-// steps in 256-bit halves (q4_int8_ymm.h: faster on cold weights on Zen 4; at 2 bits alike on the Xeon of the plan).
+// prefetches the code stream, and on Intel the row groups' stream, as stream_prefetch.h plans (one accumulator per
+// vector: a second one did not help cold weights, which bound a decode step). A single token at 4 bits runs the
+// same steps in 256-bit halves (q4_int8_ymm.h), which stream cold weights faster than 512-bit steps.
 //
 // This file is compiled for AVX-512 VNNI (pragma below, after every include, so that no inline function of a
 // shared header is built for that target); its entry points run only where `isa_supported(ISA_AVX512)`.
@@ -29,10 +29,9 @@ namespace bitquilt_q4 {
 
 namespace {
 
-// A single token at 4 bits runs q4_int8_ymm.h's 256-bit loop (EVEX vpdpbusd): on Zen 4, cold weights, alternating
-// builds, its 256-bit halves read 87-94% of the plain read ceiling where the 512-bit loop read 83-89% (11 of 12 paired
-// rows; 2026-12-05), though 5-10% slower in cache; at 2 bits the 256-bit loop lost (80-83% against 80-93%), and
-// prefill keeps the 512-bit two-token loop.
+// A single token at 4 bits runs q4_int8_ymm.h's 256-bit loop (EVEX vpdpbusd): closer to the read ceiling on cold
+// weights than the 512-bit loop, though slower in cache; at 2 bits the 512-bit loop stays ahead, and prefill keeps
+// the 512-bit two-token loop (docs/kernels.md, "Int8-activation kernels").
 using bitquilt_vnni::DotEvex;
 
 // 4 activations (one 32-bit word) broadcast to every lane of a 512-bit vector.
