@@ -28,7 +28,7 @@ FLOORS = [
     {"eval"},
     {"api", "cli_common"},
     {"commands"},
-    {"cli"},
+    {"cli", "entry"},
 ]
 RUNTIME = {"formats", "kernels", "nn", "io", "models", "runtime"}
 ALGORITHMS = {"calib", "solvers", "transforms", "policies", "recipes", "pipeline"}
