@@ -95,19 +95,27 @@ def source_hash(target: Target, root: Path = CSRC) -> str:
     return h.hexdigest()
 
 
-def stamp_path(product: Path) -> Path:
+def _stamp_path(product: Path) -> Path:
     return product.with_name(product.name + ".hash")
 
 
 def _stamp(product: Path) -> str | None:
+    """The hash recorded beside `product`, None if there is none."""
     try:
-        return stamp_path(product).read_text().strip()
+        return _stamp_path(product).read_text().strip()
     except OSError:
         return None
 
 
 def has_sources(target: Target, root: Path = CSRC) -> bool:
+    """Whether `root` holds the target's sources (a checkout does; an installed package has none beside it)."""
     return all((root / s).is_file() for s in target.sources)
+
+
+def is_current(target: Target, out: Path = OUT, root: Path = CSRC) -> bool:
+    """Whether the product in `out` was built from the sources in `root` with the target's flags."""
+    product = out / target.output
+    return product.is_file() and _stamp(product) == source_hash(target, root)
 
 
 def problem(target: Target, out: Path = OUT, root: Path = CSRC) -> str | None:
@@ -116,7 +124,7 @@ def problem(target: Target, out: Path = OUT, root: Path = CSRC) -> str | None:
     product = out / target.output
     if not product.is_file():
         return f"{target.what} is not built (no {product}): {HOW_TO_BUILD}"
-    if has_sources(target, root) and _stamp(product) != source_hash(target, root):
+    if has_sources(target, root) and not is_current(target, out, root):
         return f"{target.what} ({product}) is older than its sources in {root}: `make kernels` rebuilds it"
     return None
 
@@ -162,11 +170,6 @@ def _compile(target: Target, root: Path, work: Path) -> Path:
     raise failures[-1]
 
 
-def is_current(target: Target, out: Path = OUT, root: Path = CSRC) -> bool:
-    product = out / target.output
-    return product.is_file() and _stamp(product) == source_hash(target, root)
-
-
 def build(target: Target, out: Path = OUT, root: Path = CSRC) -> Path:
     """The target built from the sources in `root` into `out` with its hash beside it, unless the product there is
     current; its path. BuildError when it does not compile; the product and hash in `out` are replaced only by a
@@ -178,11 +181,11 @@ def build(target: Target, out: Path = OUT, root: Path = CSRC) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bitquilt-build-") as work:
         built = _compile(target, root, Path(work))
-        stamp_path(product).unlink(missing_ok=True)
+        _stamp_path(product).unlink(missing_ok=True)
         staged = out / f".{target.output}.{os.getpid()}"
         shutil.copy2(built, staged)
         os.replace(staged, product)
-    stamp_path(product).write_text(key + "\n")
+    _stamp_path(product).write_text(key + "\n")
     return product
 
 
