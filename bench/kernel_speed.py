@@ -462,7 +462,7 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
     isas = q4_int8.supported_isas()
     meta = run_meta(isas=list(isas))
     ext = cpu.extension()
-    prefetch = ext.prefetch_plan()  # how the batch-1 kernels prefetch on this CPU (csrc/stream_prefetch.h)
+    prefetch = ext.prefetch_plan()  # how the batch-1 kernels prefetch on this CPU (csrc/common/stream_prefetch.h)
 
     def on(isa: str, *args):  # the path switch is one store in the extension: nothing measurable
         q4_int8.set_isa(isa)
@@ -535,14 +535,14 @@ def int8_main(report: str = I8_REPORT, bits: int = 4) -> None:
              "to int8 per 32; vpmaddubsw, or AVX-512 VNNI vpdpbusd: 512-bit, or 256-bit for one 4-bit token), *ms* "
              "through its Python call "
              "(binding, checks, the output's allocation), *C ms* the same kernel timed in C around the call alone "
-             "(csrc/read_rate.cpp's `q4_int8_seconds`), as the fused decode step and the standalone runtime call "
-             "it; GB/s and % from the C time; *exact*: the bit-plane kernel "
+             "(csrc/kernels/read_rate.cpp's `q4_int8_seconds`), as the fused decode step and the standalone runtime "
+             "call it; GB/s and % from the C time; *exact*: the bit-plane kernel "
              f"the {bits}-bit format runs without `--int8-activations` (lookup tables, from a width-dependent batch "
              "dequantize + sgemm). GB/s: the int8 kernel's layout bytes (codes + scales) per second; *ceiling*: one "
              "streaming read of a cold buffer of the same bytes in the same kind of pages (huge pages, as the layouts: "
              "`kernels.huge_pages.layout_empty`), timed in the same alternating rounds as the kernels "
-             "(csrc/read_rate.cpp: 256-bit loads OR-ed together, 1 thread, timed in C; the faster of a plain pass "
-             "and one "
+             "(csrc/kernels/read_rate.cpp: 256-bit loads OR-ed together, 1 thread, timed in C; the faster of a plain "
+             "pass and one "
              f"prefetching {prefetch} bytes ahead, as the kernels do on this CPU), the read rate a batch-1 kernel can "
              "reach; *plain*, *prefetching*: each pass's own median (a software prefetch of every line caps a "
              "stream below what the hardware prefetcher alone reaches on some CPUs, and the kernels need it: their "

@@ -6,8 +6,6 @@ import os
 import sys
 from collections.abc import Callable
 
-from safetensors import SafetensorError
-
 
 class UserError(Exception):
     pass
@@ -18,6 +16,16 @@ class UserError(Exception):
 USER_ERRORS = (UserError, ValueError, FileNotFoundError)
 
 
+def _file_errors() -> tuple[type[Exception], ...]:
+    """A failed read or write: OSError, and a damaged safetensors file where safetensors is installed (an install
+    with the standalone runtime alone has none)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return (OSError,)
+    return (OSError, SafetensorError)
+
+
 def run_command(prog: str, work: Callable[[], int], debug: bool = False) -> int:
     """A command line's exit status for `work()`: its user errors one line on stderr (2); a failed read or write (a
     full disk, a file too large, a damaged safetensors file) one line (1); Ctrl-C "interrupted" (130); a reader
@@ -25,7 +33,7 @@ def run_command(prog: str, work: Callable[[], int], debug: bool = False) -> int:
     errors with their traceback."""
     try:
         return work()
-    except (*USER_ERRORS, OSError, SafetensorError) as e:
+    except (*USER_ERRORS, *_file_errors()) as e:
         if isinstance(e, BrokenPipeError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
             return 141

@@ -1,9 +1,9 @@
 """Command-line flag values checked before any work by the command lines that have them (`bitquilt`, `bitquilt-run`;
-`bitquilt-native` checks the same in C++, csrc/native_runner.cpp): numbers in their ranges, a prompt that is text. A
-value out of range gets one line naming the flag and what it accepts, where it would otherwise wrap in a C integer
-(a 2**32 thread count read as 0), overflow a sequence length, or fail deep inside torch or the tokenizer. Also the
-two type tests the Python API's checks share (a bool is an int to Python, never a count here). Imports nothing heavy:
-`bitquilt-run` uses it without torch."""
+`bitquilt-native` checks the same in C++, csrc/runtime/native_runner.cpp): numbers in their ranges, a prompt that is
+text. A value out of range gets one line naming the flag and what it accepts, where it would otherwise wrap in a C
+integer (a 2**32 thread count read as 0), overflow a sequence length, or fail deep inside torch or the tokenizer. Also
+the two type tests the Python API's checks share (a bool is an int to Python, never a count here). Imports nothing
+heavy: `bitquilt-run` uses it without torch."""
 
 from __future__ import annotations
 

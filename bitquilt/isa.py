@@ -14,15 +14,16 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-INT8_ISAS = ("avx2", "avxvnni", "avx512")  # the 4- and 2-bit × int8 kernel's paths, in csrc/q4_int8.h's Isa order;
+# the 4- and 2-bit × int8 kernel's paths, in csrc/kernels/q4_int8.h's Isa order;
 # avxvnni: 256-bit VEX vpdpbusd; avx512: F, BW, VL, DQ and VNNI
+INT8_ISAS = ("avx2", "avxvnni", "avx512")
 log = logging.getLogger(__name__)
 _warned: set[tuple[str, str]] = set()
 
 
 def int8_supported(runs: Callable[[int], Any]) -> tuple[str, ...]:
-    """The INT8_ISAS paths for which `runs(index)` (a compiled library's test, by csrc/q4_int8.h's Isa index) holds,
-    narrowest first."""
+    """The INT8_ISAS paths for which `runs(index)` (a compiled library's test, by csrc/kernels/q4_int8.h's Isa index)
+    holds, narrowest first."""
     return tuple(name for index, name in enumerate(INT8_ISAS) if runs(index))
 
 

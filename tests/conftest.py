@@ -34,6 +34,19 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
+def exported_smollm(tmp_path_factory):
+    """smollm2-135m, RTN W4 g128 with an 8-bit head (tied: the embedding reads the head's rows), saved (`saved/`) and
+    exported to the standalone runtime (`out/`), once for the tests of both runtimes and of a torch-free install."""
+    from bitquilt.cli import main
+
+    root = tmp_path_factory.mktemp("standalone")
+    assert main(["quantize", "smollm2-135m", "--method", "rtn", "--head-bits", "8", "--stream", "-o",
+                 str(root / "saved")]) == 0
+    assert main(["export", str(root / "saved"), "-o", str(root / "out"), "--to", "standalone", "--json"]) == 0
+    return root
+
+
+@pytest.fixture(scope="session")
 def calib_ids(smollm):
     from bitquilt.data.windows import calibration_windows
 

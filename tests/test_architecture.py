@@ -14,7 +14,8 @@ EXTENDING = ROOT.parent / "docs" / "extending.md"
 
 # Lowest floor first. A module may import its own floor and the floors below, never above.
 FLOORS = [
-    {"errors", "cache", "resources", "registry", "tables", "mapped", "heap", "isa", "flag_checks", "__init__"},
+    {"errors", "cache", "resources", "registry", "tables", "mapped", "heap", "isa", "flag_checks", "native_build",
+     "__init__"},
     {"formats"},
     {"kernels"},
     {"nn"},
@@ -27,7 +28,7 @@ FLOORS = [
     {"eval"},
     {"api", "cli_common"},
     {"commands"},
-    {"cli"},
+    {"cli", "entry"},
 ]
 RUNTIME = {"formats", "kernels", "nn", "io", "models", "runtime"}
 ALGORITHMS = {"calib", "solvers", "transforms", "policies", "stages", "recipes", "pipeline"}
@@ -35,7 +36,8 @@ STANDALONE = "bitquilt.runtime.standalone"
 # What the standalone runtime may import besides itself: modules that import no torch (tests/test_standalone.py
 # runs it in a process without torch to check)
 TORCH_FREE = {"bitquilt.errors", "bitquilt.cache", "bitquilt.heap", "bitquilt.isa", "bitquilt.flag_checks",
-              "bitquilt.resources", "bitquilt.runtime", "bitquilt.runtime.loop", "bitquilt.runtime.tokenizer"}
+              "bitquilt.resources", "bitquilt.native_build", "bitquilt.runtime", "bitquilt.runtime.loop",
+              "bitquilt.runtime.tokenizer"}
 
 
 def room(module: str) -> str:

@@ -415,8 +415,8 @@ def test_the_int8_kernel_timed_in_c_runs_the_kernel_on_checked_arguments():
 @needs_ext
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_bit_planes_of_the_extension_are_the_reference_ones(bits):
-    """csrc/repack.cpp cuts a uniform weight's codes into the lookup-table kernel's bit-planes; rows taken apart from
-    a larger weight (strided words, as a layout is built a chunk of rows at a time) give the same planes."""
+    """csrc/kernels/repack.cpp cuts a uniform weight's codes into the lookup-table kernel's bit-planes; rows taken apart
+    from a larger weight (strided words, as a layout is built a chunk of rows at a time) give the same planes."""
     from bitquilt.formats.packing import bit_planes
 
     values = torch.randint(0, 2**bits, (23, 160), generator=torch.Generator().manual_seed(bits))
@@ -442,8 +442,8 @@ def test_layouts_built_a_few_rows_at_a_time_are_the_whole_ones(make, monkeypatch
 @needs_ext
 @pytest.mark.parametrize(("bytes_per_row", "block"), [(1120, 128), (36, 32), (24, 64)])  # 16-byte steps, and tails
 def test_planes_to_tiles_is_the_reference_reordering(bytes_per_row, block):
-    """csrc/repack.cpp's transposes put byte (plane i, row, column byte c) where the kernel reads it: tile, block,
-    plane, c within the block, the row's position in the tile (`_ROW_OF_BYTE`)."""
+    """csrc/kernels/repack.cpp's transposes put byte (plane i, row, column byte c) where the kernel reads it: tile,
+    block, plane, c within the block, the row's position in the tile (`_ROW_OF_BYTE`)."""
     k, rows, bb = 3, 64, block // 8
     planes = torch.randint(0, 256, (k, rows, bytes_per_row), dtype=torch.uint8)
     out = torch.empty(rows // 32, bytes_per_row // bb, k, bb, 32, dtype=torch.uint8)

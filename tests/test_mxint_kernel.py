@@ -156,8 +156,8 @@ def test_isa_selection(monkeypatch, caplog):
 @needs_ext
 @pytest.mark.parametrize("bits", range(2, 8))
 def test_layouts_unpack_codes_as_the_format_does(bits):
-    """csrc/repack.cpp's `unpack_signed`, which the layout is built from, is the format's own `unpack_signed`, rows
-    taken apart from a larger weight included."""
+    """csrc/kernels/repack.cpp's `unpack_signed`, which the layout is built from, is the format's own `unpack_signed`,
+    rows taken apart from a larger weight included."""
     from bitquilt.formats.mxint import pack_signed, unpack_signed
 
     q = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (21, 160), generator=torch.Generator().manual_seed(bits))

@@ -1,4 +1,4 @@
-"""The native runner's tokenizer (csrc/bpe_tokenizer.h, tables from bitquilt.export.tokenizer_tables) gives the ids
+"""The native runner's tokenizer (csrc/text/bpe_tokenizer.h, tables from bitquilt.export.tokenizer_tables) gives the ids
 and text of Hugging Face's `tokenizers` on the same tokenizer.json, for each pre-tokenizer it knows."""
 
 import ctypes

@@ -197,18 +197,6 @@ print(json.dumps({"code": code, "torch": "torch" in sys.modules, "numpy": "numpy
 """
 
 
-@pytest.fixture(scope="module")
-def exported_smollm(tmp_path_factory):
-    """smollm2-135m, RTN W4 g128 with an 8-bit head (tied: the embedding reads the head's rows), exported."""
-    from bitquilt.cli import main
-
-    root = tmp_path_factory.mktemp("standalone")
-    assert main(["quantize", "smollm2-135m", "--method", "rtn", "--head-bits", "8", "--stream", "-o",
-                 str(root / "saved")]) == 0
-    assert main(["export", str(root / "saved"), "-o", str(root / "out"), "--to", "standalone", "--json"]) == 0
-    return root
-
-
 def test_bitquilt_run_generates_text_without_importing_torch_or_numpy(exported_smollm, capsys):
     from bitquilt.cli import main
 
@@ -340,7 +328,7 @@ def test_bitquilt_native_bad_input(exported_smollm, tmp_path):
     for content, message in [(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": [1, 2,]}   ", "JSON: unexpected character"),
                              (b"\xff" * 16, "runs past the end of the file"), (b"\x02" + b"\x00" * 7 + b"{}",
                                                                              "has no standalone metadata")]:
-        (broken / FILE).write_bytes(content)  # the runner's own header parser (csrc/json_value.h) on bad files
+        (broken / FILE).write_bytes(content)  # the runner's own header parser (csrc/text/json_value.h) on bad files
         done = _native(str(broken), "--prompt", "x")
         assert done.returncode == 2 and message in done.stderr, (content, done.stderr)
     saved = _saved(tmp_path, "llama", Recipe("rtn", w_bits=4, group_size=64))  # a tiny model: no tokenizer.json

@@ -96,7 +96,7 @@ def test_rotating_a_large_matrix_in_row_chunks_is_exact():
 @pytest.mark.parametrize("n", PACKAGED_SIZES + [1, 2, 4, 8, 12, 14, 3])
 @pytest.mark.parametrize("signed", [False, True])
 def test_compiled_transform_matches_the_torch_reference(n, signed):
-    """fp32 rows go through csrc/hadamard.cpp (in-register butterflies below 8, the odd factor four columns at a
+    """fp32 rows go through csrc/kernels/hadamard.cpp (in-register butterflies below 8, the odd factor four columns at a
     time): it must give the torch butterflies' result and x M_n to fp32 rounding, for any leading shape."""
     x = torch.randn(5, 3, n, generator=torch.Generator().manual_seed(n))
     s = random_signs(n, 3) if signed else None

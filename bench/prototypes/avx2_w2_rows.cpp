@@ -1,5 +1,5 @@
 // Ad hoc prototype (not built by the package; numbers in docs/benchmarks.md, "Two loops that did not pay"): the
-// batch-1 2-bit x int8 loop of csrc/q4_int8.cpp's AVX2 path at group 64 (`cur`: each row's 16 bytes broadcast,
+// batch-1 2-bit x int8 loop of csrc/kernels/q4_int8.cpp's AVX2 path at group 64 (`cur`: each row's 16 bytes broadcast,
 // two variable shifts, two masks) against two rows per 32-byte load (`lane`: 128-bit lane = row, three shifts and
 // four masks, the x quarters broadcast, the two blocks' int16 sums merged by one vphaddw before a single
 // vpmaddwd), alternating calls, median thread CPU time; prints the largest relative difference of the two outputs.

@@ -6,9 +6,10 @@ builds in an order rotated each round: in one run the first build of every round
 ceiling (this tree's read passes: plain, prefetching into L1 2 or 8 KB ahead, and as this tree's kernels prefetch on
 this CPU); medians of thread CPU time over the rounds. gemv_ab.py and resident_ab.py share its build helpers.
 
-    python bench/prototypes/build_ab.py old=/tmp/csrc_old new=bitquilt/kernels/csrc [--bits 2] [--isas avx512,avx2]
+    python bench/prototypes/build_ab.py old=/tmp/csrc_old new=csrc [--bits 2] [--isas avx512,avx2]
 
-Each build takes about a minute (cached under /tmp/bitquilt_ab/<name>).
+Each build takes a few minutes (`bitquilt.native_build`'s torch extension target; kept under /tmp/bitquilt_ab/<name>
+while that tree's sources are unchanged).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_speed import cold_copies, random_uniform  # noqa: E402
 
+from bitquilt import native_build  # noqa: E402
 from bitquilt.isa import INT8_ISAS as ISAS  # noqa: E402
 from bitquilt.kernels import cpu, q4_int8  # noqa: E402
 
@@ -79,18 +81,18 @@ def in_round_order(names: list[str], r: int) -> list[str]:
 def named_source(arg: str) -> tuple[str, Path]:
     """`name=path` of a build: a name usable in a module name and a folder holding the extension's sources."""
     name, _, path = arg.partition("=")
-    if not name.isidentifier() or not (Path(path) / "q4_int8.cpp").is_file():
+    if not name.isidentifier() or not native_build.has_sources(native_build.TORCH_EXTENSION, Path(path)):
         raise argparse.ArgumentTypeError(f"{arg!r}: expected name=path, the name a Python identifier and the path a "
-                                         "copy of bitquilt/kernels/csrc")
+                                         "copy of csrc/")
     return name, Path(path)
 
 
 def add_builds_argument(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("builds", nargs="+", type=named_source, help="name=path of a copy of bitquilt/kernels/csrc")
+    ap.add_argument("builds", nargs="+", type=named_source, help="name=path of a copy of csrc/")
 
 
 def build_all(sources: list[tuple[str, Path]]) -> dict[str, ModuleType]:
-    """Each `named_source` built as its own extension (cached under /tmp/bitquilt_ab/<name>), by name."""
+    """Each `named_source` built as its own extension (kept under /tmp/bitquilt_ab/<name>), by name."""
     return {name: cpu.build_extension(f"bitquilt_ab_{name}", path, Path("/tmp/bitquilt_ab") / name)
             for name, path in sources}
 

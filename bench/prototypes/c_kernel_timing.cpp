@@ -3,8 +3,8 @@
 // streaming read of a cold buffer of the same bytes (the ceiling), the kernel and the read alternating, median thread
 // CPU time. Build against a source tree (the repository's, or an edited copy to compare):
 //
-//     g++ -O3 -std=c++17 -mavx2 -mfma -mf16c -fopenmp -I bitquilt/kernels/csrc bench/prototypes/c_kernel_timing.cpp
-//         bitquilt/kernels/csrc/{q4_int8,q4_int8_vnni,q4_int8_avxvnni,uniform8_gemv,uniform8_vnni}.cpp -o /tmp/c_kernel_timing
+//     g++ -O3 -std=c++17 -mavx2 -mfma -mf16c -fopenmp -I csrc bench/prototypes/c_kernel_timing.cpp
+//         csrc/kernels/{q4_int8,avx512/q4_int8,avxvnni/q4_int8,uniform8_gemv,avx512/uniform8}.cpp -o /tmp/c_kernel_timing
 //         (one command)
 //     OMP_NUM_THREADS=1 /tmp/c_kernel_timing 4      # 4-bit codes, group 128 (2: 2-bit, group 64; 8: the 8-bit GEMV)
 //
@@ -22,12 +22,12 @@
 #include <vector>
 
 #include "prototype_memory.h"
-#include "q4_int8.h"
-#include "uniform8.h"
+#include "kernels/q4_int8.h"
+#include "kernels/uniform8.h"
 
 namespace {
 
-int64_t read_pass(const uint8_t* p, size_t n) {  // csrc/read_rate.cpp's plain pass
+int64_t read_pass(const uint8_t* p, size_t n) {  // csrc/kernels/read_rate.cpp's plain pass
   __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
   for (size_t i = 0; i < n; i += 128) {
     a = _mm256_or_si256(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));

@@ -5,7 +5,7 @@ and an MXSens 8/6/4 one through `mxint_gemv` (on `--isa`); `--kernel lut` unifor
 through `lut_matmul`. Each round calls every build on its own cold copy, the builds' order rotated each round;
 medians of thread CPU time and the layout's bytes per second (build_ab.py does the same for the int8 kernels).
 
-    python bench/prototypes/gemv_ab.py old=/tmp/csrc_old new=bitquilt/kernels/csrc --kernel mxint [--isa avx2]
+    python bench/prototypes/gemv_ab.py old=/tmp/csrc_old new=csrc --kernel mxint [--isa avx2]
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@
 
 namespace {
 
-// csrc/read_rate.cpp's pass, the prefetch hint a template argument
+// csrc/kernels/read_rate.cpp's pass, the prefetch hint a template argument
 template <int HINT>
 __attribute__((noinline)) int64_t read_pass(const uint8_t* p, size_t n, size_t ahead) {
   __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;

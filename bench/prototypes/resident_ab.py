@@ -5,7 +5,7 @@ token, as one "step"; each round runs one step per build, the builds' order rota
 on the same layouts (32 MB at 2 bits, 56 MB at 4: resident in a large server L3). Median and 10th percentile of
 thread CPU time per step, Python calls included (≈ 3 µs each). bench/prototypes/build_ab.py judges cold weights.
 
-    python bench/prototypes/resident_ab.py old=/tmp/csrc_old new=bitquilt/kernels/csrc [--bits 2] [--rounds 100]
+    python bench/prototypes/resident_ab.py old=/tmp/csrc_old new=csrc [--bits 2] [--rounds 100]
 """
 
 from __future__ import annotations

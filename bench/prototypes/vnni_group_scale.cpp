@@ -1,5 +1,5 @@
 // Ad hoc prototype (not built by the package; numbers in docs/benchmarks.md, "Two loops that did not pay"): the
-// batch-1 4-bit x int8 loop of csrc/q4_int8_vnni.cpp with one activation scale per block of 32 (`cur`: one
+// batch-1 4-bit x int8 loop of csrc/kernels/avx512/q4_int8.cpp with one activation scale per block of 32 (`cur`: one
 // convert + FMA per row pair per chunk, the group scale applied per group) against one per group of 128 (`grp`:
 // int32 sums over the whole group, one convert + multiply + FMA per row pair per group, the group's scales
 // stored ready as [s_2j x 8, s_2j+1 x 8]), alternating calls, median thread CPU time.

@@ -23,8 +23,8 @@ Deviations from lm-eval:
   the inputs are identical.
 - ``limit``: a fixed random sample of N items (``seed``), not lm-eval's first N.
 - Batching: the tokens all choices of an item share (the context) run once and are reused through
-  the KV cache (faster than padding every choice where contexts are long), and padding differs from lm-eval's, so log-likelihoods differ at
-  float rounding level only (≈1e-5 in float32).
+  the KV cache (faster than padding every choice where contexts are long), and padding differs from
+  lm-eval's, so log-likelihoods differ at float rounding level only (≈1e-5 in float32).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A byte-level BPE tokenizer.json as tables in the standalone file, for the native runner's tokenizer
-(csrc/bpe_tokenizer.h), which then needs neither Python nor a JSON tokenizer library.
+(csrc/text/bpe_tokenizer.h), which then needs neither Python nor a JSON tokenizer library.
 
 Tensors (`tokenizer.*`):
   token_bytes  uint8   every token's bytes, concatenated by id (byte-level characters mapped back to bytes; an added
@@ -70,7 +70,7 @@ def category_ranges(prefix: str) -> list[tuple[int, int]]:
     return ranges
 
 
-HANGUL_SYLLABLES = range(0xAC00, 0xD7A4)  # composed and decomposed arithmetically (csrc/bpe_tokenizer.cpp)
+HANGUL_SYLLABLES = range(0xAC00, 0xD7A4)  # composed and decomposed arithmetically (csrc/text/bpe_tokenizer.cpp)
 
 
 def nfc_tables() -> dict[str, torch.Tensor]:

@@ -80,8 +80,8 @@ def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 def bit_planes(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Bit planes of `pack`ed values: uint8 [bits, *lead, n/8] from int32 words [*lead, n·bits/32].
 
-    Bit j of byte p of plane i is bit i of value 8p + j. (The kernels cut uniform codes with csrc/repack.cpp; this is
-    its reference, and the planes of bit-plane formats, which at one bit are the stream's bytes.)
+    Bit j of byte p of plane i is bit i of value 8p + j. (The kernels cut uniform codes with csrc/kernels/repack.cpp;
+    this is its reference, and the planes of bit-plane formats, which at one bit are the stream's bytes.)
     """
     *lead, nw = words.shape
     if nw != packed_words(n, bits):

@@ -1,46 +1,47 @@
 """AVX2 CPU kernels: bit-plane lookup-table matmul for the `bitplane` and `uniform` formats.
 
-Importing this module builds (once, cached under `$BITQUILT_CACHE/ext`, default
-`~/.cache/bitquilt/ext`) and loads the C++ extension in `csrc/`, then registers the kernels
-with `bitquilt.kernels`. If the build or load fails, one warning is logged and nothing is
-registered, so `QuantLinear` keeps the torch reference path. `python -m bitquilt.kernels.cpu`
-builds ahead of time (called by `make kernels`).
+Importing this module loads the C++ extension built at install time (`bitquilt.native_build`'s
+TORCH_EXTENSION, in the package's `_native/`) and registers the kernels with `bitquilt.kernels`.
+Nothing compiles here: if the extension was not built, cannot load, or (in a checkout) is older
+than its sources, one warning is logged and nothing is registered, so `QuantLinear` keeps the
+torch reference path; `make kernels` rebuilds it.
 
 Both formats run through one kernel: a weight matrix is k binary planes with per-(row, group)
 coefficients (a b-bit uniform grid is b planes with C_i = s·2^(i-1), C0 = −s·z), multiplied by
-activation lookup tables (see csrc/lut_matmul.cpp); from a bit-width-dependent batch size on,
+activation lookup tables (see csrc/kernels/lut_matmul.cpp); from a bit-width-dependent batch size on,
 rows are instead dequantized to fp32 in chunks and multiplied by sgemm. The packed layout is
-built on first use from the format's codes (cut into bit-planes by csrc/repack.cpp), `scale_zero()` and coefficients
-and kept in this module's `LayoutCache` while the format lives (about the size of the packed
+built on first use from the format's codes (cut into bit-planes by csrc/kernels/repack.cpp), `scale_zero()` and
+coefficients and kept in this module's `LayoutCache` while the format lives (about the size of the packed
 weights again); the format itself is unchanged. Calls with per-token context are declined.
 `Packed.matmul` also takes an optional sparse 4-bit residual, added inside either path
-(csrc/sparse_residual.h; the MosaicQuant kernels in `bitquilt.kernels.mosaic`).
+(csrc/kernels/sparse_residual.h; the MosaicQuant kernels in `bitquilt.kernels.mosaic`).
 
-The same extension also holds the MXINT kernel (csrc/mxint_matmul.cpp), registered by
-`bitquilt.kernels.mxint`, the 8-bit uniform GEMV (csrc/uniform8_gemv.cpp, `bitquilt.kernels.uniform8`; its
-AVX-512 VNNI row loop in csrc/uniform8_vnni.cpp),
-the MoBiRoute slice counts (csrc/slice_router.cpp, used by `bitquilt.kernels.router`), the fused
-decoder layers of a batch-1 decode step (csrc/decode_step.cpp, `bitquilt.runtime.fused`) and the
-4- and 2-bit × int8-activation matmul (csrc/q4_int8.cpp, `bitquilt.kernels.q4_int8`; its AVX-512 VNNI path in
-csrc/q4_int8_vnni.cpp, its AVX-VNNI one in csrc/q4_int8_avxvnni.cpp), and a plain streaming read
-(csrc/read_rate.cpp) that the kernel benchmarks take as
+The same extension also holds the MXINT kernel (csrc/kernels/mxint_matmul.cpp), registered by
+`bitquilt.kernels.mxint`, the 8-bit uniform GEMV (csrc/kernels/uniform8_gemv.cpp, `bitquilt.kernels.uniform8`; its
+AVX-512 VNNI row loop in csrc/kernels/avx512/uniform8.cpp),
+the MoBiRoute slice counts (csrc/kernels/slice_router.cpp, used by `bitquilt.kernels.router`), the fused
+decoder layers of a batch-1 decode step (csrc/runtime/decode_step.cpp, `bitquilt.runtime.fused`) and the
+4- and 2-bit × int8-activation matmul (csrc/kernels/q4_int8.cpp, `bitquilt.kernels.q4_int8`; its AVX-512 VNNI path in
+csrc/kernels/avx512/q4_int8.cpp, its AVX-VNNI one in csrc/kernels/avxvnni/q4_int8.cpp), and a plain streaming read
+(csrc/kernels/read_rate.cpp) that the kernel benchmarks take as
 their bandwidth ceiling.
 """
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import logging
 import math
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Protocol
 
 import torch
 
-from bitquilt import cache
+from bitquilt import native_build
 from bitquilt.formats.base import MatmulContext, WeightFormat
 from bitquilt.formats.bitplane import BitplaneFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
@@ -53,37 +54,39 @@ log = logging.getLogger(__name__)
 
 TILE = 32  # output rows per kernel tile
 PACK_TILES = PACK_ROWS // TILE  # tiles cut into bit-planes and reordered at a time (`pack_planes`)
-_SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("lut_matmul.cpp", "mxint_matmul.cpp", "slice_router.cpp", "uniform8_gemv.cpp",
-                         "uniform8_vnni.cpp", "decode_step.cpp", "q4_int8.cpp", "q4_int8_vnni.cpp",
-                         "q4_int8_avxvnni.cpp", "hadamard.cpp", "read_rate.cpp", "repack.cpp")]
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _ext: ModuleType | None = None
 _failed = False
 
 
-def cache_dir() -> Path:
-    return cache.cache_dir() / "ext"
-
-
-def build_extension(name: str, source_dir: Path, build_dir: Path, verbose: bool = False) -> ModuleType:
-    """The extension's sources as found in `source_dir` (csrc/ or a copy of it), built into `build_dir` and loaded
-    as module `name`: the package's own build, and benchmarks that compare two versions of the kernels."""
-    from torch.utils.cpp_extension import load
-
+def _load(target: native_build.Target, directory: Path) -> ModuleType:
+    """The extension module built for `target` in `directory`, loaded (torch, which it links against, is loaded)."""
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
         raise RuntimeError("the CPU lacks AVX2")
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return load(name=name, sources=[str(source_dir / s.name) for s in _SOURCES], extra_cflags=_FLAGS,
-                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose)
+    path = directory / target.output
+    loader = importlib.machinery.ExtensionFileLoader(target.module, str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(target.module, path, loader=loader))
+    loader.exec_module(module)
+    return module
 
 
-def _load_extension(verbose: bool = False) -> ModuleType:
-    return build_extension("bitquilt_cpu", _SOURCES[0].parent, cache_dir(), verbose)
+def build_extension(name: str, source_dir: Path, build_dir: Path) -> ModuleType:
+    """The extension built from the sources in `source_dir` (csrc/ or an edited copy of it) into `build_dir` (kept
+    while those sources are unchanged) and loaded as module `name`: for benchmarks that compare builds."""
+    target = replace(native_build.TORCH_EXTENSION, output=f"{name}.so")
+    native_build.build(target, build_dir, source_dir)
+    return _load(target, build_dir)
+
+
+def _load_extension() -> ModuleType:
+    """The package's prebuilt extension; RuntimeError (one line) if it is missing or older than its sources."""
+    problem = native_build.problem(native_build.TORCH_EXTENSION)
+    if problem:
+        raise RuntimeError(problem)
+    return _load(native_build.TORCH_EXTENSION, native_build.OUT)
 
 
 def extension() -> ModuleType | None:
-    """The compiled extension, built on first call; None (after one warning) if it cannot be."""
+    """The prebuilt extension, loaded on first call; None (after one warning) if it cannot be."""
     global _ext, _failed
     if _ext is None and not _failed:
         try:
@@ -140,7 +143,7 @@ def _pad_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 def _plane_bytes(fmt: BitplaneFormat | UniformFormat, rows: slice) -> torch.Tensor:
     """The bit-planes of `rows`, uint8 [k, rows, K/8] (bit j of byte p = column 8p+j): a uniform weight's codes cut by
-    csrc/repack.cpp (`formats.packing.bit_planes` is the reference), a bit-plane weight's planes as stored."""
+    csrc/kernels/repack.cpp (`formats.packing.bit_planes` is the reference), a bit-plane weight's planes as stored."""
     if isinstance(fmt, UniformFormat):
         return _ext.bit_planes(fmt.qweight[rows], fmt.bits, fmt.in_features)
     return fmt.plane_bytes(rows)
@@ -148,9 +151,9 @@ def _plane_bytes(fmt: BitplaneFormat | UniformFormat, rows: slice) -> torch.Tens
 
 def pack_planes(fmt: BitplaneFormat | UniformFormat, block: int) -> torch.Tensor:
     """The format's bit-planes (`_plane_bytes`: uint8 [k, N, K/8], bit j of byte p = column 8p+j) in the kernel layout
-    [tiles, blocks, k, block/8, 32] (csrc/repack.cpp), PACK_TILES tiles at a time straight into the result: the planes
-    of a whole LM head would be several times its layout, a transient peak of the process. The file pages of a loaded
-    uniform weight's rows are given back once packed, and the chunks' temporaries every few chunks
+    [tiles, blocks, k, block/8, 32] (csrc/kernels/repack.cpp), PACK_TILES tiles at a time straight into the result: the
+    planes of a whole LM head would be several times its layout, a transient peak of the process. The file pages of a
+    loaded uniform weight's rows are given back once packed, and the chunks' temporaries every few chunks
     (`bitquilt.mapped.release_chunk`), so a head is not resident twice while its layout is built."""
     n, k, kb = fmt.out_features, fmt.bits, fmt.in_features // 8
     out = layout_empty(-(-n // TILE) * kb * k * TILE).view(-1, kb * 8 // block, k, block // 8, TILE)
@@ -173,7 +176,7 @@ class Residual(Protocol):
     """A sparse residual in the kernels' 1×32 segment layout (built by `bitquilt.kernels.mosaic`)."""
 
     def segments(self) -> list[torch.Tensor]:
-        """[tile_ptr, rows, cols, scales, codes] as csrc/sparse_residual.h reads them."""
+        """[tile_ptr, rows, cols, scales, codes] as csrc/kernels/sparse_residual.h reads them."""
 
 
 def _segments(residual: Residual | None) -> list[torch.Tensor]:
@@ -182,7 +185,7 @@ def _segments(residual: Residual | None) -> list[torch.Tensor]:
 
 @dataclass(frozen=True)
 class Packed:
-    """A weight matrix in the kernel's layout (see csrc/lut_matmul.cpp)."""
+    """A weight matrix in the kernel's layout (see csrc/kernels/lut_matmul.cpp)."""
 
     planes: torch.Tensor  # uint8 [tiles, blocks, bits, block/8, 32]
     coeffs: torch.Tensor  # fp16 [tiles, G, bits+1, 32] (C0..Ck); if uniform, `_uniform_coefficients`
@@ -233,9 +236,9 @@ def _pack_uniform(fmt: UniformFormat) -> Packed | None:
 
 
 def _uniform_coefficients(fmt: UniformFormat) -> torch.Tensor:
-    """(s, z) of every row group in tile order (csrc/lut_matmul.cpp): uint8 [tiles, G, 96], 32 fp16 s then 32 uint8
-    z, when every s is an fp16 value and every z an integer in [0, 255] (a saved grid always is); fp32 [tiles, G, 2,
-    32] (s, −s·z) otherwise, 2.7× the bytes. Built PACK_ROWS rows at a time (the whole matrix's fp32 temporaries at
+    """(s, z) of every row group in tile order (csrc/kernels/lut_matmul.cpp): uint8 [tiles, G, 96], 32 fp16 s then 32
+    uint8 z, when every s is an fp16 value and every z an integer in [0, 255] (a saved grid always is); fp32 [tiles, G,
+    2, 32] (s, −s·z) otherwise, 2.7× the bytes. Built PACK_ROWS rows at a time (the whole matrix's fp32 temporaries at
     once were ≈ 35 MB above the layout for Qwen's 151,936-row LM head)."""
     n, groups = fmt.scales.shape
     compact = torch.empty(-(-n // TILE), groups, 3 * TILE, dtype=torch.uint8)
@@ -327,20 +330,3 @@ def register() -> bool:
     for name in _PACKERS:
         register_kernel(name, "cpu_lut", matmul)
     return True
-
-
-def build() -> bool:
-    """Build (or find cached) the extension, print one status line; for `make kernels`."""
-    global _ext, _failed
-    _ext, _failed = None, False
-    try:
-        _ext = _load_extension()
-    except Exception as e:
-        print(f"bitquilt: CPU kernel build failed: {e}", file=sys.stderr)
-        return False
-    print(f"bitquilt: CPU kernels ready in {cache_dir()}")
-    return True
-
-
-if __name__ == "__main__":
-    sys.exit(0 if build() else 1)

@@ -1,4 +1,4 @@
-"""Orthonormal Hadamard transform of fp32 rows, each row in one pass while it sits in L1 (csrc/hadamard.cpp).
+"""Orthonormal Hadamard transform of fp32 rows, each row in one pass while it sits in L1 (csrc/kernels/hadamard.cpp).
 
 QuaRot's online rotations (the down projection's input, the per-head query/key rotation) run on every forward
 of calibration, evaluation and decode; the torch path (`bitquilt.nn.hadamard`) runs one pass over the whole

@@ -5,7 +5,7 @@ A MosaicQuant weight is `CompositeFormat({"base": B, "residual": S})`, B a `Unif
 extension of `bitquilt.kernels.cpu` loads:
 
 - "fused" for "composite" (the "ZipperEngine"): x @ (B + S)ᵀ by B's bit-plane kernel with S added
-  inside it, tile by tile (csrc/lut_matmul.cpp): on the lookup-table path each 32-row output tile's
+  inside it, tile by tile (csrc/kernels/lut_matmul.cpp): on the lookup-table path each 32-row output tile's
   residual segments go into the tile's accumulators after its base blocks, before the copy-out; on
   the sgemm path into the tile's dequantized fp32 rows before at::mm. y is written once and the
   activations of a tile are still in cache, so the residual costs its own bytes and FMAs and no

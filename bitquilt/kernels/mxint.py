@@ -1,8 +1,8 @@
 """CPU kernel for `MXIntFormat` (microscaled integers): x @ Ŵᵀ with AVX2 or AVX-512, picked at run time.
 
-The kernel lives in the same C++ extension as `bitquilt.kernels.cpu` (csrc/mxint_matmul.cpp) and is
+The kernel lives in the same C++ extension as `bitquilt.kernels.cpu` (csrc/kernels/mxint_matmul.cpp) and is
 registered as "cpu_mxint" when that extension loads. Its layout, cut on first use from the
-format's stored classes and `perm` (`build_layout`, csrc/repack.cpp) and kept in a `LayoutCache`:
+format's stored classes and `perm` (`build_layout`, csrc/kernels/repack.cpp) and kept in a `LayoutCache`:
 
 - the 4-bit class nibble-packed (0.5 byte per weight), padded with zero blocks to a multiple of 4
   blocks per row so that one 64-byte vector holds 4 blocks: 32-bit word i of each 128-column group
@@ -68,7 +68,7 @@ def active_isa(isa: str | None = None) -> str | None:
 
 @dataclass(frozen=True)
 class MXLayout:
-    """An `MXIntFormat` in the kernel's layout (see csrc/mxint_matmul.cpp)."""
+    """An `MXIntFormat` in the kernel's layout (see csrc/kernels/mxint_matmul.cpp)."""
 
     weights: torch.Tensor  # uint8 [out, row bytes]: per class, nibble-packed (m = 4) or int8 (m = 6, 8)
     exponents: torch.Tensor  # uint8 [out, padded in / 32]: E8M0 bytes, stored (padded) block order
@@ -121,8 +121,8 @@ def _exponent_bytes(codes: torch.Tensor, e: torch.Tensor, bits: int) -> torch.Te
 
 def build_layout(fmt: MXIntFormat) -> MXLayout:
     """The kernel layout of `fmt`, cut from its stored classes (`MXIntFormat`: q<c> packed words, or int8 at 8 bits,
-    e<c> E8M0 bytes) by csrc/repack.cpp: 4-bit codes into the group order of the module's docstring (a class's last
-    group padded with zero blocks, x zeros), 6-bit ones widened to int8."""
+    e<c> E8M0 bytes) by csrc/kernels/repack.cpp: 4-bit codes into the group order of the module's docstring (a class's
+    last group padded with zero blocks, x zeros), 6-bit ones widened to int8."""
     ext = cpu.extension()
     source = torch.arange(fmt.in_features) if fmt.perm is None else fmt.perm.long()
     weights, exponents, segments, columns = [], [], [], []

@@ -1,21 +1,21 @@
-"""4- and 2-bit `UniformFormat` times int8-rounded activations (csrc/q4_int8.cpp), when int8 activations are enabled.
+"""4- and 2-bit `UniformFormat` times int8-rounded activations (csrc/kernels/q4_int8.cpp), with int8 activations on.
 
 The lookup-table kernel (`bitquilt.kernels.cpu`) keeps activations exact to 2^-21; this kernel rounds each
 token's activations to int8 per block of 32 columns (scale max|x| / 127, as llama.cpp's Q8 activations) and
 multiplies the 4- or 2-bit codes with them in integer instructions. The result is exactly x̂ @ Ŵᵀ for the rounded
 x̂, so the only error is the activations' rounding (≤ d/2 per value); that trade is opt-in,
-`bitquilt.kernels.using(int8_activations=True)` (CLI `--int8-activations`), and its perplexity cost is
-in docs/accuracy.md (bench/results/int8_activations.md). Registered as "cpu_q4_int8" ahead of cpu_lut (the 8-bit kernel takes no
-4- or 2-bit call); it declines every call while the switch is off, and formats with act-order (g_idx) or
+`bitquilt.kernels.using(int8_activations=True)` (CLI `--int8-activations`), and its perplexity cost is in
+docs/accuracy.md (bench/results/int8_activations.md). Registered as "cpu_q4_int8" ahead of cpu_lut (the 8-bit
+kernel takes no 4- or 2-bit call); it declines every call while the option is off, and formats with act-order (g_idx) or
 widths/groups not multiples of 64. The layout (`Q4Layout`): tiles of 32 rows whose bytes hold two rows' codes, so
 one 64-byte load becomes vectors of codes with 4 columns of one row in each lane, met by those 4 activations
 broadcast to every lane; a token reads the codes once, in order. Prefill runs two tokens a pass on VNNI, and on
 AVX2 decodes a block of codes once for up to 16 tokens; a prompt's rows equal one-token calls bit for bit. Per
 format it keeps its own layout in a `LayoutCache`.
 
-Three paths, the same layout and exact integer dot products: AVX2 (vpmaddubsw); AVX-VNNI, 256-bit vpdpbusd where
-the CPU has it without AVX-512 (csrc/q4_int8_avxvnni.cpp); AVX-512 VNNI (csrc/q4_int8_vnni.cpp). They differ only in
-fp32 summation order. The widest runs by default, in this kernel and inside the fused decode step; `set_isa` or
+Three paths, the same layout and exact integer dot products: AVX2 (vpmaddubsw); AVX-VNNI, 256-bit vpdpbusd where the CPU
+has it without AVX-512 (csrc/kernels/avxvnni/q4_int8.cpp); AVX-512 VNNI (csrc/kernels/avx512/q4_int8.cpp). They differ
+only in fp32 summation order. The widest runs by default, in this kernel and inside the fused decode step; `set_isa` or
 `BITQUILT_ISA=avx2` picks one.
 """
 
@@ -36,7 +36,7 @@ from bitquilt.kernels.options import options
 from bitquilt.kernels.registry import fp32_rows, like, register_kernel, takes
 from bitquilt.mapped import release_chunk
 
-ROWS = 32  # output rows per tile (csrc/q4_int8.h, Weight)
+ROWS = 32  # output rows per tile (csrc/kernels/q4_int8.h, Weight)
 
 
 def supported_isas() -> tuple[str, ...]:
@@ -99,7 +99,7 @@ def _layout(fmt: WeightFormat) -> Q4Layout | None:
     if scales is None:
         return None
     codes = layout_empty(tiles * ROWS * k * bits // 8).zero_()  # rows OR-ed in, pad rows 0
-    for r0 in range(0, n, PACK_ROWS):  # csrc/repack.cpp writes each row's codes into its tile
+    for r0 in range(0, n, PACK_ROWS):  # csrc/kernels/repack.cpp writes each row's codes into its tile
         chunk = fmt.qweight[r0:r0 + PACK_ROWS]
         cpu.extension().q4_int8_pack_codes(chunk, r0, bits, k, tiles, codes)
         release_chunk(r0 // PACK_ROWS, [chunk])  # these rows' file pages, as cpu.pack_planes does

@@ -1,4 +1,4 @@
-"""MoBiRoute per-token slice counts through the compiled CPU extension (csrc/slice_router.cpp).
+"""MoBiRoute per-token slice counts through the compiled CPU extension (csrc/kernels/slice_router.cpp).
 
 `SliceRouter.counts` (bitquilt.nn.slice_router) asks here first: one C++ call per linear instead
 of the ~15 eager torch ops of its reference `logits`, which at batch-1 decode cost about a third

@@ -1,4 +1,4 @@
-"""8-bit `UniformFormat` at decode batch sizes: codes widened to fp32 in registers (csrc/uniform8_gemv.cpp).
+"""8-bit `UniformFormat` at decode batch sizes: codes widened to fp32 in registers (csrc/kernels/uniform8_gemv.cpp).
 
 The bit-plane lookup-table kernel (`bitquilt.kernels.cpu`) costs time in proportion to the planes, so an
 8-bit weight (an 8-bit LM head, W8 linears) runs 8 planes' lookups; this kernel reads each code once (1 byte

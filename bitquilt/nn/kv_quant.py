@@ -10,10 +10,11 @@ hold (a simulation of the memory saving, not the saving itself).
 
 Key centring. Keys carry a large component that is the same for every token (k_proj biases in
 Qwen2.5, massive activations), often many times the part that varies between tokens, so a 4-bit
-grid spanning it leaves nothing for the part attention depends on, and the model collapses. Keys are therefore quantized around a per-head, per-channel centre c fitted
-on calibration data (the mean key, `bitquilt.policies.kv_center`): k̂ = Q(k − c) + c. Any constant
-c is exact for attention (q·c is the same for every key of a query, so softmax ignores it): a
-kernel can store Q(k − c) and skip adding c where the attention is a plain softmax.
+grid spanning it leaves nothing for the part attention depends on, and the model collapses. Keys are
+therefore quantized around a per-head, per-channel centre c fitted on calibration data (the mean key,
+`bitquilt.policies.kv_center`): k̂ = Q(k − c) + c. Any constant c is exact for attention (q·c is the same for
+every key of a query, so softmax ignores it): a kernel can store Q(k − c) and skip adding c where the attention
+is a plain softmax.
 """
 
 from __future__ import annotations

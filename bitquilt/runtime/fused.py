@@ -1,4 +1,4 @@
-"""Every decoder layer of a batch-1 decode step in one compiled call (csrc/decode_step.cpp).
+"""Every decoder layer of a batch-1 decode step in one compiled call (csrc/runtime/decode_step.cpp).
 
 `FusedLayers` holds, per layer, the norms' weights, the seven linears, optional q/k norms and the layer's
 static KV cache, and `step(x, pos)` runs the token's hidden state through all of them: norms, projections,
@@ -9,8 +9,8 @@ tables), an 8-bit uniform weight run by the 8-bit GEMV, or a dense fp32 matrix: 
 by module. While `kernels.using(int8_activations=True)` is in force as the
 layers are built, 4- and 2-bit uniform weights run the low-bit × int8 kernel and 8-bit ones the GEMV's int8 path,
 as module by module too. The model side (which modules qualify) is `bitquilt.runtime.lean`; the
-math is the eager modules' in another fp32 order, tested against them, and csrc/decoder_core.h's, which the standalone
-runtime's library runs too (`bitquilt.runtime.standalone`).
+math is the eager modules' in another fp32 order, tested against them, and csrc/runtime/decoder_core.h's, which the
+standalone runtime's library runs too (`bitquilt.runtime.standalone`).
 """
 
 from __future__ import annotations

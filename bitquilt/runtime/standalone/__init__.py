@@ -16,6 +16,7 @@ tokenizer and the weights' pages. What runs: the 4/2-bit × int8 and 8-bit × in
 math of the torch extension's decode step, built from the same sources (csrc/: q4_int8, uniform8_gemv,
 decoder_core.h) into a library of their own (`bitquilt.runtime.standalone.library`), a prompt as one batched pass.
 Nothing in this package imports torch or numpy (tested). `bitquilt-native` (`bitquilt.runtime.standalone.program`)
-goes one step further: the same library's loader and kernels with a C++ front end and the export's own tokenizer tables
-(csrc/native_runner.cpp, csrc/bpe_tokenizer.cpp), so that the process is the program and the weights' pages.
+goes one step further: the same library's loader and kernels with a C++ front end and the export's own tokenizer
+tables (csrc/runtime/native_runner.cpp, csrc/text/bpe_tokenizer.cpp), so that the process is the program and the
+weights' pages.
 """

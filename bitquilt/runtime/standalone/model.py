@@ -28,9 +28,9 @@ from bitquilt.runtime.tokenizer import FastTokenizer
 
 FILE = "standalone.safetensors"  # what bitquilt.export.standalone writes, and its metadata
 METADATA_KEY = "bitquilt.runtime.standalone"
-FORMAT_VERSION = 3  # 3: 4- and 2-bit linears in 32-row tiles (csrc/q4_int8.h)
+FORMAT_VERSION = 3  # 3: 4- and 2-bit linears in 32-row tiles (csrc/kernels/q4_int8.h)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-               "mlp.up_proj", "mlp.down_proj")  # a layer's linears, as csrc/standalone.cpp's loader reads them
+               "mlp.up_proj", "mlp.down_proj")  # a layer's linears, as csrc/runtime/standalone.cpp's loader reads them
 
 def _floats(address: int, shape: tuple[int, ...]) -> memoryview:
     """fp32 values [shape] at `address` (the library's memory), in place."""

@@ -1,5 +1,5 @@
-"""`bitquilt-native`: the native runner (csrc/native_runner.cpp), a program without Python, built on first use and
-run in place of this process, so that the process holds the runner, its tokenizer tables and the weights' pages
+"""`bitquilt-native`: the native runner (csrc/runtime/native_runner.cpp), a program without Python built at install
+time, run in place of this process, so that the process holds the runner, its tokenizer tables and the weights' pages
 alone.
 
     bitquilt-native OUT_DIR --prompt "The capital of France is" --max-new-tokens 32 --threads 2
@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         os.execv(runner, [runner, *argv])  # does not return
     except OSError as e:
-        print(f"bitquilt-native: error: cannot run {runner}: {e.strerror} (a cache on a noexec mount? set "
-              "BITQUILT_CACHE elsewhere)", file=sys.stderr)
+        print(f"bitquilt-native: error: cannot run {runner}: {e.strerror} (installed on a noexec mount?)",
+              file=sys.stderr)
         return 2
 
 

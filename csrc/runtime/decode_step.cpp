@@ -1,0 +1,254 @@
+// One decoded token through every decoder layer of a Llama-like model in one call, used by
+// bitquilt.runtime.fused (built by bitquilt.runtime.lean).
+//
+// A batch-1 decode step of a small model run module by module spends more time in the framework's
+// per-op overhead (hundreds of views, slices and element-wise ops per token) than in
+// its matmuls. The layer math is decoder_core.h's (shared with the standalone runtime); this file holds the
+// linears and the torch bindings.
+//
+// Every W is a sum of bit-plane packed parts run by the lookup-table kernel (lut_parts.h: one part for a
+// bitplane or uniform format, the first k slices for a MoBiQuant checkpoint in static mode), a 4- or 2-bit
+// uniform weight run on int8-rounded activations (q4_int8.h, when int8 activations are enabled), an 8-bit
+// uniform weight run by the 8-bit GEMV (uniform8.h), or a dense fp32 matrix (at::mv); packed parts may carry a
+// MosaicQuant sparse residual, added inside the lookup-table kernel (sparse_residual.h). A routed MoBiQuant
+// linear first counts the token's slices with its router (slice_router.h) and runs that prefix of its parts.
+// The same math as the eager modules in another fp32 order; tested against them (tests/test_lean_decode.py).
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mv.h>
+#include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "kernels/lut_parts.h"
+#include "kernels/q4_int8.h"
+#include "kernels/slice_router.h"
+#include "kernels/uniform8.h"
+#include "runtime/decoder_core.h"
+
+namespace {
+
+struct Linear {
+  std::optional<bitquilt_q4::Weight> q4;  // 4- or 2-bit codes times int8 activations, or:
+  std::optional<bitquilt_u8::Weight> u8;  // 8-bit codes widened in registers (u8_int8: on int8 activations), or:
+  bool u8_int8 = false;
+  std::vector<bitquilt_lut::Part> parts;  // packed parts summed; if neither: dense
+  bitquilt_sparse::Residual residual;     // with parts: a sparse 4-bit residual added tile by tile (MosaicQuant)
+  std::vector<at::Tensor> keep;           // the tensors the parts point into
+  at::Tensor dense;                       // fp32 [N, K] when there are no parts
+  at::Tensor bias;                        // fp32 [N] or undefined
+  std::optional<bitquilt_router::Router> router;  // per-token slice count over the parts (MoBiQuant)
+  std::vector<std::vector<bitquilt_lut::Part>> prefixes;  // prefixes[k]: the first k parts
+  at::Tensor tau;                         // the router's threshold (fp32 scalar, read at every call)
+  mutable std::vector<float> hidden;      // the router's scratch
+  int64_t N = 0, K = 0;
+
+  // y [N] = W x (+ b)
+  void run(const float* x, float* y) const {
+    if (router) {
+      const int64_t k = bitquilt_router::count(x, *router, *tau.data_ptr<float>(), hidden.data());
+      bitquilt_lut::lut_parts_into(x, 1, prefixes[k], N, {}, y);
+    } else if (q4) {
+      bitquilt_q4::matmul_into(x, 1, *q4, y);
+    } else if (u8) {
+      (u8_int8 ? bitquilt_u8::gemv_int8_into : bitquilt_u8::gemv_into)(x, 1, *u8, y);
+    } else if (parts.empty()) {
+      const auto opts = at::TensorOptions().dtype(at::kFloat);
+      auto out = at::from_blob(y, {N}, opts);
+      at::mv_out(out, dense, at::from_blob(const_cast<float*>(x), {K}, opts));
+    } else {
+      bitquilt_lut::lut_parts_into(x, 1, parts, N, residual, y);
+    }
+    if (bias.defined()) {
+      const float* b = bias.data_ptr<float>();
+      for (int64_t i = 0; i < N; ++i) y[i] += b[i];
+    }
+  }
+};
+
+at::Tensor fp32_vector(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n, what, ": contiguous fp32 [",
+              n, "]");
+  return t;
+}
+
+class FusedDecoder {
+ public:
+  FusedDecoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+               double scaling, const at::Tensor& cos, const at::Tensor& sin)
+      : core_(dims(hidden, heads, kv_heads, head_dim, intermediate, eps, scaling, cos, sin)), cos_(cos), sin_(sin) {}
+
+  // A linear of N outputs and K inputs: packed parts (planes, coefficients, plane counts, uniform flags, one
+  // block and group), optionally plus a sparse residual in sparse_residual.h's segments, or, with no parts, a
+  // dense fp32 [N, K] weight; an optional fp32 bias. Returns its index.
+  int64_t add_linear(const std::vector<at::Tensor>& planes, const std::vector<at::Tensor>& coefs,
+                     const std::vector<int64_t>& ks, const std::vector<bool>& uniforms, int64_t block, int64_t group,
+                     int64_t N, int64_t K, const std::optional<at::Tensor>& dense,
+                     const std::optional<at::Tensor>& bias, const std::vector<at::Tensor>& residual) {
+    TORCH_CHECK(coefs.size() == planes.size() && ks.size() == planes.size() && uniforms.size() == planes.size(),
+                "one coefficient tensor, plane count and uniform flag per part");
+    Linear lin;
+    lin.N = N;
+    lin.K = K;
+    for (size_t p = 0; p < planes.size(); ++p) {
+      lin.parts.push_back(bitquilt_lut::make_part(K, planes[p], coefs[p], N, ks[p], block, group, uniforms[p]));
+      lin.keep.push_back(planes[p]);
+      lin.keep.push_back(coefs[p]);
+    }
+    TORCH_CHECK(residual.empty() || !planes.empty(), "a sparse residual is added to packed parts only");
+    lin.residual = bitquilt_sparse::check_residual(residual, N, K);
+    lin.keep.insert(lin.keep.end(), residual.begin(), residual.end());
+    if (planes.empty()) {
+      TORCH_CHECK(dense.has_value() && dense->dim() == 2 && dense->size(0) == N && dense->size(1) == K &&
+                      dense->scalar_type() == at::kFloat && dense->is_contiguous(),
+                  "a linear without packed parts needs a contiguous fp32 [N, K] weight");
+      lin.dense = *dense;
+    }
+    return push(std::move(lin), bias);
+  }
+
+  // A 4- or 2-bit uniform linear in the int8-activation kernel's layout (q4_int8.h); an optional fp32 bias.
+  int64_t add_q4_linear(const at::Tensor& w, const at::Tensor& sz, int64_t group, int64_t bits, int64_t N, int64_t K,
+                        const std::optional<at::Tensor>& bias) {
+    Linear lin;
+    lin.N = N;
+    lin.K = K;
+    lin.q4 = bitquilt_q4::make_weight(w, sz, N, K, group, bits);
+    lin.keep = {w, sz};
+    return push(std::move(lin), bias);
+  }
+
+  // An 8-bit uniform linear for the 8-bit GEMV (uniform8.h): codes [N, K], s and s * z [N, groups]; with int8,
+  // on int8-rounded activations.
+  int64_t add_u8_linear(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& scale_zero, int64_t group,
+                        int64_t N, int64_t K, bool int8, const std::optional<at::Tensor>& bias) {
+    Linear lin;
+    lin.N = N;
+    lin.K = K;
+    lin.u8 = bitquilt_u8::make_weight(codes, scale, scale_zero, K, group);
+    lin.u8_int8 = int8;
+    TORCH_CHECK(lin.u8->N == N, "codes have ", lin.u8->N, " rows for ", N, " outputs");
+    lin.keep = {codes, scale, scale_zero};
+    return push(std::move(lin), bias);
+  }
+
+  // Route linear `index`'s tokens over its parts: a MoBiRoute router's fc1 [H, K + 1] (+ [H]), fc2 [E - 1, H]
+  // (+ [E - 1]) and threshold (a one-value tensor, read at every step so set_precision applies at once).
+  void set_router(int64_t index, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
+                  const at::Tensor& tau) {
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "unknown linear ", index);
+    Linear& lin = linears_[index];
+    const int64_t H = w1.size(0), E1 = w2.size(0);
+    TORCH_CHECK(w1.dim() == 2 && w1.size(1) == lin.K + 1 && w2.dim() == 2 && w2.size(1) == H && b1.numel() == H &&
+                    b2.numel() == E1 && E1 + 1 == static_cast<int64_t>(lin.parts.size()) && tau.numel() == 1,
+                "a router needs fc1 [H, K + 1], fc2 [parts - 1, H], their biases and one threshold");
+    for (const at::Tensor* t : {&w1, &b1, &w2, &b2, &tau})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "router tensors: contiguous fp32");
+    lin.router = bitquilt_router::Router{w1.data_ptr<float>(), b1.data_ptr<float>(), w2.data_ptr<float>(),
+                                         b2.data_ptr<float>(), lin.K, H, E1};
+    lin.keep.insert(lin.keep.end(), {w1, b1, w2, b2});
+    lin.tau = tau;
+    lin.hidden.resize(H);
+    lin.prefixes.clear();
+    for (size_t k = 0; k <= lin.parts.size(); ++k) lin.prefixes.emplace_back(lin.parts.begin(), lin.parts.begin() + k);
+  }
+
+  void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, const std::optional<at::Tensor>& q_norm,
+                 const std::optional<at::Tensor>& k_norm, const std::vector<int64_t>& linears, const at::Tensor& keys,
+                 const at::Tensor& values) {
+    TORCH_CHECK(linears.size() == 7, "seven linears per layer: q, k, v, o, gate, up, down");
+    int64_t N[7], K[7];
+    for (int j = 0; j < 7; ++j) {
+      TORCH_CHECK(linears[j] >= 0 && linears[j] < static_cast<int64_t>(linears_.size()), "unknown linear ",
+                  linears[j]);
+      N[j] = linears_[linears[j]].N;
+      K[j] = linears_[linears[j]].K;
+    }
+    const std::string error = bitquilt_decoder::linears_error(core_.dims(), N, K);
+    TORCH_CHECK(error.empty(), error);
+    const auto& d = core_.dims();
+    const int64_t D = d.D, hd = d.hd;
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
+    for (const at::Tensor* cache : {&keys, &values})
+      TORCH_CHECK(cache->dim() == 3 && cache->size(0) == d.G && cache->size(1) == d.max_len && cache->size(2) == hd &&
+                      cache->scalar_type() == at::kFloat && cache->is_contiguous(),
+                  "caches: contiguous fp32 [kv_heads, max_len, head_dim]");
+    const bitquilt_decoder::Layer layer{
+        fp32_vector(in_norm, D, "input norm").data_ptr<float>(),
+        fp32_vector(post_norm, D, "post-attention norm").data_ptr<float>(),
+        q_norm ? fp32_vector(*q_norm, hd, "q norm").data_ptr<float>() : nullptr,
+        k_norm ? fp32_vector(*k_norm, hd, "k norm").data_ptr<float>() : nullptr,
+        linears[0], linears[1], linears[2], linears[3], linears[4], linears[5], linears[6],
+        keys.data_ptr<float>(), values.data_ptr<float>()};
+    keep_.insert(keep_.end(), {in_norm, post_norm, keys, values});
+    if (q_norm) keep_.insert(keep_.end(), {*q_norm, *k_norm});
+    core_.add_layer(layer);
+  }
+
+  // The hidden state [D] of the token at position `pos` after every layer (the caches' row pos written).
+  at::Tensor step(const at::Tensor& x, int64_t pos) {
+    const int64_t D = core_.dims().D;
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.numel() == D, "x: fp32 with ", D, " values");
+    TORCH_CHECK(pos >= 0 && pos < core_.dims().max_len, "position ", pos, " outside the cache's ",
+                core_.dims().max_len);
+    at::Tensor y = x.contiguous().clone().view({D});
+    core_.forward(y.data_ptr<float>(), 1, pos,
+                  [this](int64_t i, const float* in, int64_t, float* out) { linears_[i].run(in, out); });
+    return y;
+  }
+
+ private:
+  static bitquilt_decoder::Dims dims(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                     int64_t intermediate, double eps, double scaling, const at::Tensor& cos,
+                                     const at::Tensor& sin) {
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim && cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && sin.is_contiguous(),
+                "cos, sin: contiguous fp32 [max_len, head_dim]");
+    const bitquilt_decoder::Dims d{hidden, heads, kv_heads, head_dim, intermediate, cos.size(0),
+                                   static_cast<float>(eps), static_cast<float>(scaling), cos.data_ptr<float>(),
+                                   sin.data_ptr<float>()};
+    const std::string error = bitquilt_decoder::dims_error(d);
+    TORCH_CHECK(error.empty(), error);
+    return d;
+  }
+
+  int64_t push(Linear lin, const std::optional<at::Tensor>& bias) {
+    if (bias.has_value()) lin.bias = fp32_vector(*bias, lin.N, "bias");
+    linears_.push_back(std::move(lin));
+    return static_cast<int64_t>(linears_.size()) - 1;
+  }
+
+  bitquilt_decoder::Decoder core_;
+  at::Tensor cos_, sin_;
+  std::vector<at::Tensor> keep_;  // the tensors the layers point into
+  std::vector<Linear> linears_;
+};
+
+}  // namespace
+
+// Adds the fused decoder class to the extension module (called from its PYBIND11_MODULE).
+void register_decode_step(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<FusedDecoder>(m, "FusedDecoder", "every decoder layer of one decoded token in one call")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, const at::Tensor&,
+                    const at::Tensor&>(),
+           py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
+           py::arg("eps"), py::arg("scaling"), py::arg("cos"), py::arg("sin"))
+      .def("add_linear", &FusedDecoder::add_linear, py::arg("planes"), py::arg("coefs"), py::arg("ks"),
+           py::arg("uniforms"), py::arg("block"), py::arg("group"), py::arg("N"), py::arg("K"),
+           py::arg("dense") = py::none(), py::arg("bias") = py::none(),
+           py::arg("residual") = std::vector<at::Tensor>())
+      .def("add_q4_linear", &FusedDecoder::add_q4_linear, py::arg("w"), py::arg("sz"), py::arg("group"),
+           py::arg("bits"), py::arg("N"), py::arg("K"), py::arg("bias") = py::none())
+      .def("add_u8_linear", &FusedDecoder::add_u8_linear, py::arg("codes"), py::arg("scale"), py::arg("scale_zero"),
+           py::arg("group"), py::arg("N"), py::arg("K"), py::arg("int8"), py::arg("bias") = py::none())
+      .def("set_router", &FusedDecoder::set_router, py::arg("index"), py::arg("w1"), py::arg("b1"), py::arg("w2"),
+           py::arg("b2"), py::arg("tau"))
+      .def("add_layer", &FusedDecoder::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("q_norm"),
+           py::arg("k_norm"), py::arg("linears"), py::arg("keys"), py::arg("values"))
+      .def("step", &FusedDecoder::step, py::arg("x"), py::arg("pos"));
+}

@@ -1,0 +1,417 @@
+// The library of the standalone runtime (bitquilt.runtime.standalone): a whole Llama-like model run from the kernel
+// layouts of a standalone export, with a C interface that ctypes calls, so that generating text needs neither
+// torch nor its extension. Built on its own (bitquilt/standalone/library.py) from this file and the torch-free
+// kernels: q4_int8.cpp (+ its VNNI twin) for 4- and 2-bit linears, uniform8_gemv.cpp for 8-bit ones, both on
+// int8-rounded activations, and a plain fp32 product for linears kept in full precision; the layer math is
+// decoder_core.h's, as in the torch extension's fused decode step.
+//
+// The file is opened by the library itself (bq_file_open: standalone_file.h maps it and parses its header), once,
+// and every model of it (bq_open, one per sequence length) points its linears into that mapping, which it keeps, so
+// that the Python runtime and the native runner (native_runner.cpp) share one loader and a new sequence finds the
+// weights' pages already mapped. A model owns its RoPE tables and its key/value caches, the caches in one anonymous
+// mapping whose zero pages become memory only as positions fill. Sampling is here too, so that the caller needs no
+// array library. The interface: standalone.h.
+
+#include <omp.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common/avx2_simd.h"
+#include "common/parallel.h"
+#include "kernels/q4_int8.h"
+#include "kernels/uniform8.h"
+#include "runtime/decoder_core.h"
+#include "runtime/standalone.h"
+#include "runtime/standalone_file.h"
+#include "text/bpe_tokenizer.h"
+
+namespace {
+
+thread_local std::string g_error;
+
+int64_t fail(const std::string& why) {
+  g_error = why;
+  return -1;
+}
+
+// y [T, N] = x [T, K] W^T for a row-major fp32 W [N, K]
+void dense_into(const float* x, int64_t T, const float* W, int64_t N, int64_t K, float* y) {
+  bitquilt_par::parallel_for(0, N, std::max<int64_t>(16, (1 << 14) / K), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t t = 0; t < T; ++t) y[t * N + r] = bitquilt_simd::dot(x + t * K, W + r * K, K);
+  });
+}
+
+// madvise(MADV_DONTNEED) over the whole pages around [p, p + bytes): for a private, never written file mapping, the
+// process's page table entries go (the pages stay in the page cache); a later read faults them in again.
+void unmap_pages(const void* p, size_t bytes) {
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t start = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes + page - 1) & ~(page - 1);
+  madvise(reinterpret_cast<void*>(start), end - start, MADV_DONTNEED);
+}
+
+struct Linear {
+  std::optional<bitquilt_q4::Weight> q4;  // 4- or 2-bit codes on int8 activations, or:
+  std::optional<bitquilt_u8::Weight> u8;  // 8-bit codes on int8 activations, or:
+  const float* dense = nullptr;           // fp32 [N, K]
+  const float* bias = nullptr;            // fp32 [N] or null
+  int64_t N = 0, K = 0;
+
+  void run(const float* x, int64_t T, float* y) const {
+    if (q4)
+      bitquilt_q4::matmul_into(x, T, *q4, y);
+    else if (u8)
+      bitquilt_u8::gemv_int8_into(x, T, *u8, y);
+    else
+      dense_into(x, T, dense, N, K, y);
+    if (bias != nullptr)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t i = 0; i < N; ++i) y[t * N + i] += bias[i];
+  }
+
+  // Drops this process's mapping of W's pages (they stay in the page cache; a later read maps them again): an
+  // untied embedding table is read one row per token, and where the page cache holds a file in large folios (ext4
+  // on Linux 6.18 here) a read maps the row's whole folio, up to 2 MB, so a few hundred lookups kept most of a 68 MB
+  // table of qwen2.5-0.5b resident (55 MB after 150 rows). Harmless on memory the library does not map from a file.
+  void unmap() const {
+    if (q4) {
+      unmap_pages(q4->w, q4->code_bytes());
+      unmap_pages(q4->sz, q4->scale_bytes());
+    } else if (u8) {
+      unmap_pages(u8->q, N * K);
+      unmap_pages(u8->s, N * u8->groups() * sizeof(float));
+      unmap_pages(u8->sz, N * u8->groups() * sizeof(float));
+    } else {
+      unmap_pages(dense, N * K * sizeof(float));
+    }
+  }
+
+  // Row r of W (an embedding lookup), fp32 [K]
+  void row(int64_t r, float* out) const {
+    if (q4)
+      bitquilt_q4::row_into(*q4, r, out);
+    else if (u8)
+      bitquilt_u8::row_into(*u8, r, out);
+    else
+      std::memcpy(out, dense + r * K, K * sizeof(float));
+  }
+};
+
+// Zeroed floats in an anonymous mapping: untouched pages cost nothing (a heap calloc may clear them all at once).
+class ZeroPages {
+ public:
+  explicit ZeroPages(int64_t floats) : bytes_(floats * sizeof(float)) {
+    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    data_ = p == MAP_FAILED ? nullptr : static_cast<float*>(p);
+  }
+  ~ZeroPages() {
+    if (data_ != nullptr) munmap(data_, bytes_);
+  }
+  ZeroPages(const ZeroPages&) = delete;
+  ZeroPages& operator=(const ZeroPages&) = delete;
+  float* data() const { return data_; }
+
+ private:
+  size_t bytes_;
+  float* data_;
+};
+
+// cos and sin [max_len, head_dim] of position * inv_freq, the halves repeated: the angle in fp32 as the torch
+// runtimes compute it, its cos and sin in double rounded to fp32 (correctly rounded but for rare double roundings,
+// where fp32 cos and sin libraries differ by an ulp here and there).
+struct Rope {
+  Rope(const float* inv_freq, int64_t head_dim, int64_t max_len) : cos(max_len * head_dim), sin(max_len * head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t p = 0; p < max_len; ++p)
+      for (int64_t i = 0; i < head_dim; ++i) {
+        const double angle = static_cast<float>(p) * inv_freq[i % half];
+        cos[p * head_dim + i] = static_cast<float>(std::cos(angle));
+        sin[p * head_dim + i] = static_cast<float>(std::sin(angle));
+      }
+  }
+  std::vector<float> cos, sin;
+};
+
+struct Model {
+  Model(const bitquilt_decoder::Dims& d, const float* inv_freq, int64_t layers,
+        std::shared_ptr<const bitquilt_standalone::MappedFile> file)
+      : file(std::move(file)), rope(inv_freq, d.hd, d.max_len), core(with_tables(d)),
+        cache_floats(d.G * d.max_len * d.hd), caches(2 * layers * cache_floats), layers(layers) {}
+  bitquilt_decoder::Dims with_tables(bitquilt_decoder::Dims d) const {
+    d.cos = rope.cos.data();
+    d.sin = rope.sin.data();
+    return d;
+  }
+  float* cache(int64_t layer, int which) const { return caches.data() + (2 * layer + which) * cache_floats; }
+  int64_t add(const Linear& lin) {
+    linears.push_back(lin);
+    return static_cast<int64_t>(linears.size()) - 1;
+  }
+
+  std::shared_ptr<const bitquilt_standalone::MappedFile> file;  // the weights the linears point into
+  Rope rope;
+  bitquilt_decoder::Decoder core;
+  int64_t cache_floats;  // one layer's keys (or values), [kv_heads, max_len, head_dim]
+  ZeroPages caches;      // per layer, keys then values
+  int64_t layers;
+  std::vector<Linear> linears;
+  int64_t embed = -1, head = -1;
+  const float* final_norm = nullptr;
+  std::vector<float> x, last;
+};
+
+Model* model(void* handle) { return static_cast<Model*>(handle); }
+
+using bitquilt_json::Value;
+using bitquilt_standalone::MappedFile;
+using bitquilt_standalone::Tensor;
+
+[[noreturn]] void refuse(const MappedFile& f, const std::string& why) { throw std::runtime_error(f.path() + ": " + why); }
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// Tensor `name`, fp32 of `shape`.
+const float* floats(const MappedFile& f, const std::string& name, const std::vector<int64_t>& shape) {
+  const Tensor t = f.tensor(name, "F32");
+  if (t.shape != shape) refuse(f, name + " is " + shape_text(t.shape) + ", expected " + shape_text(shape));
+  return t.as<float>();
+}
+
+int64_t integer(const MappedFile& f, const Value& v, const std::string& what) {
+  if (v.kind != Value::Number) refuse(f, "its metadata lacks " + what + "; re-export the model");
+  return v.integer();
+}
+
+// Linear `name` of the file, as its metadata entry describes it (kinds: bitquilt.export.standalone).
+Linear load_linear(const MappedFile& f, const std::string& name) {
+  const Value& entry = f.config()["linears"][name];
+  if (entry.kind != Value::Object) refuse(f, "its metadata has no linear '" + name + "'; re-export the model");
+  Linear lin;
+  const int64_t N = lin.N = integer(f, entry["out"], name + ".out");
+  const int64_t K = lin.K = integer(f, entry["in"], name + ".in");
+  if (entry["bias"].boolean) lin.bias = floats(f, name + ".bias", {N});
+  const std::string& kind = entry["kind"].string;
+  if (kind == "q4") {
+    const Tensor codes = f.tensor(name + ".codes", "U8"), scales = f.tensor(name + ".scales", "U8");
+    const int64_t group = integer(f, entry["group"], name + ".group"), bits = integer(f, entry["bits"], name + ".bits");
+    const std::string error = bitquilt_q4::layout_error(N, K, group, bits, codes.nbytes, scales.nbytes);
+    if (!error.empty()) refuse(f, name + ": " + error);
+    lin.q4 = bitquilt_q4::Weight{codes.as<uint8_t>(), scales.as<uint8_t>(), N, K, group, static_cast<int>(bits)};
+  } else if (kind == "u8") {
+    const int64_t group = integer(f, entry["group"], name + ".group");
+    const std::string error = bitquilt_u8::shape_error(K, group);
+    if (!error.empty()) refuse(f, name + ": " + error);
+    const int64_t groups = (K + group - 1) / group;
+    const Tensor codes = f.tensor(name + ".codes", "U8");
+    if (codes.shape != std::vector<int64_t>{N, K})
+      refuse(f, name + ".codes is " + shape_text(codes.shape) + ", expected " + shape_text({N, K}));
+    lin.u8 = bitquilt_u8::Weight{codes.as<uint8_t>(), floats(f, name + ".scale", {N, groups}),
+                                 floats(f, name + ".scale_zero", {N, groups}), N, K, group};
+  } else if (kind == "dense") {
+    lin.dense = floats(f, name + ".weight", {N, K});
+  } else {
+    refuse(f, name + " is of kind '" + kind + "', which this bitquilt does not run");
+  }
+  return lin;
+}
+
+// The model of a standalone file for sequences of up to `max_len` positions.
+std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file, int64_t max_len) {
+  const MappedFile& f = *file;
+  const Value& c = f.config();
+  auto dim = [&](const char* key) { return integer(f, c[key], key); };
+  const int64_t layers = dim("num_hidden_layers"), D = dim("hidden_size"), hd = dim("head_dim");
+  if (max_len <= 0 || max_len > dim("max_positions"))
+    refuse(f, "a sequence of " + std::to_string(max_len) + " positions does not fit the model's " +
+                  std::to_string(dim("max_positions")));
+  const float* inv_freq = floats(f, "rope.inv_freq", {hd / 2});
+  const bitquilt_decoder::Dims d{D, dim("num_attention_heads"), dim("num_key_value_heads"), hd,
+                                 dim("intermediate_size"), max_len, static_cast<float>(c["rms_norm_eps"].number),
+                                 static_cast<float>(c["attention_scaling"].number), inv_freq, inv_freq};
+  std::string error = bitquilt_decoder::dims_error(d);
+  if (error.empty() && (layers <= 0 || hd % 2)) error = "layers must be positive and the head dim even";
+  if (!error.empty()) refuse(f, error);
+  auto m = std::make_unique<Model>(d, inv_freq, layers, file);
+  if (m->caches.data() == nullptr) refuse(f, "no memory for the key/value caches");
+  static const char* const projections[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                             "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
+                                             "mlp.down_proj"};
+  const bool qk_norms = c["qk_norms"].boolean;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const std::string prefix = "model.layers." + std::to_string(layer) + ".";
+    int64_t index[7], N[7], K[7];
+    for (int j = 0; j < 7; ++j) {
+      const Linear lin = load_linear(f, prefix + projections[j]);
+      N[j] = lin.N;
+      K[j] = lin.K;
+      index[j] = m->add(lin);
+    }
+    error = bitquilt_decoder::linears_error(d, N, K);
+    if (!error.empty()) refuse(f, "layer " + std::to_string(layer) + ": " + error);
+    m->core.add_layer({floats(f, prefix + "input_layernorm.weight", {D}),
+                       floats(f, prefix + "post_attention_layernorm.weight", {D}),
+                       qk_norms ? floats(f, prefix + "self_attn.q_norm.weight", {hd}) : nullptr,
+                       qk_norms ? floats(f, prefix + "self_attn.k_norm.weight", {hd}) : nullptr, index[0], index[1],
+                       index[2], index[3], index[4], index[5], index[6], m->cache(layer, 0), m->cache(layer, 1)});
+  }
+  m->head = m->add(load_linear(f, "lm_head"));
+  const std::string& embed = c["embed"].string;
+  m->embed = embed == "lm_head" ? m->head : m->add(load_linear(f, embed));
+  const Linear &e = m->linears[m->embed], &h = m->linears[m->head];
+  if (e.K != D || h.K != D || h.N != e.N) refuse(f, "the embedding and the head must be [vocab, hidden]");
+  if (e.q4 && e.q4->bits != 4) refuse(f, "the embedding table must be fp32, 8- or 4-bit, not 2-bit");
+  m->final_norm = floats(f, "model.norm.weight", {D});
+  return m;
+}
+
+using FileHandle = std::shared_ptr<const MappedFile>;  // what bq_file_open returns, held by what opens on it
+
+}  // namespace
+
+extern "C" {
+
+const char* bq_error() { return g_error.c_str(); }
+
+int bq_isa_supported(int isa) { return bitquilt_q4::isa_supported(isa); }
+int bq_active_isa() { return bitquilt_q4::active_isa(); }
+int bq_set_isa(int isa) {
+  if (bitquilt_q4::set_isa(isa)) return 0;
+  return static_cast<int>(fail("int8 kernel path " + std::to_string(isa) + " is not supported by this CPU"));
+}
+void bq_set_threads(int threads) { omp_set_num_threads(threads); }
+int bq_threads() { return omp_get_max_threads(); }
+
+// The standalone file at `path`, mapped (nothing read but its header); null with the reason in bq_error().
+void* bq_file_open(const char* path) {
+  try {
+    return new FileHandle(std::make_shared<const MappedFile>(path));
+  } catch (const std::exception& e) {
+    fail(e.what());
+    return nullptr;
+  }
+}
+
+// The caller's hold on the file (models and tokenizers opened on it keep theirs).
+void bq_file_free(void* file) { delete static_cast<FileHandle*>(file); }
+
+// The model of an opened file for up to `max_len` positions; null with the reason in bq_error() when the file
+// cannot be run.
+void* bq_open(void* file, int64_t max_len) { return bq_open_mapped(*static_cast<FileHandle*>(file), max_len); }
+
+void bq_free(void* handle) { delete model(handle); }
+
+// Layer `layer`'s keys (which = 0) or values (1), fp32 [kv_heads, max_len, head_dim]; null outside the model.
+const float* bq_cache(void* handle, int64_t layer, int which) {
+  Model* m = model(handle);
+  return layer < 0 || layer >= m->core.layers() || which < 0 || which > 1 ? nullptr : m->cache(layer, which);
+}
+
+// The RoPE table in use: cos (which = 0) or sin (1), fp32 [max_len, head_dim].
+const float* bq_rope(void* handle, int which) {
+  return which == 0 ? model(handle)->rope.cos.data() : model(handle)->rope.sin.data();
+}
+
+// The rows of the embedding table (the vocabulary the model reads).
+int64_t bq_vocab(void* handle) { return model(handle)->linears[model(handle)->embed].N; }
+
+// Tokens ids [T] at positions pos..pos+T-1 through the model (caches written); logits [vocab] of the last one.
+int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* logits) {
+  Model* m = model(handle);
+  const auto& d = m->core.dims();
+  if (T <= 0 || pos < 0 || pos + T > d.max_len)
+    return static_cast<int>(fail("positions " + std::to_string(pos) + ".." + std::to_string(pos + T) +
+                                 " outside the cache's " + std::to_string(d.max_len)));
+  const Linear& embed = m->linears[m->embed];
+  for (int64_t t = 0; t < T; ++t)
+    if (ids[t] < 0 || ids[t] >= embed.N)
+      return static_cast<int>(fail("token id " + std::to_string(ids[t]) + " outside the vocabulary of " +
+                                   std::to_string(embed.N)));
+  m->x.resize(T * d.D);
+  for (int64_t t = 0; t < T; ++t) {
+    embed.row(ids[t], m->x.data() + t * d.D);
+    if (m->embed != m->head) embed.unmap();  // a tied table is the head's, which every step reads whole
+  }
+  m->core.forward(m->x.data(), T, pos,
+                  [m](int64_t i, const float* in, int64_t n, float* out) { m->linears[i].run(in, n, out); });
+  m->last.resize(d.D);
+  bitquilt_decoder::rms_norm(m->x.data() + (T - 1) * d.D, m->final_norm, d.D, d.eps, m->last.data());
+  m->linears[m->head].run(m->last.data(), 1, logits);
+  return 0;
+}
+
+// The tokenizer of an opened file (bpe_tokenizer.h); null with the reason in bq_error().
+void* bq_tokenizer_open(void* file) {
+  try {
+    return new bitquilt_tokenizer::Tokenizer(*static_cast<FileHandle*>(file));
+  } catch (const std::exception& e) {
+    fail(e.what());
+    return nullptr;
+  }
+}
+
+void bq_tokenizer_free(void* tokenizer) { delete static_cast<bitquilt_tokenizer::Tokenizer*>(tokenizer); }
+
+// The ids of UTF-8 text [n bytes], the first `capacity` of them written to ids; how many there are (-1: not UTF-8).
+int64_t bq_tokenize(void* tokenizer, const char* text, int64_t n, int64_t* ids, int64_t capacity) {
+  try {
+    const auto found = static_cast<bitquilt_tokenizer::Tokenizer*>(tokenizer)->encode(std::string(text, n));
+    std::copy_n(found.begin(), std::min<int64_t>(capacity, found.size()), ids);
+    return static_cast<int64_t>(found.size());
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  }
+}
+
+// The bytes of tokens ids [n] (special ones left out if skip_special), the first `capacity` written to out; how many.
+int64_t bq_detokenize(void* tokenizer, const int64_t* ids, int64_t n, int skip_special, char* out, int64_t capacity) {
+  const std::string bytes = static_cast<bitquilt_tokenizer::Tokenizer*>(tokenizer)->decode(ids, n, skip_special != 0);
+  std::copy_n(bytes.begin(), std::min<int64_t>(capacity, bytes.size()), out);
+  return static_cast<int64_t>(bytes.size());
+}
+
+// The index of the largest of logits [n] (the first of equals).
+int64_t bq_argmax(const float* logits, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (logits[i] > logits[best]) best = i;
+  return best;
+}
+
+// A draw from softmax(logits / temperature) [n], `uniform` in [0, 1) the caller's random number: the first index
+// whose cumulative probability exceeds it (in double, so that no token's share is lost to rounding). Each weight's
+// exponential is computed once, kept as the running sum of the weights before it.
+int64_t bq_sample(const float* logits, int64_t n, double temperature, double uniform) {
+  const double top = logits[bq_argmax(logits, n)];
+  thread_local std::vector<double> cumulative;
+  cumulative.resize(n);
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) cumulative[i] = total += std::exp((logits[i] - top) / temperature);
+  const double target = uniform * total;
+  return std::min<int64_t>(std::upper_bound(cumulative.begin(), cumulative.end(), target) - cumulative.begin(), n - 1);
+}
+
+}  // extern "C"
+
+void* bq_open_mapped(const std::shared_ptr<const MappedFile>& file, int64_t max_len) {
+  try {
+    return load_model(file, max_len).release();
+  } catch (const std::exception& e) {
+    fail(e.what());
+    return nullptr;
+  }
+}
