@@ -268,6 +268,30 @@ def doc_protocol(doc: str) -> str:
     return " ".join(doc.split("\n\n", 2)[2].split())
 
 
+def checkout_args(p: argparse.ArgumentParser, report: str, rounds: int) -> None:
+    """The arguments of a bench that runs a saved model by two or more checkouts of bitquilt, alternating."""
+    p.add_argument("model", help="a directory saved by `bitquilt quantize`")
+    p.add_argument("builds", nargs="+", help="name=<source tree>:<cache directory> (each checkout its own cache, so "
+                   "their compiled kernels do not overwrite each other)")
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--report", default=report, help="name of the report under bench/results/")
+
+
+def write_report(name: str, record: dict, render: Callable[[dict], str]) -> None:
+    """A one-shot report: `record` as results/NAME.json, its rendering as results/NAME.md, printed too."""
+    write_atomic(RESULTS / f"{name}.json", json.dumps(record, indent=1))
+    write_atomic(RESULTS / f"{name}.md", render(record))
+    print(render(record))
+
+
+def intro(title: str, text: str) -> list[str]:
+    """A report's opening lines: `# title`, then each paragraph of the text block `text` on a line of its own."""
+    lines = [f"# {title}", ""]
+    for paragraph in text.strip().split("\n\n"):
+        lines += [" ".join(paragraph.split()), ""]
+    return lines
+
+
 def stamp() -> dict:
     """The run facts every record ends with: the machine it ran on and the command that ran."""
     return {"machine": machine(), "command": command_line()}

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import RESULTS, command_line, loadavg, machine, run, write_atomic  # noqa: E402
+from common import checkout_args, command_line, loadavg, machine, run, write_report  # noqa: E402
 
 PHASES = ("load_s", "stepper_s", "prefill_s", "total_s")
 CHILD = """
@@ -74,11 +74,8 @@ def render(record: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model", help="a directory saved by `bitquilt quantize`")
-    p.add_argument("builds", nargs="+", help="name=<source tree>:<extension cache directory>")
-    p.add_argument("--rounds", type=int, default=3)
+    checkout_args(p, "first_call_ab", rounds=3)
     p.add_argument("--activations", default="exact,int8", help="comma-separated: exact, int8")
-    p.add_argument("--report", default="first_call_ab", help="name of the report under bench/results/")
     args = p.parse_args()
     builds = dict(b.split("=", 1) for b in args.builds)
     samples: dict[str, dict[str, list[dict]]] = {a: {n: [] for n in builds} for a in args.activations.split(",")}
@@ -96,9 +93,7 @@ def main() -> None:
     record = {"command": command_line(), "model": args.model, "rounds": args.rounds, "machine": machine(),
               "loadavg_start": start, "loadavg_end": loadavg(), "date": time.strftime("%Y-%m-%d"),
               "medians": medians, "samples": samples}
-    write_atomic(RESULTS / f"{args.report}.json", json.dumps(record, indent=1))
-    write_atomic(RESULTS / f"{args.report}.md", render(record))
-    print(render(record))
+    write_report(args.report, record, render)
 
 
 if __name__ == "__main__":

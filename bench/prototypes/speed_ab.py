@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import RESULTS, finish, run, run_child, run_facts, run_header, write_atomic  # noqa: E402
+from common import checkout_args, finish, run, run_child, run_facts, run_header, write_report  # noqa: E402
 
 RATES = ("prefill_tokens_per_s", "decode_tokens_per_s")
 
@@ -53,12 +53,9 @@ def render(record: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model", help="a directory saved by `bitquilt quantize`")
-    p.add_argument("builds", nargs="+", help="name=<source tree>:<cache directory>")
-    p.add_argument("--rounds", type=int, default=5)
+    checkout_args(p, "speed_ab", rounds=5)
     p.add_argument("--flags", default="--threads 1 --prompt-tokens 128 --new-tokens 32 --repeats 3",
                    help="the flags of `bitquilt bench`, as one string")
-    p.add_argument("--report", default="speed_ab", help="name of the report under bench/results/")
     args = p.parse_args()
     builds = dict(b.split("=", 1) for b in args.builds)
     names = list(builds)
@@ -73,9 +70,7 @@ def main() -> None:
     medians = {n: {k: statistics.median(s[k] for s in runs) for k in runs[0]} for n, runs in samples.items()}
     record = {**finish(facts), "model": args.model, "flags": args.flags, "rounds": args.rounds,
               "medians": medians, "samples": samples}
-    write_atomic(RESULTS / f"{args.report}.json", json.dumps(record, indent=1))
-    write_atomic(RESULTS / f"{args.report}.md", render(record))
-    print(render(record))
+    write_report(args.report, record, render)
 
 
 if __name__ == "__main__":
