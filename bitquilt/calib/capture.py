@@ -141,7 +141,7 @@ def sample_inputs(block: nn.Module, linear_names: list[str], inputs: list[torch.
     out = {}
     for n, xs in got.items():
         x = torch.cat(xs)
-        out[n] = x[torch.linspace(0, x.shape[0] - 1, min(max_tokens, x.shape[0])).long()]
+        out[n] = x[torch.linspace(0, x.shape[0] - 1, min(max_tokens, x.shape[0]), device=x.device).long()]
     return out
 
 

@@ -67,7 +67,8 @@ class RoutedSlices(nn.Module):
         self.slices = nn.ModuleList(LearnableBitplane(p) for p in fmt.parts.values())
         self.router = router
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.register_buffer("bits", torch.tensor(router.slice_bits, dtype=torch.float32))
+        device = next(iter(fmt.tensors().values())).device
+        self.register_buffer("bits", torch.tensor(router.slice_bits, dtype=torch.float32, device=device))
         self.out_features = fmt.out_features
         self.temperature = 1.0
         self.forced: int | None = None  # k: every token through the first k slices, the router unused

@@ -80,7 +80,8 @@ def _nested_groups(flat: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.T
     lo, hi = flat.min(dim=1, keepdim=True).values, flat.max(dim=1, keepdim=True).values
     step = ((hi - lo) / 2**bits).clamp(min=1e-12)
     codes = torch.floor((flat - lo) / step).clamp(0, 2**bits - 1).to(torch.int64)
-    coeffs = torch.cat([lo + step / 2, step * 2.0 ** torch.arange(bits, dtype=torch.float32)], dim=1)
+    powers = 2.0 ** torch.arange(bits, dtype=torch.float32, device=flat.device)
+    coeffs = torch.cat([lo + step / 2, step * powers], dim=1)
     return codes, coeffs
 
 
@@ -89,8 +90,8 @@ def _lloyd_groups(flat: torch.Tensor, bits: int, iters: int) -> tuple[torch.Tens
     lo, hi = flat.min(dim=1, keepdim=True).values, flat.max(dim=1, keepdim=True).values
     step = ((hi - lo) / (2**bits - 1)).clamp(min=1e-12)
     codes = torch.round((flat - lo) / step).to(torch.int64)  # the min-max grid lo + i·step
-    coeffs = torch.cat([lo, step * 2.0 ** torch.arange(bits, dtype=torch.float32)], dim=1)
-    patterns = torch.cat([torch.ones(1, 2**bits), bit_patterns(bits)])  # [k + 1, 2^k]
+    coeffs = torch.cat([lo, step * 2.0 ** torch.arange(bits, dtype=torch.float32, device=flat.device)], dim=1)
+    patterns = torch.cat([torch.ones(1, 2**bits), bit_patterns(bits)]).to(flat.device)  # [k + 1, 2^k]
     for i in range(iters):
         coeffs = fit_coeffs(flat, code_planes(codes, bits), None, ridge=1e-6)
         if i < iters - 1:  # Lloyd step: every weight to its group's nearest level
