@@ -18,6 +18,7 @@ import pstats
 import time
 
 import torch
+from common import add_quant_run_args
 
 
 def own_times(profile: cProfile.Profile, top: int) -> list[dict]:
@@ -31,10 +32,7 @@ def own_times(profile: cProfile.Profile, top: int) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--method", default="awq+gptq")
-    p.add_argument("--calib-samples", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
+    add_quant_run_args(p)
     p.add_argument("--calib-dtype", default=None, help="passed to quantize when the checkout has the option")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", required=True)

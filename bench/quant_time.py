@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, command_line, cpu_name, loadavg, machine, run, write_atomic
+from common import RESULTS, add_quant_run_args, command_line, cpu_name, loadavg, machine, run, write_atomic
 
 BASE_COMMIT = "9d60c69"
 BASE_TREE = Path("/tmp/quant-base")
@@ -121,10 +121,7 @@ def render(meta: dict, rows: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--method", default="awq+gptq")
-    p.add_argument("--calib-samples", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
+    add_quant_run_args(p)
     p.add_argument("--ppl-windows", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1, help="rounds of the three variants")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 import bitquilt.calib.compute as compute
+from bitquilt.api import calibration_compute
 from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_block
 from bitquilt.calib.compute import CalibCompute, calibrating, choose_compute
 from bitquilt.cli import main
+from bitquilt.errors import UserError
 from bitquilt.models.adapters import architecture_of, decoder_layers
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec, relative_error
@@ -83,6 +85,8 @@ def test_auto_precision_follows_the_cpu(monkeypatch):
         choose_compute("fp16")
     with pytest.raises(ValueError, match="calibration device"):
         choose_compute("auto", "tpu")
+    with pytest.raises(UserError, match="calibration dtype 'fp16'"):
+        calibration_compute("fp16")
 
 
 def argv(command: str, tmp_path, *flags) -> list[str]:
@@ -126,3 +130,38 @@ def test_quantize_on_cpu_with_threads_and_precision(tmp_path, capsys):
     finally:
         torch.set_num_threads(threads)
     assert '"calibration": "bf16 on cpu (bf16 asked for)"' in out
+
+
+def test_quantized_stream_runs_on_one_dense_copy_per_block(tiny_llama, monkeypatch):
+    """In a calibration pass a QuantLinear multiplies by its dequantized weight, dequantized once for the block:
+    in fp32 exactly the torch reference's output, in bf16 close to it."""
+    from bitquilt import kernels
+    from bitquilt.calib.capture import block_output
+    from bitquilt.nn.online import swap_host
+    from bitquilt.nn.quant_linear import QuantLinear
+
+    block = decoder_layers(tiny_llama, architecture_of(tiny_llama))[0]
+    linear = block.get_submodule("mlp.down_proj")
+    qlin = QuantLinear(get_solver("rtn")(linear.weight.detach(), None, LayerSpec(4, 128)))
+    swap_host(block, "mlp.down_proj", qlin)
+    calls = []
+    dequantize = type(qlin.fmt).dequantize
+    monkeypatch.setattr(type(qlin.fmt), "dequantize", lambda self, *a: calls.append(1) or dequantize(self, *a))
+    x = [torch.randn(1, 16, 128), torch.randn(1, 16, 128)]
+    kwargs = {"position_embeddings": tiny_llama.model.rotary_emb(x[0], torch.arange(16)[None]),
+              "attention_mask": None}
+    kernels.set_kernels_enabled(False)
+    try:
+        with torch.no_grad():
+            reference = [block_output(block, xi, kwargs) for xi in x]
+    finally:
+        kernels.set_kernels_enabled(True)
+    calls.clear()
+    with calibrating(CalibCompute("fp32")):
+        fp32 = run_block(block, x, kwargs)
+        run_block(block, x, kwargs)
+    assert len(calls) == 1 and all(torch.equal(a, b) for a, b in zip(fp32, reference))
+    assert "forward" not in qlin.__dict__  # the pass left the module as it was
+    with calibrating(BF16), torch.no_grad():
+        bf16 = run_block(block, x, kwargs)
+    assert all(b.dtype == torch.float32 and torch.allclose(b, r, rtol=0.05, atol=0.05) for b, r in zip(bf16, reference))
