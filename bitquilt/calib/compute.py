@@ -12,7 +12,7 @@ kernels would dequantize the weight again at every call.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from itertools import chain
@@ -129,7 +129,9 @@ def dense_weight(linear: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
     return held[4]
 
 
-def _dense_forward(linear: QuantLinear, dtype: torch.dtype):
+def _dense_forward(linear: QuantLinear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """QuantLinear.forward on the dense copy: x Ŵᵀ (+ bias), in `dtype`."""
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         y = x.to(dtype) @ dense_weight(linear, dtype).T
         return y if linear.bias is None else y + linear.bias.to(y.dtype)
@@ -155,3 +157,6 @@ def block_pass(block: nn.Module) -> Iterator[None]:
     finally:
         for m in patched:
             del m.forward
+        if len(_active) == 1:  # a pass outside a quantization run (an analysis): nothing to keep for later passes
+            _dense.clear()
+            _dense_block[0] = None
