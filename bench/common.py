@@ -80,6 +80,15 @@ def machine() -> dict:
             "python": sys.version.split()[0], **forced}
 
 
+def add_quant_run_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a timed quantization run (bench/quant_time.py, bench/quant_profile.py): model, method,
+    calibration windows of 512 tokens, threads."""
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--method", default="awq+gptq")
+    p.add_argument("--calib-samples", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write through a temporary file and rename, so a killed run never leaves half a report."""
     path.parent.mkdir(parents=True, exist_ok=True)

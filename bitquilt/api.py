@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from bitquilt.calib.compute import CalibCompute, choose_compute
 from bitquilt.calib.report import QuantReport
 from bitquilt.errors import UserError
 from bitquilt.export import FORMATS as EXPORT_FORMATS
@@ -94,6 +95,14 @@ def _calibration(recipe: Recipe, calib: CalibConfig | torch.Tensor | None, token
     return ids, config
 
 
+def calibration_compute(calib_dtype: str = "auto", device: str = "cpu") -> CalibCompute:
+    """What calibration multiplies in and on (`bitquilt.calib.compute.choose_compute`), a bad choice a UserError."""
+    try:
+        return choose_compute(calib_dtype, device)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
 def quantize(
     model: nn.Module,
     recipe: Recipe | str = Recipe.method,
@@ -102,12 +111,18 @@ def quantize(
     progress: bool = True,
     calib_config: CalibConfig | None = None,
     resume_dir: str | Path | None = None,
+    calib_dtype: str = "auto",
+    device: str = "cpu",
     **recipe_fields: Any,
 ) -> QuantReport:
     """Quantize `model` in place. `calib` is token ids [n, seqlen], a CalibConfig, or None (defaults);
     `calib_config` records what pre-built ids were made from. With `resume_dir`, the state after every block is
     kept there and a call with the same model, recipe and data carries on after the last block it holds
-    (`bitquilt.pipeline.resume`; delete the directory once the model is saved)."""
+    (`bitquilt.pipeline.resume`; delete the directory once the model is saved). `calib_dtype` (auto, fp32, bf16)
+    is the precision of calibration's matrix products, auto: bf16 where the machine multiplies it fast; `device`
+    (cpu, cuda, auto) where each block is calibrated (`bitquilt.calib.compute`; the report's `compute` says which
+    ran and why)."""
+    compute = calibration_compute(calib_dtype, device)
     if not isinstance(model, nn.Module):
         raise UserError(f"quantize takes a loaded model (`bitquilt.load`), got {type(model).__name__}")
     if isinstance(recipe, str):
@@ -124,7 +139,7 @@ def quantize(
     if ids is not None:
         check_calibration_ids(model, ids)
     return quantize_model(model, recipe, ids, config, progress=progress,
-                          resume_dir=None if resume_dir is None else Path(resume_dir))
+                          resume_dir=None if resume_dir is None else Path(resume_dir), compute=compute)
 
 
 # Stages scoped to the whole model that never read its weights, so they run on a model whose blocks are on disk.
@@ -173,12 +188,16 @@ def quantize_streaming(
     tokenizer: Any = None,
     progress: bool = True,
     calib_config: CalibConfig | None = None,
+    calib_dtype: str = "auto",
+    device: str = "cpu",
     **recipe_fields: Any,
 ) -> tuple[nn.Module, Any, QuantReport]:
     """Quantize a model block by block from its safetensors checkpoint, never holding it whole in full precision:
-    (quantized model, tokenizer, report), bit-identical to `load` + `quantize`. `source` is a packaged name, a
-    Hugging Face folder or an `open_streaming` result; `calib`, `tokenizer` (default: the folder's) and the rest
-    as in `quantize`. Recipes with whole-model stages are refused (`check_streamable`)."""
+    (quantized model, tokenizer, report), bit-identical to `load` + `quantize` with the same `calib_dtype` and
+    `device`. `source` is a packaged name, a Hugging Face folder or an `open_streaming` result; `calib`, `tokenizer`
+    (default: the folder's) and the rest as in `quantize`. Recipes with whole-model stages are refused
+    (`check_streamable`)."""
+    compute = calibration_compute(calib_dtype, device)
     if isinstance(recipe, str):
         recipe = Recipe(method=recipe, **recipe_fields)
     check_streamable(recipe)
@@ -188,7 +207,7 @@ def quantize_streaming(
                         "(open_streaming) to quantize it another way")
     tokenizer = tokenizer if tokenizer is not None else stream.tokenizer
     ids, config = _calibration(recipe, calib, tokenizer, calib_config)
-    report = quantize_model(stream.model, recipe, ids, config, progress=progress, blocks=stream)
+    report = quantize_model(stream.model, recipe, ids, config, progress=progress, blocks=stream, compute=compute)
     model = stream.finish()
     head = quantize_head(model, recipe)  # the engine left them: the LM head was still on disk
     if head is not None:

@@ -13,20 +13,22 @@ import os
 import sys
 from pathlib import Path
 
-from bitquilt.cli_common import MODEL_HELP, add_int8_activations, add_runtime, chosen_runtime, print_json, print_table
+from bitquilt.cli_common import (
+    MODEL_HELP,
+    add_int8_activations,
+    add_runtime,
+    add_threads,
+    chosen_runtime,
+    print_json,
+    print_table,
+    set_threads,
+)
 from bitquilt.errors import UserError, run_command
 from bitquilt.flag_checks import check_flags
 from bitquilt.io import model_summary
 from bitquilt.runtime.engines import ENGINES
 
 RUN_COMMANDS = ("generate", "bench")
-
-def set_threads(threads: int | None) -> None:
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-
 
 def _runtime(args) -> str:
     """The runtime `--runtime` and `--engine` load a saved model into (the transformers engine needs the transformers
@@ -156,7 +158,7 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
     _add_engine(s)
     add_int8_activations(s)
-    s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_threads(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_generate)
 
@@ -169,7 +171,7 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--repeats", type=int, default=3, help="runs per model; the median is reported (default 3)")
     _add_engine(s)
     add_int8_activations(s)
-    s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_threads(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_bench)
 

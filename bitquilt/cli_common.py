@@ -1,6 +1,6 @@
 """What the run-time commands (`bitquilt.cli`: generate, bench) and the rest (`bitquilt.commands`) share, and nothing
-that quantizes: printing tables and JSON, the model argument's help, the --runtime and --int8-activations flags; so
-neither imports the other's dependencies."""
+that quantizes: printing tables and JSON, the model argument's help, the --runtime, --int8-activations and --threads
+flags; so neither imports the other's dependencies."""
 
 from __future__ import annotations
 
@@ -61,3 +61,18 @@ def add_int8_activations(s: argparse.ArgumentParser) -> None:
     s.add_argument("--int8-activations", action="store_true",
                    help="let 4- and 2-bit uniform linears round their input to int8 per block of 32 (faster on CPU, "
                    "llama.cpp's Q8 activations; not exact: the perplexity cost is in docs/benchmarks.md)")
+
+
+def add_threads(s: argparse.ArgumentParser) -> None:
+    """The --threads flag (its range is checked with the others: `bitquilt.flag_checks.RANGES`)."""
+    s.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of torch and of bitquilt's kernels, an integer ≥ 1 (default: torch's, every core)")
+
+
+def set_threads(threads: int | None) -> None:
+    """Run torch, and the compiled kernels (which split their work with torch's thread pool), on `threads` threads
+    (None: leave torch's default)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)

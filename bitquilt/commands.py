@@ -17,15 +17,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bitquilt.calib.compute import CALIB_DTYPES, DEVICES
 from bitquilt.calib.stages import STAGES
 from bitquilt.cli_common import (
     MODEL_HELP,
     add_int8_activations,
     add_runtime,
+    add_threads,
     chosen_runtime,
     finite_or_null,
     print_json,
     print_table,
+    set_threads,
 )
 from bitquilt.errors import UserError
 from bitquilt.export import FORMATS as EXPORT_FORMATS
@@ -200,6 +203,13 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    help=f"tokens per calibration window (default {CALIB['seqlen']})")
     c.add_argument("--seed", type=int, default=CALIB["seed"],
                    help=f"sampling seed for calibration windows (default {CALIB['seed']})")
+    c.add_argument("--calib-dtype", choices=CALIB_DTYPES, default="auto",
+                   help="precision of calibration's matrix products: bf16 (fp32 sums), fp32, or auto (default): bf16 "
+                   "where the CPU has AMX or AVX-512 BF16, fp32 elsewhere")
+    c.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="where each block is calibrated, moved there one at a time: cpu (default), cuda (untested), "
+                   "auto (cuda if torch sees a GPU)")
+    add_threads(p)
 
 
 def _add_eval_args(p: argparse.ArgumentParser, ppl_flag: bool) -> None:
@@ -385,6 +395,7 @@ def cmd_fetch(args) -> int:
 
 def cmd_quantize(args) -> int:
     from bitquilt.api import (
+        calibration_compute,
         check_quantizable,
         check_streamable,
         load,
@@ -395,6 +406,8 @@ def cmd_quantize(args) -> int:
     )
     from bitquilt.io import check_output
 
+    compute = calibration_compute(args.calib_dtype, args.device)  # a GPU that is not there: before any load
+    set_threads(args.threads)
     recipe = _recipe_from_args(args, args.method, args.w_bits, args.group_size, args.target_bits, strict=True)
     out = Path(args.output)
     check_output(out, args.overwrite, source=args.model)  # before hours of work, not after
@@ -416,10 +429,12 @@ def cmd_quantize(args) -> int:
     _check_plan(model, recipe)
     if args.stream:
         model, tokenizer, report = quantize_streaming(stream, recipe, calib, tokenizer=tokenizer,
-                                                      progress=not args.json)
+                                                      progress=not args.json, calib_dtype=compute.precision,
+                                                      device=compute.device)
     else:
         report = quantize(model, recipe, calib, tokenizer=tokenizer, progress=not args.json,
-                          resume_dir=progress_dir(out) if args.resume else None)
+                          resume_dir=progress_dir(out) if args.resume else None, calib_dtype=compute.precision,
+                          device=compute.device)
     save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
     if args.resume:
         shutil.rmtree(progress_dir(out), ignore_errors=True)  # the model is saved: its progress is no longer needed
@@ -427,12 +442,18 @@ def cmd_quantize(args) -> int:
                "group_size": recipe.group_size, "a_bits": recipe.a_bits, "kv_bits": recipe.kv_bits,
                "head_bits": recipe.head_bits,
                **model_summary(model),
-               "quant_time_s": report.total_seconds, "peak_rss_mb": report.peak_rss_mb}
+               "quant_time_s": report.total_seconds, "peak_rss_mb": report.peak_rss_mb,
+               **({"calibration": compute_summary(report.compute)} if recipe.needs_calibration else {})}
     if args.json:
         print_json(summary)
     else:
         print_table([summary], list(summary))
     return 0
+
+
+def compute_summary(compute: dict[str, str]) -> str:
+    """What calibration computed in and on, and why (a report's `compute`), in a few words."""
+    return f"{compute['precision']} on {compute['device']} ({compute['reason']})"
 
 
 def progress_dir(output: Path) -> Path:
@@ -506,6 +527,7 @@ def cmd_eval(args) -> int:
     from bitquilt.nn.slice_router import realised_bits
 
     _check_eval_sets(args)
+    set_threads(args.threads)
     model, tokenizer = load(args.model, _eval_runtime(args))
     if tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files; cannot evaluate")
@@ -532,9 +554,11 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from bitquilt.api import calibration_ids, check_quantizable, load, quantize
+    from bitquilt.api import calibration_compute, calibration_ids, check_quantizable, load, quantize
     from bitquilt.models.loading import source_fingerprint
 
+    compute = calibration_compute(args.calib_dtype, args.device)
+    set_threads(args.threads)
     check_quantizable(args.model)  # its rows quantize the model: not a saved one, nor one without adapter
     methods = [m for m in args.methods.split(",") if m]
     if not methods:
@@ -579,17 +603,20 @@ def cmd_compare(args) -> int:
         if t is not None:
             row["target_bits"] = t
         if recipe is not None:
-            report = quantize(model, recipe, ids, progress=not args.json, calib_config=calib)
+            report = quantize(model, recipe, ids, progress=not args.json, calib_config=calib,
+                              calib_dtype=compute.precision, device=compute.device)
             row.update(quant_time_s=report.total_seconds, peak_rss_mb=report.peak_rss_mb)
         row.update(model_summary(model))
-        key = "fp" if recipe is None else json.dumps(recipe.record(), sort_keys=True, default=str)
+        key = "fp" if recipe is None else json.dumps({**recipe.record(), "calib_precision": compute.precision},
+                                                     sort_keys=True, default=str)
         row.update(_evaluate(model, tokenizer, args, cache_key=f"{source_fingerprint(args.model)}|{key}|{calib}"))
         rows.append(row)
         if not args.json:
             label = "fp" if recipe is None else recipe.label() + ("" if t is None else f" target {t:g}")
             print(f"[{label}] " + ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)),
                   file=sys.stderr)
-    settings = {"model": args.model, "calibration": vars(calib), "ppl_data": args.ppl_data,
+    settings = {"model": args.model, "calibration": vars(calib), "calib_compute": compute.to_dict(),
+                "ppl_data": args.ppl_data,
                 "seqlen": args.seqlen, "ppl_windows": args.ppl_windows, "tasks": args.tasks, "limit": args.limit}
     non_finite = _flag_non_finite(rows, [f"{r['method']} w{r['w_bits']}" for r in rows])
     if args.report:
@@ -814,6 +841,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _add_eval_args(s, ppl_flag=True)
     add_runtime(s, "bitquilt for perplexity alone where it covers the model, transformers with --tasks; default")
     add_int8_activations(s)
+    add_threads(s)
     s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser("compare", help="quantize with several methods/bit widths and tabulate the results")

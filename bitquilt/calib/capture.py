@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bitquilt.calib.compute import block_pass, compute_dtype
 from bitquilt.models.adapters import Architecture, decoder_layers
 from bitquilt.solvers.base import LinearStats
 
@@ -90,12 +91,13 @@ def feed_linears(block: nn.Module, linear_names: list[str], inputs: list[torch.T
 
     handles = [block.get_submodule(n).register_forward_pre_hook(hook(n)) for n in linear_names]
     try:
-        for x in inputs:
-            pending.update(linear_names)
-            try:
-                block(x, **kwargs)
-            except _Stop:
-                pass
+        with block_pass(block):
+            for x in inputs:
+                pending.update(linear_names)
+                try:
+                    block(x, **kwargs)
+                except _Stop:
+                    pass
     finally:
         for h in handles:
             h.remove()
@@ -120,7 +122,7 @@ def collect_stats(
             stats.setdefault(name, stats[last[1]])
             return
         if name not in stats:
-            stats[name] = LinearStats.empty(x.shape[-1], device=x.device, hessian=hessian)
+            stats[name] = LinearStats.empty(x.shape[-1], device=x.device, hessian=hessian, products=compute_dtype())
         stats[name].update(x)
         last[:] = [x, name]
 
@@ -139,13 +141,16 @@ def sample_inputs(block: nn.Module, linear_names: list[str], inputs: list[torch.
     out = {}
     for n, xs in got.items():
         x = torch.cat(xs)
-        out[n] = x[torch.linspace(0, x.shape[0] - 1, min(max_tokens, x.shape[0])).long()]
+        out[n] = x[torch.linspace(0, x.shape[0] - 1, min(max_tokens, x.shape[0]), device=x.device).long()]
     return out
 
 
 @torch.no_grad()
 def run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    return [block_output(block, x, kwargs) for x in inputs]
+    """The block's outputs for each input, in the calibration precision (`bitquilt.calib.compute.block_pass`), each
+    in its input's dtype (the residual stream between blocks stays fp32)."""
+    with block_pass(block):
+        return [block_output(block, x, kwargs).to(x.dtype) for x in inputs]
 
 
 def _hook_ids(module: nn.Module) -> set[tuple[int, int]]:

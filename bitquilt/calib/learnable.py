@@ -89,8 +89,8 @@ class LearnableUniform(LearnableWeight):
         self.register_buffer("v0", v0)
         self.v = nn.Parameter(v0.clone())
         shape = s0.shape
-        self.alpha = nn.Parameter(torch.ones(shape), requires_grad=clip)
-        self.beta = nn.Parameter(torch.ones(shape), requires_grad=clip and not fmt.sym)
+        self.alpha = nn.Parameter(torch.ones(shape, device=s0.device), requires_grad=clip)
+        self.beta = nn.Parameter(torch.ones(shape, device=s0.device), requires_grad=clip and not fmt.sym)
 
     def scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale (rounded to fp16 as stored, straight-through) and zero of each (row, group)."""

@@ -29,6 +29,7 @@ class QuantReport:
     total_seconds: float = 0.0  # of this call: a resumed run's earlier blocks are only in the per-block lists
     peak_rss_mb: float = 0.0
     resumed_at: int = 0  # the first block this call quantized (> 0: the blocks before came from a resume directory)
+    compute: dict[str, str] = field(default_factory=dict)  # calibration precision, device and why that precision
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -28,8 +28,7 @@ the log making a 2-bit prefix's large error and a 4-bit prefix's small one weigh
 slices above m are cut again (`recut`, MoBiSlice's recursion) from what the refitted ones leave of
 W̃ = Σ_e W_e, the untrained slices' sum (W to the finest step): a refitted base moves by fractions
 of its own step, far more than the finest slice can absorb, so without the re-cut the high
-precisions lose what the low ones gain (measured on smollm2's block 10: the 7-bit prefix's error
-×3.2 when all slices were refitted).
+precisions lose what the low ones gain (docs/methods/mobiquant.md).
 """
 
 from __future__ import annotations
@@ -67,7 +66,8 @@ class RoutedSlices(nn.Module):
         self.slices = nn.ModuleList(LearnableBitplane(p) for p in fmt.parts.values())
         self.router = router
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.register_buffer("bits", torch.tensor(router.slice_bits, dtype=torch.float32))
+        device = next(iter(fmt.tensors().values())).device
+        self.register_buffer("bits", torch.tensor(router.slice_bits, dtype=torch.float32, device=device))
         self.out_features = fmt.out_features
         self.temperature = 1.0
         self.forced: int | None = None  # k: every token through the first k slices, the router unused

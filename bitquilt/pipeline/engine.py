@@ -23,6 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bitquilt.calib.capture import attention_reused, capture_block_inputs, run_block
+from bitquilt.calib.compute import FP32_CPU, CalibCompute, calibrating
 from bitquilt.calib.plan import Plan
 from bitquilt.calib.report import QuantReport
 from bitquilt.calib.stages import SCOPES, BlockContext, ModelContext, Stage
@@ -128,11 +129,31 @@ def quantize_model(
     progress: bool = True,
     blocks: BlockLoader | None = None,
     resume_dir: Path | None = None,
+    compute: CalibCompute = FP32_CPU,
 ) -> QuantReport:
     """Quantize `model` in place according to `recipe`; returns what was done and what it cost. With `blocks`
     (streaming quantization), block i's weights are loaded from it just before its stages and released after. With
     `resume_dir`, the state after every block is kept there and a rerun carries on from it
-    (`bitquilt.pipeline.resume`)."""
+    (`bitquilt.pipeline.resume`). `compute` says what calibration multiplies in and which device each block is
+    moved to for its stages (`bitquilt.calib.compute`); the model stays where it is."""
+    with calibrating(compute):
+        return _quantize_model(model, recipe, calib_ids, calib, progress, blocks, resume_dir, compute)
+
+
+def to_device(value: Any, device: str) -> Any:
+    """`value` with every tensor in it (inside tuples, lists and dicts) on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | None, calib: CalibConfig | None,
+                    progress: bool, blocks: BlockLoader | None, resume_dir: Path | None,
+                    compute: CalibCompute) -> QuantReport:
     start = time.perf_counter()
     reset_peak_rss()
     arch = architecture_of(model)
@@ -146,10 +167,12 @@ def quantize_model(
     plan = initial_plan(model, arch, recipe)
     check_layer_shapes(model, plan, residual_block(recipe))
     warn_unmatched_skips(plan, recipe)
-    report = QuantReport(recipe.record(), asdict(calib) if calib and needs_data else None)
+    report = QuantReport(recipe.record(), asdict(calib) if calib and needs_data else None, compute=compute.to_dict())
     by_scope = {scope: [(s, o) for s, o in stages if s.scope == scope] for scope in SCOPES}
     layers = decoder_layers(model, arch)
-    run_id = None if resume_dir is None else fingerprint(model, layers[0], recipe.to_dict(), calib_ids)
+    run_id = None if resume_dir is None else fingerprint(model, layers[0], {**recipe.to_dict(),
+                                                                             "calib_precision": compute.precision},
+                                                         calib_ids)
     ctx = ModelContext(model, arch, plan, calib_ids if needs_data else None, recipe.to_dict())
 
     for stage, opts in by_scope["prepass"] + by_scope["model"]:
@@ -157,6 +180,10 @@ def quantize_model(
     use_cache = getattr(model.config, "use_cache", None)
     model.config.use_cache = False
     inputs, layer_kwargs = capture_block_inputs(model, arch, calib_ids) if needs_data else ([], [])
+    home = next(model.parameters()).device
+    moving = torch.device(compute.device).type != home.type  # each block to the device for its stages, then back
+    if moving:
+        inputs, layer_kwargs = to_device(inputs, compute.device), to_device(layer_kwargs, compute.device)
     first = 0
     saved = None if resume_dir is None else load_progress(resume_dir, run_id)
     if saved is not None:  # carry on after the last saved block
@@ -173,6 +200,8 @@ def quantize_model(
         t_block, cpu_block = time.perf_counter(), time.process_time()
         if blocks is not None:
             blocks.load(i)
+        if moving:
+            layers[i].to(compute.device)
         block_ctx = BlockContext(model, arch, plan, ctx.calib_ids, ctx.settings, ctx.scratch, index=i,
                                  block=layers[i], inputs=inputs, kwargs=layer_kwargs[i] if needs_data else {})
         for stage, opts in by_scope["block"]:
@@ -192,6 +221,8 @@ def quantize_model(
             report.linears.extend(block_ctx.results)
             if needs_data:
                 inputs = run_block(layers[i], inputs, block_ctx.kwargs)
+        if moving:
+            layers[i].to(home)
         if blocks is not None:
             blocks.release(i)
         report.block_seconds.append(time.perf_counter() - t_block)

@@ -47,28 +47,67 @@ class LinearStats:
     hessian      Σ xxᵀ / n  (fp32), GPTQ's H up to the factor 2; None when only ranges were collected
     act_absmax   max |x| per input channel
     act_absmean  mean |x| per input channel (AWQ's activation salience)
+    products     dtype each update's XᵀX is multiplied in (bf16: one bf16 rounding per update, summed in fp32)
     """
 
     hessian: torch.Tensor | None
     act_absmax: torch.Tensor
     act_absmean: torch.Tensor
     n_tokens: int
+    products: torch.dtype = torch.float32
 
     @classmethod
-    def empty(cls, in_features: int, device: torch.device | str = "cpu", hessian: bool = True) -> LinearStats:
+    def empty(cls, in_features: int, device: torch.device | str = "cpu", hessian: bool = True,
+              products: torch.dtype = torch.float32) -> LinearStats:
         z = torch.zeros(in_features, device=device)
         h = torch.zeros(in_features, in_features, device=device) if hessian else None
-        return cls(h, z.clone(), z.clone(), 0)
+        return cls(h, z.clone(), z.clone(), 0, products)
 
     def update(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()
+        """Add the tokens of x [..., in_features] (called from inside calibration passes: autocast is set aside, the
+        products are in `products`)."""
+        with torch.autocast(x.device.type, enabled=False):
+            self._add(x.reshape(-1, x.shape[-1]))
+
+    def _add(self, x: torch.Tensor) -> None:
         n = x.shape[0]
         total = self.n_tokens + n
+        x32 = x.float()
         if self.hessian is not None:
-            self.hessian.mul_(self.n_tokens / total).addmm_(x.T, x, alpha=1.0 / total)
+            self.hessian.mul_(self.n_tokens / total)
+            if self.products == torch.float32:
+                self.hessian.addmm_(x32.T, x32, alpha=1.0 / total)
+            else:
+                self.hessian.add_(low_precision_gram(x, x32, self.products), alpha=1.0 / total)
+        x = x32
         self.act_absmean.mul_(self.n_tokens / total).add_(x.abs().sum(0), alpha=1.0 / total)
         self.act_absmax = torch.maximum(self.act_absmax, x.abs().amax(0))
         self.n_tokens = total
+
+
+OUTLIER_RATIO = 16.0  # a channel whose Σx² exceeds this many times the median channel's is an outlier
+MAX_OUTLIER_FRACTION = 8  # at most 1/8 of the channels are taken as outliers
+
+
+def low_precision_gram(x: torch.Tensor, x32: torch.Tensor, products: torch.dtype) -> torch.Tensor:
+    """XᵀX (fp32) of x [tokens, d] multiplied in `products` (bf16), the rows and columns of outlier channels in fp32.
+
+    A bf16 product is rounded to bf16 (torch has no CPU matmul from bf16 into fp32), an error relative to each
+    entry: on the rows of a channel whose activations are hundreds of times the others', that error is larger than
+    GPTQ's dampening and can make the Hessian indefinite. Those few channels' rows (`OUTLIER_RATIO`) are multiplied
+    from `x32` (x in fp32) instead.
+    """
+    xp = x.to(products)
+    gram = (xp.T @ xp).float()
+    energy = x32.pow(2).sum(0)
+    outliers = torch.nonzero(energy > OUTLIER_RATIO * energy.median()).flatten()
+    if outliers.numel() > x.shape[1] // MAX_OUTLIER_FRACTION:
+        outliers = energy.topk(x.shape[1] // MAX_OUTLIER_FRACTION).indices
+    if outliers.numel():
+        rows = x32[:, outliers].T @ x32
+        gram[outliers] = rows
+        gram[:, outliers] = rows.T
+    return gram
 
 
 SolverFn = Callable[[torch.Tensor, "LinearStats | None", LayerSpec, Any], WeightFormat]
@@ -138,10 +177,14 @@ def check_finite(weight: torch.Tensor, what: str = "weight") -> None:
         raise ValueError(f"{what} contains {bad} NaN/Inf value(s); cannot quantize a non-finite matrix")
 
 
-def hessian_error(weight: torch.Tensor, approx: torch.Tensor | None, hessian: torch.Tensor) -> float:
-    """tr(D H Dᵀ), D = W − Ŵ (D = W if `approx` is None): the layer's output error ‖WX − ŴX‖² per token."""
+def hessian_error(weight: torch.Tensor, approx: torch.Tensor | None, hessian: torch.Tensor,
+                  products: torch.dtype = torch.float32) -> float:
+    """tr(D H Dᵀ), D = W − Ŵ (D = W if `approx` is None): the layer's output error ‖WX − ŴX‖² per token. `products`:
+    the dtype D·H is multiplied in (bf16: one rounding of each product, summed in fp32)."""
     d = weight.float() if approx is None else weight.float() - approx.float()
-    return float(torch.einsum("ij,jk,ik->", d, hessian.float(), d))
+    if products == torch.float32:
+        return float(torch.einsum("ij,jk,ik->", d, hessian.float(), d))
+    return float(((d.to(products) @ hessian.to(products)).float() * d).sum())
 
 
 def relative_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:

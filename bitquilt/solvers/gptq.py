@@ -7,10 +7,9 @@ updates every `block_size` columns). Group scales are fitted from the *updated* 
 the group when its first column is reached (or from the original weights with
 `static_groups`, which keeps groups contiguous under act-order).
 
-Default: act-order with static groups. On smollm2-135m it beats the plain sweep at every width
-measured (W4g128 26.4 vs 29.2, W3g128 56.5 vs 85.3, W2g64 2,370 vs 11,122; bench/accuracy.py)
-and, unlike dynamic groups, keeps each group's columns contiguous, so the packed layout and its
-kernels are unchanged. `act_order=False` gives the original paper's sweep.
+Default: act-order with static groups. It beats the plain sweep at every width measured
+(docs/methods/gptq.md, bench/results/accuracy.md) and, unlike dynamic groups, keeps each group's columns
+contiguous, so the packed layout and its kernels are unchanged. `act_order=False` gives the original paper's sweep.
 """
 
 from __future__ import annotations

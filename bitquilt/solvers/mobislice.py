@@ -11,13 +11,13 @@ range [lo, hi], on one of two grids:
   nested (default)  the mid-rise grid: 2^b equal cells of width Δ = (hi − lo)/2^b, level i at the
                     centre of cell i, lo + (i + ½)·Δ. Every residual left is within ±Δ/2, so the next
                     slice's cells split these: W^(k) is a uniform grid of Σ b_e bits and the error
-                    falls ≈ 4× per added bit, at every prefix.
+                    falls about 4× per added bit, at every prefix.
   lloyd             the min-max grid lo + i·(hi − lo)/(2^b − 1), then `iters` alternations of a
                     least-squares refit of the b + 1 coefficients (planes fixed) and a reassignment
                     of every weight to its nearest level (for a 1-bit slice, 2-means). The lowest error
-                    for one slice alone (a 2-bit base 0.5–1.8× RTN's output error on smollm2, ≈ 0.6× on most), but
-                    its unequal cells leave residuals the slices after it refine poorly: ≈ 2× per bit,
-                    0.9–2.2× RTN's error at 4 bits and ≈ 3× the nested grid's at 5–6.
+                    for one slice alone, but its unequal cells leave residuals the slices after it refine
+                    poorly, so the error falls less per added bit than the nested grid's
+                    (docs/methods/mobiquant.md).
 
 A slice holds its levels as b bit-planes with coefficients C₀ (the lowest level) and C_i = Δ·2^(i−1)
 (`formats.bitplane`), so the bit-plane kernels run it; the weight is a `CompositeFormat` of slices
@@ -80,7 +80,8 @@ def _nested_groups(flat: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.T
     lo, hi = flat.min(dim=1, keepdim=True).values, flat.max(dim=1, keepdim=True).values
     step = ((hi - lo) / 2**bits).clamp(min=1e-12)
     codes = torch.floor((flat - lo) / step).clamp(0, 2**bits - 1).to(torch.int64)
-    coeffs = torch.cat([lo + step / 2, step * 2.0 ** torch.arange(bits, dtype=torch.float32)], dim=1)
+    powers = 2.0 ** torch.arange(bits, dtype=torch.float32, device=flat.device)
+    coeffs = torch.cat([lo + step / 2, step * powers], dim=1)
     return codes, coeffs
 
 
@@ -89,8 +90,8 @@ def _lloyd_groups(flat: torch.Tensor, bits: int, iters: int) -> tuple[torch.Tens
     lo, hi = flat.min(dim=1, keepdim=True).values, flat.max(dim=1, keepdim=True).values
     step = ((hi - lo) / (2**bits - 1)).clamp(min=1e-12)
     codes = torch.round((flat - lo) / step).to(torch.int64)  # the min-max grid lo + i·step
-    coeffs = torch.cat([lo, step * 2.0 ** torch.arange(bits, dtype=torch.float32)], dim=1)
-    patterns = torch.cat([torch.ones(1, 2**bits), bit_patterns(bits)])  # [k + 1, 2^k]
+    coeffs = torch.cat([lo, step * 2.0 ** torch.arange(bits, dtype=torch.float32, device=flat.device)], dim=1)
+    patterns = torch.cat([torch.ones(1, 2**bits), bit_patterns(bits)]).to(flat.device)  # [k + 1, 2^k]
     for i in range(iters):
         coeffs = fit_coeffs(flat, code_planes(codes, bits), None, ridge=1e-6)
         if i < iters - 1:  # Lloyd step: every weight to its group's nearest level

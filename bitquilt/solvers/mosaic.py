@@ -124,7 +124,7 @@ class Residual:
 
     def column_of_tile(self) -> torch.Tensor:
         """Input columns covered by each tile [n, r·c] (tile-local row-major, as `to_blocks`)."""
-        cols = torch.arange(self.error.shape[1]).expand(self.error.shape[0], -1)
+        cols = torch.arange(self.error.shape[1], device=self.error.device).expand(self.error.shape[0], -1)
         return to_blocks(cols, self.block)
 
 
@@ -175,7 +175,7 @@ def greedy_order(res: Residual, hessian: torch.Tensor, count: int) -> torch.Tens
     gain is cached, so a step scans the bands and the one band it changed, not every tile."""
     gains = TileGains(res, hessian)
     per_row = gains.per_row
-    order, taken = [], torch.zeros(res.n_tiles, dtype=torch.bool)
+    order, taken = [], torch.zeros(res.n_tiles, dtype=torch.bool, device=hessian.device)
     best, where = gains.gains.view(-1, per_row).max(dim=1)
     for _ in range(count):
         band = int(best.argmax())
@@ -186,7 +186,7 @@ def greedy_order(res: Residual, hessian: torch.Tensor, count: int) -> torch.Tens
         row = gains.gains[tiles].masked_fill_(taken[tiles], -math.inf)
         gains.gains[tiles] = row
         best[band], where[band] = row.max(dim=0)
-    return torch.tensor(order, dtype=torch.int64)
+    return torch.tensor(order, dtype=torch.int64, device=hessian.device)
 
 
 def ranking(res: Residual, score: str, stats: LinearStats | None, count: int, seed: int = 0,
@@ -200,7 +200,7 @@ def ranking(res: Residual, score: str, stats: LinearStats | None, count: int, se
     if score == "exact":
         return torch.argsort(TileGains(res, stats.hessian).gains, descending=True, stable=True)
     if score == "random":
-        return torch.randperm(res.n_tiles, generator=torch.Generator().manual_seed(seed))
+        return torch.randperm(res.n_tiles, generator=torch.Generator().manual_seed(seed)).to(res.tiles.device)
     if score == "magnitude":
         return torch.argsort(magnitude_scores(res), descending=True, stable=True)
     values = delta_scores(res, stats.hessian.diagonal() if sensitivity is None else sensitivity)
@@ -243,7 +243,7 @@ def gptq_mosaic(weight: torch.Tensor, stats: LinearStats, spec: LayerSpec, gptq_
                 opts: MosaicOptions) -> CompositeFormat:
     """GPTQ onto the base + residual grid (module docstring). Tiles and their 4-bit steps are chosen on the RTN
     error of the grid GPTQ starts from, the Δ-score weighting column j by the sweep's 1/[U]_jj² instead of H_jj
-    (measured on smollm2 layers: it recovers more than H_jj and than magnitude at 5-20%); in the sweep every
+    (it recovers more than H_jj and than magnitude: docs/methods/mosaicquant.md); in the sweep every
     weight of a chosen tile is quantized to q_base + s_tile·q_res (q_res ∈ [−8, 7], the rounding of what the base
     left) and the error feedback compensates what remains."""
     block = (int(opts.block[0]), int(opts.block[1]))
@@ -253,7 +253,7 @@ def gptq_mosaic(weight: torch.Tensor, stats: LinearStats, spec: LayerSpec, gptq_
     sensitivity = sweep_sensitivity(weight, stats.hessian, gptq_opts) if opts.score in ("auto", "delta") else None
     index = select_tiles(res, stats, opts, "joint", sensitivity)
     _, tile_scales = quantize_tiles(res.tiles[index])
-    per_tile = torch.zeros(res.n_tiles)
+    per_tile = torch.zeros(res.n_tiles, device=weight.device)
     per_tile[index] = tile_scales
     step = from_blocks(per_tile[:, None].expand(-1, block[0] * block[1]), block, *weight.shape)  # 0 off the tiles
     codes = torch.zeros_like(weight)
@@ -274,7 +274,7 @@ def mosaic_solve(weight: torch.Tensor, stats: LinearStats | None, spec: LayerSpe
     """The MosaicQuant weight of one linear on `solver`'s base, and the solver's own weight without a residual (the
     reference its recovered distortion is measured against). RTN: the residual is fitted to the base's error; GPTQ:
     jointly (`gptq_mosaic`), since GPTQ's error is shaped by its feedback and a residual fitted to it afterwards
-    raises the output distortion (measured: negative recovery on every smollm2 layer tried)."""
+    raises the output distortion."""
     plain = solver(weight, stats, spec, solver_opts)
     if solver.name == "gptq":
         return gptq_mosaic(weight.float(), stats, spec, solver_opts, opts), plain

@@ -71,8 +71,8 @@ def error_feedback_codes(w: torch.Tensor, hessian: torch.Tensor, widths_per_bloc
     given widths: (elements q [out, in], exponents e [out, in/32])."""
     prep, W = prepare_hessian(hessian, w, damp)
     q = torch.zeros_like(W)
-    e = torch.zeros(W.shape[0], W.shape[1] // BLOCK, dtype=torch.int32)
-    steps = torch.zeros(W.shape[0], W.shape[1] // BLOCK)
+    e = torch.zeros(W.shape[0], W.shape[1] // BLOCK, dtype=torch.int32, device=W.device)
+    steps = torch.zeros(W.shape[0], W.shape[1] // BLOCK, device=W.device)
 
     def quantize_column(j: int, W1: torch.Tensor, i: int) -> torch.Tensor:
         b, m = j // BLOCK, int(widths_per_block[j // BLOCK])

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from bitquilt.calib.capture import collect_stats
+from bitquilt.calib.compute import compute_dtype
 from bitquilt.calib.stages import BlockContext, register_stage
 from bitquilt.formats.uniform import UniformFormat
 from bitquilt.registry import option
@@ -41,9 +42,12 @@ class AWQOptions:
 
 
 def search_scales(
-    weights: list[torch.Tensor], specs: list[LayerSpec], hessian: torch.Tensor, absmean: torch.Tensor, grid: int
+    weights: list[torch.Tensor], specs: list[LayerSpec], hessian: torch.Tensor, absmean: torch.Tensor, grid: int,
+    products: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, list[float]]:
-    """The α-grid search; returns the best scales and the loss at every α."""
+    """The α-grid search; returns the best scales and the loss at every α (its products in `products`)."""
+    if products != torch.float32:
+        hessian = hessian.to(products)  # once, not at every α
     x = absmean.clamp(min=1e-8)
     best, best_s, losses = float("inf"), torch.ones_like(x), []
     for i in range(grid):
@@ -51,7 +55,7 @@ def search_scales(
         s = s / (s.max() * s.min()).sqrt()
         loss = 0.0
         for w, spec in zip(weights, specs):
-            loss += hessian_error(w, fake_quantize(w * s, spec) / s, hessian)
+            loss += hessian_error(w, fake_quantize(w * s, spec) / s, hessian, products)
         losses.append(loss)
         if loss < best:
             best, best_s = loss, s
@@ -73,7 +77,8 @@ def awq(ctx: BlockContext, opts: AWQOptions) -> dict[str, Any]:
         if opts.bits:
             specs = [replace(s, bits=opts.bits) for s in specs]
         weights = [block.get_submodule(n).weight.float() for n in shared.linears]
-        s, losses = search_scales(weights, specs, stats[name].hessian, stats[name].act_absmean, opts.grid)
+        s, losses = search_scales(weights, specs, stats[name].hessian, stats[name].act_absmean, opts.grid,
+                                  compute_dtype())
         fold_scales(block, ctx.arch, shared, s)
         report[shared.prev] = {"alpha": losses.index(min(losses)) / opts.grid, "loss_gain": losses[0] / min(losses)}
     return report

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bitquilt import native_build
 from bitquilt.errors import UserError
+from bitquilt.isa import cpu_flags
 
 CPU_FLAGS = ("avx2", "fma", "f16c")  # the baseline the library is compiled for
 
@@ -44,19 +45,9 @@ SIGNATURES = {  # name: (result, arguments), as csrc/runtime/standalone.h declar
 }
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _built(target: native_build.Target) -> Path:
     """The target's product; UserError (one line) if this CPU cannot run it, or it is not built or out of date."""
-    cpu = _cpu_flags()
+    cpu = cpu_flags()
     missing = [f for f in CPU_FLAGS if cpu and f not in cpu]
     if missing:
         raise UserError(f"the standalone runtime needs a CPU with AVX2, FMA and F16C; this one lacks "
