@@ -35,6 +35,7 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -141,6 +142,11 @@ def allocate(shapes: dict[str, LinearShape], weights: dict[str, float], target_b
     return classes, r
 
 
+def memo_file(key: str) -> Path:
+    """Where the sensitivities measured under `key` (a hash of the reference output and the linears) are kept."""
+    return cache.cache_dir() / "mx_sens" / f"{key}.json"
+
+
 def _block_of(arch_layers: str, name: str) -> int:
     """The decoder block index of linear `name` (`<arch.layers>.<i>.…`)."""
     return int(name[len(arch_layers) + 1:].split(".")[0])
@@ -207,7 +213,7 @@ def layer_sensitivities(ctx: ModelContext, names: list[str], samples: int, strea
     for y in reference:
         key.update(y.cpu().numpy().tobytes())
     key.update(json.dumps([[n, ctx.plan.weight(n).bits] for n in names]).encode())
-    memo = cache.cache_dir() / "mx_sens" / f"{key.hexdigest()[:32]}.json"
+    memo = memo_file(key.hexdigest()[:32])
     if memo.exists():
         return json.loads(memo.read_text())
     out = {}
