@@ -15,7 +15,7 @@ from bitquilt.models.loading import load_model
 from bitquilt.models.streaming import fp_weights_held
 from bitquilt.policies import mx_sens
 from bitquilt.recipes import Recipe
-from tests.conftest import make_tiny
+from tests.conftest import make_tiny, save_tiny_with_tokenizer
 
 RECIPES = {
     "rtn": dict(method="rtn", w_bits=4, group_size=32),
@@ -220,16 +220,8 @@ def test_cli_stream_matches_the_in_memory_cli(tmp_path, capsys):
 def with_tokenizer(tmp_path_factory):
     """A tiny qwen2 with the default model's tokenizer (the CLI builds calibration windows with it) and a text file
     to calibrate on: (checkpoint, text)."""
-    from transformers import AutoTokenizer
-
-    from bitquilt.models.registry import DEFAULT_MODEL, fetched_dir
-
     root = tmp_path_factory.mktemp("tokenized")
-    tokenizer = AutoTokenizer.from_pretrained(fetched_dir(DEFAULT_MODEL))
-    model = make_tiny("qwen2")
-    model.resize_token_embeddings(len(tokenizer))
-    model.save_pretrained(root / "fp")
-    tokenizer.save_pretrained(root / "fp")
+    save_tiny_with_tokenizer(root / "fp", "qwen2")
     (root / "text.txt").write_text(" ".join(f"Sentence {i} says the river flows past the mill." for i in range(60)))
     return root / "fp", root / "text.txt"
 
