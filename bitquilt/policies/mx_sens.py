@@ -61,7 +61,7 @@ class MXSensOptions:
                          "or uniform (the same fraction everywhere)")
     columns: str = option("hessian", "which columns take the wider classes: hessian (decreasing diag(H)) or random")
     samples: int = option(4, "calibration windows the layer sensitivity is measured on")
-    stream_mb: float = option(1024, "MB of perturbed hidden states the sensitivity pass holds at once; linears "
+    stream_mb: float = option(256, "MB of perturbed hidden states the sensitivity pass holds at once; linears "
                               "beyond them take further passes over the blocks (same result)")
 
 
@@ -169,31 +169,31 @@ def _quantized_alone(linear: nn.Linear, bits: int) -> Iterator[None]:
 
 
 def _perturbed_streams(ctx: ModelContext, group: list[str], h: list[torch.Tensor], kwargs: list[dict[str, Any]],
-                       desc: str) -> dict[str, list[torch.Tensor]]:
-    """The final hidden states with each linear of `group` (in block order) quantized alone: one pass from the
-    block of the first, `h` the full-precision input of that block."""
+                       until: int, desc: str) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]]:
+    """(the final hidden states with each linear of `group` (in block order) quantized alone, the full-precision
+    input of block `until`): one pass from the block of the first, `h` the full-precision input of that block;
+    `until` is at least the block of the last (where the next pass starts)."""
     arch = ctx.arch
-    first, last = _block_of(arch.layers, group[0]), _block_of(arch.layers, group[-1])
     streams: dict[str, list[torch.Tensor]] = {}
-    for i, block in ctx.walk_blocks(desc, start=first):
+    for i, block in ctx.walk_blocks(desc, start=_block_of(arch.layers, group[0])):
         streams = {name: run_block(block, s, kwargs[i]) for name, s in streams.items()}
         for name in (n for n in group if _block_of(arch.layers, n) == i):
             with _quantized_alone(ctx.model.get_submodule(name), ctx.plan.weight(name).bits):
                 streams[name] = run_block(block, h, kwargs[i])
-        if i < last:
+        if i < until:
             h = run_block(block, h, kwargs[i])
-    return streams
+    return streams, h
 
 
 @torch.no_grad()
 def layer_sensitivities(ctx: ModelContext, names: list[str], samples: int, stream_mb: float) -> dict[str, float]:
     """s_l = ‖Y_l − Y‖² / ‖Y‖² of the final normed hidden state, linear l alone at MXINT-(its base bits).
 
-    Passes over the blocks (`ctx.walk_blocks`: under streaming each block is read for its step): one computes Y
-    (and keeps the full-precision inputs of the blocks where the later passes start); then each pass carries the
-    perturbed streams of as many linears as `stream_mb` of hidden states hold, from the block of the first to the
-    last block, starting each linear's stream at its own block from the full-precision input. Every stream sees
-    the same block forwards as if it were computed alone, so the result does not depend on the grouping.
+    Passes over the blocks (`ctx.walk_blocks`: under streaming each block is read for its step): one computes Y;
+    then each pass carries the perturbed streams of as many linears as `stream_mb` of hidden states hold, from the
+    block of the first to the last block, starting each linear's stream at its own block from the full-precision
+    input, which the pass carries on to the block where the next one starts. Every stream sees the same block
+    forwards as if it were computed alone, so the result does not depend on the grouping.
     """
     arch = ctx.arch
     final_norm = ctx.model.get_submodule(arch.final_norm)
@@ -201,11 +201,11 @@ def layer_sensitivities(ctx: ModelContext, names: list[str], samples: int, strea
     stream_bytes = sum(x.numel() * x.element_size() for x in inputs)
     groups = _groups(sorted(names, key=lambda n: _block_of(arch.layers, n)),
                      max(1, int(stream_mb * 2**20 // stream_bytes)))
-    starts: dict[int, list[torch.Tensor]] = {_block_of(arch.layers, g[0]): [] for g in groups}
+    starts = [_block_of(arch.layers, g[0]) for g in groups]
     h = inputs
     for i, block in ctx.walk_blocks("mx_sens reference"):
-        if i in starts:
-            starts[i] = h
+        if i == starts[0]:
+            start = h
         h = run_block(block, h, kwargs[i])
     reference = [final_norm(y).float() for y in h]
     scale = sum(float(y.pow(2).sum()) for y in reference)
@@ -216,13 +216,10 @@ def layer_sensitivities(ctx: ModelContext, names: list[str], samples: int, strea
     memo = memo_file(key.hexdigest()[:32])
     if memo.exists():
         return json.loads(memo.read_text())
-    out = {}
-    for k, group in enumerate(groups, 1):
-        first = _block_of(arch.layers, group[0])
-        h = starts[first]
-        if k == len(groups) or _block_of(arch.layers, groups[k][0]) != first:
-            del starts[first]  # no later pass starts at this block
-        streams = _perturbed_streams(ctx, group, h, kwargs, f"mx_sens sensitivity {k}/{len(groups)}")
+    out, h = {}, start
+    for k, group in enumerate(groups):
+        until = starts[k + 1] if k + 1 < len(groups) else _block_of(arch.layers, group[-1])
+        streams, h = _perturbed_streams(ctx, group, h, kwargs, until, f"mx_sens sensitivity {k + 1}/{len(groups)}")
         for name, ys in streams.items():
             out[name] = sum(float((final_norm(y).float() - ref).pow(2).sum()) for y, ref in zip(ys, reference)) / scale
     out = {n: out[n] for n in names}
