@@ -142,24 +142,20 @@ def quantize(
                           resume_dir=None if resume_dir is None else Path(resume_dir), compute=compute)
 
 
-# Stages scoped to the whole model that never read its weights, so they run on a model whose blocks are on disk.
-STREAMABLE_MODEL_STAGES = frozenset({"kv_quant"})
-
-
 def check_streamable(recipe: Recipe) -> None:
-    """Raise UserError if `recipe` has a stage that needs the whole model in memory (a prepass or model-scope
-    stage that reads weights or runs the model: QuaRot's rotation, MXSens' sensitivity prepass, DynamicPTQ)."""
+    """Raise UserError if `recipe` has a prepass or model stage that needs the whole model in memory: one not
+    registered with `streams=True` (the built-in ones all are: QuaRot, MXSens, DynamicPTQ, KV quantizers)."""
     refused = [f"{s.name} ({s.scope})" for s, _ in recipe.stages()
-               if s.scope in ("prepass", "model") and s.name not in STREAMABLE_MODEL_STAGES]
+               if s.scope in ("prepass", "model") and not s.streams]
     if refused:
         raise UserError(f"--stream (streaming quantization) cannot run {recipe.label()!r}: stage(s) "
-                        f"{', '.join(refused)} read the whole model at once, and streaming only ever holds one "
-                        "block; quantize without --stream")
+                        f"{', '.join(refused)} read the whole model at once (not registered with streams=True), and "
+                        "streaming only ever holds one block; quantize without --stream")
 
 
 def open_streaming(spec: str | Path) -> StreamingCheckpoint:
     """A packaged model name or Hugging Face folder opened for `quantize_streaming`: the model's skeleton (config,
-    shapes, embeddings; the decoder blocks, final norm and LM head stay on disk) and its tokenizer."""
+    shapes, embeddings, final norm; the decoder blocks and the LM head stay on disk) and its tokenizer."""
     path = resolve_path(spec)
     check_quantizable(path)
     return StreamingCheckpoint(path)
@@ -195,8 +191,9 @@ def quantize_streaming(
     """Quantize a model block by block from its safetensors checkpoint, never holding it whole in full precision:
     (quantized model, tokenizer, report), bit-identical to `load` + `quantize` with the same `calib_dtype` and
     `device`. `source` is a packaged name, a Hugging Face folder or an `open_streaming` result; `calib`, `tokenizer`
-    (default: the folder's) and the rest as in `quantize`. Recipes with whole-model stages are refused
-    (`check_streamable`)."""
+    (default: the folder's) and the rest as in `quantize`. Whole-model stages run block by block (QuaRot as each
+    block is read; MXSens' sensitivities and DynamicPTQ's statistics in pre-passes over the blocks,
+    docs/streaming.md); a stage that cannot is refused (`check_streamable`)."""
     compute = calibration_compute(calib_dtype, device)
     if isinstance(recipe, str):
         recipe = Recipe(method=recipe, **recipe_fields)

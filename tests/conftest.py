@@ -98,6 +98,20 @@ def make_tiny(model_type: str = "llama", seed: int = 0):
     return model
 
 
+def save_tiny_with_tokenizer(path, model_type: str = "llama"):
+    """`make_tiny(model_type)` with the default model's tokenizer and vocabulary, saved at `path`; the tokenizer."""
+    from transformers import AutoTokenizer
+
+    from bitquilt.models.registry import fetched_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(fetched_dir(DEFAULT_MODEL))
+    model = make_tiny(model_type)
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
 @pytest.fixture
 def tiny_llama():
     return make_tiny("llama")

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny
+from conftest import make_tiny, save_tiny_with_tokenizer
 
 from bitquilt.cli import main
 from bitquilt.errors import UserError
@@ -131,17 +131,10 @@ def test_routed_settings_where_the_routers_reach(sliced, monkeypatch):
 def saved(tmp_path_factory):
     """Directories: `fp` (a tiny llama with the default model's tokenizer and vocabulary), `mobi` (it, mobislice
     at 4 bits = slices 2,1,1), `rtn` (it, RTN at 4 bits), `other` (a tiny llama of another vocabulary)."""
-    from transformers import AutoTokenizer
-
     from bitquilt.api import quantize, save
-    from bitquilt.models.registry import DEFAULT_MODEL, fetched_dir
 
     root = tmp_path_factory.mktemp("migration")
-    tokenizer = AutoTokenizer.from_pretrained(fetched_dir(DEFAULT_MODEL))
-    fp = make_tiny("llama")
-    fp.resize_token_embeddings(len(tokenizer))
-    fp.save_pretrained(root / "fp")
-    tokenizer.save_pretrained(root / "fp")
+    tokenizer = save_tiny_with_tokenizer(root / "fp")
     make_tiny("llama").save_pretrained(root / "other")
     for name, method in (("mobi", "mobislice"), ("rtn", "rtn")):
         model = make_tiny("llama")

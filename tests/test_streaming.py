@@ -7,13 +7,15 @@ import torch
 from safetensors.torch import load_file
 
 from bitquilt.api import open_streaming, quantize, quantize_streaming, save
+from bitquilt.calib.stages import STAGES, register_stage
 from bitquilt.cli import main
 from bitquilt.errors import UserError
-from bitquilt.io import WEIGHTS_NAME, load_quantized
+from bitquilt.io import WEIGHTS_NAME, load_quantized, quantization_record
 from bitquilt.models.loading import load_model
 from bitquilt.models.streaming import fp_weights_held
+from bitquilt.policies import mx_sens
 from bitquilt.recipes import Recipe
-from tests.conftest import make_tiny
+from tests.conftest import make_tiny, save_tiny_with_tokenizer
 
 RECIPES = {
     "rtn": dict(method="rtn", w_bits=4, group_size=32),
@@ -112,15 +114,71 @@ def test_every_architecture_streams(tmp_path, model_type):
         assert torch.equal(ref(ids).logits, model(ids).logits)
 
 
-@pytest.mark.parametrize("fields,names", [
-    (dict(method="quarot+rtn", a_bits=4, kv_bits=4), ["quarot (model)"]),
-    (dict(method="quarot+rtn", a_bits=4, a8_layers=1), ["quarot (model)", "dynamic_a8 (model)"]),
-    (dict(method="mxsens", w_bits=4, stage_options={"mx_sens": {"target_bits": 4.5}}), ["mx_sens (prepass)"]),
-])
-def test_whole_model_stages_are_refused_by_name(tmp_path, fields, names):
-    with pytest.raises(UserError, match="--stream") as e:
-        quantize_streaming(tmp_path / "never-opened", Recipe(**fields), _calib())
-    assert all(n in str(e.value) for n in names)
+# Whole-model stages under streaming. Every one is bit-identical to the in-memory run: QuaRot performs the same
+# float64 operations on each tensor whether it meets the block at once or as the block is read, and the pre-passes
+# run the same block forwards on the same inputs (MXSens here with one linear per pass, its most passes).
+WHOLE_MODEL = {
+    "quarot+rtn-w4a4kv4": dict(method="quarot+rtn", group_size=32, a_bits=4, kv_bits=4),
+    "quarot+gptq-w4a4kv4": dict(method="quarot+gptq", group_size=32, a_bits=4, kv_bits=4),
+    "quarot+rtn-w4": dict(method="quarot+rtn", group_size=32),
+    "quarot+gptq-w4": dict(method="quarot+gptq", group_size=32),
+    "mxsens": dict(method="mxsens", stage_options={"mx_sens": {"target_bits": 5.2}}),
+    "dynamic_a8": dict(method="quarot+rtn", group_size=32, a_bits=4, kv_bits=4, a8_layers=1),
+}
+
+
+def _streamed_like_in_memory(tmp_path, monkeypatch, path, fields, stream_fields=None):
+    """Quantize `path` in memory and streamed (each with an MXSens memo of its own: both measure), check the saved
+    weights, the decisions and the logits are identical; the streaming checkpoint."""
+    ids = _calib(4, 32)
+    monkeypatch.setattr(mx_sens, "memo_file", lambda key: tmp_path / "ram" / f"{key}.json")
+    ref = _in_ram(path, Recipe(**fields), ids)
+    monkeypatch.setattr(mx_sens, "memo_file", lambda key: tmp_path / "stream" / f"{key}.json")
+    stream = open_streaming(path)
+    model, _, report = quantize_streaming(stream, Recipe(**(stream_fields or fields)), ids, progress=False)
+    save(ref, tmp_path / "ram-q")
+    save(model, tmp_path / "stream-q")
+    _assert_same_saved(tmp_path / "ram-q", tmp_path / "stream-q")
+    assert report.plan["decisions"] == quantization_record(ref)["report"]["plan"]["decisions"]
+    with torch.no_grad():
+        assert torch.equal(ref(ids[:2]).logits, model(ids[:2]).logits)
+    return stream
+
+
+@pytest.mark.parametrize("name", list(WHOLE_MODEL))
+def test_whole_model_stages_stream_bit_identically(tmp_path, monkeypatch, name):
+    path = _checkpoint(tmp_path, "llama", tied=True)  # QuaRot unties the head: streamed, it is read from the embedding
+    fields = streamed = WHOLE_MODEL[name]
+    if name == "mxsens":  # one linear per sensitivity pass: the most passes over the blocks, the same result
+        streamed = {**fields, "stage_options": {"mx_sens": {"target_bits": 5.2, "stream_mb": 1e-6}}}
+    block = sum(m.weight.numel() for m in open_streaming(path).layers[0].modules() if isinstance(m, torch.nn.Linear))
+    stream = _streamed_like_in_memory(tmp_path, monkeypatch, path, fields, streamed)
+    assert stream.peak_fp_weights == block  # the pre-passes too held one block at a time
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text"])  # biases; post-norms (online output rotation)
+def test_quarot_streams_bit_identically_on_every_architecture(tmp_path, monkeypatch, model_type):
+    _streamed_like_in_memory(tmp_path, monkeypatch, _checkpoint(tmp_path, model_type),
+                             WHOLE_MODEL["quarot+gptq-w4a4kv4"])
+
+
+@pytest.fixture
+def whole_model_stage():
+    """A model-scope stage that reads the whole model and does not declare it streams."""
+    register_stage("toy_whole", scope="model", kind="transform", needs_calibration=False)(lambda ctx, _o: None)
+    yield
+    STAGES.unregister("toy_whole")
+
+
+def test_a_stage_that_cannot_stream_is_refused_by_name(tmp_path, capsys, whole_model_stage):
+    with pytest.raises(UserError, match=r"toy_whole \(model\) read the whole model") as e:
+        quantize_streaming(tmp_path / "never-opened", Recipe("toy_whole+rtn"), _calib())
+    assert "\n" not in str(e.value)
+    code = main(["quantize", str(_checkpoint(tmp_path)), "--method", "toy_whole+rtn", "--stream",
+                 "-o", str(tmp_path / "q")])
+    err = capsys.readouterr().err
+    assert code == 2 and "toy_whole (model)" in err and "without --stream" in err
+    assert not (tmp_path / "q").exists()
 
 
 def test_refuses_what_is_not_a_full_precision_hf_folder(tmp_path):
@@ -156,9 +214,31 @@ def test_cli_stream_matches_the_in_memory_cli(tmp_path, capsys):
     _assert_same_saved(tmp_path / "ram", tmp_path / "stream")
     for name in ("config.json", "generation_config.json"):
         assert (tmp_path / "ram" / name).read_text() == (tmp_path / "stream" / name).read_text()
-    capsys.readouterr()
-    code = main(["quantize", str(path), "--recipe", "quarot+rtn", "--a-bits", "4", "--stream",
-                 "-o", str(tmp_path / "quarot")])
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory):
+    """A tiny qwen2 with the default model's tokenizer (the CLI builds calibration windows with it) and a text file
+    to calibrate on: (checkpoint, text)."""
+    root = tmp_path_factory.mktemp("tokenized")
+    save_tiny_with_tokenizer(root / "fp", "qwen2")
+    (root / "text.txt").write_text(" ".join(f"Sentence {i} says the river flows past the mill." for i in range(60)))
+    return root / "fp", root / "text.txt"
+
+
+@pytest.mark.parametrize("args,prepass", [
+    (["--method", "quarot+gptq", "--a-bits", "4", "--kv-bits", "4"], None),
+    (["--method", "mxsens", "--target-bits", "5.2"], "mx_sens reference"),
+    (["--method", "quarot+rtn", "--a-bits", "4", "--a8-layers", "1"], "dynamic_a8 pre-pass"),
+], ids=["quarot+gptq", "mxsens", "dynamic_a8"])
+def test_cli_streams_whole_model_methods(tmp_path, capsys, monkeypatch, with_tokenizer, args, prepass):
+    monkeypatch.setattr(mx_sens, "memo_file", lambda key: tmp_path / f"{key}.json")
+    (path, text), out = with_tokenizer, tmp_path / "q"
+    code = main(["quantize", str(path), *args, "--group-size", "32", "--calib-data", str(text), "--calib-samples",
+                 "4", "--calib-seqlen", "32", "--stream", "-o", str(out)])
     err = capsys.readouterr().err
-    assert code == 2 and "quarot (model)" in err and "without --stream" in err
-    assert not (tmp_path / "quarot").exists()
+    assert code == 0, err
+    assert prepass is None or prepass in err  # the pre-pass shows its progress
+    model, _ = load_quantized(out)
+    with torch.no_grad():
+        assert torch.isfinite(model(_calib(1, 16)).logits).all()

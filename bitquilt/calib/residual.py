@@ -20,12 +20,14 @@ calibration tokens (the per-token distribution is summarised by percentiles of J
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from bitquilt.calib.capture import block_output, capture_block_inputs
 from bitquilt.models.adapters import Architecture, decoder_layers
 from bitquilt.nn.act_quant import ActQuantConfig, fake_quantize
 
@@ -107,34 +109,31 @@ def mlp_norm_name(arch: Architecture) -> str | None:
 
 @torch.no_grad()
 def residual_phases(model: nn.Module, arch: Architecture, calib_ids: torch.Tensor,
-                    configs: dict[int, ActQuantConfig]) -> list[LayerPhase]:
-    """Run the calibration windows through `model` and measure every decoder layer (see module docstring).
+                    configs: dict[int, ActQuantConfig],
+                    blocks: Iterable[tuple[int, nn.Module]] | None = None) -> list[LayerPhase]:
+    """Run the calibration windows through the decoder blocks and measure each (see module docstring).
 
-    `configs` maps a label (the bit width) to the activation quantizer the SNR is measured with.
+    `configs` maps a label (the bit width) to the activation quantizer the SNR is measured with. `blocks` yields
+    (index, block) in order, each block in memory while its step runs (`ModelContext.walk_blocks`: read one at a
+    time under streaming); default: the model's own.
     """
     layers = decoder_layers(model, arch)
     col = _Collector(len(layers), configs)
     mid_name = mlp_norm_name(arch)
-    handles = []
-    for i, layer in enumerate(layers):
-        def pre(_m, args, kwargs, i=i):
-            col.inputs[i] = args[0] if args else kwargs["hidden_states"]
-
-        def post(_m, _args, _kwargs, out, i=i):
-            col.finish_layer(i, out[0] if isinstance(out, tuple) else out)
-
+    hidden, kwargs = capture_block_inputs(model, arch, calib_ids)
+    for i, block in enumerate(layers) if blocks is None else blocks:
         def mid(_m, args, i=i):
             col.mids[i] = args[0]
 
-        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(layer.register_forward_hook(post, with_kwargs=True))
-        if mid_name is not None:
-            handles.append(layer.get_submodule(mid_name).register_forward_pre_hook(mid))
-    device = next(model.parameters()).device
-    try:
-        for ids in calib_ids:
-            model(ids.unsqueeze(0).to(device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
+        handle = None if mid_name is None else block.get_submodule(mid_name).register_forward_pre_hook(mid)
+        try:
+            outputs = []
+            for x in hidden:
+                col.inputs[i] = x
+                outputs.append(block_output(block, x, kwargs[i]))
+                col.finish_layer(i, outputs[-1])
+        finally:
+            if handle is not None:
+                handle.remove()
+        hidden = outputs
     return col.phases()

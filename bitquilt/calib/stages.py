@@ -17,15 +17,16 @@ Transforms and policies register stages here; the engine only walks the list.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from bitquilt.calib.plan import Plan
-from bitquilt.models.adapters import Architecture
+from bitquilt.models.adapters import Architecture, decoder_layers
 from bitquilt.registry import Registry, make_options
 
 SCOPES = ("prepass", "model", "block", "inputs", "post_block")
@@ -37,9 +38,32 @@ class NoOptions:
     """For stages without options."""
 
 
+class BlockSource(Protocol):
+    """Decoder blocks kept on disk and read one at a time (streaming quantization, `bitquilt.models.streaming`)."""
+
+    def load(self, index: int) -> None:
+        """Read block `index`'s weights, then run the `on_load` transforms on it."""
+
+    def unload(self, index: int) -> None:
+        """Drop block `index`'s weights again (after a pre-pass visit), leaving it as before `load`."""
+
+    def release(self, index: int) -> None:
+        """Free what block `index` holds in full precision once its linears are quantized."""
+
+    def on_load(self, fn: Callable[[int, nn.Module], None]) -> None:
+        """Run fn(index, block) on every block as it is read, from now on."""
+
+    def on_finish(self, fn: Callable[[nn.Module], None]) -> None:
+        """Run fn(model) once the final norm and the LM head are read, after the last block."""
+
+
 @dataclass
 class ModelContext:
-    """What prepass and model stages see. `settings` are the recipe's own fields (w_bits, a_bits, ...)."""
+    """What prepass and model stages see. `settings` are the recipe's own fields (w_bits, a_bits, ...).
+
+    Under streaming quantization (`blocks` set) the decoder blocks are on disk: a stage touching them goes through
+    `each_block` (a transform), `walk_blocks` (a measurement) and `at_end` (the LM head), which work the same on a
+    model held whole in memory."""
 
     model: nn.Module
     arch: Architecture
@@ -47,6 +71,36 @@ class ModelContext:
     calib_ids: torch.Tensor | None
     settings: dict[str, Any] = field(default_factory=dict)
     scratch: dict[str, Any] = field(default_factory=dict)  # run-wide state stages share (e.g. warnings given)
+    blocks: BlockSource | None = None
+    progress: bool = False  # progress bars for passes over the blocks
+
+    def each_block(self, fn: Callable[[int, nn.Module], None]) -> None:
+        """Apply fn(index, block) to every decoder block: now, or under streaming as each block is read."""
+        if self.blocks is not None:
+            self.blocks.on_load(fn)
+            return
+        for i, block in enumerate(decoder_layers(self.model, self.arch)):
+            fn(i, block)
+
+    def at_end(self, fn: Callable[[nn.Module], None]) -> None:
+        """Apply fn(model) where the LM head is in memory: now, or under streaming after the last block."""
+        if self.blocks is not None:
+            self.blocks.on_finish(fn)
+        else:
+            fn(self.model)
+
+    def walk_blocks(self, desc: str, start: int = 0) -> Iterator[tuple[int, nn.Module]]:
+        """(index, block) for the decoder blocks from `start` on, in order; under streaming each is read for its
+        step and dropped after it (a pre-pass over the blocks)."""
+        layers = decoder_layers(self.model, self.arch)
+        for i in tqdm(range(start, len(layers)), desc=desc, unit="block", disable=not self.progress):
+            if self.blocks is not None:
+                self.blocks.load(i)
+            try:
+                yield i, layers[i]
+            finally:
+                if self.blocks is not None:
+                    self.blocks.unload(i)
 
 
 @dataclass
@@ -79,6 +133,7 @@ class Stage:
     options: type = NoOptions
     needs_calibration: bool = True
     requires: tuple[str, ...] = ()  # stages a recipe naming this one runs too (e.g. fp_reference)
+    streams: bool = False  # a prepass/model stage that reaches the blocks only through ModelContext's block methods
 
     def make_options(self, values: dict[str, Any] | None = None) -> Any:
         return make_options(self.options, values, f"{self.kind} {self.name!r}")
@@ -88,15 +143,17 @@ STAGES: Registry[Stage] = Registry("stage")
 
 
 def register_stage(name: str, scope: str, kind: str, options: type = NoOptions, needs_calibration: bool = True,
-                   requires: tuple[str, ...] = ()):
-    """Decorator registering `fn(ctx, options)` as a stage."""
+                   requires: tuple[str, ...] = (), streams: bool = False):
+    """Decorator registering `fn(ctx, options)` as a stage. A prepass or model stage declares `streams=True` when
+    it touches the decoder blocks only through `ModelContext.each_block` / `walk_blocks` / `at_end` (or not at
+    all): it then runs under streaming quantization, where the blocks are on disk."""
     if scope not in SCOPES:
         raise ValueError(f"stage scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     if kind not in KINDS:
         raise ValueError(f"stage kind must be one of {', '.join(KINDS)}, not {kind!r}")
 
     def wrap(fn):
-        STAGES.register(name, Stage(name, scope, kind, fn, options, needs_calibration, requires))
+        STAGES.register(name, Stage(name, scope, kind, fn, options, needs_calibration, requires, streams))
         return fn
 
     return wrap

@@ -2,11 +2,16 @@
 
 `StreamingCheckpoint(folder)` builds the model from its config.json without allocating any weight (parameters on
 the meta device, buffers such as RoPE frequencies computed as usual) and reads tensors one at a time from the
-folder's safetensors files. The embeddings and other tensors outside the decoder blocks load at once (calibration
-starts from them); block i loads when the engine reaches it (`load`) and, once its linears are quantized, keeps
-only their packed formats (`release`); the final norm and the LM head load last (`finish`). Peak memory is then
-the embeddings, one block in fp32, the packed blocks so far and the calibration activations, instead of the
-whole fp32 model.
+folder's safetensors files. The embeddings, the final norm and other small tensors outside the decoder blocks
+load at once (calibration starts from them); block i loads when the engine reaches it (`load`) and, once its
+linears are quantized, keeps only their packed formats (`release`); the LM head loads last (`finish`). Peak memory
+is then the embeddings, one block in fp32, the packed blocks so far and the calibration activations, instead of
+the whole fp32 model.
+
+Whole-model stages reach the blocks through two hooks and one more step: transforms registered with `on_load`
+run on each block as it is read (QuaRot's rotation), those registered with `on_finish` on the LM head once it is
+read, and a pre-pass over the blocks reads each and drops it again (`unload`: back on the meta device) before
+the quantization pass reads it once more (`bitquilt.calib.stages.ModelContext.walk_blocks`).
 
 A block not loaded yet is the identity: capturing calibration inputs only needs block 0's input and the keyword
 arguments every block receives (positions, masks), which do not depend on any block's weights.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +110,16 @@ def _identity(hidden_states: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch
     return hidden_states
 
 
+def _put(root: nn.Module, name: str, t: torch.Tensor, requires_grad: bool = False) -> None:
+    """Make `t` the parameter or buffer `name` (relative to `root`) of `root`."""
+    owner, _, leaf = name.rpartition(".")
+    module = root.get_submodule(owner)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(t, requires_grad=requires_grad)
+    else:
+        module._buffers[leaf] = t
+
+
 def fp_weights_held(module: nn.Module) -> int:
     """Full-precision linear weights `module` (a block, or all of them) holds in memory, in elements: loaded
     `nn.Linear` weights and the dequantized copies its QuantLinears cache."""
@@ -118,7 +134,7 @@ def fp_weights_held(module: nn.Module) -> int:
 
 class StreamingCheckpoint:
     """A Hugging Face folder opened for streaming quantization: `model` is its skeleton, filled by `load(i)` /
-    `release(i)` (the engine's block loader, `bitquilt.pipeline.engine.BlockLoader`) and `finish()`."""
+    `release(i)` (the engine's block source, `bitquilt.calib.stages.BlockSource`) and `finish()`."""
 
     def __init__(self, directory: str | Path, dtype: torch.dtype = torch.float32):
         from transformers import AutoConfig, GenerationConfig
@@ -145,44 +161,64 @@ class StreamingCheckpoint:
         self.layers = decoder_layers(self.model, self.arch)
         self.peak_fp_weights = 0  # most fp linear weight elements the blocks held at once (see fp_weights_held)
         self.finished = False
+        self.tied_head = bool(getattr(config, "tie_word_embeddings", False))  # as the checkpoint was saved
+        self._on_load: list[Callable[[int, nn.Module], None]] = []
+        self._on_finish: list[Callable[[nn.Module], None]] = []
         for layer in self.layers:
             layer.forward = _identity
-        head = (f"{self.arch.final_norm}.", f"{self.arch.lm_head}.", f"{self.arch.layers}.")
-        self._materialize(self.model, "", skip=head)
+        self._materialize(self.model, "", skip=(f"{self.arch.lm_head}.", f"{self.arch.layers}."))
+
+    def on_load(self, fn: Callable[[int, nn.Module], None]) -> None:
+        """Run fn(index, block) on every block `load` reads from now on."""
+        self._on_load.append(fn)
+
+    def on_finish(self, fn: Callable[[nn.Module], None]) -> None:
+        """Run fn(model) in `finish`, once the LM head is read."""
+        self._on_finish.append(fn)
+
+    def _read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Tensor `name` from the folder, checked against the `shape` the config implies; floating point ones in
+        `self.dtype` and finite."""
+        if name not in self.files:
+            raise UserError(f"{self.directory} has no tensor {name!r}; streaming reads checkpoints whose tensor "
+                            "names match the model's modules; quantize without --stream")
+        t = self.files.read(name)
+        if tuple(t.shape) != tuple(shape):
+            raise UserError(f"{self.directory} is corrupt or was edited: tensor {name} has shape "
+                            f"{tuple(t.shape)}, the config implies {tuple(shape)}")
+        if t.is_floating_point():
+            t = t.to(self.dtype)
+            if not all_finite(t):
+                raise UserError(f"parameter {name} contains NaN/Inf values; refusing to quantize a corrupted model")
+        return t
 
     def _materialize(self, root: nn.Module, prefix: str, skip: tuple[str, ...] = ()) -> None:
         """Read every tensor of `root` still on the meta device (its model-level name is `prefix` + its own),
         except those whose name starts with one of `skip`."""
         meta = [(n, t) for n, t in [*root.named_parameters(), *root.named_buffers()] if t.is_meta]
         for name, old in meta:
-            full = prefix + name
-            if full.startswith(skip):
-                continue
-            if full not in self.files:
-                raise UserError(f"{self.directory} has no tensor {full!r}; streaming reads checkpoints whose tensor "
-                                "names match the model's modules; quantize without --stream")
-            t = self.files.read(full)
-            if tuple(t.shape) != tuple(old.shape):
-                raise UserError(f"{self.directory} is corrupt or was edited: tensor {full} has shape "
-                                f"{tuple(t.shape)}, the config implies {tuple(old.shape)}")
-            if t.is_floating_point():
-                t = t.to(self.dtype)
-                if not all_finite(t):
-                    raise UserError(f"parameter {full} contains NaN/Inf values; refusing to quantize a corrupted "
-                                    "model")
-            owner, _, leaf = name.rpartition(".")
-            module = root.get_submodule(owner)
-            if leaf in module._parameters:
-                module._parameters[leaf] = nn.Parameter(t, requires_grad=old.requires_grad)
-            else:
-                module._buffers[leaf] = t
+            if not (prefix + name).startswith(skip):
+                _put(root, name, self._read(prefix + name, tuple(old.shape)), old.requires_grad)
 
     def load(self, index: int) -> None:
-        """Read block `index`'s weights from disk (before its stages run)."""
+        """Read block `index`'s weights from disk (before its stages run) and run the `on_load` functions on it."""
         layer = self.layers[index]
         self._materialize(layer, f"{self.arch.layers}.{index}.")
         vars(layer).pop("forward", None)
+        for fn in self._on_load:
+            fn(index, layer)
         self.peak_fp_weights = max(self.peak_fp_weights, fp_weights_held(self.layers))
+
+    def unload(self, index: int) -> None:
+        """Put block `index`'s weights back on the meta device (after a pre-pass visit): it is the identity again
+        and the next `load` reads it afresh. Online modules the `on_load` functions attached stay (the next load
+        replaces them)."""
+        layer, prefix = self.layers[index], f"{self.arch.layers}.{index}."
+        for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
+            if prefix + name in self.files:
+                _put(layer, name, torch.empty(t.shape, dtype=t.dtype, device="meta"), t.requires_grad)
+        layer.forward = _identity
+        return_free_memory()
 
     def release(self, index: int) -> None:
         """Free what block `index` holds in full precision beyond its packed linears (the dequantized weights its
@@ -193,10 +229,16 @@ class StreamingCheckpoint:
         return_free_memory()
 
     def finish(self) -> nn.Module:
-        """Load the final norm and the LM head (tied to the embeddings if the config says so); the model is then
-        complete."""
+        """Load the LM head, tied to the embeddings if the config says so, or a copy of the embedding's tensor on
+        disk if a stage untied a tied head (QuaRot), and run the `on_finish` functions; the model is then complete."""
         if getattr(self.model.config, "tie_word_embeddings", False):
             self.model.tie_weights()
+        elif self.tied_head:
+            head = self.model.get_submodule(self.arch.lm_head)
+            _put(head, "weight", self._read(f"{self.arch.embed}.weight", tuple(head.weight.shape)),
+                 head.weight.requires_grad)
         self._materialize(self.model, "")
+        for fn in self._on_finish:
+            fn(self.model)
         self.finished = True
         return self.model

@@ -16,7 +16,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from bitquilt.calib.capture import attention_reused, capture_block_inputs, run_b
 from bitquilt.calib.compute import FP32_CPU, CalibCompute, calibrating
 from bitquilt.calib.plan import Plan
 from bitquilt.calib.report import QuantReport
-from bitquilt.calib.stages import SCOPES, BlockContext, ModelContext, Stage
+from bitquilt.calib.stages import SCOPES, BlockContext, BlockSource, ModelContext, Stage
 from bitquilt.formats.sparse_blocks import check_block_shape
 from bitquilt.formats.uniform import resolve_group_size
 from bitquilt.io import set_quantization_record
@@ -76,15 +76,6 @@ def check_kv_group_size(group_size: int, dim: int, grid: str = "int") -> None:
                      f"use a divisor of it ({divisors}), or -1 or any size ≥ {dim} for one group per head")
 
 
-class BlockLoader(Protocol):
-    """Where the blocks' weights come from when they are not all in memory (streaming quantization,
-    `bitquilt.models.streaming`): block i is loaded before its stages and released after its outputs are computed."""
-
-    def load(self, index: int) -> None: ...
-
-    def release(self, index: int) -> None: ...
-
-
 def _record(report: QuantReport, stage: Stage, result: dict[str, Any] | None, where: str | None) -> None:
     if result is None:
         return
@@ -127,12 +118,13 @@ def quantize_model(
     calib_ids: torch.Tensor | None = None,
     calib: CalibConfig | None = None,
     progress: bool = True,
-    blocks: BlockLoader | None = None,
+    blocks: BlockSource | None = None,
     resume_dir: Path | None = None,
     compute: CalibCompute = FP32_CPU,
 ) -> QuantReport:
     """Quantize `model` in place according to `recipe`; returns what was done and what it cost. With `blocks`
-    (streaming quantization), block i's weights are loaded from it just before its stages and released after. With
+    (streaming quantization), block i's weights are loaded from it just before its stages and released after;
+    prepass and model stages reach the blocks through it (`ModelContext.each_block`, `walk_blocks`). With
     `resume_dir`, the state after every block is kept there and a rerun carries on from it
     (`bitquilt.pipeline.resume`). `compute` says what calibration multiplies in and which device each block is
     moved to for its stages (`bitquilt.calib.compute`); the model stays where it is."""
@@ -152,7 +144,7 @@ def to_device(value: Any, device: str) -> Any:
 
 
 def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | None, calib: CalibConfig | None,
-                    progress: bool, blocks: BlockLoader | None, resume_dir: Path | None,
+                    progress: bool, blocks: BlockSource | None, resume_dir: Path | None,
                     compute: CalibCompute) -> QuantReport:
     start = time.perf_counter()
     reset_peak_rss()
@@ -173,7 +165,8 @@ def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | 
     run_id = None if resume_dir is None else fingerprint(model, layers[0], {**recipe.to_dict(),
                                                                              "calib_precision": compute.precision},
                                                          calib_ids)
-    ctx = ModelContext(model, arch, plan, calib_ids if needs_data else None, recipe.to_dict())
+    ctx = ModelContext(model, arch, plan, calib_ids if needs_data else None, recipe.to_dict(), blocks=blocks,
+                       progress=progress)
 
     for stage, opts in by_scope["prepass"] + by_scope["model"]:
         _record(report, stage, stage.fn(ctx, opts), None)

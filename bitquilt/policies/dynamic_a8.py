@@ -1,7 +1,8 @@
 """DynamicPTQ: 8-bit activations only in the decoder layers where the residual stream jumps.
 
 A whole-model policy run after the backbone's model transforms (QuaRot's rotation), before any
-block is solved. It measures every layer's residual-stream metrics on calibration windows
+block is solved. In one pass over the blocks (under streaming each is read from disk for its step)
+it measures every layer's residual-stream metrics on calibration windows
 (`bitquilt.calib.residual`: Jump Ratio, Historical-Feature SNR under the recipe's activation
 quantizer) and gives the inputs of every linear of the chosen layers `bits` (8) instead of the
 recipe's activation bits; weights and KV cache are unchanged.
@@ -67,7 +68,7 @@ def choose_layers(phases: list[LayerPhase], bits: int, opts: DynamicA8Options) -
     return sorted(set(order[:k]))
 
 
-@register_stage("dynamic_a8", scope="model", kind="policy", options=DynamicA8Options)
+@register_stage("dynamic_a8", scope="model", kind="policy", options=DynamicA8Options, streams=True)
 def dynamic_a8(ctx: ModelContext, opts: DynamicA8Options) -> dict[str, Any]:
     """Measure the residual stream and widen the activations of the chosen layers in the plan."""
     check_layer_count(opts.layers, len(decoder_layers(ctx.model, ctx.arch)))  # before the measurements
@@ -77,7 +78,8 @@ def dynamic_a8(ctx: ModelContext, opts: DynamicA8Options) -> dict[str, Any]:
         raise ValueError(f"dynamic_a8 widens activations to {opts.bits} bits, but the recipe's activations are "
                          f"{a_bits}-bit; use it with --a-bits 4 (or 6)")
     config = ActQuantConfig(a_bits, s.get("a_sym", False), -1, 1.0, s.get("a_format") or "int")
-    phases = residual_phases(ctx.model, ctx.arch, ctx.calib_ids[:opts.samples], {a_bits: config})
+    phases = residual_phases(ctx.model, ctx.arch, ctx.calib_ids[:opts.samples], {a_bits: config},
+                             ctx.walk_blocks("dynamic_a8 pre-pass"))
     chosen = choose_layers(phases, a_bits, opts)
     prefixes = tuple(f"{ctx.arch.layers}.{i}." for i in chosen)
     widened = 0

@@ -6,10 +6,12 @@ A whole-model pre-pass policy (Harma et al., 2026, "MXSens"):
    version (b = the linear's base width, 4) and the model's final output (the normed last
    hidden state) is compared with the full-precision one on calibration windows:
        s_l = ‖Y_l − Y‖² / ‖Y‖²,   normalised to mean 1 over the linears (ŝ_l = s_l / mean s).
-   Only the blocks from l's on are re-run, from the full-precision hidden states cached at
-   each block's input. The result depends only on the model and the calibration windows, so it
-   is kept on disk (`$BITQUILT_CACHE/mx_sens/`), keyed by a hash of the full-precision output
-   itself: a sweep over targets or ablations measures it once.
+   Only the blocks from l's on are re-run, from the full-precision hidden state at l's block,
+   in passes over the blocks that carry many linears' streams at once (`layer_sensitivities`;
+   under streaming each block is read from disk once per pass). The result depends only on the
+   model and the calibration windows, so it is kept on disk (`$BITQUILT_CACHE/mx_sens/`), keyed
+   by a hash of the full-precision output itself: a sweep over targets or ablations measures it
+   once.
 2. Triplet allocation. In every linear the `top_columns` (32) most sensitive columns by the
    Hessian diagonal get `top_bits` (8); then
        n_l = min(K_l − 32, R · ŝ_l · (K_l − 32))   columns get `middle_bits` (6), rounded to
@@ -30,7 +32,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +45,6 @@ from bitquilt import cache
 from bitquilt.calib.capture import capture_block_inputs, run_block
 from bitquilt.calib.stages import ModelContext, register_stage
 from bitquilt.formats import mxint
-from bitquilt.models.adapters import decoder_layers
 from bitquilt.registry import option
 
 BLOCK = mxint.BLOCK
@@ -57,6 +61,8 @@ class MXSensOptions:
                          "or uniform (the same fraction everywhere)")
     columns: str = option("hessian", "which columns take the wider classes: hessian (decreasing diag(H)) or random")
     samples: int = option(4, "calibration windows the layer sensitivity is measured on")
+    stream_mb: float = option(256, "MB of perturbed hidden states the sensitivity pass holds at once; linears "
+                              "beyond them take further passes over the blocks (same result)")
 
 
 @dataclass(frozen=True)
@@ -136,43 +142,93 @@ def allocate(shapes: dict[str, LinearShape], weights: dict[str, float], target_b
     return classes, r
 
 
+def memo_file(key: str) -> Path:
+    """Where the sensitivities measured under `key` (a hash of the reference output and the linears) are kept."""
+    return cache.cache_dir() / "mx_sens" / f"{key}.json"
+
+
+def _block_of(arch_layers: str, name: str) -> int:
+    """The decoder block index of linear `name` (`<arch.layers>.<i>.…`)."""
+    return int(name[len(arch_layers) + 1:].split(".")[0])
+
+
+def _groups(names: list[str], size: int) -> list[list[str]]:
+    """`names` in block order, in runs of `size` (the linears one pass over the blocks carries)."""
+    return [names[k:k + size] for k in range(0, len(names), size)]
+
+
+@contextmanager
+def _quantized_alone(linear: nn.Linear, bits: int) -> Iterator[None]:
+    """Within: `linear`'s weight is its MXINT-`bits` version."""
+    original = linear.weight.data
+    linear.weight.data = mxint.fake_quantize(original.float(), bits).to(original.dtype)
+    try:
+        yield
+    finally:
+        linear.weight.data = original
+
+
+def _perturbed_streams(ctx: ModelContext, group: list[str], h: list[torch.Tensor], kwargs: list[dict[str, Any]],
+                       until: int, desc: str) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]]:
+    """(the final hidden states with each linear of `group` (in block order) quantized alone, the full-precision
+    input of block `until`): one pass from the block of the first, `h` the full-precision input of that block;
+    `until` is at least the block of the last (where the next pass starts)."""
+    arch = ctx.arch
+    streams: dict[str, list[torch.Tensor]] = {}
+    for i, block in ctx.walk_blocks(desc, start=_block_of(arch.layers, group[0])):
+        streams = {name: run_block(block, s, kwargs[i]) for name, s in streams.items()}
+        for name in (n for n in group if _block_of(arch.layers, n) == i):
+            with _quantized_alone(ctx.model.get_submodule(name), ctx.plan.weight(name).bits):
+                streams[name] = run_block(block, h, kwargs[i])
+        if i < until:
+            h = run_block(block, h, kwargs[i])
+    return streams, h
+
+
 @torch.no_grad()
-def layer_sensitivities(model: nn.Module, ctx: ModelContext, names: list[str], samples: int) -> dict[str, float]:
-    """s_l = ‖Y_l − Y‖² / ‖Y‖² of the final normed hidden state, linear l alone at MXINT-(its base bits)."""
-    arch, layers = ctx.arch, decoder_layers(model, ctx.arch)
-    final_norm = model.get_submodule(arch.final_norm)
-    inputs, kwargs = capture_block_inputs(model, arch, ctx.calib_ids[:samples])
-    block_inputs = [inputs]
-    for i, layer in enumerate(layers):
-        block_inputs.append(run_block(layer, block_inputs[-1], kwargs[i]))
-    reference = [final_norm(h).float() for h in block_inputs[-1]]
+def layer_sensitivities(ctx: ModelContext, names: list[str], samples: int, stream_mb: float) -> dict[str, float]:
+    """s_l = ‖Y_l − Y‖² / ‖Y‖² of the final normed hidden state, linear l alone at MXINT-(its base bits).
+
+    Passes over the blocks (`ctx.walk_blocks`: under streaming each block is read for its step): one computes Y;
+    then each pass carries the perturbed streams of as many linears as `stream_mb` of hidden states hold, from the
+    block of the first to the last block, starting each linear's stream at its own block from the full-precision
+    input, which the pass carries on to the block where the next one starts. Every stream sees the same block
+    forwards as if it were computed alone, so the result does not depend on the grouping.
+    """
+    arch = ctx.arch
+    final_norm = ctx.model.get_submodule(arch.final_norm)
+    inputs, kwargs = capture_block_inputs(ctx.model, arch, ctx.calib_ids[:samples])
+    stream_bytes = sum(x.numel() * x.element_size() for x in inputs)
+    groups = _groups(sorted(names, key=lambda n: _block_of(arch.layers, n)),
+                     max(1, int(stream_mb * 2**20 // stream_bytes)))
+    starts = [_block_of(arch.layers, g[0]) for g in groups]
+    h = inputs
+    for i, block in ctx.walk_blocks("mx_sens reference"):
+        if i == starts[0]:
+            start = h
+        h = run_block(block, h, kwargs[i])
+    reference = [final_norm(y).float() for y in h]
     scale = sum(float(y.pow(2).sum()) for y in reference)
     key = hashlib.sha256()
     for y in reference:
         key.update(y.cpu().numpy().tobytes())
     key.update(json.dumps([[n, ctx.plan.weight(n).bits] for n in names]).encode())
-    memo = cache.cache_dir() / "mx_sens" / f"{key.hexdigest()[:32]}.json"
+    memo = memo_file(key.hexdigest()[:32])
     if memo.exists():
         return json.loads(memo.read_text())
-    out = {}
-    for name in names:
-        index = int(name[len(arch.layers) + 1:].split(".")[0])
-        linear = model.get_submodule(name)
-        original = linear.weight.data
-        linear.weight.data = mxint.fake_quantize(original.float(), ctx.plan.weight(name).bits).to(original.dtype)
-        try:
-            h = block_inputs[index]
-            for j in range(index, len(layers)):
-                h = run_block(layers[j], h, kwargs[j])
-        finally:
-            linear.weight.data = original
-        out[name] = sum(float((final_norm(y).float() - ref).pow(2).sum()) for y, ref in zip(h, reference)) / scale
+    out, h = {}, start
+    for k, group in enumerate(groups):
+        until = starts[k + 1] if k + 1 < len(groups) else _block_of(arch.layers, group[-1])
+        streams, h = _perturbed_streams(ctx, group, h, kwargs, until, f"mx_sens sensitivity {k + 1}/{len(groups)}")
+        for name, ys in streams.items():
+            out[name] = sum(float((final_norm(y).float() - ref).pow(2).sum()) for y, ref in zip(ys, reference)) / scale
+    out = {n: out[n] for n in names}
     with cache.atomic_file(memo) as tmp:
         tmp.write_text(json.dumps(out))
     return out
 
 
-@register_stage("mx_sens", scope="prepass", kind="policy", options=MXSensOptions)
+@register_stage("mx_sens", scope="prepass", kind="policy", options=MXSensOptions, streams=True)
 def mx_sens(ctx: ModelContext, opts: MXSensOptions) -> dict[str, Any]:
     """Measure layer sensitivities, allocate the MXINT classes and set them in every linear's plan."""
     if opts.layers not in ("sensitivity", "uniform") or opts.columns not in ("hessian", "random"):
@@ -186,7 +242,7 @@ def mx_sens(ctx: ModelContext, opts: MXSensOptions) -> dict[str, Any]:
     shapes = {n: model_shapes(ctx.model, [n], ctx.plan.weight(n).bits)[n] for n in names}
     check_target(shapes, opts.target_bits, opts.top_bits, opts.middle_bits, opts.top_columns)  # before measuring
     if opts.layers == "sensitivity":
-        raw = layer_sensitivities(ctx.model, ctx, names, opts.samples)
+        raw = layer_sensitivities(ctx, names, opts.samples, opts.stream_mb)
         mean = sum(raw.values()) / len(raw)
         weights = {n: v / mean if mean > 0 else 1.0 for n, v in raw.items()}
     else:

@@ -25,7 +25,7 @@ from bitquilt.solvers.mosaic import RESIDUALS
 log = logging.getLogger(__name__)
 
 
-@register_stage("kv_quant", scope="model", kind="policy", needs_calibration=False)
+@register_stage("kv_quant", scope="model", kind="policy", needs_calibration=False, streams=True)
 def kv_quant(ctx: ModelContext, _options: Any) -> dict[str, Any] | None:
     """Attach the planned KV-cache quantizer to each attention module."""
     if not ctx.plan.kv:

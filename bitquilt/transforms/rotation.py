@@ -21,12 +21,17 @@ Then, for activation and KV quantization (function-preserving as well):
                 their `input_rotation` slot, before the activation quantizer
   queries/keys  q, k ↦ q H, k H per head after RoPE (QKᵀ unchanged): `QKRotation` in the
                 attention's `qk_rotation` slot, before the KV quantizer.
+
+Each decoder block's part touches that block alone (`rotate_block`), so the stage runs on the embedding and the
+final norm at once, on each block through `ModelContext.each_block` and on the LM head through `at_end`: the same
+operations, in the same order on every tensor, whether the model is in memory or streamed block by block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -76,90 +81,129 @@ def _linear(root: nn.Module, name: str) -> nn.Linear:
 
 
 def untie_lm_head(model: nn.Module, arch: Architecture) -> bool:
-    """Give the LM head its own weight if it shares the embedding's; True if it did."""
+    """Give the LM head its own weight if it shares the embedding's; True if it did. A head not read yet (streaming:
+    still on the meta device) is marked untied in the config, and the checkpoint reads it as a copy of the
+    embedding (`bitquilt.models.streaming.StreamingCheckpoint.finish`)."""
     head, embed = model.get_submodule(arch.lm_head), model.get_submodule(arch.embed)
-    if head.weight.data_ptr() != embed.weight.data_ptr():
+    if head.weight.is_meta:
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    elif head.weight.data_ptr() != embed.weight.data_ptr():
         return False
-    head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+    else:
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+        tied = True
     model.config.tie_word_embeddings = False
-    return True
+    return tied
+
+
+@torch.no_grad()
+def take_norm_scale(norm: nn.Module, offset: float) -> torch.Tensor:
+    """The norm's scale o + g in float64; the norm keeps only x/rms(x) (g ← 1 − o)."""
+    if getattr(norm, "bias", None) is not None:
+        raise ValueError(f"cannot fuse a norm with a bias ({type(norm).__name__})")
+    scale = offset + norm.weight.double()
+    norm.weight.fill_(1 - offset)
+    return scale
+
+
+def scale_columns(lin: nn.Linear, scale: torch.Tensor) -> None:
+    """W ← W diag(scale)."""
+    _set(lin.weight, _rowwise_float64(lin.weight, lambda rows: rows * scale))
+
+
+@torch.no_grad()
+def fuse_block_norms(block: nn.Module, arch: Architecture) -> None:
+    """Fold the scale of every norm of `block` that feeds linears into them."""
+    for g in arch.residual_readers():
+        scale = take_norm_scale(block.get_submodule(g.prev), arch.norm_offset)
+        for n in g.linears:
+            scale_columns(_linear(block, n), scale)
 
 
 @torch.no_grad()
 def fuse_norms(model: nn.Module, arch: Architecture) -> None:
     """Fold the scale (o + g) of every norm that feeds linears into them; the norms keep only x/rms(x)."""
     untie_lm_head(model, arch)
-    pairs = [(block.get_submodule(g.prev), [_linear(block, n) for n in g.linears])
-             for block in decoder_layers(model, arch) for g in arch.residual_readers()]
-    pairs.append((model.get_submodule(arch.final_norm), [_linear(model, arch.lm_head)]))
-    for norm, linears in pairs:
-        if getattr(norm, "bias", None) is not None:
-            raise ValueError(f"cannot fuse a norm with a bias ({type(norm).__name__})")
-        scale = arch.norm_offset + norm.weight.double()
-        for lin in linears:
-            _set(lin.weight, _rowwise_float64(lin.weight, lambda rows, scale=scale: rows * scale))
-        norm.weight.fill_(1 - arch.norm_offset)
+    for block in decoder_layers(model, arch):
+        fuse_block_norms(block, arch)
+    scale_columns(_linear(model, arch.lm_head), take_norm_scale(model.get_submodule(arch.final_norm), arch.norm_offset))
 
 
 @torch.no_grad()
-def rotate_residual(model: nn.Module, arch: Architecture, signs: torch.Tensor, seed: int) -> None:
-    """x → x Q on the whole residual stream (norms must be fused first); `signs` = random_signs(d, seed)."""
-    embed = model.get_submodule(arch.embed)
-    _set(embed.weight, _times(embed.weight, signs))
-    for block in decoder_layers(model, arch):
-        for g in arch.residual_readers():
-            for n in g.linears:
-                lin = _linear(block, n)
-                _set(lin.weight, _times(lin.weight, signs))
-        for i, n in enumerate(arch.writers):
-            if arch.post_norms:
-                attach(block.get_submodule(arch.post_norms[i]), "output_rotation", HadamardRotation(len(signs), seed))
-                continue
+def rotate_block_residual(block: nn.Module, arch: Architecture, signs: torch.Tensor, seed: int) -> None:
+    """x → x Q on `block`'s readers and writers of the residual stream (its norms fused first); `signs` =
+    random_signs(d, seed)."""
+    for g in arch.residual_readers():
+        for n in g.linears:
             lin = _linear(block, n)
-            _set(lin.weight, _times(lin.weight.T, signs).T)
-            if lin.bias is not None:
-                _set(lin.bias, _times(lin.bias, signs))
+            _set(lin.weight, _times(lin.weight, signs))
+    for i, n in enumerate(arch.writers):
+        if arch.post_norms:
+            attach(block.get_submodule(arch.post_norms[i]), "output_rotation", HadamardRotation(len(signs), seed))
+            continue
+        lin = _linear(block, n)
+        _set(lin.weight, _times(lin.weight.T, signs).T)
+        if lin.bias is not None:
+            _set(lin.bias, _times(lin.bias, signs))
+
+
+@torch.no_grad()
+def rotate_block_heads(block: nn.Module, arch: Architecture) -> None:
+    """Head-wise Hadamard on values (v_proj rows, o_proj columns) and online on queries/keys (the model needs
+    `enable_attention_site`)."""
+    head_dim = block.get_submodule(arch.attention).head_dim
+    v, o = _linear(block, arch.values[0]), _linear(block, arch.values[1])
+    w = v.weight.reshape(-1, head_dim, v.in_features).transpose(1, 2)  # [heads, in, head_dim]
+    _set(v.weight, _times(w).transpose(1, 2))
+    if v.bias is not None:
+        _set(v.bias, _times(v.bias.reshape(-1, head_dim)))
+    _set(o.weight, _times(o.weight.reshape(o.out_features, -1, head_dim)))
+    attach(block.get_submodule(arch.attention), "qk_rotation", QKRotation())
+
+
+@torch.no_grad()
+def online_hadamard(block: nn.Module, arch: Architecture) -> None:
+    """W ← W M on every writer of `block`, whose input is then x M online (its `input_rotation`)."""
+    for n in arch.writers:
+        lin = _linear(block, n)
+        _set(lin.weight, _times(lin.weight))
+        attach(lin, "input_rotation", HadamardRotation(lin.in_features))
+
+
+def rotate_block(_index: int, block: nn.Module, arch: Architecture, signs: torch.Tensor, opts: QuaRotOptions) -> None:
+    """QuaRot's part in one decoder block: its norms fused, the residual rotation, the Hadamards `opts` asks for."""
+    fuse_block_norms(block, arch)
+    rotate_block_residual(block, arch, signs, opts.seed)
+    if opts.head_hadamard:
+        rotate_block_heads(block, arch)
+    if opts.online_hadamard:
+        online_hadamard(block, arch)
+
+
+@torch.no_grad()
+def rotate_head(model: nn.Module, arch: Architecture, scale: torch.Tensor, signs: torch.Tensor) -> None:
+    """The LM head reads the rotated, unscaled stream: W ← W diag(scale) Q, `scale` the final norm's."""
     head = _linear(model, arch.lm_head)
+    scale_columns(head, scale)
     _set(head.weight, _times(head.weight, signs))
 
 
-@torch.no_grad()
-def rotate_heads(model: nn.Module, arch: Architecture) -> None:
-    """Head-wise Hadamard on values (v_proj rows, o_proj columns) and online on queries/keys."""
-    for block in decoder_layers(model, arch):
-        head_dim = block.get_submodule(arch.attention).head_dim
-        v, o = _linear(block, arch.values[0]), _linear(block, arch.values[1])
-        w = v.weight.reshape(-1, head_dim, v.in_features).transpose(1, 2)  # [heads, in, head_dim]
-        _set(v.weight, _times(w).transpose(1, 2))
-        if v.bias is not None:
-            _set(v.bias, _times(v.bias.reshape(-1, head_dim)))
-        _set(o.weight, _times(o.weight.reshape(o.out_features, -1, head_dim)))
-        attach(block.get_submodule(arch.attention), "qk_rotation", QKRotation())
-    enable_attention_site(model)
-
-
-@torch.no_grad()
-def online_hadamard(model: nn.Module, arch: Architecture) -> None:
-    """W ← W M on every writer, whose input is then x M online (its `input_rotation`)."""
-    for block in decoder_layers(model, arch):
-        for n in arch.writers:
-            lin = _linear(block, n)
-            _set(lin.weight, _times(lin.weight))
-            attach(lin, "input_rotation", HadamardRotation(lin.in_features))
-
-
-@register_stage("quarot", scope="model", kind="transform", options=QuaRotOptions, needs_calibration=False)
+@register_stage("quarot", scope="model", kind="transform", options=QuaRotOptions, needs_calibration=False,
+                streams=True)
 @torch.no_grad()
 def quarot(ctx: ModelContext, opts: QuaRotOptions) -> dict[str, Any]:
+    """Rotate the embedding and take the final norm's scale now, each block as `ctx` reaches it, the LM head last."""
     model, arch = ctx.model, ctx.arch
     untied = untie_lm_head(model, arch)
-    fuse_norms(model, arch)
-    d = model.get_submodule(arch.embed).weight.shape[1]
-    rotate_residual(model, arch, random_signs(d, opts.seed), opts.seed)
+    embed = model.get_submodule(arch.embed)
+    d = embed.weight.shape[1]
+    signs = random_signs(d, opts.seed)
+    head_scale = take_norm_scale(model.get_submodule(arch.final_norm), arch.norm_offset)
+    _set(embed.weight, _times(embed.weight, signs))
+    ctx.each_block(partial(rotate_block, arch=arch, signs=signs, opts=opts))
+    ctx.at_end(partial(rotate_head, arch=arch, scale=head_scale, signs=signs))
     if opts.head_hadamard:
-        rotate_heads(model, arch)
-    if opts.online_hadamard:
-        online_hadamard(model, arch)
+        enable_attention_site(model)
     return {"seed": opts.seed, "hidden_size": d, "untied_lm_head": untied,
             "online_hadamard": list(arch.writers) if opts.online_hadamard else [],
             "online_output_rotation": list(arch.post_norms)}
