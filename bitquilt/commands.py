@@ -429,11 +429,11 @@ def cmd_quantize(args) -> int:
     _check_plan(model, recipe)
     if args.stream:
         model, tokenizer, report = quantize_streaming(stream, recipe, calib, tokenizer=tokenizer,
-                                                      progress=not args.json, calib_dtype=compute.precision,
+                                                      progress=not args.json, calib_dtype=args.calib_dtype,
                                                       device=compute.device)
     else:
         report = quantize(model, recipe, calib, tokenizer=tokenizer, progress=not args.json,
-                          resume_dir=progress_dir(out) if args.resume else None, calib_dtype=compute.precision,
+                          resume_dir=progress_dir(out) if args.resume else None, calib_dtype=args.calib_dtype,
                           device=compute.device)
     save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
     if args.resume:
@@ -604,7 +604,7 @@ def cmd_compare(args) -> int:
             row["target_bits"] = t
         if recipe is not None:
             report = quantize(model, recipe, ids, progress=not args.json, calib_config=calib,
-                              calib_dtype=compute.precision, device=compute.device)
+                              calib_dtype=args.calib_dtype, device=compute.device)
             row.update(quant_time_s=report.total_seconds, peak_rss_mb=report.peak_rss_mb)
         row.update(model_summary(model))
         key = "fp" if recipe is None else json.dumps({**recipe.record(), "calib_precision": compute.precision},
