@@ -40,6 +40,7 @@ from common import RESULTS, cpu_name, loadavg, run, write_atomic
 
 from bitquilt.formats import BitplaneFormat, UniformFormat
 from bitquilt.formats.mxint import BLOCK, MXIntFormat
+from bitquilt.isa import cpu_flags
 from bitquilt.kernels import composite, cpu, q4_int8, uniform8
 from bitquilt.kernels import mxint as mxk
 from bitquilt.kernels.huge_pages import layout_empty
@@ -301,7 +302,7 @@ def mx_crossover(log) -> list[dict]:
 
 
 def machine_info() -> dict:
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    flags = cpu_flags()
     try:
         gcc = subprocess.run(["gcc", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     except (OSError, IndexError):
