@@ -14,7 +14,7 @@ from bitquilt.cli import main
 from bitquilt.errors import UserError
 from bitquilt.models.adapters import architecture_of, decoder_layers
 from bitquilt.solvers import get_solver
-from bitquilt.solvers.base import LayerSpec, relative_error
+from bitquilt.solvers.base import LayerSpec, gram, relative_error
 
 BF16 = CalibCompute("bf16", "cpu", "test")
 NAMES = ["self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"]
@@ -63,7 +63,7 @@ def test_gptq_on_bf16_hessians_loses_little_layer_error(stats_both):
 
 
 def test_fp32_statistics_unchanged_by_the_precision_switch(stats_both, smollm, calib_ids):
-    """fp32 calibration computes Hessians exactly as before: fp32 addmm of every window."""
+    """fp32 calibration computes Hessians in fp32 alone: every window's product in fp32, whatever the switch."""
     (_, fp32, _) = stats_both[(0, "mlp.down_proj")]
     assert fp32.products == torch.float32
     with calibrating(CalibCompute("fp32")):
@@ -161,3 +161,14 @@ def test_quantized_stream_runs_on_one_dense_copy_per_block(tiny_llama, monkeypat
     with calibrating(BF16), torch.no_grad():
         bf16 = run_block(block, x, kwargs)
     assert all(b.dtype == torch.float32 and torch.allclose(b, r, rtol=0.05, atol=0.05) for b, r in zip(bf16, reference))
+
+
+@pytest.mark.parametrize("width", [100, 576, 1000, 8960])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hessian_from_its_upper_panels_equals_the_full_product(width, dtype):
+    """`gram` multiplies only the upper block rows of XᵀX and mirrors them: it must be symmetric and agree with the
+    full product (torch's GEMM sums each entry in the same order here, so to the bit)."""
+    x = torch.randn(300, width, generator=torch.Generator().manual_seed(width)).to(dtype)
+    got = gram(x)
+    assert got.dtype == torch.float32 and torch.equal(got, got.T)
+    torch.testing.assert_close(got, (x.T @ x).float(), rtol=1e-5, atol=1e-4)

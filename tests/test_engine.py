@@ -160,32 +160,59 @@ def test_too_few_calibration_tokens_for_a_layer_warn_once(caplog):
                                     Recipe("awq+gptq", w_bits=3, group_size=32)], ids=lambda r: r.label())
 def test_reusing_the_final_attention_is_bit_identical_and_skips_its_passes(model_type, recipe, monkeypatch):
     """Once a block's attention linears are solved, the MLP groups' passes and the block's final pass reuse its
-    output (`attention_reused`): the quantized model must be the very same, with fewer attention computations."""
+    output (`attention_reused`), and once the linears before a writer (o_proj, down_proj) are solved, later passes
+    compute only the writer on its recorded input (`writer_input_reused`): the quantized model must be the very
+    same, with fewer attention and MLP computations."""
     import contextlib
 
     import bitquilt.pipeline.engine as engine
 
-    calls = [0]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = {"sdpa": 0, "silu": 0}
+    sdpa, silu = torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.silu
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return sdpa(*args, **kwargs)
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
     ids = _ids(4)
     states, counts = [], []
     for reuse in (False, True):
+        monkeypatch.undo()
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted("sdpa", sdpa))
+        monkeypatch.setattr(torch.nn.functional, "silu", counted("silu", silu))
         if not reuse:
             monkeypatch.setattr(engine, "attention_reused", lambda *_: contextlib.nullcontext())
-        else:
-            monkeypatch.undo()
-            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+            monkeypatch.setattr(engine, "writer_input_reused", lambda *_: contextlib.nullcontext())
         model = make_tiny(model_type)
-        calls[0] = 0
+        calls.update(sdpa=0, silu=0)
         quantize_model(model, recipe, ids, progress=False)
         states.append(model.state_dict())
-        counts.append(calls[0])
+        counts.append(dict(calls))
     assert states[0].keys() == states[1].keys()
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
-    assert counts[1] < counts[0], counts
+    if model_type != "gemma3_text":  # gemma's MLP uses gelu
+        assert counts[1]["silu"] < counts[0]["silu"], counts
+    assert counts[1]["sdpa"] < counts[0]["sdpa"], counts
+
+
+def test_writer_shortcut_turns_itself_off_where_the_module_does_more_than_its_writer():
+    """A module whose output is not its writer's (here the MLP adds a constant after down_proj): the first later
+    pass compares the shortcut with the full computation and keeps computing in full."""
+    from bitquilt.calib.capture import run_block, writer_input_reused
+
+    model = make_tiny("llama")
+    block = model.model.layers[0]
+    mlp_forward = block.mlp.forward
+    block.mlp.forward = lambda x: mlp_forward(x) + 1.0
+    x = [torch.randn(1, 16, model.config.hidden_size) for _ in range(3)]
+    kwargs = {"position_embeddings": model.model.rotary_emb(x[0], torch.arange(16)[None])}
+    expected = run_block(block, x, kwargs)
+    with writer_input_reused(block, "mlp.down_proj"):
+        run_block(block, x, kwargs)  # records down_proj's inputs
+        calls = [0]
+        block.mlp.down_proj.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        got = run_block(block, x, kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert calls[0] == 4  # 3 passes in full + the one shortcut it checked and turned off

@@ -153,14 +153,98 @@ def run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: dict[str, An
         return [block_output(block, x, kwargs).to(x.dtype) for x in inputs]
 
 
-def _hook_ids(module: nn.Module) -> set[tuple[int, int]]:
-    return {(id(m), k) for m in module.modules() for hooks in (m._forward_pre_hooks, m._forward_hooks) for k in hooks}
+def _hook_ids(module: nn.Module, but: nn.Module | None = None) -> set[tuple[int, int]]:
+    """The forward hooks inside `module`, those inside `but` left out."""
+    left_out = set() if but is None else {id(m) for m in but.modules()}
+    return {(id(m), k) for m in module.modules() if id(m) not in left_out
+            for hooks in (m._forward_pre_hooks, m._forward_hooks) for k in hooks}
 
 
 def _copy(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.clone()
     return tuple(_copy(v) for v in value) if isinstance(value, tuple) else value
+
+
+def _block_input_tracker(block: nn.Module) -> tuple[list[torch.Tensor | None], Any]:
+    """[the input of `block`'s current forward] (updated by the returned hook handle's pre-hook)."""
+    current: list[torch.Tensor | None] = [None]
+
+    def remember(_block: nn.Module, args: tuple, kwargs: dict) -> None:
+        current[0] = args[0] if args else kwargs.get("hidden_states")
+
+    return current, block.register_forward_pre_hook(remember, with_kwargs=True)
+
+
+@contextmanager
+def _forward_replaced(module: nn.Module, forward: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """Within: `module.forward` is `forward`; yields the forward it replaced."""
+    original = module.forward
+    patched = "forward" in module.__dict__
+    module.forward = forward
+    try:
+        yield original
+    finally:
+        if patched:
+            module.forward = original
+        else:
+            del module.forward
+
+
+@contextmanager
+def writer_input_reused(block: nn.Module, writer: str) -> Iterator[None]:
+    """Within: the module holding linear `writer` (e.g. `mlp` for `mlp.down_proj`) computes, for a block input it has
+    seen, only `writer` on the input `writer` received then.
+
+    True-sequential calibration runs a block once per group of linears. Once every linear before `writer` inside
+    its module is solved, what `writer` receives for a given block input no longer changes: the pass that feeds
+    `writer`'s statistics records it, and later passes (the next group's, the block's final pass) skip the rest of
+    the module: the MLP's gate/up products, or the attention's q/k/v, RoPE and attention product. The caller opens
+    this after the last group before `writer`'s and closes it before any stage changes those linears.
+
+    The first later call checks the shortcut against the full computation (`torch.equal`, which also fixes the
+    structure of what the module returns: a tensor, or a tuple of it and Nones) and turns it off for good if they
+    differ, so the result is bit-identical by construction. Bypassed when a gradient is wanted or a hook other than
+    the writer's was added inside the module. Costs one `writer` input per calibration window of memory.
+    """
+    module = block.get_submodule(writer.rsplit(".", 1)[0])
+    hooks = _hook_ids(module, but=block.get_submodule(writer))  # the writer's own (online modules) may change
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(block input) -> (block input, writer's input)
+    agrees: list[bool | None] = [None]  # None: the shortcut not yet compared with the full computation
+    like: list[Any] = [None]  # what the module returned in that comparison (its structure)
+    current, tracker = _block_input_tracker(block)
+
+    def record(_linear: nn.Module, args: tuple) -> None:
+        if current[0] is not None and not torch.is_grad_enabled():
+            seen[id(current[0])] = (current[0], args[0])  # the block input kept: its id stays unique while held
+
+    recorder = block.get_submodule(writer).register_forward_pre_hook(record, prepend=True)
+
+    def shortcut(x: torch.Tensor) -> Any:
+        out = block.get_submodule(writer)(x)
+        return (out, *like[0][1:]) if isinstance(like[0], tuple) else out
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        held = seen.get(id(current[0]))
+        foreign_hooks = _hook_ids(module, but=block.get_submodule(writer)) != hooks
+        if held is None or agrees[0] is False or torch.is_grad_enabled() or foreign_hooks:
+            return original(*args, **kwargs)
+        if agrees[0] is None:
+            like[0] = full = original(*args, **kwargs)
+            short = shortcut(held[1])
+            first = (lambda out: out[0]) if isinstance(full, tuple) else (lambda out: out)
+            agrees[0] = (not isinstance(full, tuple) or all(r is None for r in full[1:])) and torch.equal(
+                first(short), first(full))
+            return full
+        return shortcut(held[1])
+
+    try:
+        with _forward_replaced(module, forward) as original:
+            yield
+    finally:
+        tracker.remove()
+        recorder.remove()
+        seen.clear()
 
 
 @contextmanager
@@ -179,13 +263,8 @@ def attention_reused(block: nn.Module, attention: str) -> Iterator[None]:
     """
     module = block.get_submodule(attention)
     hooks = _hook_ids(module)
-    current: list[torch.Tensor | None] = [None]
     outputs: dict[int, tuple[torch.Tensor, Any]] = {}
-
-    def remember(_block: nn.Module, args: tuple, kwargs: dict) -> None:
-        current[0] = args[0] if args else kwargs.get("hidden_states")
-
-    original = module.forward
+    current, tracker = _block_input_tracker(block)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         x = current[0]
@@ -195,15 +274,9 @@ def attention_reused(block: nn.Module, attention: str) -> Iterator[None]:
             outputs[id(x)] = (x, original(*args, **kwargs))  # x kept: its id stays unique while cached
         return _copy(outputs[id(x)][1])
 
-    handle = block.register_forward_pre_hook(remember, with_kwargs=True)
-    patched = "forward" in module.__dict__
-    module.forward = forward
     try:
-        yield
+        with _forward_replaced(module, forward) as original:
+            yield
     finally:
-        handle.remove()
-        if patched:
-            module.forward = original
-        else:
-            del module.forward
+        tracker.remove()
         outputs.clear()

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from bitquilt.calib.capture import attention_reused, capture_block_inputs, run_block
+from bitquilt.calib.capture import attention_reused, capture_block_inputs, run_block, writer_input_reused
 from bitquilt.calib.compute import FP32_CPU, CalibCompute, calibrating
 from bitquilt.calib.plan import Plan
 from bitquilt.calib.report import QuantReport
@@ -143,6 +143,21 @@ def to_device(value: Any, device: str) -> Any:
     return value
 
 
+def writer_shortcuts(arch: Architecture) -> dict[int, str]:
+    """{j: writer} for each writer linear (`Architecture.writers`) that is alone in group j + 1 and the only linear
+    of its module solved after group j: once group j is solved, the module's work up to the writer's input is
+    final (`bitquilt.calib.capture.writer_input_reused`)."""
+    groups = [g.linears for g in arch.shared_inputs]
+    shortcuts = {}
+    for writer in arch.writers:
+        module = writer.rsplit(".", 1)[0]
+        at = next((j for j, names in enumerate(groups) if writer in names), None)
+        later = [n for names in groups[at or 0:] for n in names if n.startswith(f"{module}.")]
+        if at and groups[at] == (writer,) and later == [writer]:
+            shortcuts[at - 1] = writer
+    return shortcuts
+
+
 def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | None, calib: CalibConfig | None,
                     progress: bool, blocks: BlockSource | None, resume_dir: Path | None,
                     compute: CalibCompute) -> QuantReport:
@@ -187,6 +202,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | 
 
     last_attention_group = max((j for j, g in enumerate(arch.shared_inputs)
                                 if any(n.startswith(f"{arch.attention}.") for n in g.linears)), default=None)
+    writers_next = writer_shortcuts(arch)
     bar = tqdm(range(first, len(layers)), desc=f"quantize {recipe.label()}", unit="block", disable=not progress,
                initial=first, total=len(layers))
     for i in bar:
@@ -206,6 +222,8 @@ def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | 
                     _record(report, stage, stage.fn(block_ctx, opts), block_ctx.prefix)
                 if needs_data and j == last_attention_group:  # the attention is final until post-block stages
                     reuse.enter_context(attention_reused(layers[i], arch.attention))
+                if needs_data and j in writers_next:  # what the next group's writer receives is now final
+                    reuse.enter_context(writer_input_reused(layers[i], writers_next[j]))
             block_ctx.linears = ()
             if by_scope["post_block"]:
                 reuse.close()

@@ -75,14 +75,35 @@ class LinearStats:
         x32 = x.float()
         if self.hessian is not None:
             self.hessian.mul_(self.n_tokens / total)
-            if self.products == torch.float32:
-                self.hessian.addmm_(x32.T, x32, alpha=1.0 / total)
-            else:
-                self.hessian.add_(low_precision_gram(x, x32, self.products), alpha=1.0 / total)
+            products = gram(x32) if self.products == torch.float32 else low_precision_gram(x, x32, self.products)
+            self.hessian.add_(products, alpha=1.0 / total)
         x = x32
         self.act_absmean.mul_(self.n_tokens / total).add_(x.abs().sum(0), alpha=1.0 / total)
         self.act_absmax = torch.maximum(self.act_absmax, x.abs().amax(0))
         self.n_tokens = total
+
+
+PANEL_WIDTH = 256  # rows of XᵀX per panel (products narrower than this lose more to GEMM overhead than they save)
+MAX_PANELS = 16
+
+
+def gram(x: torch.Tensor) -> torch.Tensor:
+    """XᵀX (fp32) of x [tokens, d], multiplied in x's dtype, from its upper block rows only.
+
+    XᵀX is symmetric: split into p panels of rows, panel i is multiplied against the columns from its diagonal
+    block on and mirrored below it, (p + 1) / 2p of the full product's work.
+    """
+    d = x.shape[1]
+    panels = max(1, min(MAX_PANELS, d // PANEL_WIDTH))
+    if panels == 1:
+        return (x.T @ x).float()
+    out = torch.empty(d, d, device=x.device)
+    edges = [d * i // panels for i in range(panels + 1)]
+    for lo, hi in zip(edges, edges[1:]):
+        rows = (x[:, lo:hi].T @ x[:, lo:]).float()
+        out[lo:hi, lo:] = rows
+        out[hi:, lo:hi] = rows[:, hi - lo:].T
+    return out
 
 
 OUTLIER_RATIO = 16.0  # a channel whose Σx² exceeds this many times the median channel's is an outlier
@@ -97,17 +118,16 @@ def low_precision_gram(x: torch.Tensor, x32: torch.Tensor, products: torch.dtype
     GPTQ's dampening and can make the Hessian indefinite. Those few channels' rows (`OUTLIER_RATIO`) are multiplied
     from `x32` (x in fp32) instead.
     """
-    xp = x.to(products)
-    gram = (xp.T @ xp).float()
+    result = gram(x.to(products))
     energy = x32.pow(2).sum(0)
     outliers = torch.nonzero(energy > OUTLIER_RATIO * energy.median()).flatten()
     if outliers.numel() > x.shape[1] // MAX_OUTLIER_FRACTION:
         outliers = energy.topk(x.shape[1] // MAX_OUTLIER_FRACTION).indices
     if outliers.numel():
         rows = x32[:, outliers].T @ x32
-        gram[outliers] = rows
-        gram[:, outliers] = rows.T
-    return gram
+        result[outliers] = rows
+        result[:, outliers] = rows.T
+    return result
 
 
 SolverFn = Callable[[torch.Tensor, "LinearStats | None", LayerSpec, Any], WeightFormat]
