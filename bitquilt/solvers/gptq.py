@@ -63,12 +63,13 @@ def sweep_columns(
     W1[:, i:] −= e_i · U1[i, i:]. Q1 receives the quantized columns and E1 the scaled errors,
     so that W1_start = Q1 + E1·U1.
     """
+    diagonal = U1.diagonal().tolist()  # Python floats: no tensor indexing per column
     for i in range(W1.shape[1]):
         w = W1[:, i]
         q = quantize_column(offset + i, W1, i)
         Q1[:, i] = q
-        err = (w - q) / U1[i, i]
-        W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
+        err = (w - q).div_(diagonal[i])
+        W1[:, i:].addr_(err, U1[i, i:], alpha=-1)
         E1[:, i] = err
 
 
@@ -125,11 +126,11 @@ def gptq(weight: torch.Tensor, stats: LinearStats | None, spec: LayerSpec, opts:
     if fixed:
         W_orig = W[:, invert_permutation(perm)] if perm is not None else W
         _, scales, zeros = quantize_groups(W_orig, grid, g, opts.mse)
-    group_of = (perm if perm is not None else torch.arange(cols, device=W.device)) // g if fixed else None
+    group_of = ((perm if perm is not None else torch.arange(cols, device=W.device)) // g).tolist() if fixed else None
 
     def quantize_column(j: int, W1: torch.Tensor, i: int) -> torch.Tensor:
         if fixed:
-            grp = int(group_of[j])
+            grp = group_of[j]
         else:
             grp = j // g
             if j % g == 0:
