@@ -180,7 +180,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | 
     first = 0
     saved = None if resume_dir is None else load_progress(resume_dir, run_id)
     if saved is not None:  # carry on after the last saved block
-        restore_blocks(resume_dir, layers, saved.index)
+        restore_blocks(resume_dir, model, arch.layers, saved.index)
         first, inputs, plan, report = saved.index + 1, saved.inputs, saved.plan, saved.report
         report.resumed_at = first
         ctx.plan, ctx.scratch = plan, saved.scratch
