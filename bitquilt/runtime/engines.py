@@ -27,6 +27,9 @@ ENGINES = ("auto", "fused", "lean", "transformers")
 
 
 def _next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """The next token of `logits`, greedy or sampled; -1 when they are not all finite (`run_decode` says so)."""
+    if not bool(torch.isfinite(logits).all()):
+        return -1
     if temperature <= 0:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)

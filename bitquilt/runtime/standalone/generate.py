@@ -37,7 +37,8 @@ class Generation:
 
 
 def picker(temperature: float = 0.0, seed: int = 0) -> Callable[[array], int]:
-    """logits (fp32 `array.array`) -> token: argmax at temperature 0, else a draw from softmax(logits / temperature)."""
+    """logits (fp32 `array.array`) -> token: argmax at temperature 0, else a draw from softmax(logits / temperature);
+    -1 when the logits are not all finite (`run_decode` says so)."""
     lib = library()
     if temperature <= 0:
         return lambda logits: lib.bq_argmax(logits.buffer_info()[0], len(logits))
