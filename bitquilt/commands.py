@@ -582,7 +582,7 @@ def cmd_compare(args) -> int:
         if report.is_dir() and any(report.iterdir()) and not (report / "report.json").is_file():
             raise UserError(f"--report {report} holds files but no report.json, so it is not a previous report, whose "
                             "files a new one replaces; choose another directory")
-        check_output(report, overwrite=True, source=args.model)
+        check_output(report, overwrite=True, source=args.model, foreign_ok=True)  # replaces its own files only
     needs_calibration = any(r.needs_calibration for r in recipes.values())
     if needs_calibration:  # fail before hours of quantization, not after
         from bitquilt.data.corpora import check_disjoint

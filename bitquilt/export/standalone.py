@@ -44,7 +44,7 @@ from bitquilt.export.tokenizer_tables import Unsupported, tokenizer_tables
 from bitquilt.formats.base import WeightFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
 from bitquilt.heap import HUGE_PAGE
-from bitquilt.io import CONFIG_NAME, WEIGHTS_NAME, check_output, is_quantized_dir, load_quantized
+from bitquilt.io import CONFIG_NAME, check_output, companion_files, is_quantized_dir, load_quantized
 from bitquilt.kernels import q4_int8, uniform8
 from bitquilt.runtime.module_tree import ModuleTreeLM, inverse_frequencies
 from bitquilt.runtime.standalone.model import FILE, FORMAT_VERSION, METADATA_KEY, PROJECTIONS
@@ -204,9 +204,8 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
         save_file(tensors, str(staging), metadata={METADATA_KEY: json.dumps(metadata)})
         copy_in_huge_pages(staging, tmp / FILE)
         staging.unlink()
-        for f in sorted(directory.iterdir()):
-            if f.is_file() and f.name not in (WEIGHTS_NAME, CONFIG_NAME):
-                shutil.copy2(f, tmp / f.name)
+        for f in companion_files(directory):  # the tokenizer and generation config, not other files found there
+            shutil.copy2(f, tmp / f.name)
     kinds: dict[str, int] = {}
     for entry in metadata["linears"].values():
         kinds[entry["kind"]] = kinds.get(entry["kind"], 0) + 1

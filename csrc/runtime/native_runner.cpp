@@ -60,10 +60,6 @@ struct WriteError : std::runtime_error {
 };
 
 // The ranges bitquilt-run takes (bitquilt/flag_checks.py): a larger count would wrap in an int or overflow a length.
-// bitquilt.runtime.loop.NON_FINITE: a model whose logits hold NaN or Inf has no next token.
-constexpr const char* kNonFinite =
-    "the model's logits are NaN or infinite, so it has no next token: its weights or scales hold NaN/Inf (a diverged "
-    "quantization, or a damaged or edited file); check them with `bitquilt eval`";
 constexpr int64_t kMaxNewTokens = 2147483647, kMaxThreads = 1024, kMaxSeed = INT64_MAX;
 
 // The int8 kernels' paths by name, in bitquilt_q4::Isa's order (bitquilt.isa.INT8_ISAS).
@@ -337,7 +333,7 @@ int run(int argc, char** argv) {
     const auto vocab = static_cast<int64_t>(logits.size());
     const int64_t token = o.temperature <= 0 ? bq_argmax(logits.data(), vocab)
                                              : bq_sample(logits.data(), vocab, o.temperature, draws.random());
-    if (token < 0) throw UserError(kNonFinite);
+    if (token < 0) throw UserError(bitquilt_standalone::kNonFinite);
     return token;
   };
   Stream stream(tokenizer, o.prompt, o.json);

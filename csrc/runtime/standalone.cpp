@@ -354,6 +354,10 @@ int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* 
                   [m](int64_t i, const float* in, int64_t n, float* out) { m->linears[i].run(in, n, out); });
   m->last.resize(d.D);
   bitquilt_decoder::rms_norm(m->x.data() + (T - 1) * d.D, m->final_norm, d.D, d.eps, m->last.data());
+  // NaN / Inf in the residual stream (a weight or scale that holds one) reach the final norm whatever the int8
+  // rounding of the linears' inputs made of them: refused here rather than turned into a token.
+  if (!std::all_of(m->last.begin(), m->last.end(), [](float v) { return std::isfinite(v); }))
+    return static_cast<int>(fail(bitquilt_standalone::kNonFinite));
   m->linears[m->head].run(m->last.data(), 1, logits);
   return 0;
 }

@@ -30,6 +30,10 @@ namespace bitquilt_standalone {
 
 constexpr const char* kMetadataKey = "bitquilt.runtime.standalone";
 constexpr int kFormatVersion = 3;  // bitquilt.runtime.standalone.model.FORMAT_VERSION
+// bitquilt.runtime.loop.NON_FINITE: what a model whose activations or logits hold NaN or Inf is told.
+constexpr const char* kNonFinite =
+    "the model's logits are NaN or infinite, so it has no next token: its weights or scales hold NaN/Inf (a diverged "
+    "quantization, or a damaged or edited file); check them with `bitquilt eval`";
 
 struct Tensor {
   std::string dtype;  // safetensors' name: F32, U8, I8, I32, I64
@@ -82,6 +86,7 @@ class MappedFile {
     }
     if (header_.kind != bitquilt_json::Value::Object) unreadable("its header is not a JSON object");
     start_ = 8 + length;
+    validate_tensors();
     const auto& meta = header_["__metadata__"][kMetadataKey];
     if (meta.kind != bitquilt_json::Value::String)
       throw std::runtime_error(path_ + " has no standalone metadata; re-export the model");
@@ -90,7 +95,6 @@ class MappedFile {
     } catch (const std::runtime_error& e) {
       throw std::runtime_error(path_ + ": its standalone metadata is not valid (" + e.what() + "); re-export the model");
     }
-    validate_tensors();
     const auto& version = config_["format_version"];
     if (!version.is_integer() || version.integer() != kFormatVersion)
       throw std::runtime_error(path_ + " is standalone format " + version.describe() + "; this bitquilt reads " +
@@ -138,7 +142,7 @@ class MappedFile {
     if (shape.kind != Value::Array) corrupt(name, "has no shape");
     int64_t numel = 1;
     for (const auto& s : shape.array) {
-      if (!s.is_integer(0, kMaxDim)) corrupt(name, "has a dimension " + s.describe() + ", not an integer ≥ 0");
+      if (!s.is_integer(0, kMaxDim)) corrupt(name, "has a dimension " + s.describe() + ", not an integer in [0, 2^53]");
       t.shape.push_back(s.integer());
       if (__builtin_mul_overflow(numel, t.shape.back(), &numel)) corrupt(name, "has more elements than int64 counts");
     }
@@ -149,6 +153,7 @@ class MappedFile {
     const int64_t end = offsets[1].integer();
     if (__builtin_mul_overflow(numel, size, &t.nbytes) || end < begin || end - begin != t.nbytes)
       corrupt(name, "does not fit its offsets");
+    if (start_ + static_cast<uint64_t>(end) > size_) corrupt(name, "runs past the end of the file");
     if ((start_ + static_cast<uint64_t>(begin)) % static_cast<uint64_t>(size) != 0)
       corrupt(name, "is not aligned to its element size");
     return t;
