@@ -438,7 +438,7 @@ def cmd_quantize(args) -> int:
     save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
     if args.resume:
         shutil.rmtree(progress_dir(out), ignore_errors=True)  # the model is saved: its progress is no longer needed
-    summary = {"output": str(out), "method": recipe.method, "w_bits": recipe.w_bits,
+    summary = {"output": str(out), "method": method_summary(recipe, report), "w_bits": recipe.w_bits,
                "group_size": recipe.group_size, "a_bits": recipe.a_bits, "kv_bits": recipe.kv_bits,
                "head_bits": recipe.head_bits,
                **model_summary(model),
@@ -449,6 +449,14 @@ def cmd_quantize(args) -> int:
     else:
         print_table([summary], list(summary))
     return 0
+
+
+def method_summary(recipe: Recipe, report: Any) -> str:
+    """The method as run: the recipe's, plus its residual (+mosaic) and the decoder layers DynamicPTQ gave 8-bit
+    activations (as the run chose them)."""
+    method = recipe.method + (f"+{recipe.residual}" if recipe.residual else "")
+    layers = (report.stages.get("dynamic_a8") or {}).get("layers")
+    return method + (f" (a8 layers {','.join(map(str, layers))})" if layers else "")
 
 
 def compute_summary(compute: dict[str, str]) -> str:

@@ -103,13 +103,13 @@ def _parse(path: Path, dtypes: dict[str, int], aligned: bool) -> Header:
         try:
             entry, begin, end = _entry(name, info, dtypes, data_start)
         except ValueError as e:
-            raise UserError(f"{path}: tensor {name!r} {e}; the file is truncated, damaged or was edited") from None
+            raise UserError(f"{path}: tensor {name!r} {e}; the file is truncated or corrupt, or was edited") from None
         if aligned and entry.start % dtypes[entry.dtype]:
             raise UserError(f"{path}: tensor {name!r} starts at byte {entry.start}, not a multiple of its "
                             f"{dtypes[entry.dtype]}-byte elements; the file was not written by safetensors")
         if data_start + end > size:
             raise UserError(f"{path}: tensor {name!r} ends at byte {data_start + end}, past the end of the file "
-                            f"({size} bytes); the file is truncated, damaged or was edited")
+                            f"({size} bytes); the file is truncated or corrupt, or was edited")
         entries[name] = entry
         spans.append((begin, end, name))
     position, previous = 0, None

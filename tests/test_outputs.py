@@ -1,6 +1,6 @@
-"""What bitquilt writes, and what it must not touch: --overwrite replaces only its own outputs, an export carries
-only the saved model's own files, an output is claimed before the work, temporaries of dead processes are swept at
-the next start, the cache is owner-only and nothing in it is run (issue 65)."""
+"""What bitquilt writes and says, and what it must not touch: --overwrite replaces only its own outputs, an export
+carries only the saved model's own files, an output is claimed before the work, temporaries of dead processes are
+swept at the next start, the cache is owner-only and nothing in it is run, generate names what ran (issue 65)."""
 
 from __future__ import annotations
 
@@ -104,3 +104,47 @@ def test_a_failed_output_claim_leaves_nothing_behind(tmp_path, capsys, monkeypat
     code = main(["quantize", "smollm2-135m", "--method", "rtn", "-o", str(tmp_path / "q"), "--calib-data",
                  "nosuch.txt"])
     assert code == 2 and os.listdir(tmp_path) == []
+
+
+def test_generate_says_which_runtime_and_engine_ran(tmp_path, capsys):
+    import json
+
+    from conftest import save_tiny_with_tokenizer
+
+    save_tiny_with_tokenizer(tmp_path / "fp")
+    assert main(["quantize", str(tmp_path / "fp"), "--method", "rtn", "--group-size", "32", "-o", str(tmp_path / "q"),
+                 "--json"]) == 0
+    capsys.readouterr()
+    for engine, runtime, ran in (("auto", "bitquilt", {"fused", "lean"}), ("lean", "bitquilt", {"lean"}),
+                                 ("transformers", "transformers", {"transformers"})):
+        assert main(["generate", str(tmp_path / "q"), "--prompt", "Hi", "--max-new-tokens", "2", "--engine", engine,
+                     "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["runtime"] == runtime and result["engine"] in ran, (engine, result)
+    assert main(["generate", str(tmp_path / "q"), "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+    assert "runtime=bitquilt, engine=" in capsys.readouterr().err
+
+
+def test_progress_bars_in_a_log_print_a_few_lines(monkeypatch, capsys):
+    """Not a terminal: the first and last lines of a bar, not one per redraw."""
+    import time
+
+    from bitquilt.progress import progress_bar
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    for _ in progress_bar(range(200), desc="work"):
+        time.sleep(0.001)
+    lines = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if line.strip()]
+    assert 1 <= len(lines) <= 3 and "200/200" in lines[-1], lines
+
+
+def test_the_summary_method_names_the_residual_and_the_a8_layers():
+    from types import SimpleNamespace
+
+    from bitquilt.commands import method_summary
+    from bitquilt.recipes import Recipe
+
+    recipe = Recipe("quarot+rtn", w_bits=4, a_bits=4, a8_layers=2, residual="mosaic")
+    report = SimpleNamespace(stages={"dynamic_a8": {"layers": [0, 7], "linears": 14}})
+    assert method_summary(recipe, report) == "quarot+rtn+mosaic (a8 layers 0,7)"
+    assert method_summary(Recipe("rtn", w_bits=4), SimpleNamespace(stages={})) == "rtn"

@@ -63,11 +63,12 @@ def _set_linear(header: dict, name: str, **changes) -> None:
     header["__metadata__"][METADATA_KEY] = json.dumps(meta, separators=(",", ":"))
 
 
-def _run(command: str, export: Path, *args: str) -> subprocess.CompletedProcess:
+def _run(command: str, export: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`command` (bitquilt-native, bitquilt-run, or the path of a runner built otherwise) on `export`."""
     argv = {"bitquilt-native": [str(runner_path())],
-            "bitquilt-run": [sys.executable, "-m", "bitquilt.runtime.standalone.cli"]}[command]
+            "bitquilt-run": [sys.executable, "-m", "bitquilt.runtime.standalone.cli"]}.get(command, [command])
     return subprocess.run([*argv, str(export), "--prompt", "Hello 42 world", "--max-new-tokens", "2", "--threads",
-                           "1", *args], capture_output=True, text=True, errors="replace", timeout=120)
+                           "1", *args], capture_output=True, text=True, errors="replace", timeout=300, env=env)
 
 
 def _one_line(done: subprocess.CompletedProcess, message: str = "") -> None:
@@ -324,3 +325,31 @@ def test_fuzzed_saved_model_headers_load_or_are_refused_in_one_line(saved_tiny, 
             assert "\n" not in str(e), (seed, str(e))
 
     _fuzz(tmp_path / "q" / "model.safetensors", range(200), check)
+
+
+@pytest.mark.slow
+def test_the_fuzz_corpus_under_address_and_undefined_behaviour_sanitizers(export_copy, tmp_path):
+    """The native runner built with ASan and UBSan (every report fatal) over the crafted cases and the fuzz corpus:
+    no report, every case run or refused in one line."""
+    import dataclasses
+    import os
+
+    from bitquilt import native_build
+
+    sanitized = dataclasses.replace(native_build.RUNNER, flags=(
+        *native_build.RUNNER.flags, "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+        "-fno-sanitize-recover=all"), links=((),))
+    runner = str(native_build.build(sanitized, out=tmp_path / "asan"))
+    env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1"}
+
+    def check(seed: int) -> None:
+        done = _run(runner, export_copy, env=env)
+        assert done.returncode in (0, 2) and "runtime error" not in done.stderr \
+            and "Sanitizer" not in done.stderr, (seed, done.returncode, done.stderr[-3000:])
+
+    original = (export_copy / FILE).read_bytes()
+    for case, (edit, _) in CRAFTED.items():
+        _edit(export_copy / FILE, edit)
+        check(case)
+        (export_copy / FILE).write_bytes(original)
+    _fuzz(export_copy / FILE, range(300), check)

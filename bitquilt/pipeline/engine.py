@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from bitquilt.calib.capture import attention_reused, capture_block_inputs, run_block
 from bitquilt.calib.compute import FP32_CPU, CalibCompute, calibrating
@@ -33,6 +32,7 @@ from bitquilt.io import set_quantization_record
 from bitquilt.models.adapters import Architecture, architecture_of, decoder_layers
 from bitquilt.pipeline.head import HEAD_STAGE, quantize_head
 from bitquilt.pipeline.resume import Progress, fingerprint, load_progress, restore_blocks, save_progress
+from bitquilt.progress import progress_bar
 from bitquilt.recipes import CalibConfig, Recipe
 from bitquilt.resources import peak_rss_mb, reset_peak_rss
 
@@ -187,7 +187,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | 
 
     last_attention_group = max((j for j, g in enumerate(arch.shared_inputs)
                                 if any(n.startswith(f"{arch.attention}.") for n in g.linears)), default=None)
-    bar = tqdm(range(first, len(layers)), desc=f"quantize {recipe.label()}", unit="block", disable=not progress,
+    bar = progress_bar(range(first, len(layers)), desc=f"quantize {recipe.label()}", unit="block", disable=not progress,
                initial=first, total=len(layers))
     for i in bar:
         t_block, cpu_block = time.perf_counter(), time.process_time()

@@ -29,6 +29,7 @@ class DecodeRun:
     new_ids: list[int]
     prefill_seconds: float  # prompt forward + first token
     decode_seconds: float  # the remaining tokens
+    engine: str = ""  # what ran the steps (fused, lean, transformers; the standalone runtime's kernel path)
 
 
 def run_decode(step: Callable[[Sequence[int]], Any], prompt: Sequence[int], max_new_tokens: int,
@@ -78,6 +79,11 @@ def generation_stats(prompt_tokens: int, run: DecodeRun) -> dict[str, float | in
     return {"prompt_tokens": prompt_tokens, "new_tokens": n,
             "prefill_tokens_per_s": prompt_tokens / run.prefill_seconds,
             "decode_tokens_per_s": (n - 1) / run.decode_seconds if n > 1 else None}
+
+
+def stats_line(stats: dict[str, Any]) -> str:
+    """A run's figures on one line, `key=value` (numbers to 4 significant digits; None left out)."""
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items() if v is not None)
 
 
 def check_speed_settings(prompt_tokens: int, new_tokens: int, repeats: int, vocab_size: int = 2) -> None:
