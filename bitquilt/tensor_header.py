@@ -108,8 +108,8 @@ def _parse(path: Path, dtypes: dict[str, int], aligned: bool) -> Header:
             raise UserError(f"{path}: tensor {name!r} starts at byte {entry.start}, not a multiple of its "
                             f"{dtypes[entry.dtype]}-byte elements; the file was not written by safetensors")
         if data_start + end > size:
-            raise UserError(f"{path}: tensor {name!r} ends at byte {data_start + end}, past the end of the file "
-                            f"({size} bytes); the file is truncated or corrupt, or was edited")
+            raise UserError(f"{path} is truncated or corrupt: tensor {name!r} ends at byte {data_start + end}, "
+                            f"past the end of the file ({size} bytes)")
         entries[name] = entry
         spans.append((begin, end, name))
     position, previous = 0, None
