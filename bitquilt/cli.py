@@ -27,6 +27,7 @@ from bitquilt.errors import UserError, run_command
 from bitquilt.flag_checks import check_flags
 from bitquilt.io import model_summary
 from bitquilt.runtime.engines import ENGINES
+from bitquilt.runtime.loop import stats_line
 
 RUN_COMMANDS = ("generate", "bench")
 
@@ -47,6 +48,7 @@ def cmd_generate(args) -> int:
     from bitquilt.io import load
     from bitquilt.runtime.engines import decode
     from bitquilt.runtime.loop import generation_stats
+    from bitquilt.runtime.module_tree import ModuleTreeLM
 
     set_threads(args.threads)
     model, tokenizer = load(args.model, _runtime(args))
@@ -57,7 +59,8 @@ def cmd_generate(args) -> int:
                  stop_ids=None if args.ignore_eos or tokenizer.eos_token_id is None else {tokenizer.eos_token_id},
                  engine=args.engine)
     text = tokenizer.decode(run.new_ids, skip_special_tokens=True)
-    _print_generation(args, text, generation_stats(ids.shape[1], run))
+    runtime = "bitquilt" if isinstance(model, ModuleTreeLM) else "transformers"
+    _print_generation(args, text, {"runtime": runtime, "engine": run.engine, **generation_stats(ids.shape[1], run)})
     return 0
 
 
@@ -86,7 +89,7 @@ def _generate_standalone(args) -> int:
 
     result = generate(_standalone(args, args.model), args.prompt, args.max_new_tokens, args.temperature, args.seed,
                       args.ignore_eos)
-    _print_generation(args, result.text, result.stats())
+    _print_generation(args, result.text, {"runtime": "standalone", **result.stats()})
     return 0
 
 
@@ -95,7 +98,7 @@ def _print_generation(args, text: str, stats: dict) -> None:
         print_json({"prompt": args.prompt, "completion": text, **stats})
     else:
         print(args.prompt + text, flush=True)
-        print(", ".join(f"{k}={v:.4g}" for k, v in stats.items() if v is not None), file=sys.stderr)
+        print(stats_line(stats), file=sys.stderr)
 
 
 def cmd_bench(args) -> int:

@@ -438,7 +438,7 @@ def cmd_quantize(args) -> int:
     save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
     if args.resume:
         shutil.rmtree(progress_dir(out), ignore_errors=True)  # the model is saved: its progress is no longer needed
-    summary = {"output": str(out), "method": recipe.method, "w_bits": recipe.w_bits,
+    summary = {"output": str(out), "method": method_summary(recipe, report), "w_bits": recipe.w_bits,
                "group_size": recipe.group_size, "a_bits": recipe.a_bits, "kv_bits": recipe.kv_bits,
                "head_bits": recipe.head_bits,
                **model_summary(model),
@@ -449,6 +449,14 @@ def cmd_quantize(args) -> int:
     else:
         print_table([summary], list(summary))
     return 0
+
+
+def method_summary(recipe: Recipe, report: Any) -> str:
+    """The method as run: the recipe's, plus its residual (+mosaic) and the decoder layers DynamicPTQ gave 8-bit
+    activations (as the run chose them)."""
+    method = recipe.method + (f"+{recipe.residual}" if recipe.residual else "")
+    layers = (report.stages.get("dynamic_a8") or {}).get("layers")
+    return method + (f" (a8 layers {','.join(map(str, layers))})" if layers else "")
 
 
 def compute_summary(compute: dict[str, str]) -> str:
@@ -582,7 +590,7 @@ def cmd_compare(args) -> int:
         if report.is_dir() and any(report.iterdir()) and not (report / "report.json").is_file():
             raise UserError(f"--report {report} holds files but no report.json, so it is not a previous report, whose "
                             "files a new one replaces; choose another directory")
-        check_output(report, overwrite=True, source=args.model)
+        check_output(report, overwrite=True, source=args.model, foreign_ok=True)  # replaces its own files only
     needs_calibration = any(r.needs_calibration for r in recipes.values())
     if needs_calibration:  # fail before hours of quantization, not after
         from bitquilt.data.corpora import check_disjoint

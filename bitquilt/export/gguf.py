@@ -44,8 +44,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from torch import nn
 
-from bitquilt.cache import atomic_file
-from bitquilt.errors import UserError
+from bitquilt.cache import atomic_file, claim_output
+from bitquilt.errors import UserError, option
 from bitquilt.export.checks import check_layers
 from bitquilt.formats.base import WeightFormat
 from bitquilt.formats.uniform import UniformFormat
@@ -326,8 +326,13 @@ def check_output_file(path: Path, overwrite: bool, source: Path) -> None:
         raise UserError(f"output {path} is a file of the input {source}, which writing it would replace; give a new "
                         "file name")
     if path.exists() and not overwrite:
-        raise UserError(f"output file {path} already exists; choose another path or pass --overwrite (overwrite=True)")
+        raise UserError(f"output file {path} already exists; choose another path or pass "
+                        f"{option('--overwrite', 'overwrite=True')}")
+    if path.exists() and path.open("rb").read(4) != b"GGUF":  # the magic every GGUF file starts with
+        raise UserError(f"{option('--overwrite', 'overwrite=True')} replaces only a GGUF file, and {path} is not one; "
+                        "choose another file name")
     check_writable(path)
+    claim_output(path, directory=False)
 
 
 def write_gguf(model: nn.Module, tokenizer: Any, output: str | Path, name: str,
