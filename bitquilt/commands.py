@@ -35,7 +35,7 @@ from bitquilt.export import FORMATS as EXPORT_FORMATS
 from bitquilt.io import model_summary
 from bitquilt.models.registry import DEFAULT_MODEL
 from bitquilt.policies.gguf_mix import MIXES
-from bitquilt.recipes import BEST_RECIPES, CalibConfig, Recipe, expand_method, solver_name
+from bitquilt.recipes import BEST_RECIPES, GGUF_SOLVERS, CalibConfig, Recipe, expand_method, solver_name
 from bitquilt.solvers import SOLVERS
 from bitquilt.solvers.mosaic import SCORES, parse_block
 from bitquilt.stages import register_builtins
@@ -254,6 +254,8 @@ def _recipe_from_args(args, method: str | None, bits: int, group_size: int | Non
                         f"{', '.join(sorted(SOLVERS))}, e.g. rtn, gptq, awq (=awq+rtn), awq+gptq, bpdq, "
                         "smoothquant+rtn, quarot+gptq, mxint, mxsens, mobiquant (`bitquilt quantize --help`)")
     solver = SOLVERS.get(solver_name(method))
+    if args.gguf_type is not None:  # the recipe solves onto llama.cpp's blocks with the solver's gguf twin
+        solver = SOLVERS.get(GGUF_SOLVERS.get(solver.name, solver.name))
     taken = {f.name for f in dataclasses.fields(solver.options)}
     given = {k: getattr(args, k) for k in solver_option_fields() if getattr(args, k) is not None}
     if strict and (ignored := sorted(set(given) - taken)):
