@@ -107,6 +107,7 @@ def main() -> None:
     p.add_argument("--methods", default="rtn,gptq", help="bitquilt methods, each run with --gguf-type")
     p.add_argument("--calib-chunks", type=int, default=32, help="512-token calibration chunks/windows")
     p.add_argument("--chunks", type=int, default=20, help="512-token perplexity chunks per text")
+    p.add_argument("--texts", default="wiki,lambada", help="perplexity texts: wiki, lambada")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/gguf_kquants"))
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "gguf_kquants")
@@ -129,7 +130,7 @@ def main() -> None:
     def score(label: str, mix: str, gguf_file: Path, seconds: float) -> None:
         row = {"model": args.model, "mix": mix, "file": label, "size_mb": gguf_file.stat().st_size / 1e6,
                "seconds": seconds}
-        for text in ("wiki", "lambada"):
+        for text in args.texts.split(","):
             row[f"ppl_{text}"] = perplexity(bin_dir, gguf_file, texts[text], args.chunks, args.threads,
                                             work / f"{gguf_file.stem}.{text}.log")
         rows.append(row)
@@ -168,8 +169,8 @@ def main() -> None:
     for model, record in records.items():
         lines += [f"## {model} ({record['calib_chunks']} calibration chunks, {record['chunks']} perplexity chunks)",
                   "", "| mix | file | size MB | ppl wiki | ppl lambada | seconds |", "|---|---|---:|---:|---:|---:|"]
-        lines += [f"| {r['mix']} | {r['file']} | {r['size_mb']:.1f} | {r['ppl_wiki']:.2f} | {r['ppl_lambada']:.2f} | "
-                  f"{r['seconds']:.0f} |" for r in record["rows"]]
+        lines += [f"| {r['mix']} | {r['file']} | {r['size_mb']:.1f} | {r.get('ppl_wiki', float('nan')):.2f} | "
+                  f"{r.get('ppl_lambada', float('nan')):.2f} | {r['seconds']:.0f} |" for r in record["rows"]]
         lines.append("")
     args.results.with_suffix(".md").write_text("\n".join(lines))
 
