@@ -14,7 +14,8 @@ both `llama-imatrix` (512-token chunks) and bitquilt (`--calib-data calib.txt`, 
 Every file: size and `llama-perplexity -c 512` over the first --chunks chunks of wiki (BoolQ passages) and lambada.
 
     .venv/bin/python bench/gguf_kquants.py --model smollm2-135m --mixes Q2_K,Q3_K_M,Q4_K_M
-Results: bench/results/gguf_kquants.{json,md} (records of other models kept); files stay in --workdir.
+Results: bench/results/gguf_kquants.{json,md}, rewritten after every file (records of other models kept); files stay
+in --workdir.
 """
 
 from __future__ import annotations
@@ -100,6 +101,29 @@ def perplexity(bin_dir: Path, gguf_file: Path, text: Path, chunks: int, threads:
     return float(found.group(1))
 
 
+def write_results(results: Path, model: str, rows: list[dict], calib_chunks: int, chunks: int, bin_dir: Path) -> None:
+    """`model`'s rows into results.json (other models' records kept) and the table of every model into results.md."""
+    results.parent.mkdir(parents=True, exist_ok=True)
+    record_file = results.with_suffix(".json")
+    records = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    records[model] = {"rows": rows, "calib_chunks": calib_chunks, "chunks": chunks, "llama.cpp": str(bin_dir)}
+    record_file.write_text(json.dumps(records, indent=1))
+    lines = ["# K-quant GGUF files: llama.cpp's imatrix quantization vs bitquilt's export of the same mix", "",
+             "`python bench/gguf_kquants.py --model MODEL --mixes Q2_K,Q3_K_M,Q4_K_M`. Every file scored by "
+             "llama.cpp's `llama-perplexity -c 512` (first N chunks of each text; wiki = BoolQ's Wikipedia "
+             "passages, lambada = LAMBADA passages). Calibration: the same SciQ text for `llama-imatrix` (512-token "
+             "chunks) and bitquilt (as many 512-token windows). llama.cpp requantizes the packaged GGUF, whose "
+             "dequantized weights are bitquilt's fp32 model. Seconds: llama.cpp's imatrix + quantize, bitquilt's "
+             "quantize (CPU, 2 cores shared with other jobs: indicative only).", ""]
+    for name, record in records.items():
+        lines += [f"## {name} ({record['calib_chunks']} calibration chunks, {record['chunks']} perplexity chunks)",
+                  "", "| mix | file | size MB | ppl wiki | ppl lambada | seconds |", "|---|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['mix']} | {r['file']} | {r['size_mb']:.1f} | {r.get('ppl_wiki', float('nan')):.2f} | "
+                  f"{r.get('ppl_lambada', float('nan')):.2f} | {r['seconds']:.0f} |" for r in record["rows"]]
+        lines.append("")
+    results.with_suffix(".md").write_text("\n".join(lines))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -135,6 +159,7 @@ def main() -> None:
                                             work / f"{gguf_file.stem}.{text}.log")
         rows.append(row)
         print(json.dumps(row), flush=True)
+        write_results(args.results, args.model, rows, args.calib_chunks, args.chunks, bin_dir)  # after every file
 
     for mix in args.mixes.split(","):
         out = work / f"llamacpp-{mix}.gguf"
@@ -152,27 +177,6 @@ def main() -> None:
             run([*bq, "export", str(saved), "--to", "gguf", "-o", str(out), "--overwrite"],
                 work / f"export-{method}-{mix}.log")
             score(f"bitquilt {method}", mix, out, quantize_s)
-
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    record_file = args.results.with_suffix(".json")
-    records = json.loads(record_file.read_text()) if record_file.is_file() else {}
-    records[args.model] = {"rows": rows, "calib_chunks": args.calib_chunks, "chunks": args.chunks,
-                           "llama.cpp": str(bin_dir)}
-    record_file.write_text(json.dumps(records, indent=1))
-    lines = ["# K-quant GGUF files: llama.cpp's imatrix quantization vs bitquilt's export of the same mix", "",
-             "`python bench/gguf_kquants.py --model MODEL --mixes Q2_K,Q3_K_M,Q4_K_M`. Every file scored by "
-             "llama.cpp's `llama-perplexity -c 512` (first N chunks of each text; wiki = BoolQ's Wikipedia "
-             "passages, lambada = LAMBADA passages). Calibration: the same SciQ text for `llama-imatrix` (512-token "
-             "chunks) and bitquilt (as many 512-token windows). llama.cpp requantizes the packaged GGUF, whose "
-             "dequantized weights are bitquilt's fp32 model. Seconds: llama.cpp's imatrix + quantize, bitquilt's "
-             "quantize (CPU, 2 cores shared with other jobs: indicative only).", ""]
-    for model, record in records.items():
-        lines += [f"## {model} ({record['calib_chunks']} calibration chunks, {record['chunks']} perplexity chunks)",
-                  "", "| mix | file | size MB | ppl wiki | ppl lambada | seconds |", "|---|---|---:|---:|---:|---:|"]
-        lines += [f"| {r['mix']} | {r['file']} | {r['size_mb']:.1f} | {r.get('ppl_wiki', float('nan')):.2f} | "
-                  f"{r.get('ppl_lambada', float('nan')):.2f} | {r['seconds']:.0f} |" for r in record["rows"]]
-        lines.append("")
-    args.results.with_suffix(".md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":
