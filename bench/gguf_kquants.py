@@ -118,8 +118,9 @@ def write_results(results: Path, model: str, rows: list[dict], calib_chunks: int
     for name, record in records.items():
         lines += [f"## {name} ({record['calib_chunks']} calibration chunks, {record['chunks']} perplexity chunks)",
                   "", "| mix | file | size MB | ppl wiki | ppl lambada | seconds |", "|---|---|---:|---:|---:|---:|"]
-        lines += [f"| {r['mix']} | {r['file']} | {r['size_mb']:.1f} | {r.get('ppl_wiki', float('nan')):.2f} | "
-                  f"{r.get('ppl_lambada', float('nan')):.2f} | {r['seconds']:.0f} |" for r in record["rows"]]
+        ppl = [[f"{r[k]:.2f}" if k in r else "—" for k in ("ppl_wiki", "ppl_lambada")] for r in record["rows"]]
+        lines += [f"| {r['mix']} | {r['file']} | {r['size_mb']:.2f} | {p[0]} | {p[1]} | {r['seconds']:.0f} |"
+                  for r, p in zip(record["rows"], ppl, strict=True)]
         lines.append("")
     results.with_suffix(".md").write_text("\n".join(lines))
 
