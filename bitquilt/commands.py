@@ -689,6 +689,7 @@ def _analyze_residual_recovery(args) -> int:
 
 def _analyze_residual_stream(args) -> int:
     from bitquilt.api import calibration_ids, load, residual_phases
+    from bitquilt.policies.dynamic_a8 import selection_order
 
     calib = _calib_config(args)
     model, tokenizer = load(args.model)
@@ -702,10 +703,17 @@ def _analyze_residual_stream(args) -> int:
         from bitquilt.eval.phases import plot_phases
 
         plot_phases(phases, args.plot, f"{args.model}: residual stream ({args.rotation} rotation)")
+    order = {select: selection_order(phases, args.a_bits, select) for select in ("jr", "snr")}
     if args.json:
-        print_json({"model": args.model, "rotation": args.rotation, "calibration": vars(calib), "layers": rows})
+        print_json({"model": args.model, "rotation": args.rotation, "calibration": vars(calib), "layers": rows,
+                    "a8_order": order})
     else:
         print_table(rows, list(rows[0]))
+        for select, layers in order.items():
+            how = "highest Jump Ratio" if select == "jr" else f"lowest SNR at {args.a_bits} bits"
+            default = ", the default" if select == "jr" else ""
+            print(f"--a8-layers K --opt dynamic_a8.select={select} ({how}{default}) widens the first K of: "
+                  + ", ".join(map(str, layers)))
         if args.plot:
             print(f"plot: {args.plot}")
     return 0
