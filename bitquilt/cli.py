@@ -142,9 +142,7 @@ def cmd_bench(args) -> int:
 def cmd_serve(args) -> int:
     """Serve a model over HTTP, OpenAI's API (`bitquilt.serve`), until Ctrl-C."""
     try:
-        import uvicorn
-
-        from bitquilt.serve.app import Server
+        from bitquilt.serve.app import Server, bind, run
     except ImportError as e:
         raise UserError(f"bitquilt serve needs the serve extra ({e.name} is missing): pip install "
                         "'bitquilt[serve]'") from None
@@ -162,6 +160,7 @@ def cmd_serve(args) -> int:
     if _is_standalone_export(args.model):
         raise UserError(f"{args.model} is a standalone export, which serve does not run yet; serve the saved model "
                         "it was exported from")
+    sock = bind(args.host, args.port)
     set_threads(args.threads)
     model, tokenizer = load(args.model, _runtime(args))
     if tokenizer is None:
@@ -176,7 +175,7 @@ def cmd_serve(args) -> int:
         print(f"bitquilt serve: warning: {args.host} is reachable from other machines and no --api-key is set",
               file=sys.stderr)
     print(f"bitquilt serve: {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
+    run(server, sock)
     return 0
 
 

@@ -155,6 +155,9 @@ def test_models_health_and_metrics(server, client):
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0]",
      "invalid_value"),
     ("/v1/chat/completions", {"prompt": "hi"}, 400, "prompt", "unknown_field"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt", "invalid_value"),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000, 413, None, "body_too_large"),
+    ("/v1/completions", b"[" * 4000, 400, None, "invalid_json"),
 ])
 def test_a_bad_request_gets_an_openai_error_and_the_server_goes_on(server, path, body, status, param, code):
     got, answer = _post(server[0], path, body)
@@ -215,3 +218,15 @@ def test_bad_serve_flags_are_one_line_and_exit_2(capsys, args, message):
     assert main(["serve", "smollm2-135m", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        assert main(["serve", "smollm2-135m", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
+    assert time.monotonic() - start < 5  # said before loading anything

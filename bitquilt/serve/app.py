@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,11 +18,13 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from bitquilt.errors import UserError
 from bitquilt.serve.chat import ChatTemplate
 from bitquilt.serve.protocol import COMPLETION_DEFAULT_MAX_TOKENS, Answer, ApiError, Limits, Request, parse_request
 from bitquilt.serve.worker import Job, Worker
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+SHUTDOWN_GRACE_S = 5  # at Ctrl-C, how long answers still streaming may go on
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -185,3 +188,27 @@ class Server:
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, not yet listening (clients are refused until `run`), or one line saying why not:
+    taken before the model loads, so a port in use is said at once."""
+    sock = None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:  # an address in use or not this machine's, a name that does not resolve
+        if sock is not None:
+            sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def run(server: Server, sock: socket.socket) -> None:
+    """Answer on `sock` with uvicorn until Ctrl-C; then a decode still running is stopped at its next token."""
+    import uvicorn
+
+    config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    uvicorn.Server(config).run(sockets=[sock])

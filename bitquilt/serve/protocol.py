@@ -78,11 +78,20 @@ def _max_tokens(body: dict, limits: Limits) -> int | None:
     return value
 
 
+def _text(value: str, param: str) -> str:
+    """`value`, refused when it is not UTF-8 text (JSON may spell lone surrogates, which no tokenizer takes)."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as e:
+        raise _bad(param, f"{param} is not UTF-8 text (a lone surrogate at character {e.start})") from None
+    return value
+
+
 def _stop(value: Any) -> list[str]:
     stops = [] if value is None else [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
         raise _bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOPS} of them")
-    return stops
+    return [_text(s, "stop") for s in stops]
 
 
 def _content(message: dict, index: int) -> str:
@@ -90,10 +99,10 @@ def _content(message: dict, index: int) -> str:
     content = message.get("content")
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        return _text("".join(p["text"] for p in content), f"messages[{index}].content")
     if not isinstance(content, str):
         raise _bad(f"messages[{index}].content", "a message's content must be text (a string or text parts)")
-    return content
+    return _text(content, f"messages[{index}].content")
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
@@ -138,7 +147,7 @@ def parse_request(raw: bytes, kind: str, limits: Limits) -> Request:
     elif not isinstance(body.get("prompt"), str) or not body["prompt"]:
         raise _bad("prompt", "prompt must be a non-empty string (one prompt per request)")
     else:
-        request.prompt = body["prompt"]
+        request.prompt = _text(body["prompt"], "prompt")
     return request
 
 

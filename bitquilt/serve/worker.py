@@ -59,6 +59,7 @@ class Worker:
         self.stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="bitquilt-decode")
         self.context = contextvars.copy_context()  # the kernel options in force where the server started
+        self.running: Job | None = None
 
     def submit(self, ids: list[int], request: Request, max_tokens: int) -> Job:
         """Queue a request; ApiError 503 at once when `max_queue` requests wait already."""
@@ -79,9 +80,14 @@ class Worker:
             job = await self.queue.get()
             if job.cancelled.is_set():
                 continue
+            self.running = job
             await loop.run_in_executor(self.thread, self.context.copy().run, self._decode, job, loop)
+            self.running = None
 
     def close(self) -> None:
+        """Stop the running decode at its next token and the thread after it (the server is shutting down)."""
+        if self.running is not None:
+            self.running.cancelled.set()
         self.thread.shutdown(wait=False, cancel_futures=True)
 
     def metrics(self) -> dict[str, float]:
