@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def _metrics(port: int) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def server(saved_smollm):
-    """(port, served model name) of `bitquilt serve` on the saved model, one waiting request allowed."""
+    """(port, served model name, process) of `bitquilt serve` on the saved model, one waiting request allowed."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "bitquilt.cli", "serve", str(saved_smollm), "--port", str(port),
                              "--api-key", KEY, "--max-queue", "1", "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
@@ -73,10 +74,11 @@ def server(saved_smollm):
                 time.sleep(0.5)
         else:
             pytest.fail("the server did not answer /health within 300 s")
-        yield port, saved_smollm.name
+        yield port, saved_smollm.name, proc
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +232,19 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(capsys):
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
     assert time.monotonic() - start < 5  # said before loading anything
+
+
+def test_sigterm_ends_an_open_stream_with_its_last_chunk_and_the_server(server):
+    """(Last of the tests on the server: it stops it.) uvicorn ends the process by the signal it got, as a process
+    that did not catch it ends."""
+    port, _, proc = server
+    streaming = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    streaming.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 256, "temperature": 0,
+                                                             "stream": True}).encode(),
+                      {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    response = streaming.getresponse()
+    assert response.readline().startswith(b"data: ")
+    proc.terminate()
+    lines = [line.strip() for line in response.read().splitlines() if line.strip()]
+    assert lines[-1] == b"data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(timeout=30) == -signal.SIGTERM

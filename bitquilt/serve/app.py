@@ -13,6 +13,7 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -24,7 +25,7 @@ from bitquilt.serve.protocol import COMPLETION_DEFAULT_MAX_TOKENS, Answer, ApiEr
 from bitquilt.serve.worker import Job, Worker
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
-SHUTDOWN_GRACE_S = 5  # at Ctrl-C, how long answers still streaming may go on
+SHUTDOWN_GRACE_S = 5  # at Ctrl-C, how long answers may take to end before they are cut
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -206,9 +207,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(server: Server, sock: socket.socket) -> None:
-    """Answer on `sock` with uvicorn until Ctrl-C; then a decode still running is stopped at its next token."""
-    import uvicorn
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, which at Ctrl-C (or SIGTERM) first has the worker end its sequences, so that open streams
+    end with their last chunk instead of waiting for the grace period."""
 
+    def __init__(self, config: uvicorn.Config, worker: Worker):
+        super().__init__(config)
+        self.worker = worker
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.worker.shut_down_soon()
+        super().handle_exit(sig, frame)
+
+
+def run(server: Server, sock: socket.socket) -> None:
+    """Answer on `sock` with uvicorn until Ctrl-C or SIGTERM."""
     config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-    uvicorn.Server(config).run(sockets=[sock])
+    _Uvicorn(config, server.worker).run(sockets=[sock])

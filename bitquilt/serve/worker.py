@@ -60,9 +60,13 @@ class Worker:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="bitquilt-decode")
         self.context = contextvars.copy_context()  # the kernel options in force where the server started
         self.running: Job | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the event loop `run` serves
+        self.closing = False
 
     def submit(self, ids: list[int], request: Request, max_tokens: int) -> Job:
-        """Queue a request; ApiError 503 at once when `max_queue` requests wait already."""
+        """Queue a request; ApiError 503 at once when `max_queue` requests wait already or the server is closing."""
+        if self.closing:
+            raise ApiError(503, "the server is shutting down", code="shutting_down", kind="server_busy")
         if self.queue.qsize() >= self.max_queue:
             self.counters.rejected += 1
             raise ApiError(503, f"the server is busy: {self.max_queue} requests wait already; retry later",
@@ -75,7 +79,7 @@ class Worker:
 
     async def run(self) -> None:
         """Decode the queued jobs one after another, for as long as the server runs."""
-        loop = asyncio.get_running_loop()
+        self.loop = loop = asyncio.get_running_loop()
         while True:
             job = await self.queue.get()
             if job.cancelled.is_set():
@@ -84,10 +88,24 @@ class Worker:
             await loop.run_in_executor(self.thread, self.context.copy().run, self._decode, job, loop)
             self.running = None
 
-    def close(self) -> None:
-        """Stop the running decode at its next token and the thread after it (the server is shutting down)."""
+    def shut_down_soon(self) -> None:
+        """Callable from a signal handler: on the event loop's next turn, end the running decode at its next token
+        (its answer ends as if at max_tokens), answer the waiting requests with an error, refuse new ones."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._shut_down)
+
+    def _shut_down(self) -> None:
+        self.closing = True
         if self.running is not None:
             self.running.cancelled.set()
+        while not self.queue.empty():
+            job = self.queue.get_nowait()
+            job.ended = True
+            job.events.put_nowait(("error", "the server is shutting down"))
+
+    def close(self) -> None:
+        """Stop the running decode and the thread after it (the server has stopped)."""
+        self._shut_down()
         self.thread.shutdown(wait=False, cancel_futures=True)
 
     def metrics(self) -> dict[str, float]:
