@@ -15,8 +15,13 @@ import threading
 import time
 
 import pytest
+import torch
 
 from bitquilt.cli import main
+from bitquilt.runtime.engines import _next_token
+from bitquilt.serve.chat import ChatTemplate
+from bitquilt.serve.protocol import ApiError
+from bitquilt.serve.text import TextStream
 
 openai = pytest.importorskip("openai")
 
@@ -53,6 +58,45 @@ def _metrics(port: int) -> dict[str, float]:
     assert status == 200
     pairs = (line.split() for line in text.splitlines())
     return {name.removeprefix("bitquilt_"): float(value) for name, value in pairs}
+
+
+def test_text_is_released_once_final_and_cut_before_a_stop_string():
+    pieces = {1: "Hel", 2: "lo wo", 3: "rld!", 4: " more"}
+    stream = TextStream(lambda ids: "".join(pieces[i] for i in ids), ["world"])
+    assert [stream.push(i) for i in (1, 2, 3)] == ["Hel", "lo ", ""]  # "wo" waited: it could begin "world"
+    assert stream.stopped and stream.finish() == ""
+    utf8 = {1: b"caf", 2: b"\xc3", 3: b"\xa9!"}  # "é" split over two tokens
+    stream = TextStream(lambda ids: b"".join(utf8[i] for i in ids).decode(errors="replace"), [])
+    assert [stream.push(i) for i in (1, 2, 3)] == ["caf", "", "é!"] and not stream.stopped
+
+
+def test_top_p_keeps_the_fewest_likely_tokens_that_reach_it():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    generator = torch.Generator().manual_seed(0)
+    assert {_next_token(logits, 1.0, generator, top_p=0.6) for _ in range(200)} == {0, 1}
+    assert {_next_token(logits, 1.0, generator, top_p=0.5) for _ in range(50)} == {0}
+    assert len({_next_token(logits, 1.0, generator) for _ in range(400)}) == 4
+
+
+@pytest.mark.parametrize("template, error", [
+    ("{{ messages.append(1) }}", "refused"),  # the immutable sandbox: no changing the messages
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "refused"),  # no reaching Python's objects
+    ("{{ raise_exception('no system messages') }}", "no system messages"),
+])
+def test_a_chat_template_runs_in_the_sandbox(tmp_path, template, error):
+    (tmp_path / "chat_template.jinja").write_text(template)
+    with pytest.raises(ApiError, match=error):
+        ChatTemplate(tmp_path, None, None).render([{"role": "user", "content": "hi"}])
+
+
+def test_a_chat_template_from_the_tokenizer_config(tmp_path):
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ApiError, match="no chat template"):
+        ChatTemplate(tmp_path, None, None).render(messages)
+    template = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}" \
+               "{% if add_generation_prompt %}<assistant>{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    assert ChatTemplate(tmp_path, "<s>", "</s>").render(messages) == "<s><user>hi<assistant>"
 
 
 @pytest.fixture(scope="module")
