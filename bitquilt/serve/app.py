@@ -33,15 +33,16 @@ def _error(e: ApiError) -> JSONResponse:
 
 
 async def _body(http: HttpRequest, limit: int) -> bytes:
-    """The request body, refused (413) as soon as it passes `limit` bytes."""
+    """The request body, refused (413) as soon as it passes `limit` bytes: by its declared length, or as it arrives."""
+    too_large = ApiError(413, f"the body is over this server's limit of {limit} bytes", code="body_too_large")
     declared = http.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the body is over this server's limit of {limit} bytes", code="body_too_large")
+        raise too_large
     chunks, size = [], 0
     async for chunk in http.stream():
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, f"the body is over this server's limit of {limit} bytes", code="body_too_large")
+            raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -118,11 +119,13 @@ class Server:
         room = self.limits.max_prompt_tokens if self.positions is None else min(self.limits.max_prompt_tokens,
                                                                                 self.positions - 1)
         if not ids or len(ids) > room:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens; this server takes 1 to {room}", "prompt"
-                           if request.kind == "completion" else "messages", "prompt_too_long")
+            param = "prompt" if request.kind == "completion" else "messages"
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; this server takes 1 to {room}", param,
+                           "prompt_too_long")
         return ids
 
     def _max_tokens(self, request: Request, prompt_tokens: int) -> int:
+        """The request's max_tokens (or the endpoint's default), within the room its prompt leaves."""
         room = self.limits.max_tokens if self.positions is None else self.positions - prompt_tokens
         if request.max_tokens is None:
             default = COMPLETION_DEFAULT_MAX_TOKENS if request.kind == "completion" else self.limits.max_tokens
@@ -136,7 +139,7 @@ class Server:
     async def _serve(self, http: HttpRequest, kind: str) -> Response:
         self._check_key(http)
         request = parse_request(await _body(http, self.limits.max_body_bytes), kind, self.limits)
-        ids = self._prompt_ids(request)
+        ids = await asyncio.to_thread(self._prompt_ids, request)  # a long prompt's encoding holds no other request
         job = self.worker.submit(ids, request, self._max_tokens(request, len(ids)))
         answer = Answer(kind, self.name)
         if request.stream:
