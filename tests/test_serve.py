@@ -19,11 +19,14 @@ import torch
 
 from bitquilt.cli import main
 from bitquilt.runtime.engines import _next_token
-from bitquilt.serve.chat import ChatTemplate
-from bitquilt.serve.protocol import ApiError
-from bitquilt.serve.text import TextStream
 
+for extra in ("starlette", "uvicorn", "jinja2"):  # the serve extra (`make setup` installs it)
+    pytest.importorskip(extra)
 openai = pytest.importorskip("openai")
+
+from bitquilt.serve.chat import ChatTemplate  # noqa: E402  (jinja2: after the skip)
+from bitquilt.serve.protocol import ApiError  # noqa: E402
+from bitquilt.serve.text import TextStream  # noqa: E402
 
 KEY = "test-key"
 PROMPT = "The capital of France is"
