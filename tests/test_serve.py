@@ -256,6 +256,25 @@ def test_a_full_queue_answers_503_and_a_client_that_leaves_frees_its_slot(server
     assert _get(port, "/health", None)[0] == 200
 
 
+def test_a_client_that_leaves_before_a_whole_answer_stops_its_decode(server):
+    port = server[0]
+    before = _metrics(port)
+    leaving = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    leaving.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 256,  # greedy: no early end
+                                                           "temperature": 0}).encode(),
+                    {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    deadline = time.monotonic() + 30
+    while _metrics(port)["active_sequences"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leaving.close()  # gone without reading the answer
+    while _metrics(port)["active_sequences"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = _metrics(port)
+    assert after["active_sequences"] == 0
+    assert after["requests_cancelled_total"] == before["requests_cancelled_total"] + 1
+    assert after["generated_tokens_total"] - before["generated_tokens_total"] < 128
+
+
 @pytest.mark.parametrize("args, message", [
     (["--port", "0"], "--port must be ≥ 1, got 0"),
     (["--max-queue", "-1"], "--max-queue must be ≥ 0, got -1"),

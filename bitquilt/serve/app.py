@@ -157,21 +157,25 @@ class Server:
             self.worker.counters.cancelled += 1
 
     async def _whole(self, http: HttpRequest, job: Job, answer: Answer) -> Response:
-        """A non-streamed answer: the job's text gathered, the client checked now and then while it waits."""
+        """A non-streamed answer: the job's text gathered while a watcher checks that the client is still there."""
+        gone = asyncio.create_task(_until_gone(http))
         parts = []
-        while True:
-            try:  # a get cancelled by the timeout loses no event
-                event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    return Response(status_code=499)  # nobody reads it; `_serve` cancels the job
-                continue
-            if event[0] == "text":
-                parts.append(event[1])
-            elif event[0] == "error":
-                return _error(ApiError(500, f"generation failed: {event[1]}", kind="server_error"))
-            else:
-                return JSONResponse(answer.whole("".join(parts), event[1], event[2]))
+        try:
+            while True:
+                get = asyncio.ensure_future(job.events.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():  # the client left: `_serve` cancels the job; nobody reads this answer
+                    get.cancel()  # a cancelled get takes no event
+                    return Response(status_code=499)
+                event = get.result()
+                if event[0] == "text":
+                    parts.append(event[1])
+                elif event[0] == "error":
+                    return _error(ApiError(500, f"generation failed: {event[1]}", kind="server_error"))
+                else:
+                    return JSONResponse(answer.whole("".join(parts), event[1], event[2]))
+        finally:
+            gone.cancel()
 
     async def _stream(self, job: Job, answer: Answer) -> AsyncIterator[str]:
         """Server-sent events: a chunk per piece of text, a last chunk with the finish reason, then [DONE]. When the
@@ -188,6 +192,12 @@ class Server:
             yield "data: [DONE]\n\n"
         finally:
             self._cancel(job)
+
+
+async def _until_gone(http: HttpRequest) -> None:
+    """Return once the client of `http` has gone away (checked every DISCONNECT_POLL_S)."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
 
 
 def _sse(obj: dict[str, Any]) -> str:
