@@ -233,9 +233,9 @@ def test_a_full_queue_answers_503_and_a_client_that_leaves_frees_its_slot(server
                       {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     response = streaming.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data: ")
-    waiting: list = []  # the one request the queue holds
-    thread = threading.Thread(target=lambda: waiting.append(_post(port, "/v1/completions", {"prompt": PROMPT,
-                                                                                           "max_tokens": 2})))
+    waiting: list = []  # the one request the queue holds (greedy: two tokens, no end-of-sequence before them)
+    short = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    thread = threading.Thread(target=lambda: waiting.append(_post(port, "/v1/completions", short)))
     thread.start()
     deadline = time.monotonic() + 30
     while _metrics(port)["queue_depth"] < 1 and time.monotonic() < deadline:
