@@ -180,7 +180,7 @@ def cmd_serve(args) -> int:
 
 
 def _add_engine(s: argparse.ArgumentParser) -> None:
-    """--engine of the decoding commands (generate, bench)."""
+    """--engine of the decoding commands (generate, bench, serve)."""
     s.add_argument("--engine", choices=ENGINES, default="auto",
                    help="decode loop: lean (static KV cache, the model's modules without transformers' per-layer "
                    "glue; llama/mistral/qwen2/qwen3), fused (lean, with every decoder layer of a one-token step in "
