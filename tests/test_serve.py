@@ -195,6 +195,7 @@ def test_models_health_and_metrics(server, client):
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "invalid_value"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "invalid_value"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "stop": "x" * 257}, 400, "stop", "invalid_value"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "invalid_value"),
     ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed", "invalid_value"),
     ("/v1/completions", {"prompt": ["hi", "ho"]}, 400, "prompt", "invalid_value"),

@@ -17,6 +17,7 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", 
 FIELDS = {"completion": COMMON_FIELDS | {"prompt"}, "chat": COMMON_FIELDS | {"messages", "max_completion_tokens"}}
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4  # as OpenAI: up to four stop strings
+MAX_STOP_CHARS = 256  # each: every token's check for a stop string beginning costs its length squared
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the server's limit
 
 
@@ -89,8 +90,10 @@ def _text(value: str, param: str) -> str:
 
 def _stop(value: Any) -> list[str]:
     stops = [] if value is None else [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-        raise _bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOPS} of them")
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or \
+            not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise _bad("stop", f"stop must be a string of 1 to {MAX_STOP_CHARS} characters or a list of up to "
+                   f"{MAX_STOPS} of them")
     return [_text(s, "stop") for s in stops]
 
 
