@@ -208,6 +208,8 @@ def test_models_health_and_metrics(server, client):
     ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt", "invalid_value"),
     ("/v1/completions", b'{"prompt": ' + b"[" * 100_000, 413, None, "body_too_large"),
     ("/v1/completions", b"[" * 4000, 400, None, "invalid_json"),
+    ("/v1/nowhere", {"prompt": "hi"}, 404, None, "not_found"),
+    ("/health", {"prompt": "hi"}, 405, None, "method_not_allowed"),
 ])
 def test_a_bad_request_gets_an_openai_error_and_the_server_goes_on(server, path, body, status, param, code):
     got, answer = _post(server[0], path, body)
