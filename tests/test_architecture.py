@@ -21,7 +21,7 @@ FLOORS = [
     {"nn"},
     {"models", "data"},
     {"runtime"},
-    {"io", "export"},
+    {"io", "export", "serve"},
     {"calib", "solvers"},
     {"transforms", "policies", "stages"},
     {"recipes", "pipeline"},
@@ -30,7 +30,7 @@ FLOORS = [
     {"commands"},
     {"cli", "entry"},
 ]
-RUNTIME = {"formats", "kernels", "nn", "io", "models", "runtime"}
+RUNTIME = {"formats", "kernels", "nn", "io", "models", "runtime", "serve"}
 ALGORITHMS = {"calib", "solvers", "transforms", "policies", "stages", "recipes", "pipeline"}
 STANDALONE = "bitquilt.runtime.standalone"
 # What the standalone runtime may import besides itself: modules that import no torch (tests/test_standalone.py

@@ -34,9 +34,10 @@ class DecodeRun:
 
 def run_decode(step: Callable[[Sequence[int]], Any], prompt: Sequence[int], max_new_tokens: int,
                pick: Callable[[Any], int], stop_ids: set[int] | None = None,
-               on_token: Callable[[int], None] | None = None) -> DecodeRun:
-    """Continue `prompt` (module docstring); `on_token` sees each new token as it is picked (streaming output);
-    `pick` returns -1 for logits that are not all finite.
+               on_token: Callable[[int], bool | None] | None = None) -> DecodeRun:
+    """Continue `prompt` (module docstring); `on_token` sees each new token as it is picked (streaming output) and
+    ends the run there by returning True (a stop string, a client gone); `pick` returns -1 for logits that are not
+    all finite.
     The caller checks its settings first (`check_generation`), before it sizes a cache for them."""
     if len(prompt) == 0:
         raise ValueError("decode needs a non-empty prompt")
@@ -50,18 +51,17 @@ def run_decode(step: Callable[[Sequence[int]], Any], prompt: Sequence[int], max_
     token = next_token(prompt)
     t1 = time.perf_counter()
     new_ids = [token]
-    if on_token is not None:
-        on_token(token)
-    while len(new_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
+    ended = on_token is not None and bool(on_token(token))
+    while not ended and len(new_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
         token = next_token([token])
         new_ids.append(token)
-        if on_token is not None:
-            on_token(token)
+        ended = on_token is not None and bool(on_token(token))
     return DecodeRun(new_ids, t1 - t0, time.perf_counter() - t1)
 
 
-def check_generation(max_new_tokens: int, temperature: float) -> None:
-    """What every runtime's generation takes: at least one new token and a finite temperature ≥ 0 (0: greedy)."""
+def check_generation(max_new_tokens: int, temperature: float, top_p: float = 1.0) -> None:
+    """What every runtime's generation takes: at least one new token, a finite temperature ≥ 0 (0: greedy) and a
+    nucleus `top_p` in (0, 1]."""
     if not is_integer(max_new_tokens):
         raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
     if not is_number(temperature):
@@ -70,6 +70,8 @@ def check_generation(max_new_tokens: int, temperature: float) -> None:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number ≥ 0 (0: greedy), got {temperature}")
+    if not is_number(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
 
 
 def generation_stats(prompt_tokens: int, run: DecodeRun) -> dict[str, float | int | None]:
