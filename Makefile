@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=68" wheel
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-build-isolation -e ".[full,dev]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[full,dev,serve]"
 	touch $(STAMP)
 
 setup: $(STAMP) kernels

@@ -224,11 +224,13 @@ def residual_phases(model: nn.Module, calib: torch.Tensor, a_bits: int = 4, rota
     from bitquilt.calib.stages import STAGES, ModelContext
     from bitquilt.models.adapters import architecture_of
     from bitquilt.nn.act_quant import ActQuantConfig
+    from bitquilt.stages import register_builtins
 
     arch = architecture_of(model)
     if rotation is not None:
         if rotation != "quarot":
             raise UserError(f"unknown rotation {rotation!r}; supported: quarot")
+        register_builtins()  # the built-in stages, QuaRot's among them, are registered on first use
         stage = STAGES.get("quarot")
         stage.fn(ModelContext(model, arch, Plan({}, {}), None), stage.make_options())
     configs = {b: ActQuantConfig(b, format=a_format).validate() for b in dict.fromkeys([a_bits, 8])}

@@ -1,7 +1,7 @@
 """The `bitquilt` command line: models, fetch, quantize, eval, compare, analyze, inspect, export (`bitquilt.commands`),
-generate and bench (here).
+generate, bench and serve (here).
 
-generate and bench run a saved model: they parse with a parser of their own and never import `bitquilt.commands`,
+generate, bench and serve run a saved model: they parse with a parser of their own and never import `bitquilt.commands`,
 so the process that answers a prompt holds no calibration or quantization code (nor transformers, in the bitquilt
 runtime)."""
 
@@ -27,8 +27,10 @@ from bitquilt.errors import UserError, run_command
 from bitquilt.flag_checks import check_flags
 from bitquilt.io import model_summary
 from bitquilt.runtime.engines import ENGINES
+from bitquilt.runtime.loop import stats_line
 
-RUN_COMMANDS = ("generate", "bench")
+RUN_COMMANDS = ("generate", "bench", "serve")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def _runtime(args) -> str:
     """The runtime `--runtime` and `--engine` load a saved model into (the transformers engine needs the transformers
@@ -47,6 +49,7 @@ def cmd_generate(args) -> int:
     from bitquilt.io import load
     from bitquilt.runtime.engines import decode
     from bitquilt.runtime.loop import generation_stats
+    from bitquilt.runtime.module_tree import ModuleTreeLM
 
     set_threads(args.threads)
     model, tokenizer = load(args.model, _runtime(args))
@@ -57,7 +60,8 @@ def cmd_generate(args) -> int:
                  stop_ids=None if args.ignore_eos or tokenizer.eos_token_id is None else {tokenizer.eos_token_id},
                  engine=args.engine)
     text = tokenizer.decode(run.new_ids, skip_special_tokens=True)
-    _print_generation(args, text, generation_stats(ids.shape[1], run))
+    runtime = "bitquilt" if isinstance(model, ModuleTreeLM) else "transformers"
+    _print_generation(args, text, {"runtime": runtime, "engine": run.engine, **generation_stats(ids.shape[1], run)})
     return 0
 
 
@@ -86,7 +90,7 @@ def _generate_standalone(args) -> int:
 
     result = generate(_standalone(args, args.model), args.prompt, args.max_new_tokens, args.temperature, args.seed,
                       args.ignore_eos)
-    _print_generation(args, result.text, result.stats())
+    _print_generation(args, result.text, {"runtime": "standalone", **result.stats()})
     return 0
 
 
@@ -95,7 +99,7 @@ def _print_generation(args, text: str, stats: dict) -> None:
         print_json({"prompt": args.prompt, "completion": text, **stats})
     else:
         print(args.prompt + text, flush=True)
-        print(", ".join(f"{k}={v:.4g}" for k, v in stats.items() if v is not None), file=sys.stderr)
+        print(stats_line(stats), file=sys.stderr)
 
 
 def cmd_bench(args) -> int:
@@ -135,8 +139,48 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Serve a model over HTTP, OpenAI's API (`bitquilt.serve`), until Ctrl-C."""
+    try:
+        from bitquilt.serve.app import Server, bind, run
+    except ImportError as e:
+        raise UserError(f"bitquilt serve needs the serve extra ({e.name} is missing): pip install "
+                        "'bitquilt[serve]'") from None
+    from bitquilt.io import load
+    from bitquilt.models.loading import resolve_path
+    from bitquilt.models.registry import MODELS
+    from bitquilt.runtime.engines import stepper
+    from bitquilt.serve.chat import ChatTemplate
+    from bitquilt.serve.protocol import Limits
+    from bitquilt.serve.worker import Worker
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get("BITQUILT_API_KEY")
+    if api_key == "":
+        raise UserError("--api-key is empty; give the key clients must send, or leave it out")
+    if _is_standalone_export(args.model):
+        raise UserError(f"{args.model} is a standalone export, which serve does not run yet; serve the saved model "
+                        "it was exported from")
+    sock = bind(args.host, args.port)
+    set_threads(args.threads)
+    model, tokenizer = load(args.model, _runtime(args))
+    if tokenizer is None:
+        raise UserError(f"{args.model} has no tokenizer files; cannot serve text")
+    stepper(model, 2, args.engine)  # an engine that cannot run the model says so now, not at the first request
+    positions = getattr(model.config, "max_position_embeddings", None)
+    limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_body_bytes)
+    chat = ChatTemplate(resolve_path(args.model), getattr(tokenizer, "bos_token", None), tokenizer.eos_token)
+    name = args.model if args.model in MODELS else Path(args.model).name
+    server = Server(Worker(model, tokenizer, args.engine, args.max_queue), chat, name, limits, positions, api_key)
+    if args.host not in LOOPBACK and api_key is None:
+        print(f"bitquilt serve: warning: {args.host} is reachable from other machines and no --api-key is set",
+              file=sys.stderr)
+    print(f"bitquilt serve: {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    run(server, sock)
+    return 0
+
+
 def _add_engine(s: argparse.ArgumentParser) -> None:
-    """--engine of the decoding commands (generate, bench)."""
+    """--engine of the decoding commands (generate, bench, serve)."""
     s.add_argument("--engine", choices=ENGINES, default="auto",
                    help="decode loop: lean (static KV cache, the model's modules without transformers' per-layer "
                    "glue; llama/mistral/qwen2/qwen3), fused (lean, with every decoder layer of a one-token step in "
@@ -146,7 +190,7 @@ def _add_engine(s: argparse.ArgumentParser) -> None:
 
 
 def _add_run_commands(sub: argparse._SubParsersAction) -> None:
-    """Register generate and bench on `sub`."""
+    """Register generate, bench and serve on `sub`."""
     model_help = MODEL_HELP
 
     s = sub.add_parser("generate", help="continue a prompt with a model (greedy by default) and report tokens/s")
@@ -175,9 +219,25 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_bench)
 
+    s = sub.add_parser("serve", help="serve a model over HTTP with OpenAI's API (needs the serve extra; docs/serve.md)")
+    s.add_argument("model", help=model_help)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--api-key", default=None, help="the key clients must send as `Authorization: Bearer KEY` "
+                   "(default: $BITQUILT_API_KEY if set, else none)")
+    s.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait for the model; more are refused with 503 at once (default 16)")
+    s.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt in tokens (default 4096)")
+    s.add_argument("--max-tokens", type=int, default=1024, help="most new tokens a request may ask (default 1024)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    _add_engine(s)
+    add_int8_activations(s)
+    add_threads(s)
+    s.set_defaults(fn=cmd_serve)
+
 
 def build_parser(full: bool = True) -> argparse.ArgumentParser:
-    """The command line's parser: every command, or (full=False) only generate and bench."""
+    """The command line's parser: every command, or (full=False) only generate, bench and serve."""
     p = argparse.ArgumentParser(prog="bitquilt", description="Post-training quantization of LLMs.")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)

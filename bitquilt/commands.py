@@ -34,7 +34,8 @@ from bitquilt.errors import UserError
 from bitquilt.export import FORMATS as EXPORT_FORMATS
 from bitquilt.io import model_summary
 from bitquilt.models.registry import DEFAULT_MODEL
-from bitquilt.recipes import BEST_RECIPES, CalibConfig, Recipe, expand_method, solver_name
+from bitquilt.policies.gguf_mix import MIXES
+from bitquilt.recipes import BEST_RECIPES, GGUF_SOLVERS, CalibConfig, Recipe, expand_method, solver_name
 from bitquilt.solvers import SOLVERS
 from bitquilt.solvers.mosaic import SCORES, parse_block
 from bitquilt.stages import register_builtins
@@ -194,6 +195,9 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     h.add_argument("--head-group-size", type=int, default=RECIPE["head_group_size"], metavar="N",
                    help=f"their group size along the hidden dimension (default {RECIPE['head_group_size']}; -1: one "
                    "group per row)")
+    h.add_argument("--gguf-type", default=None, metavar="MIX",
+                   help="solve onto llama.cpp's blocks as its mix MIX types each tensor, head and embeddings included "
+                   f"({', '.join(MIXES)}); the method must end in rtn or gptq; export with --to gguf")
     c = p.add_argument_group("calibration")
     c.add_argument("--calib-data", default=CALIB["source"],
                    help=f"calibration text: sciq, wiki, lambada, or a .txt/.jsonl file (default {CALIB['source']})")
@@ -240,6 +244,8 @@ def _recipe_from_args(args, method: str | None, bits: int, group_size: int | Non
     (KEY: a solver option; STAGE.KEY: an option of one of the method's stages), then --target-bits. Without a
     method, the most accurate one measured at `bits` (`Recipe.best`), the flags given overriding it. `strict` (one
     method, `quantize`): a solver flag the method's solver does not take is an error, not ignored."""
+    if method is None and args.gguf_type is not None:
+        method = "gptq"  # onto llama.cpp's blocks (gguf_gptq); the default recipe's reconstruction cannot train them
     best = method is None
     if best:
         method = BEST_RECIPES.get(bits, {}).get("method", RECIPE["method"])
@@ -248,6 +254,8 @@ def _recipe_from_args(args, method: str | None, bits: int, group_size: int | Non
                         f"{', '.join(sorted(SOLVERS))}, e.g. rtn, gptq, awq (=awq+rtn), awq+gptq, bpdq, "
                         "smoothquant+rtn, quarot+gptq, mxint, mxsens, mobiquant (`bitquilt quantize --help`)")
     solver = SOLVERS.get(solver_name(method))
+    if args.gguf_type is not None:  # the recipe solves onto llama.cpp's blocks with the solver's gguf twin
+        solver = SOLVERS.get(GGUF_SOLVERS.get(solver.name, solver.name))
     taken = {f.name for f in dataclasses.fields(solver.options)}
     given = {k: getattr(args, k) for k in solver_option_fields() if getattr(args, k) is not None}
     if strict and (ignored := sorted(set(given) - taken)):
@@ -284,7 +292,7 @@ def _recipe_from_args(args, method: str | None, bits: int, group_size: int | Non
                   kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_center=args.kv_center,
                   a8_layers=args.a8_layers, a8_snr_db=args.a8_snr_db, residual=args.residual,
                   residual_options=residual_options, head_bits=args.head_bits,
-                  head_group_size=args.head_group_size)
+                  head_group_size=args.head_group_size, gguf_type=args.gguf_type)
     if args.recon_steps is not None:
         fields["recon_steps"] = args.recon_steps
     if best:
@@ -438,9 +446,9 @@ def cmd_quantize(args) -> int:
     save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
     if args.resume:
         shutil.rmtree(progress_dir(out), ignore_errors=True)  # the model is saved: its progress is no longer needed
-    summary = {"output": str(out), "method": recipe.method, "w_bits": recipe.w_bits,
+    summary = {"output": str(out), "method": method_summary(recipe, report), "w_bits": recipe.w_bits,
                "group_size": recipe.group_size, "a_bits": recipe.a_bits, "kv_bits": recipe.kv_bits,
-               "head_bits": recipe.head_bits,
+               "head_bits": recipe.head_bits, **({"gguf_type": recipe.gguf_type} if recipe.gguf_type else {}),
                **model_summary(model),
                "quant_time_s": report.total_seconds, "peak_rss_mb": report.peak_rss_mb,
                **({"calibration": compute_summary(report.compute)} if recipe.needs_calibration else {})}
@@ -449,6 +457,14 @@ def cmd_quantize(args) -> int:
     else:
         print_table([summary], list(summary))
     return 0
+
+
+def method_summary(recipe: Recipe, report: Any) -> str:
+    """The method as run: the recipe's, plus its residual (+mosaic) and the decoder layers DynamicPTQ gave 8-bit
+    activations (as the run chose them)."""
+    method = recipe.method + (f"+{recipe.residual}" if recipe.residual else "")
+    layers = (report.stages.get("dynamic_a8") or {}).get("layers")
+    return method + (f" (a8 layers {','.join(map(str, layers))})" if layers else "")
 
 
 def compute_summary(compute: dict[str, str]) -> str:
@@ -582,7 +598,7 @@ def cmd_compare(args) -> int:
         if report.is_dir() and any(report.iterdir()) and not (report / "report.json").is_file():
             raise UserError(f"--report {report} holds files but no report.json, so it is not a previous report, whose "
                             "files a new one replaces; choose another directory")
-        check_output(report, overwrite=True, source=args.model)
+        check_output(report, overwrite=True, source=args.model, foreign_ok=True)  # replaces its own files only
     needs_calibration = any(r.needs_calibration for r in recipes.values())
     if needs_calibration:  # fail before hours of quantization, not after
         from bitquilt.data.corpora import check_disjoint
@@ -673,6 +689,7 @@ def _analyze_residual_recovery(args) -> int:
 
 def _analyze_residual_stream(args) -> int:
     from bitquilt.api import calibration_ids, load, residual_phases
+    from bitquilt.policies.dynamic_a8 import selection_order
 
     calib = _calib_config(args)
     model, tokenizer = load(args.model)
@@ -686,10 +703,17 @@ def _analyze_residual_stream(args) -> int:
         from bitquilt.eval.phases import plot_phases
 
         plot_phases(phases, args.plot, f"{args.model}: residual stream ({args.rotation} rotation)")
+    order = {select: selection_order(phases, args.a_bits, select) for select in ("jr", "snr")}
     if args.json:
-        print_json({"model": args.model, "rotation": args.rotation, "calibration": vars(calib), "layers": rows})
+        print_json({"model": args.model, "rotation": args.rotation, "calibration": vars(calib), "layers": rows,
+                    "a8_order": order})
     else:
         print_table(rows, list(rows[0]))
+        for select, layers in order.items():
+            how = "highest Jump Ratio" if select == "jr" else f"lowest SNR at {args.a_bits} bits"
+            default = ", the default" if select == "jr" else ""
+            print(f"--a8-layers K --opt dynamic_a8.select={select} ({how}{default}) widens the first K of: "
+                  + ", ".join(map(str, layers)))
         if args.plot:
             print(f"plot: {args.plot}")
     return 0

@@ -16,6 +16,22 @@ class UserError(Exception):
 USER_ERRORS = (UserError, ValueError, FileNotFoundError)
 
 
+_command_line = False  # set by `run_command`: messages then name command-line flags, not the Python API's keywords
+_at_end: list[Callable[[], None]] = []  # what `run_command` runs when its command ends, however it ends
+
+
+def at_command_end(fn: Callable[[], None]) -> None:
+    """Have `fn` run when a command (`run_command`) ends: e.g. drop the outputs it claimed but did not write."""
+    if fn not in _at_end:
+        _at_end.append(fn)
+
+
+def option(flag: str, keyword: str) -> str:
+    """How a message names an option: `flag` (e.g. "--overwrite") under a command line, else the Python API's
+    `keyword` (e.g. "overwrite=True")."""
+    return flag if _command_line else keyword
+
+
 def _file_errors() -> tuple[type[Exception], ...]:
     """A failed read or write: OSError, and a damaged safetensors file where safetensors is installed (an install
     with the standalone runtime alone has none)."""
@@ -31,6 +47,8 @@ def run_command(prog: str, work: Callable[[], int], debug: bool = False) -> int:
     full disk, a file too large, a damaged safetensors file) one line (1); Ctrl-C "interrupted" (130); a reader
     that went away (`... | head`) nothing, as cat does (141, the shell's status for SIGPIPE). `debug` re-raises
     errors with their traceback."""
+    global _command_line
+    _command_line = True
     try:
         return work()
     except (*USER_ERRORS, *_file_errors()) as e:
@@ -47,3 +65,7 @@ def run_command(prog: str, work: Callable[[], int], debug: bool = False) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        _command_line = False
+        for fn in _at_end:
+            fn()

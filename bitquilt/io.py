@@ -38,8 +38,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from bitquilt.cache import atomic_dir
-from bitquilt.errors import UserError
+from bitquilt.cache import MANIFEST, atomic_dir, claim_output, foreign_entries, written_entries
+from bitquilt.errors import UserError, option
 from bitquilt.formats import format_class
 from bitquilt.formats.base import BUFFER_PREFIX, WeightFormat, split_buffers
 from bitquilt.mapped import release_after_calls
@@ -130,10 +130,12 @@ def _layer_config(module: QuantLinear | QuantEmbedding, tied: str | None) -> dic
     return entry if tied is None else {**entry, "tied": tied}
 
 
-def check_output(path: str | Path, overwrite: bool = False, source: str | Path | None = None) -> None:
+def check_output(path: str | Path, overwrite: bool = False, source: str | Path | None = None,
+                 foreign_ok: bool = False) -> None:
     """Raise UserError unless the output directory `path` can be written (replaced if `overwrite`) without deleting
-    `source` (the directory it is made from, if any) or the working directory: call it before the work that fills
-    it."""
+    `source` (the directory it is made from, if any), the working directory or files bitquilt did not write there
+    (`bitquilt.cache.foreign_entries`; `foreign_ok`: the caller replaces only files of its own names); then claim it
+    for this process (`bitquilt.cache.claim_output`). Call it before the work that fills it."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"output {path} is a file, not a directory; give a directory path")
@@ -146,9 +148,29 @@ def check_output(path: str | Path, overwrite: bool = False, source: str | Path |
             raise UserError(f"output {path} is or holds {what}, which writing it would delete; choose another "
                             "directory")
     if path.exists() and not overwrite:
-        raise UserError(f"output directory {path} already exists; choose another path or pass --overwrite "
-                        "(overwrite=True)")
+        raise UserError(f"output directory {path} already exists; choose another path or pass "
+                        f"{option('--overwrite', 'overwrite=True')}")
+    if path.exists() and not foreign_ok and (foreign := foreign_entries(path)):
+        raise UserError(f"{option('--overwrite', 'overwrite=True')} replaces only what bitquilt wrote, and {path} "
+                        f"holds {', '.join(foreign[:3])}{' and more' if len(foreign) > 3 else ''}, which it did not "
+                        "write; choose another directory, or move them away")
     check_writable(path)
+    claim_output(path)
+
+
+# what a save writes beside the weights and configs (the tokenizer's files, the generation config), by name: what an
+# export carries over from a directory saved before manifests
+COMPANIONS = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+              "chat_template.json")
+
+
+def companion_files(directory: Path) -> list[Path]:
+    """The files of the saved `directory` an export carries over: what the save wrote there but the weights, the
+    configs and the manifest (its tokenizer and generation config), never a file someone else put there."""
+    written = written_entries(directory)
+    names = set(COMPANIONS) if written is None else written - {WEIGHTS_NAME, CONFIG_NAME, "config.json", MANIFEST}
+    return [f for f in sorted(directory.iterdir()) if f.name in names and f.is_file()]
 
 
 def check_writable(path: str | Path) -> None:

@@ -20,13 +20,16 @@ from typing import Any
 
 from bitquilt.calib.stages import STAGES, Stage
 from bitquilt.flag_checks import is_integer, is_number
+from bitquilt.formats.ggml_blocks import block_type
 from bitquilt.formats.uniform import UniformFormat
 from bitquilt.nn.act_quant import ActQuantConfig
+from bitquilt.policies.gguf_mix import MIXES, check_mix
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec, Solver
 from bitquilt.solvers.mosaic import RESIDUALS
 from bitquilt.stages import register_builtins
 
+GGUF_SOLVERS = {"rtn": "gguf_rtn", "gptq": "gguf_gptq"}  # with gguf_type: a solver -> its llama.cpp-block twin
 METHOD_ALIASES = {"awq": "awq+rtn", "mxsens": "mx_sens+fold_perm+mxint", "mobiquant": "mobiroute+mobislice"}
 
 WEIGHT_FIELDS = {"bits", "group_size", "sym"}
@@ -113,11 +116,14 @@ class Recipe:
     residual_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"budget": 0.1, "block": (1, 32)}
     head_bits: int = 16  # LM head and input embeddings: 8 or 4 (RTN, uniform grid; bitquilt.pipeline.head), 16: off
     head_group_size: int = 128  # their group size along the hidden dimension (-1: one group per row)
+    gguf_type: str | None = None  # a llama.cpp mix (Q4_K_M, ...): its block type per tensor, head and embeddings too
 
     def __post_init__(self) -> None:
         register_builtins()  # the names below are looked up in the registries
         self._check_types()
         self.method = expand_method(self.method)
+        if self.gguf_type is not None:
+            self._apply_gguf_type()
         self.skip = tuple(self.skip)
         if self.recon_steps < 0:
             raise ValueError(f"recon_steps must be ≥ 0 (0: no reconstruction), got {self.recon_steps}")
@@ -169,6 +175,24 @@ class Recipe:
         if "quarot" in self.components and "awq" in self.components:
             raise ValueError("awq cannot follow quarot: its scales would cross the online Hadamard transforms")
 
+    def _apply_gguf_type(self) -> None:
+        """`gguf_type`: the method's solver solves onto llama.cpp's blocks (rtn → gguf_rtn, gptq → gguf_gptq), each
+        linear on its mix's type (the `gguf_mix` policy), the LM head and embeddings too (`pipeline.head`)."""
+        check_mix(self.gguf_type)
+        *before, last = self.method.split("+")
+        solver = GGUF_SOLVERS.get(last, last)
+        if solver not in GGUF_SOLVERS.values():
+            raise ValueError(f"--gguf-type (gguf_type) needs a method ending in rtn or gptq, which then solve onto "
+                             f"llama.cpp's blocks; got {self.method!r}")
+        for flag, value in (("--head-bits", self.head_bits < 16), ("--recon-steps", self.recon_steps > 0),
+                            ("--residual", self.residual is not None), ("--a-bits", self.a_bits < 16),
+                            ("--kv-bits", self.kv_bits < 16)):
+            if value:
+                raise ValueError(f"--gguf-type (gguf_type) does not combine with {flag}: a GGUF mix fixes every "
+                                 "weight's type and llama.cpp quantizes no activations")
+        self.method = "+".join([*before, solver])
+        self.w_bits = block_type(MIXES[self.gguf_type]).bits
+
     @property
     def solver(self) -> str:
         return solver_name(self.method)
@@ -193,7 +217,7 @@ class Recipe:
     def stages(self) -> list[tuple[Stage, Any]]:
         """Every stage this recipe runs, with its options: the method's, then the ones its settings imply
         (KV quantizers and key centres, activation clipping), then solving."""
-        names = list(self.components)
+        names = (["gguf_mix"] if self.gguf_type is not None else []) + list(self.components)
         if self.a8_layers or self.a8_snr_db is not None:
             names.append("dynamic_a8")
         if self.kv_bits < 16:
@@ -204,7 +228,7 @@ class Recipe:
         required |= {"fp_reference"} if self.recon_steps else set()
         names += sorted(required - set(names))
         implied = {"dynamic_a8": {"layers": self.a8_layers, "snr_db": self.a8_snr_db},
-                   "recon": {"steps": self.recon_steps}}
+                   "recon": {"steps": self.recon_steps}, "gguf_mix": {"mix": self.gguf_type}}
         names += ["solve"] + (["recon"] if self.recon_steps else [])
         implied["solve"] = {"solver": self.solver, "options": self.options, "residual": self.residual,
                             "residual_options": self.residual_options}
@@ -239,6 +263,8 @@ class Recipe:
                   if getattr(self, name) is not None and not is_number(getattr(self, name))]
         wrong += [f"{name}={getattr(self, name)!r} (True or False)" for name in ("sym", "a_sym", "kv_center")
                   if not isinstance(getattr(self, name), bool)]
+        if self.gguf_type is not None and not isinstance(self.gguf_type, str):
+            wrong.append(f"gguf_type={self.gguf_type!r} (a mix name such as 'Q4_K_M' or None)")
         if not isinstance(self.method, str):
             wrong.append(f"method={self.method!r} (a name such as 'gptq' or 'awq+gptq')")
         if isinstance(self.skip, str) or not all(isinstance(p, str) for p in self.skip):
@@ -288,6 +314,8 @@ class Recipe:
         recon += f" head{self.head_bits}" if self.head_bits < 16 else ""
         residual = self.residual_spec
         extra = "" if residual is None else f" +{self.residual} {100 * residual.budget:g}%"
+        if self.gguf_type is not None:
+            return f"{self.method} {self.gguf_type}"
         return f"{self.method} w{self.w_bits}{g}{'s' if self.sym else ''}{extra}{act}{kv}{recon}"
 
     def to_dict(self) -> dict[str, Any]:

@@ -34,15 +34,24 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
-def exported_smollm(tmp_path_factory):
-    """smollm2-135m, RTN W4 g128 with an 8-bit head (tied: the embedding reads the head's rows), saved (`saved/`) and
-    exported to the standalone runtime (`out/`), once for the tests of both runtimes and of a torch-free install."""
+def saved_smollm(tmp_path_factory):
+    """smollm2-135m, RTN W4 g128 with an 8-bit head (tied: the embedding reads the head's rows), saved by `bitquilt
+    quantize` once for the session (`<root>/saved`)."""
     from bitquilt.cli import main
 
-    root = tmp_path_factory.mktemp("standalone")
-    assert main(["quantize", "smollm2-135m", "--method", "rtn", "--head-bits", "8", "--stream", "-o",
-                 str(root / "saved")]) == 0
-    assert main(["export", str(root / "saved"), "-o", str(root / "out"), "--to", "standalone", "--json"]) == 0
+    saved = tmp_path_factory.mktemp("standalone") / "saved"
+    assert main(["quantize", "smollm2-135m", "--method", "rtn", "--head-bits", "8", "--stream", "-o", str(saved)]) == 0
+    return saved
+
+
+@pytest.fixture(scope="session")
+def exported_smollm(saved_smollm):
+    """The root of `saved_smollm` (`saved/`), with it exported to the standalone runtime (`out/`) beside it, once for
+    the tests of both runtimes and of a torch-free install."""
+    from bitquilt.cli import main
+
+    root = saved_smollm.parent
+    assert main(["export", str(saved_smollm), "-o", str(root / "out"), "--to", "standalone", "--json"]) == 0
     return root
 
 

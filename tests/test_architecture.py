@@ -15,13 +15,13 @@ EXTENDING = ROOT.parent / "docs" / "extending.md"
 # Lowest floor first. A module may import its own floor and the floors below, never above.
 FLOORS = [
     {"errors", "cache", "resources", "registry", "tables", "mapped", "heap", "isa", "flag_checks", "native_build",
-     "__init__"},
+     "tensor_header", "progress", "__init__"},
     {"formats"},
     {"kernels"},
     {"nn"},
     {"models", "data"},
     {"runtime"},
-    {"io", "export"},
+    {"io", "export", "serve"},
     {"calib", "solvers"},
     {"transforms", "policies", "stages"},
     {"recipes", "pipeline"},
@@ -30,14 +30,14 @@ FLOORS = [
     {"commands"},
     {"cli", "entry"},
 ]
-RUNTIME = {"formats", "kernels", "nn", "io", "models", "runtime"}
+RUNTIME = {"formats", "kernels", "nn", "io", "models", "runtime", "serve"}
 ALGORITHMS = {"calib", "solvers", "transforms", "policies", "stages", "recipes", "pipeline"}
 STANDALONE = "bitquilt.runtime.standalone"
 # What the standalone runtime may import besides itself: modules that import no torch (tests/test_standalone.py
 # runs it in a process without torch to check)
-TORCH_FREE = {"bitquilt.errors", "bitquilt.cache", "bitquilt.heap", "bitquilt.isa", "bitquilt.flag_checks",
-              "bitquilt.resources", "bitquilt.native_build", "bitquilt.runtime", "bitquilt.runtime.loop",
-              "bitquilt.runtime.tokenizer"}
+TORCH_FREE = {"bitquilt.errors", "bitquilt.tensor_header", "bitquilt.cache", "bitquilt.heap", "bitquilt.isa",
+              "bitquilt.flag_checks", "bitquilt.resources", "bitquilt.native_build", "bitquilt.runtime",
+              "bitquilt.runtime.loop", "bitquilt.runtime.tokenizer"}
 
 
 def room(module: str) -> str:

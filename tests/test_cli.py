@@ -102,7 +102,8 @@ def test_console_script_help():
     (["--w-bits", "5"], "unsupported weight bits 5 by solver 'rtn'; supported: 2, 3, 4, 8"),
     (["--group-size", "100"], "unsupported group size 100"),
     (["--calib-samples", "0"], "--calib-samples must be"),
-    (["--method", "gptx"], "unknown method 'gptx': a method is [stage+...+]solver, solvers bpdq, gptq"),
+    (["--method", "gptx"], "unknown method 'gptx': a method is [stage+...+]solver, solvers bpdq, gguf_gptq, "
+                           "gguf_rtn, gptq"),
 ])
 def test_bad_quantize_options(tmp_path, capsys, args, message):
     out = tmp_path / "q"

@@ -109,8 +109,12 @@ def test_cli_analyze_and_quantize(tmp_path, capsys):
     code, stdout, err = _cli(capsys, "analyze", "smollm2-135m", "--residual-stream", "--rotation", "quarot",
                              "--calib-samples", "2", "--calib-seqlen", "64", "--plot", tmp_path / "p.png", "--json")
     assert code == 0, err
-    layers = json.loads(stdout)["layers"]
+    got = json.loads(stdout)
+    layers = got["layers"]
     assert len(layers) == 30 and max(layers, key=lambda r: r["jump_ratio"])["layer"] == 0
+    # the order --a8-layers K takes its K layers from: by Jump Ratio (the default), and by SNR
+    assert got["a8_order"]["jr"] == sorted(range(30), key=lambda i: -layers[i]["jump_ratio"])
+    assert got["a8_order"]["snr"] == sorted(range(30), key=lambda i: layers[i]["snr4_db"])
     assert (tmp_path / "p.png").stat().st_size > 10_000
     code, _, err = _cli(capsys, "analyze", "smollm2-135m")
     assert code == 2 and "--residual-stream" in err

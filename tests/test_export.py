@@ -472,7 +472,8 @@ def test_cli_compressed_tensors_export_and_a_refused_bpdq_model(tmp_path, capsys
     out = tmp_path / "out" / "ct"
     code, stdout, _ = run(capsys, "export", good, "--to", "compressed-tensors", "-o", out, "--json")
     assert code == 0 and json.loads(stdout)["schemes"] == {"group_0": "w4 g64 sym (14 linears)"}
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".bitquilt-files", "config.json", "generation_config.json",
+                                                       "model.safetensors"]  # the manifest: --overwrite may replace it
     before = (out / "model.safetensors").read_bytes()
     code, _, err = run(capsys, "export", good, "--to", "compressed-tensors", "-o", out)
     assert code == 2 and "already exists" in err

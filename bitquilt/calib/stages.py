@@ -23,10 +23,10 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from bitquilt.calib.plan import Plan
 from bitquilt.models.adapters import Architecture, decoder_layers
+from bitquilt.progress import progress_bar
 from bitquilt.registry import Registry, make_options
 
 SCOPES = ("prepass", "model", "block", "inputs", "post_block")
@@ -93,7 +93,7 @@ class ModelContext:
         """(index, block) for the decoder blocks from `start` on, in order; under streaming each is read for its
         step and dropped after it (a pre-pass over the blocks)."""
         layers = decoder_layers(self.model, self.arch)
-        for i in tqdm(range(start, len(layers)), desc=desc, unit="block", disable=not self.progress):
+        for i in progress_bar(range(start, len(layers)), desc=desc, unit="block", disable=not self.progress):
             if self.blocks is not None:
                 self.blocks.load(i)
             try:

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from bitquilt.cache import write_figure
 from bitquilt.errors import UserError
 from bitquilt.nn.quant_linear import multi_part_linears, set_slices
+from bitquilt.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def token_errors(fp_model: nn.Module, model: nn.Module, windows: torch.Tensor,
     if not settings:
         raise ValueError("token_errors needs at least one precision setting")
     errors: dict[str, list[torch.Tensor]] = {label: [] for label in settings}
-    for ids in tqdm(windows, desc="outlier migration", unit="window", disable=not progress):
+    for ids in progress_bar(windows, desc="outlier migration", unit="window", disable=not progress):
         log_p = _log_probs(fp_model, ids)
         for label, apply in settings.items():
             apply(model)

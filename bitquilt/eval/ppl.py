@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from bitquilt.errors import UserError
 from bitquilt.flag_checks import is_integer
+from bitquilt.progress import progress_bar
 from bitquilt.runtime.module_tree import ModuleTreeLM
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def window_loss(model: nn.Module, ids: torch.Tensor) -> float:
 def window_losses(model: nn.Module, windows: torch.Tensor, progress: bool = False) -> list[float]:
     device = next(model.parameters()).device
     return [window_loss(model, ids.unsqueeze(0).to(device))
-            for ids in tqdm(windows, desc="perplexity", unit="window", disable=not progress)]
+            for ids in progress_bar(windows, desc="perplexity", unit="window", disable=not progress)]
 
 
 def perplexity(

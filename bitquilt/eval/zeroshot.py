@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from bitquilt.cache import atomic_file, cache_dir
 from bitquilt.errors import UserError
 from bitquilt.eval.tasks import Item, Task, load_task, subset
+from bitquilt.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def score_items(model: nn.Module, tokenizer: Any, items: list[Item], batch_size:
     was_training = model.training
     model.eval()
     try:
-        with tqdm(total=len(items), desc=desc, disable=desc is None, unit="item") as bar:
+        with progress_bar(total=len(items), desc=desc, disable=desc is None, unit="item") as bar:
             bar.update(len(items) - len(groups))
             for batch in _batches(groups, batch_size):
                 for row, ll, greedy in _score_batch(model, batch, device):

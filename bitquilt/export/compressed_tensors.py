@@ -54,6 +54,7 @@ from bitquilt.io import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     check_output,
+    companion_files,
     is_quantized_dir,
     load_quantized,
     quantization_record,
@@ -237,9 +238,8 @@ def write_compressed_tensors(model: nn.Module, source: Path, output: Path, overw
         config["quantization_config"] = qconfig
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        for f in sorted(source.iterdir()):
-            if f.is_file() and f.name not in ("config.json", WEIGHTS_NAME, CONFIG_NAME):
-                shutil.copy2(f, tmp / f.name)
+        for f in companion_files(source):  # the tokenizer and generation config, not other files found there
+            shutil.copy2(f, tmp / f.name)
     described = {f"group_{i}": describe(scheme, len(names)) for i, (scheme, names) in enumerate(by_scheme(schemes))}
     regrouped = sum(1 for name, m in model.named_modules() if isinstance(m, QuantLinear)
                     and schemes[name][2] not in (None, m.fmt.group_size))

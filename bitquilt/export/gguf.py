@@ -11,6 +11,9 @@ Weights: each linear's packed codes and scales are copied into GGUF blocks of 32
                                     the step s. `GGUFExport` counts these blocks and their largest shift.
   Each block takes the scale (and zero) of its group, so groups of any multiple of 32 columns (per-channel grids
   included) map unchanged; rows must be a multiple of 32 wide.
+  ggml blocks (`formats.ggml`: K-quants and their fallbacks, from `quantize --gguf-type`) → their own type: the
+                                    bytes are copied, rows permuted whole where llama.cpp's q/k order asks. The input
+                                    embeddings and LM head of such a model are ggml blocks too and are written so.
   Refused, never refitted, with one line naming the layer, its format and what is exportable: 2/3-bit and 8-bit
   asymmetric grids, act-order (g_idx) columns, groups not a multiple of 32, bit-plane, MXINT and composite formats;
   and models with online modules (rotations, activation or KV quantizers), which llama.cpp cannot run.
@@ -44,14 +47,16 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from torch import nn
 
-from bitquilt.cache import atomic_file
-from bitquilt.errors import UserError
+from bitquilt.cache import atomic_file, claim_output
+from bitquilt.errors import UserError, option
 from bitquilt.export.checks import check_layers
 from bitquilt.formats.base import WeightFormat
+from bitquilt.formats.ggml import GGMLFormat
 from bitquilt.formats.uniform import UniformFormat
-from bitquilt.io import check_writable, is_quantized_dir, load_quantized
+from bitquilt.io import check_writable, is_quantized_dir, load_quantized, quantization_record
 from bitquilt.models import registry
 from bitquilt.models.loading import TOKENIZER_FILES
+from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.runtime.tokenizer import QWEN2_SPLIT, pre_tokenizer_steps
 
@@ -59,10 +64,9 @@ log = logging.getLogger(__name__)
 
 QK = 32  # columns per Q4_0 / Q4_1 / Q8_0 block
 EXACT = {(4, True): Q.Q4_0, (8, True): Q.Q8_0, (4, False): Q.Q4_1}  # (bits, symmetric) -> block type
-FILE_TYPES = {Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, Q.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
-              Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
 EXPORTABLE = ("uniform 4-bit asymmetric (→ Q4_1), 4-bit symmetric (→ Q4_0) and 8-bit symmetric (→ Q8_0) grids with "
-              "groups of a multiple of 32 columns and no act-order, and linears kept in full precision (→ F32)")
+              "groups of a multiple of 32 columns and no act-order, ggml blocks (quantize --gguf-type), and linears "
+              "kept in full precision (→ F32)")
 # keys of a reference GGUF that describe its own file, not the model: never copied
 OWN_KEYS = {gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE, gguf.Keys.General.QUANTIZATION_VERSION,
             gguf.Keys.General.ALIGNMENT}
@@ -77,7 +81,7 @@ PRE_TOKENIZERS = {
 }
 
 Field = tuple[Any, V, V | None]  # value, GGUF type, element type of an array
-Planned = tuple[str, torch.Tensor | UniformFormat, torch.Tensor | None]  # GGUF name, fp tensor or format, row order
+Planned = tuple[str, torch.Tensor | UniformFormat | GGMLFormat, torch.Tensor | None]  # GGUF name, value, row order
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,8 @@ class GGUFExport:
 # ---------------------------------------------------------------- weights
 def refusal(fmt: WeightFormat) -> str | None:
     """Why `fmt` has no exact GGUF block type, or None."""
+    if type(fmt) is GGMLFormat:
+        return None
     if type(fmt) is not UniformFormat:
         return f"GGUF has no {fmt.name} format"
     if fmt.g_idx is not None:
@@ -121,8 +127,8 @@ def refusal(fmt: WeightFormat) -> str | None:
     return None
 
 
-def block_type(fmt: UniformFormat) -> Q:
-    return EXACT[fmt.bits, fmt.sym]
+def block_type(fmt: UniformFormat | GGMLFormat) -> Q:
+    return Q[fmt.type.name] if isinstance(fmt, GGMLFormat) else EXACT[fmt.bits, fmt.sym]
 
 
 def rotary_order(rows: int, heads: int) -> torch.Tensor:
@@ -173,7 +179,12 @@ def check_exportable(model: nn.Module) -> Family:
     if getattr(config, "use_sliding_window", False):
         raise UserError("cannot export to GGUF: sliding-window attention is not supported")
     _rope_theta(config)
-    check_layers(model, "GGUF", "which llama.cpp cannot run", refusal, EXPORTABLE)
+    table = next((n for n, m in model.named_modules() if isinstance(m, QuantEmbedding)
+                  and not isinstance(m.fmt, GGMLFormat)), None)
+    if table is not None:
+        raise UserError(f"cannot export {table} to GGUF: quantized input embeddings (--head-bits) are not exported "
+                        "yet; quantize with --head-bits 16, or with --gguf-type for llama.cpp's own types")
+    check_layers(model, "GGUF", "which llama.cpp cannot run", refusal, EXPORTABLE, quantized_embeddings=True)
     return family
 
 
@@ -187,7 +198,8 @@ def tensor_plan(model: nn.Module, family: Family) -> list[Planned]:
     plan, seen = [], set()
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        own: list[tuple[str, Any]] = [(f"{prefix}weight", module.fmt)] if isinstance(module, QuantLinear) else []
+        packed = isinstance(module, QuantLinear | QuantEmbedding)
+        own: list[tuple[str, Any]] = [(f"{prefix}weight", module.fmt)] if packed else []
         own += [(prefix + n, p) for n, p in module.named_parameters(recurse=False)]
         n_head = next((h for suffix, h in heads.items() if module_name.endswith(suffix)), None)
         for hf_name, value in own:
@@ -198,7 +210,7 @@ def tensor_plan(model: nn.Module, family: Family) -> list[Planned]:
             if name is None:
                 raise UserError(f"cannot export {hf_name} to GGUF: llama.cpp's {gguf.MODEL_ARCH_NAMES[family.arch]} "
                                 "architecture has no such tensor")
-            rows = value.out_features if isinstance(value, UniformFormat) else value.shape[0]
+            rows = value.out_features if isinstance(value, WeightFormat) else value.shape[0]
             order = rotary_order(rows, n_head) if family.rotary_rows and n_head else None
             plan.append((name, value, order))
     return plan
@@ -326,13 +338,31 @@ def check_output_file(path: Path, overwrite: bool, source: Path) -> None:
         raise UserError(f"output {path} is a file of the input {source}, which writing it would replace; give a new "
                         "file name")
     if path.exists() and not overwrite:
-        raise UserError(f"output file {path} already exists; choose another path or pass --overwrite (overwrite=True)")
+        raise UserError(f"output file {path} already exists; choose another path or pass "
+                        f"{option('--overwrite', 'overwrite=True')}")
+    if path.exists() and path.open("rb").read(4) != b"GGUF":  # the magic every GGUF file starts with
+        raise UserError(f"{option('--overwrite', 'overwrite=True')} replaces only a GGUF file, and {path} is not one; "
+                        "choose another file name")
     check_writable(path)
+    claim_output(path, directory=False)
+
+
+def file_type(plan: list[Planned], mix: str | None) -> gguf.LlamaFileType:
+    """general.file_type: the GGUF mix the model was quantized for, else the type most weights have."""
+    if mix is not None:
+        return gguf.LlamaFileType[f"MOSTLY_{mix}"]
+    weights = Counter({block_type(v): v.out_features * v.in_features for _, v, _ in plan
+                       if isinstance(v, WeightFormat)})
+    name = mix or (weights.most_common(1)[0][0].name if weights else "F32")
+    members = gguf.LlamaFileType.__members__  # a K-quant type names its _M mix
+    return members.get(f"MOSTLY_{name}", members.get(f"MOSTLY_{name}_M", gguf.LlamaFileType.ALL_F32))
 
 
 def write_gguf(model: nn.Module, tokenizer: Any, output: str | Path, name: str,
-               tokenizer_from: str | Path | None = None, progress: bool = False) -> GGUFExport:
-    """Write the (quantized) `model` as the GGUF file `output`, atomically; see the module docstring."""
+               tokenizer_from: str | Path | None = None, progress: bool = False,
+               mix: str | None = None) -> GGUFExport:
+    """Write the (quantized) `model` as the GGUF file `output`, atomically; see the module docstring. `mix`: the
+    llama.cpp mix its ggml blocks were chosen by (`quantize --gguf-type`), for general.file_type."""
     t0 = time.perf_counter()
     output = Path(output)
     family = check_exportable(model)
@@ -342,9 +372,6 @@ def write_gguf(model: nn.Module, tokenizer: Any, output: str | Path, name: str,
     fields.setdefault(gguf.Keys.General.NAME, (name, V.STRING, None))
     fields[gguf.Keys.General.QUANTIZED_BY] = ("bitquilt", V.STRING, None)
     fields |= model_fields(model.config, family)
-    weights = Counter({block_type(v): v.out_features * v.in_features for _, v, _ in plan
-                       if isinstance(v, UniformFormat)})
-    file_type = FILE_TYPES[weights.most_common(1)[0][0]] if weights else gguf.LlamaFileType.ALL_F32
     types: Counter[str] = Counter()
     shifts = [torch.zeros(0)]
     with atomic_file(output) as tmp:
@@ -353,10 +380,14 @@ def write_gguf(model: nn.Module, tokenizer: Any, output: str | Path, name: str,
             for key, (value, vtype, sub_type) in fields.items():
                 if vtype != V.ARRAY or len(value):  # GGUF has no empty arrays (gguf's add_array skips them too)
                     writer.add_key_value(key, value, vtype, sub_type)
-            writer.add_file_type(file_type)
+            writer.add_file_type(file_type(plan, mix))
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
             for tensor_name, value, order in plan:
-                if isinstance(value, UniformFormat):
+                if isinstance(value, GGMLFormat):
+                    blocks = value.blocks if order is None else value.blocks[order]
+                    writer.add_tensor(tensor_name, blocks.numpy(), raw_dtype=block_type(value))
+                    types[value.type.name] += 1
+                elif isinstance(value, UniformFormat):
                     blocks, shift = gguf_blocks(value, order)
                     writer.add_tensor(tensor_name, blocks, raw_dtype=block_type(value))
                     types[block_type(value).name] += 1
@@ -389,4 +420,5 @@ def export_gguf(directory: str | Path, output: str | Path, overwrite: bool = Fal
     model, tokenizer = load_quantized(directory)
     if not any((directory / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = None  # transformers makes up an empty one for a folder without tokenizer files
-    return write_gguf(model, tokenizer, output, directory.resolve().name, tokenizer_from, progress)
+    mix = ((quantization_record(model) or {}).get("recipe") or {}).get("gguf_type")
+    return write_gguf(model, tokenizer, output, directory.resolve().name, tokenizer_from, progress, mix)

@@ -44,9 +44,9 @@ from bitquilt.export.tokenizer_tables import Unsupported, tokenizer_tables
 from bitquilt.formats.base import WeightFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
 from bitquilt.heap import HUGE_PAGE
-from bitquilt.io import CONFIG_NAME, WEIGHTS_NAME, check_output, is_quantized_dir, load_quantized
+from bitquilt.io import CONFIG_NAME, check_output, companion_files, is_quantized_dir, load_quantized, saved_config
 from bitquilt.kernels import q4_int8, uniform8
-from bitquilt.runtime.module_tree import ModuleTreeLM, inverse_frequencies
+from bitquilt.runtime.module_tree import ModuleTreeConfig, ModuleTreeLM, inverse_frequencies
 from bitquilt.runtime.standalone.model import FILE, FORMAT_VERSION, METADATA_KEY, PROJECTIONS
 from bitquilt.runtime.tokenizer import TOKENIZER_FILE, FastTokenizer
 
@@ -183,10 +183,14 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
     if not is_quantized_dir(directory):
         raise UserError(f"{directory} is not a directory saved by bitquilt (no {CONFIG_NAME}); quantize a model first")
     check_output(output, overwrite, source=directory)
+    try:  # what the standalone runtime covers is what bitquilt's module tree covers: asked before any weight loads
+        reason = ModuleTreeConfig.from_dict(saved_config(directory)).unsupported_reason()
+    except ValueError as e:
+        reason = str(e)
+    if reason is not None:
+        raise UserError(f"cannot export {directory} to the standalone runtime: {reason} (it runs llama, mistral, "
+                        "qwen2 and qwen3 models)")
     model, _ = load_quantized(directory, runtime="bitquilt")
-    if not isinstance(model, ModuleTreeLM):
-        raise UserError(f"cannot export {directory} to the standalone runtime: its model type is not one the native "
-                        "runtime covers (llama, mistral, qwen2, qwen3)")
     tensors, metadata = standalone_tensors(model)
     try:
         tables, metadata["tokenizer"] = tokenizer_tables(directory)
@@ -204,9 +208,8 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
         save_file(tensors, str(staging), metadata={METADATA_KEY: json.dumps(metadata)})
         copy_in_huge_pages(staging, tmp / FILE)
         staging.unlink()
-        for f in sorted(directory.iterdir()):
-            if f.is_file() and f.name not in (WEIGHTS_NAME, CONFIG_NAME):
-                shutil.copy2(f, tmp / f.name)
+        for f in companion_files(directory):  # the tokenizer and generation config, not other files found there
+            shutil.copy2(f, tmp / f.name)
     kinds: dict[str, int] = {}
     for entry in metadata["linears"].values():
         kinds[entry["kind"]] = kinds.get(entry["kind"], 0) + 1

@@ -20,6 +20,7 @@ from torch import nn
 from bitquilt.cache import cache_dir
 from bitquilt.errors import UserError
 from bitquilt.models import registry
+from bitquilt.tensor_header import read_header
 
 SAVED_MODEL_TYPE = "bitquilt"  # config.json's model_type in a directory bitquilt saved (see bitquilt.io)
 
@@ -52,21 +53,8 @@ def source_fingerprint(spec: str | Path) -> str:
 
 
 def check_safetensors(path: Path) -> None:
-    """Raise UserError unless `path` is a complete safetensors file (header readable, size matches)."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise ValueError("header length exceeds the file size")
-            header = json.loads(f.read(n))
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
-        raise UserError(f"{path} is not a readable safetensors file ({e}); "
-                        "re-fetch or re-save the model") from None
-    if size != 8 + n + end:
-        raise UserError(f"{path} is truncated or corrupted: {size} bytes, expected {8 + n + end}; "
-                        "re-fetch or re-save the model")
+    """Raise UserError unless `path` is a complete, consistent safetensors file (`bitquilt.tensor_header`)."""
+    read_header(path)
 
 
 def check_gguf(path: Path) -> None:

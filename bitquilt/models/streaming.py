@@ -22,9 +22,7 @@ file pages do not stay mapped (and counted in RSS) after the block is freed.
 
 from __future__ import annotations
 
-import json
 import mmap
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +35,10 @@ from bitquilt.errors import UserError
 from bitquilt.heap import return_free_memory
 from bitquilt.mapped import map_file, tensor_view
 from bitquilt.models.adapters import architecture_of, decoder_layers
-from bitquilt.models.loading import TOKENIZER_FILES, _load_tokenizer, check_safetensors, checked_config, empty_model
+from bitquilt.models.loading import TOKENIZER_FILES, _load_tokenizer, checked_config, empty_model
 from bitquilt.nn.finite import all_finite
 from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.tensor_header import DTYPE_BYTES, read_header
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -68,19 +67,9 @@ class TensorFiles:
                             "Hugging Face folder with safetensors files")
         self.entries: dict[str, _Entry] = {}
         for path in files:
-            check_safetensors(path)
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                if info["dtype"] not in DTYPES:
-                    raise UserError(f"{path}: tensor {name} has dtype {info['dtype']}, which streaming cannot read "
-                                    f"({', '.join(DTYPES)}); quantize without --stream")
-                begin, end = info["data_offsets"]
-                self.entries[name] = _Entry(path, DTYPES[info["dtype"]], tuple(info["shape"]), 8 + n + begin,
-                                            end - begin)
+            header = read_header(path, {name: DTYPE_BYTES[name] for name in DTYPES})
+            for name, e in header.entries.items():
+                self.entries[name] = _Entry(path, DTYPES[e.dtype], e.shape, e.start, e.nbytes)
         self.nbytes = sum(f.stat().st_size for f in files)
         self._maps: dict[Path, mmap.mmap] = {}
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from bitquilt.calib.capture import attention_reused, capture_block_inputs, run_block, writer_input_reused
 from bitquilt.calib.compute import FP32_CPU, CalibCompute, calibrating
@@ -33,6 +32,7 @@ from bitquilt.io import set_quantization_record
 from bitquilt.models.adapters import Architecture, architecture_of, decoder_layers
 from bitquilt.pipeline.head import HEAD_STAGE, quantize_head
 from bitquilt.pipeline.resume import Progress, fingerprint, load_progress, restore_blocks, save_progress
+from bitquilt.progress import progress_bar
 from bitquilt.recipes import CalibConfig, Recipe
 from bitquilt.resources import peak_rss_mb, reset_peak_rss
 
@@ -195,7 +195,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | 
     first = 0
     saved = None if resume_dir is None else load_progress(resume_dir, run_id)
     if saved is not None:  # carry on after the last saved block
-        restore_blocks(resume_dir, layers, saved.index)
+        restore_blocks(resume_dir, model, arch.layers, saved.index)
         first, inputs, plan, report = saved.index + 1, saved.inputs, saved.plan, saved.report
         report.resumed_at = first
         ctx.plan, ctx.scratch = plan, saved.scratch
@@ -203,7 +203,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | 
     last_attention_group = max((j for j, g in enumerate(arch.shared_inputs)
                                 if any(n.startswith(f"{arch.attention}.") for n in g.linears)), default=None)
     writers_next = writer_shortcuts(arch)
-    bar = tqdm(range(first, len(layers)), desc=f"quantize {recipe.label()}", unit="block", disable=not progress,
+    bar = progress_bar(range(first, len(layers)), desc=f"quantize {recipe.label()}", unit="block", disable=not progress,
                initial=first, total=len(layers))
     for i in bar:
         t_block, cpu_block = time.perf_counter(), time.process_time()

@@ -1,4 +1,5 @@
-"""The LM head and the input embeddings in low bits (`Recipe.head_bits`): RTN on the uniform grid.
+"""The LM head and the input embeddings in low bits (`Recipe.head_bits`): RTN on the uniform grid; with a GGUF mix
+(`Recipe.gguf_type`) the block types llama.cpp's mix gives them (`gguf_matrix`).
 
 Run once, after the decoder blocks (their calibration inputs start from the full-precision embeddings, and nothing
 downstream of the head is calibrated): the input embedding becomes a `QuantEmbedding`, the LM head a
@@ -18,14 +19,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from bitquilt.formats.base import WeightFormat
+from bitquilt.formats.ggml import GGMLFormat
+from bitquilt.formats.ggml_blocks import with_fallback
 from bitquilt.formats.uniform import UniformFormat
 from bitquilt.models.adapters import Architecture, architecture_of
 from bitquilt.nn.online import swap_host
 from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.policies.gguf_mix import tensor_type
 from bitquilt.recipes import Recipe, head_spec
 from bitquilt.solvers import get_solver
 from bitquilt.solvers.base import LayerSpec
+from bitquilt.solvers.ggml_search import fit
 
 HEAD_STAGE = "head_quant"  # its entry in QuantReport.stages
 ROW_CHUNK = 8192  # rows quantized at a time: RTN is row-wise, so chunks bound the temporaries (a 150k vocabulary)
@@ -48,7 +54,7 @@ def _rtn(weight: torch.Tensor, spec: LayerSpec) -> UniformFormat:
 
 
 @torch.no_grad()
-def weight_error(weight: torch.Tensor, fmt: UniformFormat) -> float:
+def weight_error(weight: torch.Tensor, fmt: WeightFormat) -> float:
     """‖W − Ŵ‖²_F / ‖W‖²_F, dequantizing a chunk of rows at a time."""
     err = norm = 0.0
     for i in range(0, weight.shape[0], ROW_CHUNK):
@@ -58,35 +64,51 @@ def weight_error(weight: torch.Tensor, fmt: UniformFormat) -> float:
     return err / norm if norm else 0.0
 
 
-def _entry(name: str, kind: str, fmt: UniformFormat, error: float | None, tied_to: str | None = None) -> dict:
+def _entry(name: str, kind: str, fmt: WeightFormat, error: float | None, tied_to: str | None = None) -> dict:
     return {"name": name, "kind": kind, "format": fmt.describe(), "bits_per_weight": fmt.bits_per_weight(),
             "nbytes": 0 if tied_to else fmt.nbytes(), "rel_error": error, "tied_to": tied_to}
 
 
+def gguf_matrix(weight: torch.Tensor, mix: str, role: str) -> GGMLFormat:
+    """The embedding table or LM head as llama.cpp's mix `mix` quantizes it (`policies.gguf_mix.tensor_type`, role
+    token_embd, tied_embd or output): its grid search without an importance matrix, rows in chunks."""
+    t = with_fallback(tensor_type(mix, role), weight.shape[1])
+    return GGMLFormat.from_fields(t, fit(weight.detach(), t))
+
+
 @torch.no_grad()
 def quantize_head(model: nn.Module, recipe: Recipe, arch: Architecture | None = None) -> dict[str, Any] | None:
-    """Quantize `model`'s LM head and input embeddings in place as `recipe.head_bits` says; what was done (None if
-    they stay in full precision)."""
-    if recipe.head_bits >= 16:
+    """Quantize `model`'s LM head and input embeddings in place as `recipe.head_bits` (or its `gguf_type` mix) says;
+    what was done (None if they stay in full precision)."""
+    if recipe.head_bits >= 16 and recipe.gguf_type is None:
         return None
     start = time.perf_counter()
-    spec = head_spec(recipe.head_bits, recipe.head_group_size)
     arch = arch or architecture_of(model)
     embed, head = model.get_submodule(arch.embed), model.get_submodule(arch.lm_head)
     if type(head) is not nn.Linear or not isinstance(embed, nn.Embedding) or isinstance(embed, QuantEmbedding):
         raise ValueError(f"head_bits: the LM head ({type(head).__name__}) and embeddings ({type(embed).__name__}) "
                          "must be full precision (nn.Linear, nn.Embedding); they are quantized once")
     tied = head.weight.data_ptr() == embed.weight.data_ptr()
-    embed_fmt = _rtn(embed.weight, spec)
+    if recipe.gguf_type is not None:
+        done: dict[str, Any] = {"gguf_type": recipe.gguf_type}
+
+        def quantize(weight: torch.Tensor, role: str) -> WeightFormat:
+            return gguf_matrix(weight, recipe.gguf_type, role)
+    else:
+        spec = head_spec(recipe.head_bits, recipe.head_group_size)
+        done = {"bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym}
+
+        def quantize(weight: torch.Tensor, role: str) -> WeightFormat:
+            return _rtn(weight, spec)
+    embed_fmt = quantize(embed.weight, "tied_embd" if tied else "token_embd")
     layers = [_entry(arch.embed, "embedding", embed_fmt, weight_error(embed.weight, embed_fmt))]
     if tied:
         head_fmt = embed_fmt
         layers.append(_entry(arch.lm_head, "linear", head_fmt, layers[0]["rel_error"], tied_to=arch.embed))
     else:
-        head_fmt = _rtn(head.weight, spec)
+        head_fmt = quantize(head.weight, "output")
         layers.append(_entry(arch.lm_head, "linear", head_fmt, weight_error(head.weight, head_fmt)))
     parent, _, child = arch.embed.rpartition(".")
     setattr(model.get_submodule(parent), child, QuantEmbedding.from_embedding(embed, embed_fmt))
     swap_host(model, arch.lm_head, QuantLinear(head_fmt, head.bias))
-    return {"bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym, "tied": tied, "layers": layers,
-            "seconds": time.perf_counter() - start}
+    return {**done, "tied": tied, "layers": layers, "seconds": time.perf_counter() - start}

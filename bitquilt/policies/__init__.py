@@ -7,4 +7,4 @@ centres, below), and whole-model pre-pass (a global budget decided before any bl
 Importing this package registers the built-in policies.
 """
 
-from bitquilt.policies import act_clip, dynamic_a8, kv_center, mx_sens  # noqa: F401  (registration)
+from bitquilt.policies import act_clip, dynamic_a8, gguf_mix, kv_center, mx_sens  # noqa: F401  (registration)

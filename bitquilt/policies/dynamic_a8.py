@@ -48,24 +48,29 @@ def check_layer_count(layers: int, n_layers: int) -> None:
                          f"use at most {n_layers}")
 
 
+def selection_order(phases: list[LayerPhase], bits: int, select: str = "jr", k: int = 0, seed: int = 0) -> list[int]:
+    """The decoder layers in the order `select` widens them (SNR taken at `bits`): `--a8-layers K` takes the first K
+    ("ends" depends on `k`: the first k − 1 layers and the last)."""
+    n = len(phases)
+    if select not in SELECTIONS:
+        raise ValueError(f"dynamic_a8: unknown selection {select!r}; use one of {', '.join(SELECTIONS)}")
+    if select == "snr":
+        return sorted(range(n), key=lambda i: phases[i].snr_db[bits])
+    if select == "jr":
+        return sorted(range(n), key=lambda i: -phases[i].jump_ratio)
+    if select == "random":
+        return random.Random(seed).sample(range(n), n)
+    return list(range(k - 1)) + [n - 1] if k else []
+
+
 def choose_layers(phases: list[LayerPhase], bits: int, opts: DynamicA8Options) -> list[int]:
     """The decoder layers `opts` selects from the measured `phases` (SNR taken at `bits`)."""
-    n = len(phases)
     if opts.select not in SELECTIONS:
         raise ValueError(f"dynamic_a8: unknown selection {opts.select!r}; use one of {', '.join(SELECTIONS)}")
     if opts.snr_db is not None:
         return sorted(p.layer for p in phases if p.snr_db[bits] < opts.snr_db)
-    check_layer_count(opts.layers, n)
-    k = opts.layers
-    if opts.select == "snr":
-        order = sorted(range(n), key=lambda i: phases[i].snr_db[bits])
-    elif opts.select == "jr":
-        order = sorted(range(n), key=lambda i: -phases[i].jump_ratio)
-    elif opts.select == "random":
-        order = random.Random(opts.seed).sample(range(n), n)
-    else:
-        order = list(range(k - 1)) + [n - 1] if k else []
-    return sorted(set(order[:k]))
+    check_layer_count(opts.layers, len(phases))
+    return sorted(set(selection_order(phases, bits, opts.select, opts.layers, opts.seed)[:opts.layers]))
 
 
 @register_stage("dynamic_a8", scope="model", kind="policy", options=DynamicA8Options, streams=True)

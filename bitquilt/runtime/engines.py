@@ -26,10 +26,19 @@ from bitquilt.runtime.module_tree import ModuleTreeLM
 ENGINES = ("auto", "fused", "lean", "transformers")
 
 
-def _next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+def _next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
+                top_p: float = 1.0) -> int:
+    """The next token of `logits`, greedy or sampled (from the smallest set of most likely tokens whose probability
+    reaches `top_p`); -1 when they are not all finite (`run_decode` says so)."""
+    if not bool(torch.isfinite(logits).all()):
+        return -1
     if temperature <= 0:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(0) - sorted_probs >= top_p  # the mass before them already reaches top_p
+        probs = probs.index_fill(0, order[outside], 0.0)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -56,7 +65,8 @@ def stepper(model: nn.Module, max_len: int, engine: str = "auto") -> Callable[[t
             raise ValueError(f"fused decoding does not support this model: {decoder.fused_reason}")
         return decoder.forward
     if engine in ("lean", "fused") or tree:
-        raise ValueError(f"{engine} decoding does not support this model: {reason}")
+        which = "fused decoding (lean decoding with fused layers)" if engine == "fused" else f"{engine} decoding"
+        raise ValueError(f"{which} does not support this model: {reason}")
     state: dict[str, Any] = {}
 
     def step(ids: torch.Tensor) -> torch.Tensor:
@@ -67,18 +77,30 @@ def stepper(model: nn.Module, max_len: int, engine: str = "auto") -> Callable[[t
     return step
 
 
+def engine_of(step: Callable[[torch.Tensor], torch.Tensor]) -> str:
+    """The engine a `stepper` runs: fused, lean or transformers."""
+    decoder = getattr(step, "__self__", None)
+    if isinstance(decoder, LeanDecoder):
+        return "lean" if decoder.fused is None else "fused"
+    return "transformers"
+
+
 @torch.no_grad()
 def decode(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-           seed: int = 0, stop_ids: set[int] | None = None, engine: str = "auto") -> DecodeRun:
+           seed: int = 0, stop_ids: set[int] | None = None, engine: str = "auto", top_p: float = 1.0,
+           on_token: Callable[[int], bool | None] | None = None) -> DecodeRun:
     """Greedy (temperature 0) or sampled continuation of prompt_ids [1, T], with the KV cache
-    (`stepper` says which engine runs it; `bitquilt.runtime.loop.run_decode` the loop and its timing)."""
+    (`stepper` says which engine runs it, the run's `engine` which ran; `bitquilt.runtime.loop.run_decode` the loop,
+    its timing and `on_token`)."""
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"decode needs token ids as an integer tensor [1, T], got {type(prompt_ids).__name__}"
                          + (f" of {prompt_ids.dtype}" if isinstance(prompt_ids, torch.Tensor) else ""))
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] == 0:
         raise ValueError(f"decode needs one non-empty prompt [1, T], got shape {tuple(prompt_ids.shape)}")
-    check_generation(max_new_tokens, temperature)
+    check_generation(max_new_tokens, temperature, top_p)
     generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
     step = stepper(model, prompt_ids.shape[1] + max_new_tokens, engine)
-    return run_decode(lambda ids: step(torch.tensor([list(ids)])), prompt_ids[0].tolist(), max_new_tokens,
-                      lambda logits: _next_token(logits, temperature, generator), stop_ids)
+    run = run_decode(lambda ids: step(torch.tensor([list(ids)])), prompt_ids[0].tolist(), max_new_tokens,
+                     lambda logits: _next_token(logits, temperature, generator, top_p), stop_ids, on_token)
+    run.engine = engine_of(step)
+    return run

@@ -2,7 +2,9 @@
 
 `run_decode(step, prompt, max_new_tokens, pick, stop_ids)` calls `step(ids)` (logits of the last of `ids`,
 appended to the sequence's cache) on the prompt, then on each new token, `pick(logits)` choosing it, until
-`max_new_tokens` or a stop id; it times the prompt (prefill) and the steps after it (decode) apart. The torch
+`max_new_tokens` or a stop id; it times the prompt (prefill) and the steps after it (decode) apart. A pick that
+returns a negative id found NaN or Inf among the logits: the loop stops with `NON_FINITE` (a ValueError, one line and
+exit code 2 on the command lines) instead of emitting a token chosen from garbage. The torch
 runtimes (`bitquilt.runtime.engines.decode`) and the standalone runtime (`bitquilt.runtime.standalone.generate`)
 bring their own step and pick.
 """
@@ -18,37 +20,48 @@ from typing import Any
 
 from bitquilt.flag_checks import is_integer, is_number
 
+NON_FINITE = ("the model's logits are NaN or infinite, so it has no next token: its weights or scales hold NaN/Inf "
+              "(a diverged quantization, or a damaged or edited file); check them with `bitquilt eval`")
+
 
 @dataclass
 class DecodeRun:
     new_ids: list[int]
     prefill_seconds: float  # prompt forward + first token
     decode_seconds: float  # the remaining tokens
+    engine: str = ""  # what ran the steps (fused, lean, transformers; the standalone runtime's kernel path)
 
 
 def run_decode(step: Callable[[Sequence[int]], Any], prompt: Sequence[int], max_new_tokens: int,
                pick: Callable[[Any], int], stop_ids: set[int] | None = None,
-               on_token: Callable[[int], None] | None = None) -> DecodeRun:
-    """Continue `prompt` (module docstring); `on_token` sees each new token as it is picked (streaming output).
+               on_token: Callable[[int], bool | None] | None = None) -> DecodeRun:
+    """Continue `prompt` (module docstring); `on_token` sees each new token as it is picked (streaming output) and
+    ends the run there by returning True (a stop string, a client gone); `pick` returns -1 for logits that are not
+    all finite.
     The caller checks its settings first (`check_generation`), before it sizes a cache for them."""
     if len(prompt) == 0:
         raise ValueError("decode needs a non-empty prompt")
+    def next_token(ids: Sequence[int]) -> int:
+        token = pick(step(ids))
+        if token < 0:
+            raise ValueError(NON_FINITE)
+        return token
+
     t0 = time.perf_counter()
-    token = pick(step(prompt))
+    token = next_token(prompt)
     t1 = time.perf_counter()
     new_ids = [token]
-    if on_token is not None:
-        on_token(token)
-    while len(new_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
-        token = pick(step([token]))
+    ended = on_token is not None and bool(on_token(token))
+    while not ended and len(new_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
+        token = next_token([token])
         new_ids.append(token)
-        if on_token is not None:
-            on_token(token)
+        ended = on_token is not None and bool(on_token(token))
     return DecodeRun(new_ids, t1 - t0, time.perf_counter() - t1)
 
 
-def check_generation(max_new_tokens: int, temperature: float) -> None:
-    """What every runtime's generation takes: at least one new token and a finite temperature ≥ 0 (0: greedy)."""
+def check_generation(max_new_tokens: int, temperature: float, top_p: float = 1.0) -> None:
+    """What every runtime's generation takes: at least one new token, a finite temperature ≥ 0 (0: greedy) and a
+    nucleus `top_p` in (0, 1]."""
     if not is_integer(max_new_tokens):
         raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
     if not is_number(temperature):
@@ -57,6 +70,8 @@ def check_generation(max_new_tokens: int, temperature: float) -> None:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number ≥ 0 (0: greedy), got {temperature}")
+    if not is_number(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
 
 
 def generation_stats(prompt_tokens: int, run: DecodeRun) -> dict[str, float | int | None]:
@@ -66,6 +81,11 @@ def generation_stats(prompt_tokens: int, run: DecodeRun) -> dict[str, float | in
     return {"prompt_tokens": prompt_tokens, "new_tokens": n,
             "prefill_tokens_per_s": prompt_tokens / run.prefill_seconds,
             "decode_tokens_per_s": (n - 1) / run.decode_seconds if n > 1 else None}
+
+
+def stats_line(stats: dict[str, Any]) -> str:
+    """A run's figures on one line, `key=value` (numbers to 4 significant digits; None left out)."""
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items() if v is not None)
 
 
 def check_speed_settings(prompt_tokens: int, new_tokens: int, repeats: int, vocab_size: int = 2) -> None:

@@ -154,6 +154,53 @@ class Decoder {
     }
   }
 
+  // s[j] = scaling * <q, k_j> for the n keys k [n, hd]: `dot`'s lanes and sum, four keys at a time (independent
+  // FMA chains, so a prompt's quadratic part runs at the FMA units' rate rather than their latency).
+  void scores_into(const float* q, const float* k, int64_t n, int64_t hd, float* s) const {
+    int64_t j = 0;
+    if (hd % 8 == 0) {
+      for (; j + 4 <= n; j += 4) {
+        const float* k0 = k + j * hd;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t c = 0; c < hd; c += 8) {
+          const __m256 qc = _mm256_loadu_ps(q + c);
+          a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + c), a0);
+          a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + hd + c), a1);
+          a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 2 * hd + c), a2);
+          a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 3 * hd + c), a3);
+        }
+        s[j] = d_.scaling * hsum8(a0);
+        s[j + 1] = d_.scaling * hsum8(a1);
+        s[j + 2] = d_.scaling * hsum8(a2);
+        s[j + 3] = d_.scaling * hsum8(a3);
+      }
+    }
+    for (; j < n; ++j) s[j] = d_.scaling * dot(q, k + j * hd, hd);
+  }
+
+  // out [hd] = sum_j (e[j] / total) v_j over the n values v [n, hd], 64 columns at a time in registers (the sum
+  // over j in order, as one FMA per value).
+  static void mix_into(const float* e, float total, const float* v, int64_t n, int64_t hd, float* out) {
+    const float inv = 1.0f / total;
+    int64_t c0 = 0;
+    for (; hd % 8 == 0 && c0 < hd; c0 += 64) {
+      const int64_t width = std::min<int64_t>(64, hd - c0) / 8;
+      __m256 acc[8];
+      for (int64_t w = 0; w < width; ++w) acc[w] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 p = _mm256_set1_ps(e[j] * inv);
+        const float* vj = v + j * hd + c0;
+        for (int64_t w = 0; w < width; ++w) acc[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * w), acc[w]);
+      }
+      for (int64_t w = 0; w < width; ++w) _mm256_storeu_ps(out + c0 + 8 * w, acc[w]);
+    }
+    for (int64_t c = c0; c < hd; ++c) {  // a head dim that is no multiple of 8
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) sum += e[j] * inv * v[j * hd + c];
+      out[c] = sum;
+    }
+  }
+
   // a_ = attention of the T tokens at pos.. over the cache (q_, k_, v_ hold their projections)
   void attention(const Layer& layer, int64_t T, int64_t pos) {
     const int64_t hd = d_.hd, G = d_.G, H = d_.H, L = d_.max_len;
@@ -166,26 +213,23 @@ class Decoder {
         std::copy_n(v_.data() + (t * G + g) * hd, hd, layer.values + (g * L + pos + t) * hd);
       }
     const int64_t group = H / G;
-    // (token, head) pairs: a prompt's spread over the threads, a decoded token's heads run in turn
-    bitquilt_par::parallel_for(0, T * H, T > 1 ? 1 : H, [&](int64_t i0, int64_t i1) {
+    // (token, head) pairs: a prompt's spread over the threads, a decoded token's heads run in turn. The tokens are
+    // taken first, last, second, second to last...: a token attends to all before it, so contiguous chunks of that
+    // order hold as many keys each.
+    bitquilt_par::parallel_for(0, T * H, T > 1 ? 1 : H, [&](int64_t k0, int64_t k1) {
       std::vector<float> scores(pos + T);
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t t = i / H, h = i % H, n = pos + t + 1;
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t r = k / H, t = r % 2 ? T - 1 - r / 2 : r / 2, h = k % H, i = t * H + h, n = pos + t + 1;
         float* qh = q_.data() + i * hd;
         if (layer.q_norm != nullptr) rms_norm(qh, layer.q_norm, hd, d_.eps, qh);
         rope(qh, pos + t);
         const float* kh = layer.keys + h / group * L * hd;
         const float* vh = layer.values + h / group * L * hd;
+        scores_into(qh, kh, n, hd, scores.data());
         float top = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) top = std::max(top, scores[j] = d_.scaling * dot(qh, kh + j * hd, hd));
+        for (int64_t j = 0; j < n; ++j) top = std::max(top, scores[j]);
         const float total = exp_shifted(scores.data(), n, top);
-        float* ah = a_.data() + i * hd;
-        std::fill_n(ah, hd, 0.0f);
-        for (int64_t j = 0; j < n; ++j) {
-          const float p = scores[j] / total;
-          const float* vj = vh + j * hd;
-          for (int64_t c = 0; c < hd; ++c) ah[c] += p * vj[c];
-        }
+        mix_into(scores.data(), total, vh, n, hd, a_.data() + i * hd);
       }
     });
   }

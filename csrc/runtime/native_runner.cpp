@@ -331,8 +331,10 @@ int run(int argc, char** argv) {
     if (bq_forward(model.handle, ids, n, pos, logits.data()) < 0) throw UserError(o.model + ": " + bq_error());
     pos += n;
     const auto vocab = static_cast<int64_t>(logits.size());
-    return o.temperature <= 0 ? bq_argmax(logits.data(), vocab)
-                              : bq_sample(logits.data(), vocab, o.temperature, draws.random());
+    const int64_t token = o.temperature <= 0 ? bq_argmax(logits.data(), vocab)
+                                             : bq_sample(logits.data(), vocab, o.temperature, draws.random());
+    if (token < 0) throw UserError(bitquilt_standalone::kNonFinite);
+    return token;
   };
   Stream stream(tokenizer, o.prompt, o.json);
   const auto t0 = Clock::now();

@@ -192,8 +192,12 @@ const float* floats(const MappedFile& f, const std::string& name, const std::vec
   return t.as<float>();
 }
 
+// Metadata entry `what`, a size or count: an integer in [0, 2^31 - 1] (no model dimension is larger, and every
+// product the loader forms of two of them fits int64).
 int64_t integer(const MappedFile& f, const Value& v, const std::string& what) {
   if (v.kind != Value::Number) refuse(f, "its metadata lacks " + what + "; re-export the model");
+  if (!v.is_integer(0, INT32_MAX)) refuse(f, "its metadata's " + what + " is " + v.describe() + ", not an integer in "
+                                             "[0, 2147483647]; the file is damaged or was edited");
   return v.integer();
 }
 
@@ -350,6 +354,10 @@ int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* 
                   [m](int64_t i, const float* in, int64_t n, float* out) { m->linears[i].run(in, n, out); });
   m->last.resize(d.D);
   bitquilt_decoder::rms_norm(m->x.data() + (T - 1) * d.D, m->final_norm, d.D, d.eps, m->last.data());
+  // NaN / Inf in the residual stream (a weight or scale that holds one) reach the final norm whatever the int8
+  // rounding of the linears' inputs made of them: refused here rather than turned into a token.
+  if (!std::all_of(m->last.begin(), m->last.end(), [](float v) { return std::isfinite(v); }))
+    return static_cast<int>(fail(bitquilt_standalone::kNonFinite));
   m->linears[m->head].run(m->last.data(), 1, logits);
   return 0;
 }
@@ -384,19 +392,24 @@ int64_t bq_detokenize(void* tokenizer, const int64_t* ids, int64_t n, int skip_s
   return static_cast<int64_t>(bytes.size());
 }
 
-// The index of the largest of logits [n] (the first of equals).
+// The index of the largest of logits [n] (the first of equals); -1 when one of them is NaN or infinite (a model whose
+// weights or scales hold NaN/Inf has no next token: the callers say so instead of emitting token 0).
 int64_t bq_argmax(const float* logits, int64_t n) {
   int64_t best = 0;
-  for (int64_t i = 1; i < n; ++i)
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(logits[i])) return -1;
     if (logits[i] > logits[best]) best = i;
+  }
   return best;
 }
 
 // A draw from softmax(logits / temperature) [n], `uniform` in [0, 1) the caller's random number: the first index
 // whose cumulative probability exceeds it (in double, so that no token's share is lost to rounding). Each weight's
-// exponential is computed once, kept as the running sum of the weights before it.
+// exponential is computed once, kept as the running sum of the weights before it. -1 as bq_argmax.
 int64_t bq_sample(const float* logits, int64_t n, double temperature, double uniform) {
-  const double top = logits[bq_argmax(logits, n)];
+  const int64_t argmax = bq_argmax(logits, n);
+  if (argmax < 0) return -1;
+  const double top = logits[argmax];
   thread_local std::vector<double> cumulative;
   cumulative.resize(n);
   double total = 0;

@@ -3,7 +3,9 @@
 // true / false / null. Parsing fails with the byte offset of the first error.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <stdexcept>
@@ -46,7 +48,25 @@ struct Value {
     return kind == Object && it != object.end() ? it->second : null;
   }
   bool has(const std::string& key) const { return kind == Object && object.count(key) > 0; }
-  int64_t integer() const { return static_cast<int64_t>(number); }
+  // Whether this is a number holding an integer in [lo, hi] exactly (not 2.5, not 1e999, not NaN): only those cast
+  // to int64 with a defined result. lo and hi lie within ±2^53, where doubles hold every integer.
+  bool is_integer(int64_t lo = -(int64_t{1} << 53), int64_t hi = int64_t{1} << 53) const {
+    return kind == Number && std::isfinite(number) && number == std::floor(number) &&
+           number >= static_cast<double>(lo) && number <= static_cast<double>(hi);
+  }
+  // The integer this holds (is_integer); a std::runtime_error otherwise.
+  int64_t integer() const {
+    if (!is_integer()) throw std::runtime_error("JSON: expected an integer, got " + describe());
+    return static_cast<int64_t>(number);
+  }
+  // A few words on what this value is, for messages.
+  std::string describe() const {
+    static const char* const kinds[] = {"null", "a boolean", "", "a string", "a list", "an object"};
+    if (kind != Number) return kinds[kind];
+    char text[32];
+    std::snprintf(text, sizeof text, "%.17g", number);
+    return text;
+  }
 };
 
 class Parser {

@@ -19,6 +19,7 @@ from bitquilt.errors import run_command
 from bitquilt.flag_checks import check_flags
 from bitquilt.isa import INT8_ISAS
 from bitquilt.resources import peak_rss_mb
+from bitquilt.runtime.loop import stats_line
 
 
 def parser() -> argparse.ArgumentParser:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"prompt": args.prompt, "completion": result.text, **stats}, indent=2), flush=True)
         else:
             print("" if shown else args.prompt, flush=True)  # the completion streamed above, then the figures
-            print(", ".join(f"{k}={v:.4g}" for k, v in stats.items() if v is not None), file=sys.stderr)
+            print(stats_line(stats), file=sys.stderr)
         return 0
 
     return run_command("bitquilt-run", work)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bitquilt.errors import UserError
+from bitquilt.isa import INT8_ISAS
 from bitquilt.resources import peak_rss_mb
 from bitquilt.runtime.loop import (
     DecodeRun,
@@ -32,12 +33,13 @@ class Generation:
     prompt_tokens: int
     run: DecodeRun
 
-    def stats(self) -> dict[str, float | int | None]:
-        return generation_stats(self.prompt_tokens, self.run)
+    def stats(self) -> dict[str, float | int | str | None]:
+        return {"engine": self.run.engine, **generation_stats(self.prompt_tokens, self.run)}
 
 
 def picker(temperature: float = 0.0, seed: int = 0) -> Callable[[array], int]:
-    """logits (fp32 `array.array`) -> token: argmax at temperature 0, else a draw from softmax(logits / temperature)."""
+    """logits (fp32 `array.array`) -> token: argmax at temperature 0, else a draw from softmax(logits / temperature);
+    -1 when the logits are not all finite (`run_decode` says so)."""
     lib = library()
     if temperature <= 0:
         return lambda logits: lib.bq_argmax(logits.buffer_info()[0], len(logits))
@@ -54,7 +56,9 @@ def generate_ids(model: StandaloneModel, prompt: list[int], max_new_tokens: int,
     if not prompt:
         raise UserError("the prompt has no tokens; give the text to continue")
     model.begin(len(prompt) + max_new_tokens)
-    return run_decode(model.forward, prompt, max_new_tokens, picker(temperature, seed), stop_ids, on_token)
+    run = run_decode(model.forward, prompt, max_new_tokens, picker(temperature, seed), stop_ids, on_token)
+    run.engine = f"standalone ({INT8_ISAS[library().bq_active_isa()]} kernels)"
+    return run
 
 
 def generate(model: StandaloneModel, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,

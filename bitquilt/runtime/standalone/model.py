@@ -53,6 +53,26 @@ def set_isa(isa: str | None = None) -> str:
     return chosen
 
 
+SIZES = ("vocab_size", "max_positions")  # the metadata's sizes this side reads itself (the library checks the rest)
+
+
+def _check_config(path: Path, config: Any) -> None:
+    """UserError unless the standalone metadata `config` has its sizes as integers in [1, 2^31 - 1] and its linears as
+    an object: a size of 2^62 would be an allocation, a float one a wrong index."""
+    if not isinstance(config, dict):
+        raise UserError(f"{path}'s standalone metadata is not an object: the file is damaged; re-export the model")
+    missing = [key for key in (*SIZES, "linears") if key not in config]
+    if missing:
+        raise UserError(f"{path}'s standalone metadata lacks {', '.join(missing)}: the file is damaged or was not "
+                        "written by bitquilt; re-export the model")
+    for key in SIZES:
+        if not (is_integer(config[key]) and 1 <= config[key] <= INT32_MAX):
+            raise UserError(f"{path}'s standalone metadata has {key} {config[key]!r:.40}, not an integer in [1, "
+                            f"{INT32_MAX}]: the file is damaged or was edited; re-export the model")
+    if not isinstance(config["linears"], dict):
+        raise UserError(f"{path}'s standalone metadata has no object of linears: the file is damaged; re-export it")
+
+
 class StandaloneModel:
     """A standalone export for one sequence at a time (module docstring)."""
 
@@ -72,10 +92,7 @@ class StandaloneModel:
         if self.config.get("format_version") != FORMAT_VERSION:
             raise UserError(f"{self.directory / FILE} is standalone format {self.config.get('format_version')}; this "
                             f"bitquilt reads {FORMAT_VERSION}: re-export the model")
-        missing = [key for key in ("vocab_size", "max_positions", "linears") if key not in self.config]
-        if missing:
-            raise UserError(f"{self.directory / FILE}'s standalone metadata lacks {', '.join(missing)}: the file is "
-                            "damaged or was not written by bitquilt; re-export the model")
+        _check_config(self.directory / FILE, self.config)
         self.tokenizer = FastTokenizer(self.directory) if FastTokenizer.available(self.directory) else None
         self.vocab_size: int = self.config["vocab_size"]
         self.max_positions: int = self.config["max_positions"]
@@ -98,6 +115,11 @@ class StandaloneModel:
         if not handle:
             raise UserError(last_error())
         self._handle, self.max_len, self.pos = handle, max_len, 0
+        rows = self._lib.bq_vocab(handle)
+        if rows != self.vocab_size:  # the logits buffer is sized by the metadata
+            self.close()
+            raise UserError(f"{self.directory / FILE}: its metadata's vocab_size {self.vocab_size} is not its "
+                            f"embedding's {rows} rows; the file is damaged or was edited; re-export the model")
 
     def bits_per_weight(self) -> float:
         """Bits per weight as the export stores them, counted as `bitquilt.io.model_summary` counts: the decoder's

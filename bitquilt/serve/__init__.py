@@ -1,0 +1,10 @@
+"""`bitquilt serve`: an OpenAI-compatible HTTP server for a saved or packaged model (docs/serve.md).
+
+- `protocol`: requests checked field by field, OpenAI's answer, chunk and error shapes;
+- `chat`: the model's chat template, rendered in Jinja's immutable sandbox;
+- `text`: new tokens' text released as it becomes final, cut at stop strings;
+- `worker`: the asyncio queue and the one decode thread (one sequence at a time);
+- `app`: the Starlette routes, the API key and the limits.
+
+Needs the `serve` extra (starlette, uvicorn); imports nothing on import.
+"""

@@ -1,0 +1,150 @@
+"""What bitquilt writes and says, and what it must not touch: --overwrite replaces only its own outputs, an export
+carries only the saved model's own files, an output is claimed before the work, temporaries of dead processes are
+swept at the next start, the cache is owner-only and nothing in it is run, generate names what ran (issue 65)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+from conftest import make_tiny
+
+from bitquilt import cache, native_build
+from bitquilt.cli import main
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "fp"
+    make_tiny("llama").save_pretrained(path)
+    return path
+
+
+def _quantize(capsys, hf, out, *extra) -> tuple[int, str]:
+    code = main(["quantize", str(hf), "--method", "rtn", "--group-size", "32", "-o", str(out), "--json", *extra])
+    return code, capsys.readouterr().err
+
+
+def test_overwrite_replaces_only_what_bitquilt_wrote(hf_tiny, tmp_path, capsys):
+    foreign = tmp_path / "u"
+    foreign.mkdir()
+    (foreign / "important.txt").write_text("keep me")
+    code, err = _quantize(capsys, hf_tiny, foreign, "--overwrite")
+    assert code == 2 and err.count("\n") == 1 and "important.txt, which it did not write" in err, err
+    assert "(overwrite=True)" not in err and (foreign / "important.txt").read_text() == "keep me"
+
+    out = tmp_path / "q"
+    assert _quantize(capsys, hf_tiny, out)[0] == 0
+    assert (out / cache.MANIFEST).is_file() and cache.foreign_entries(out) == []
+    code, err = _quantize(capsys, hf_tiny, out)
+    assert code == 2 and "already exists" in err and "--overwrite" in err and "overwrite=True" not in err
+    assert _quantize(capsys, hf_tiny, out, "--overwrite")[0] == 0  # its own output: replaced
+    (out / "notes.txt").write_text("mine")
+    code, err = _quantize(capsys, hf_tiny, out, "--overwrite")
+    assert code == 2 and "notes.txt" in err and (out / "notes.txt").exists()
+
+
+def test_export_carries_the_saved_models_own_files_only(hf_tiny, tmp_path, capsys):
+    assert _quantize(capsys, hf_tiny, tmp_path / "q", "--group-size", "64")[0] == 0
+    (tmp_path / "q" / "notes.txt").write_text("a stray file")
+    (tmp_path / "q" / "model.gguf").write_bytes(b"GGUF" + bytes(64))
+    assert main(["export", str(tmp_path / "q"), "-o", str(tmp_path / "run"), "--to", "standalone", "--json"]) == 0
+    exported = {p.name for p in (tmp_path / "run").iterdir()}
+    assert "notes.txt" not in exported and "model.gguf" not in exported and "generation_config.json" in exported
+    (tmp_path / "not.gguf").write_text("a text file")
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "q"), "-o", str(tmp_path / "not.gguf"), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "replaces only a GGUF file" in err and (tmp_path / "not.gguf").read_text() == "a text file"
+
+
+def test_an_output_another_live_process_is_writing_is_refused_at_the_start(hf_tiny, tmp_path, capsys):
+    """The second of two quantize runs to one -o learns it at its start, not after its whole run."""
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as other:
+        try:
+            (tmp_path / f".q.tmp-{other.pid}-0123abcd").mkdir()  # what that process's claim of q looks like
+            code, err = _quantize(capsys, hf_tiny, tmp_path / "q")
+        finally:
+            other.kill()
+    assert code == 2 and f"another bitquilt process (PID {other.pid}) is writing" in err, err
+    assert not (tmp_path / "q").exists()
+
+
+def test_temporaries_of_dead_processes_are_removed_at_the_next_start(hf_tiny, tmp_path, capsys):
+    done = subprocess.run([sys.executable, "-c", "pass"])
+    assert done.returncode == 0
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".other.tmp-{dead.pid}-0123abcd"  # a killed save of another name
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(bytes(1024))
+    assert _quantize(capsys, hf_tiny, tmp_path / "q")[0] == 0
+    assert not stale.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # the claim went into q
+
+
+def test_the_cache_is_owner_only_and_nothing_in_it_is_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("BITQUILT_CACHE", str(tmp_path / "cache"))
+    path = cache.cache_dir()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    # the compiled products are the package's own (built at install time), never looked up in the cache
+    from bitquilt.runtime.standalone.library import library_path, runner_path
+
+    for product in (library_path(), runner_path()):
+        assert product.parent == native_build.OUT and path not in product.parents
+    sources = [p.read_text() for p in native_build.PACKAGE.rglob("*.py")]
+    assert not any("cpp_extension.load(" in s or "load_inline(" in s for s in sources)  # no run-time build
+
+
+def test_a_failed_output_claim_leaves_nothing_behind(tmp_path, capsys, monkeypatch):
+    """A command refused after it claimed its output drops the claim (nothing half-written)."""
+    code = main(["quantize", "smollm2-135m", "--method", "rtn", "-o", str(tmp_path / "q"), "--calib-data",
+                 "nosuch.txt"])
+    assert code == 2 and os.listdir(tmp_path) == []
+
+
+def test_generate_says_which_runtime_and_engine_ran(tmp_path, capsys):
+    import json
+
+    from conftest import save_tiny_with_tokenizer
+
+    save_tiny_with_tokenizer(tmp_path / "fp")
+    assert main(["quantize", str(tmp_path / "fp"), "--method", "rtn", "--group-size", "32", "-o", str(tmp_path / "q"),
+                 "--json"]) == 0
+    capsys.readouterr()
+    for engine, runtime, ran in (("auto", "bitquilt", {"fused", "lean"}), ("lean", "bitquilt", {"lean"}),
+                                 ("transformers", "transformers", {"transformers"})):
+        assert main(["generate", str(tmp_path / "q"), "--prompt", "Hi", "--max-new-tokens", "2", "--engine", engine,
+                     "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["runtime"] == runtime and result["engine"] in ran, (engine, result)
+    assert main(["generate", str(tmp_path / "q"), "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+    assert "runtime=bitquilt, engine=" in capsys.readouterr().err
+
+
+def test_progress_bars_in_a_log_print_a_few_lines(monkeypatch, capsys):
+    """Not a terminal: the first and last lines of a bar, not one per redraw."""
+    import time
+
+    from bitquilt.progress import progress_bar
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    for _ in progress_bar(range(200), desc="work"):
+        time.sleep(0.001)
+    lines = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if line.strip()]
+    assert 1 <= len(lines) <= 3 and "200/200" in lines[-1], lines
+
+
+def test_the_summary_method_names_the_residual_and_the_a8_layers():
+    from types import SimpleNamespace
+
+    from bitquilt.commands import method_summary
+    from bitquilt.recipes import Recipe
+
+    recipe = Recipe("quarot+rtn", w_bits=4, a_bits=4, a8_layers=2, residual="mosaic")
+    report = SimpleNamespace(stages={"dynamic_a8": {"layers": [0, 7], "linears": 14}})
+    assert method_summary(recipe, report) == "quarot+rtn+mosaic (a8 layers 0,7)"
+    assert method_summary(Recipe("rtn", w_bits=4), SimpleNamespace(stages={})) == "rtn"
