@@ -193,9 +193,10 @@ def worker(args: argparse.Namespace, bench: Bench) -> None:
     record = bench.stored(wanted(args))
 
     def on_block(i: int, report: QuantReport) -> None:
+        solve = sum(r.seconds for r in report.linears if r.name.startswith(f"{stream.arch.layers}.{i}."))
         record["blocks"].append({"block": i, "wall_s": round(report.block_seconds[-1], 1),
-                                 "cpu_s": round(report.block_cpu_seconds[-1], 1), "rss_mb": round(rss_mb()),
-                                 "loadavg": loadavg()})
+                                 "cpu_s": round(report.block_cpu_seconds[-1], 1), "solve_wall_s": round(solve, 1),
+                                 "rss_mb": round(rss_mb()), "loadavg": loadavg()})
         bench.store(record)
 
     t0 = time.perf_counter()
@@ -288,91 +289,124 @@ def run_rows(records: list[dict]) -> list[str]:
 
 def block_table(r: dict) -> list[str]:
     lines = [f"### {r['layers']} blocks, {r['calibration']} calibration tokens", "",
-             "| block | wall s | CPU s | RSS at its end MB | load average at its end |", "|---:|---:|---:|---:|---|"]
-    lines += [f"| {b['block']} | {b['wall_s']} | {b['cpu_s']} | {b['rss_mb']:,} | {b['loadavg']} |"
-              for b in r["blocks"]]
+             "| block | wall s | CPU s | of it GPTQ + reported error, wall s | RSS at its end MB "
+             "| load average at its end |", "|---:|---:|---:|---:|---:|---|"]
+    lines += [f"| {b['block']} | {b['wall_s']} | {b['cpu_s']} | {b.get('solve_wall_s', '')} | {b['rss_mb']:,} | "
+              f"{b['loadavg']} |" for b in r["blocks"]]
     if r["blocks"]:
         lines.append(f"| mean | {mean([b['wall_s'] for b in r['blocks']]):.1f} | "
-                     f"{mean([b['cpu_s'] for b in r['blocks']]):.1f} | | |")
+                     f"{mean([b['cpu_s'] for b in r['blocks']]):.1f} | | | |")
     return lines + [""]
 
 
+def block_means(records: list[dict]) -> dict[int, tuple[float, float]]:
+    """Mean CPU and wall seconds of a block by calibration tokens, over every block any run stored."""
+    by: dict[int, list[dict]] = {}
+    for r in records:
+        by.setdefault(tokens(r), []).extend(r["blocks"])
+    return {t: (mean([b["cpu_s"] for b in bs]), mean([b["wall_s"] for b in bs])) for t, bs in by.items() if bs}
+
+
+def outside_blocks(r: dict) -> float:
+    """CPU seconds of a finished run outside its blocks: start, opening the checkpoint, calibration windows, LM head,
+    save."""
+    return r["cpu_s"] - sum(b["cpu_s"] for b in r["blocks"])
+
+
 def extrapolation(records: list[dict]) -> list[str]:
-    """Per-block cost a + b·T from two finished runs of a short model at two calibration sizes; the full model at the
-    larger size from its end-to-end run; Llama-3-70B's shape from the shape ratios."""
+    """Per-block CPU cost a + b·T from the blocks measured at the smallest and largest calibration sizes; the full
+    model at the largest; Llama-3-70B's shape from the shape ratios; memory from the full model's run."""
+    points = block_means(records)
+    if len(points) < 2:
+        return ["Extrapolation: needs blocks measured at two calibration sizes.", ""]
+    t_small, t_big = min(points), max(points)
+    (c_small, _), (c_big, w_big) = points[t_small], points[t_big]
+    b = (c_big - c_small) / (t_big - t_small)
+    a = c_small - b * t_small
+    shape, threads = records[0]["settings"]["shape"], records[0]["settings"]["threads"]
+    full = max(records, key=lambda r: r["layers"])
+    layers = full["layers"]
     done = [r for r in records if r["status"] == "done"]
-    short = sorted((r for r in done if r["layers"] <= 4), key=tokens)
-    full = max((r for r in done if r["layers"] > 4), key=lambda r: r["layers"], default=None)
-    if len(short) < 2 or full is None or tokens(short[0]) == tokens(short[-1]):
-        return ["Extrapolation: needs two finished short-model runs at different calibration sizes and a finished "
-                "full-model run.", ""]
-    small, big = short[0], short[-1]
-    t_small, t_big = tokens(small), tokens(big)
-    shape, layers = small["settings"]["shape"], full["layers"]
-    lines = ["## Extrapolation", ""]
-    per_block = {}
-    for kind in ("wall_s", "cpu_s"):
-        s, b = mean([x[kind] for x in small["blocks"]]), mean([x[kind] for x in big["blocks"]])
-        slope = (b - s) / (t_big - t_small)
-        per_block[kind] = (s - slope * t_small, slope, b)
-    a_w, b_w, blk_w = per_block["wall_s"]
-    a_c, b_c, blk_c = per_block["cpu_s"]
-    over_w = full["wall_s"] - sum(x["wall_s"] for x in full["blocks"])
-    over_c = full["cpu_s"] - sum(x["cpu_s"] for x in full["blocks"])
-    total_w, total_c = over_w + layers * blk_w, over_c + layers * blk_c
-    full_w, full_c = mean([x["wall_s"] for x in full["blocks"]]), mean([x["cpu_s"] for x in full["blocks"]])
-    small_w, small_c = mean([x["wall_s"] for x in small["blocks"]]), mean([x["cpu_s"] for x in small["blocks"]])
-    lines += [f"**Per block** (the {small['layers']}-block runs, mean of their blocks): t(T) = a + b·T over T "
-              f"calibration tokens; wall a = {a_w:.1f} s, b = {b_w * 1e3:.3f} ms/token; CPU a = {a_c:.1f} s, "
-              f"b = {b_c * 1e3:.3f} ms/token. At T = {t_big:,} ({big['calibration']}): {blk_w:.0f} s wall, "
-              f"{blk_c:.0f} s CPU per block. The {layers}-block run's mean block at {full['calibration']} was "
-              f"{full_w:.0f} s wall, {full_c:.0f} s CPU (the short model's: {small_w:.0f} s, {small_c:.0f} s).", "",
-              f"**{layers} blocks at {big['calibration']}** = the {layers}-block run's time outside its blocks (open, "
-              f"calibration windows, LM head, save: {over_w:.0f} s wall, {over_c:.0f} s CPU) + {layers} × t({t_big:,}) "
-              f"= **{total_w / 60:.0f} min wall, {total_c / 60:.0f} min CPU**."]
-    act = big["peak_rss_mb"] - small["peak_rss_mb"]
-    if tokens(full) == t_small:
-        lines += ["", f"**Peak RSS at {big['calibration']}** ≤ the {layers}-block run's {full['peak_rss_mb']:,} MB + "
-                  f"what the larger calibration set added to the short model's peak ({act:,} MB) = "
-                  f"{full['peak_rss_mb'] + act:,} MB."]
+    ref = full if full["status"] == "done" else next((r for r in done if tokens(r) == t_big), None)
+    big_calib = f"{t_big // 512} × 512" if t_big % 512 == 0 else f"{t_big:,} tokens"
+    lines = ["## Extrapolation", "",
+             f"CPU seconds (all threads), as the machine was shared: wall seconds measure the load as much as the "
+             f"work. **Per block**: t(T) = a + b·T CPU seconds over T calibration tokens, through the mean block at "
+             f"T = {t_small:,} ({c_small:.0f} s) and T = {t_big:,} ({c_big:.0f} s): a = {a:.0f} s (the work that does "
+             f"not grow with T: GPTQ's Cholesky and sweep, AWQ's tr(D H Dᵀ) per candidate scale, the reported "
+             f"errors), b = {b * 1e3:.2f} ms per token (forwards, Hessians)."]
+    if ref is not None:
+        over = outside_blocks(ref)
+        total = over + layers * c_big
+        lines += ["", f"**{layers} blocks at {big_calib}** = CPU outside the blocks ({over:.0f} s, the "
+                  f"{ref['layers']}-block run's: start, open, calibration windows, LM head, save) + {layers} × "
+                  f"t({t_big:,}) = **{total / 60:.0f} CPU-min**: ≥ {total / threads / 60:.0f} min wall on {threads} "
+                  f"idle cores (÷ {threads} threads, perfect scaling), {total * w_big / c_big / 60:.0f} min at the "
+                  f"wall/CPU ratio its blocks had here ({w_big / c_big:.2f})."]
+    lines += memory(records, full, shape)
     big_shape = {k: v for k, v in LLAMA3_70B.items() if k != "layers"}
     rho_t, rho_f = block_params(big_shape) / block_params(shape), block_sweep(big_shape) / block_sweep(shape)
-    params = full["checkpoint"]["params"]
-    params_70 = (LLAMA3_70B["layers"] * block_params(big_shape) + 2 * big_shape["vocab"] * big_shape["hidden"])
-    rho_p = params_70 / params
-    t70_w, t70_c = rho_f * a_w + rho_t * b_w * t_big, rho_f * a_c + rho_t * b_c * t_big
-    total70_w = rho_p * over_w + LLAMA3_70B["layers"] * t70_w
-    total70_c = rho_p * over_c + LLAMA3_70B["layers"] * t70_c
-    lines += ["", f"**Llama-3-70B shape** (80 blocks, hidden 8,192, MLP 28,672, 64/8 heads): the token-proportional "
-              f"part b·T grows with a block's linear weights, ×{rho_t:.2f} ({block_params(big_shape) / 1e6:.0f} M vs "
-              f"{block_params(shape) / 1e6:.0f} M; attention, which grows only ×2, is counted at ×{rho_t:.2f} too), "
-              f"the "
-              f"fixed part a with Σ out·in² over the linears, ×{rho_f:.2f}; the time outside the blocks with the "
-              f"parameters, ×{rho_p:.2f}. Per block at T = {t_big:,}: {rho_f:.2f}·a + {rho_t:.2f}·b·T = "
-              f"{t70_w / 60:.1f} min wall, {t70_c / 60:.1f} min CPU; the model: {rho_p:.2f} × outside + 80 × block "
-              f"= **{total70_w / 3600:.1f} h wall, {total70_c / 3600:.1f} h CPU** on this machine."]
-    if "disk_written_bytes" in full:
-        ends = 2 * shape["vocab"] * shape["hidden"] * 4 / GB  # the fp32 embedding and LM head
-        ends_70 = 2 * big_shape["vocab"] * big_shape["hidden"] * 4 / GB
-        packed = full["disk_written_bytes"] / GB - ends
-        packed_70 = packed * rho_t * LLAMA3_70B["layers"] / layers
-        rest = full["peak_rss_mb"] * 2**20 / GB - ends - packed
-        lines += ["", f"**Memory, 70B**: the {layers}-block run's peak ({full['peak_rss_mb'] * 2**20 / GB:.1f} GB) "
-                  f"is at most the fp32 embedding and LM head ({ends:.1f} GB), the packed blocks, kept until the save "
-                  f"({packed:.1f} GB: the saved model less those two), and the rest ({rest:.1f} GB: one block in fp32, "
-                  f"calibration activations, the interpreter). At 70B the embedding and head take {ends_70:.1f} GB, "
-                  f"the packed blocks grow with the linear weights (×{rho_t:.2f} per block, {LLAMA3_70B['layers']} "
-                  f"blocks) and the rest at most ×{rho_t:.2f}: ≈ {ends_70:.1f} + {packed_70:.1f} + {rest * rho_t:.1f} "
-                  f"= **{ends_70 + packed_70 + rest * rho_t:.0f} GB**; disk written ≈ {ends_70 + packed_70:.0f} GB."]
-    gf = big["gflops"]
+    params_70 = LLAMA3_70B["layers"] * block_params(big_shape) + 2 * big_shape["vocab"] * big_shape["hidden"]
+    rho_p = params_70 / full["checkpoint"]["params"]
+    block_70 = rho_f * a + rho_t * b * t_big
+    lines += ["", f"**Llama-3-70B shape** (80 blocks, hidden 8,192, MLP 28,672, 64/8 heads): b·T grows with a "
+              f"block's linear weights, ×{rho_t:.2f} ({block_params(big_shape) / 1e6:.0f} M vs "
+              f"{block_params(shape) / 1e6:.0f} M; attention, which grows ×2, is counted at ×{rho_t:.2f} too), a with "
+              f"Σ out·in² over the linears, ×{rho_f:.2f}. Per block at T = {t_big:,}: {rho_f:.2f}·a + "
+              f"{rho_t:.2f}·b·T = {block_70 / 60:.0f} CPU-min"]
+    if ref is not None:
+        total_70 = rho_p * outside_blocks(ref) + LLAMA3_70B["layers"] * block_70
+        lines[-1] += (f"; the model, with the time outside the blocks ×{rho_p:.2f} (the parameters): "
+                      f"**{total_70 / 3600:.0f} CPU-hours**, ≥ {total_70 / threads / 3600:.0f} h wall on {threads} "
+                      "idle cores of this machine")
+    lines[-1] += "."
+    gf = next(r for r in records if tokens(r) == t_big)["gflops"]
+    amx = layers * (a * gf["fp32"] / 168 + b * t_big * gf["bf16"] / 1289)
     lines += ["", f"**AMX estimate** (not measured): one core here multiplied {gf['bf16']} GFLOPS bf16 and "
-              f"{gf['fp32']} fp32 at the start of the full-calibration run; the issue's AMX Xeon 1,289 and 168. If "
-              f"the per-token part (bf16 products) ran at the AMX bf16 rate and the fixed part (fp32 sweep, "
-              f"Cholesky; AWQ's bf16 search counted as fp32) at the AMX fp32 rate, a {layers}-block run at "
-              f"{big['calibration']} would take {over_w / 60:.0f} + {layers} × ({a_w:.0f} × {gf['fp32']}/168 + "
-              f"{b_w * t_big:.0f} × {gf['bf16']}/1289) s = "
-              f"**{(over_w + layers * (a_w * gf['fp32'] / 168 + b_w * t_big * gf['bf16'] / 1289)) / 60:.0f} min** "
-              "wall: a lower bound, as only matrix products speed up.", ""]
+              f"{gf['fp32']} fp32 when the {big_calib} run started; the issue's AMX Xeon core 1,289 and 168. With "
+              f"b·T (bf16 products) at the AMX bf16 rate and a at the AMX fp32 rate (GPTQ's sweep and Cholesky are "
+              f"fp32; AWQ's bf16 search counted as fp32), the {layers} blocks at {big_calib} take {layers} × "
+              f"({a:.0f} × {gf['fp32']}/168 + {b * t_big:.0f} × {gf['bf16']}/1289) = {amx / 60:.0f} CPU-min, "
+              f"**≥ {amx / threads / 60:.0f} min wall** on {threads} cores: a lower bound, as only matrix products "
+              "speed up.", ""]
+    return lines
+
+
+def memory(records: list[dict], full: dict, shape: dict[str, int]) -> list[str]:
+    """Peak RSS of the full model (measured, or from its per-block RSS while it runs) and its 70B estimate."""
+    ends = 2 * shape["vocab"] * shape["hidden"] * 4 / GB  # the fp32 embedding and LM head
+    big_shape = {k: v for k, v in LLAMA3_70B.items() if k != "layers"}
+    ends_70 = 2 * big_shape["vocab"] * big_shape["hidden"] * 4 / GB
+    rho_t = block_params(big_shape) / block_params(shape)
+    layers, blocks = full["layers"], full["blocks"]
+    if full["status"] == "done":
+        packed = full["disk_written_bytes"] / GB - ends
+        peak = full["peak_rss_mb"] * 2**20 / GB
+        lines = ["", f"**Memory**: the {layers}-block run peaked at {peak:.1f} GB RSS, at most the fp32 embedding and "
+                 f"LM head ({ends:.1f} GB), the packed blocks kept until the save ({packed:.1f} GB: the saved model "
+                 f"less those two) and the rest ({peak - ends - packed:.1f} GB: one block in fp32, its Hessians, "
+                 "calibration activations, the interpreter)."]
+        short = {tokens(r): r for r in records if r["status"] == "done" and r["layers"] < layers}
+        if len(short) >= 2 and tokens(full) == min(short):
+            extra = (short[max(short)]["peak_rss_mb"] - short[min(short)]["peak_rss_mb"]) * 2**20 / GB
+            lines[-1] += (f" The larger calibration set added {extra:.1f} GB to the short model's peak, so at "
+                          f"{max(short):,} tokens the {layers} blocks peak at ≤ {peak + extra:.1f} GB.")
+    elif len(blocks) >= 2:
+        growth = (blocks[-1]["rss_mb"] - blocks[0]["rss_mb"]) / (len(blocks) - 1) * 2**20 / GB
+        packed = growth * layers
+        peak = blocks[-1]["rss_mb"] * 2**20 / GB + growth * (layers - len(blocks)) + ends / 2
+        lines = ["", f"**Memory** (the {layers}-block run is unfinished; estimated, not measured): RSS grew "
+                 f"{growth:.2f} GB per block (the packed blocks, kept until the save) to "
+                 f"{blocks[-1]['rss_mb'] * 2**20 / GB:.1f} GB after block {blocks[-1]['block']}; with the "
+                 f"{layers - len(blocks)} blocks left and the fp32 LM head ({ends / 2:.1f} GB) ≈ {peak:.1f} GB."]
+    else:
+        return []
+    rest = peak - ends - packed
+    packed_70 = packed * rho_t * LLAMA3_70B["layers"] / layers
+    lines += ["", f"**Memory, 70B**: the embedding and head take {ends_70:.1f} GB, the packed blocks grow with the "
+              f"linear weights (×{rho_t:.2f} per block, {LLAMA3_70B['layers']} blocks: {packed_70:.1f} GB) and the "
+              f"rest at most ×{rho_t:.2f} ({rest * rho_t:.1f} GB): **≈ {ends_70 + packed_70 + rest * rho_t:.0f} GB**; "
+              f"the saved model ≈ {ends_70 + packed_70:.0f} GB."]
     return lines
 
 
