@@ -1,8 +1,7 @@
 """An 8B-class model quantized with --stream: wall and CPU time per block, peak RSS, disk written.
 
-    python bench/scale.py --layers 2 --calib-samples 64   # (b) the per-block cost at the default calibration
-    python bench/scale.py --layers 2 --calib-samples 8    # (b') the same at 8 windows: per-token and fixed parts
-    python bench/scale.py --calib-samples 8               # (a) all 32 blocks end to end: memory, disk, every block
+    python bench/scale.py --layers 2 --calib-samples 64   # the per-block cost at the default calibration
+    python bench/scale.py --calib-samples 8               # all 32 blocks end to end: memory, disk, every block
 
 There is no 8B checkpoint to download here, so the bench writes one: Llama-3-8B's config (32 layers, hidden 4,096, MLP
 14,336, 32/8 heads, vocabulary 128,256, rope_theta 500,000, untied LM head; `--layers` and the widths are options)
@@ -18,7 +17,8 @@ runs (`bitquilt.quantize_streaming`, then `bitquilt.save`), on sciq calibration 
 wall and CPU seconds (the engine's per-block report, stored in the results as each block ends, so a run cut short
 keeps its blocks) and resident memory at its end, and the bytes of the saved model, which is deleted once measured.
 Before the child starts, one thread's 2048² matmul rate in fp32 and bf16. The report extrapolates, with the formulas
-it shows, the per-block cost at full calibration from the two 2-block runs, the 32-block time at full calibration,
+it shows, a block's CPU time as a + b·T over T calibration tokens from the blocks measured at the smallest and largest
+calibration sizes (the two runs above, or a 2-block run at each size), the 32-block time and memory at the largest,
 and time and memory of Llama-3-70B's shape. Results: bench/results/scale.{json,md}.
 """
 
@@ -386,11 +386,6 @@ def memory(records: list[dict], full: dict, shape: dict[str, int]) -> list[str]:
                  f"LM head ({ends:.1f} GB), the packed blocks kept until the save ({packed:.1f} GB: the saved model "
                  f"less those two) and the rest ({peak - ends - packed:.1f} GB: one block in fp32, its Hessians, "
                  "calibration activations, the interpreter)."]
-        short = {tokens(r): r for r in records if r["status"] == "done" and r["layers"] < layers}
-        if len(short) >= 2 and tokens(full) == min(short):
-            extra = (short[max(short)]["peak_rss_mb"] - short[min(short)]["peak_rss_mb"]) * 2**20 / GB
-            lines[-1] += (f" The larger calibration set added {extra:.1f} GB to the short model's peak, so at "
-                          f"{max(short):,} tokens the {layers} blocks peak at ≤ {peak + extra:.1f} GB.")
     elif len(blocks) >= 2:
         growth = (blocks[-1]["rss_mb"] - blocks[0]["rss_mb"]) / (len(blocks) - 1) * 2**20 / GB
         packed = growth * layers
@@ -401,6 +396,14 @@ def memory(records: list[dict], full: dict, shape: dict[str, int]) -> list[str]:
                  f"{layers - len(blocks)} blocks left and the fp32 LM head ({ends / 2:.1f} GB) ≈ {peak:.1f} GB."]
     else:
         return []
+    short = max((r for r in records if r["status"] == "done" and r["layers"] < layers), key=tokens, default=None)
+    if short is not None and tokens(short) > tokens(full):
+        during = short["peak_rss_mb"] * 2**20 / GB + packed * (layers - short["layers"]) / layers
+        lines += ["", f"**Memory at {short['calibration']}**: the {short['layers']}-block run at that size peaked at "
+                  f"{short['peak_rss_mb'] * 2**20 / GB:.1f} GB; its last block's working set with the "
+                  f"{layers - short['layers']} more packed blocks the {layers}-block model holds by then "
+                  f"({packed / layers:.3f} GB each) is {during:.1f} GB, so the {layers} blocks would peak at "
+                  f"≈ max({during:.1f}, {peak:.1f}) = **{max(during, peak):.1f} GB** (estimated)."]
     rest = peak - ends - packed
     packed_70 = packed * rho_t * LLAMA3_70B["layers"] / layers
     lines += ["", f"**Memory, 70B**: the embedding and head take {ends_70:.1f} GB, the packed blocks grow with the "
