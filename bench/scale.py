@@ -38,10 +38,11 @@ import torch
 from common import Bench, finish, intro, loadavg, parser, run, run_child, run_facts, run_header
 from quant_time import matmul_gflops
 
+from bitquilt.recipes import Recipe
+
 LLAMA3_8B = {"hidden": 4096, "mlp": 14336, "heads": 32, "kv_heads": 8, "vocab": 128256}
 LLAMA3_70B = {"layers": 80, "hidden": 8192, "mlp": 28672, "heads": 64, "kv_heads": 8, "vocab": 128256}
 FIELDS = ("model", "layers", "calibration")
-METHOD = "awq+gptq"
 BF16_BYTES = 2
 GB = 1e9
 CHUNK = 1 << 26  # values generated and written at a time
@@ -162,12 +163,18 @@ def checkpoint(args: argparse.Namespace) -> tuple[Path, dict]:
 
 
 # ------------------------------------------------------------------------------------------------ the run
+def recipe(args: argparse.Namespace) -> Recipe:
+    return Recipe(args.method, w_bits=4, group_size=128)
+
+
 def wanted(args: argparse.Namespace) -> dict:
-    """The record's key: model shape, blocks, calibration, and the settings it was measured with."""
+    """The record's key: model shape, blocks, calibration (none for a recipe without), and the settings it was
+    measured with."""
+    calibrated = recipe(args).needs_calibration
     return {"model": model_label(widths(args)), "layers": args.layers,
-            "calibration": f"{args.calib_samples} × {args.calib_seqlen}",
-            "settings": {"method": f"{METHOD} W4g128", "calib_dtype": args.calib_dtype, "threads": args.threads,
-                         "shape": widths(args)}}
+            "calibration": f"{args.calib_samples} × {args.calib_seqlen}" if calibrated else "none",
+            "settings": {"method": f"{args.method} W4g128", "calib_dtype": args.calib_dtype if calibrated else None,
+                         "threads": args.threads, "shape": widths(args)}}
 
 
 def output_dir(args: argparse.Namespace) -> Path:
@@ -187,7 +194,7 @@ def worker(args: argparse.Namespace, bench: Bench) -> None:
     from bitquilt.api import open_streaming, quantize_streaming, save
     from bitquilt.calib.report import QuantReport
     from bitquilt.cli_common import set_threads
-    from bitquilt.recipes import CalibConfig, Recipe
+    from bitquilt.recipes import CalibConfig
 
     set_threads(args.threads)
     record = bench.stored(wanted(args))
@@ -203,7 +210,7 @@ def worker(args: argparse.Namespace, bench: Bench) -> None:
     stream = open_streaming(args.ckpt)
     t1 = time.perf_counter()
     model, tokenizer, report = quantize_streaming(
-        stream, Recipe(METHOD, w_bits=4, group_size=128), CalibConfig("sciq", args.calib_samples, args.calib_seqlen, 0),
+        stream, recipe(args), CalibConfig("sciq", args.calib_samples, args.calib_seqlen, 0),
         progress=False, calib_dtype=args.calib_dtype, on_block=on_block)
     t2 = time.perf_counter()
     save(model, output_dir(args), tokenizer=tokenizer)
@@ -263,6 +270,8 @@ def block_sweep(s: dict[str, int]) -> int:
 
 
 def tokens(r: dict) -> int:
+    if r["calibration"] == "none":
+        return 0
     n, seqlen = r["calibration"].split(" × ")
     return int(n) * int(seqlen)
 
@@ -278,7 +287,8 @@ def run_rows(records: list[dict]) -> list[str]:
     for r in records:
         status = r["status"] if r["status"] != "incomplete" else f"incomplete ({len(r['blocks'])} blocks stored)"
         disk = f"{r['disk_written_bytes'] / GB:.2f}" if "disk_written_bytes" in r else ""
-        compute = r.get("compute") or {}
+        compute = r.get("compute") if r["calibration"] != "none" else None
+        compute = compute or {}
         lines.append(f"| {r['layers']} | {r['calibration']} | {status} | {r.get('wall_s', '')} | {r.get('cpu_s', '')} "
                      f"| {r.get('peak_rss_mb', '')} | {r.get('quantize_s', '')} | {r.get('save_s', '')} | {disk} | "
                      f"{r['checkpoint']['bytes'] / GB:.2f} ({r['checkpoint']['shards']}) | {r['gflops']['fp32']} / "
@@ -288,8 +298,9 @@ def run_rows(records: list[dict]) -> list[str]:
 
 
 def block_table(r: dict) -> list[str]:
-    lines = [f"### {r['layers']} blocks, {r['calibration']} calibration tokens", "",
-             "| block | wall s | CPU s | of it GPTQ + reported error, wall s | RSS at its end MB "
+    calibration = "no calibration" if r["calibration"] == "none" else f"{r['calibration']} calibration tokens"
+    lines = [f"### {r['layers']} blocks, {calibration}", "",
+             "| block | wall s | CPU s | of it the solver + reported error, wall s | RSS at its end MB "
              "| load average at its end |", "|---:|---:|---:|---:|---:|---|"]
     lines += [f"| {b['block']} | {b['wall_s']} | {b['cpu_s']} | {b.get('solve_wall_s', '')} | {b['rss_mb']:,} | "
               f"{b['loadavg']} |" for b in r["blocks"]]
@@ -420,10 +431,14 @@ def render(records: list[dict]) -> str:
         groups.setdefault(json.dumps([r["model"], r["settings"]], sort_keys=True), []).append(r)
     for rows in groups.values():
         model, settings = rows[0]["model"], rows[0]["settings"]
-        lines += [f"## {model}, {settings['method']}, calibration {settings['calib_dtype']}, "
-                  f"{settings['threads']} threads", "", *run_rows(rows), ""]
+        calibration = f"calibration {settings['calib_dtype']}" if settings["calib_dtype"] else "no calibration"
+        lines += [f"## {model}, {settings['method']}, {calibration}, {settings['threads']} threads", "",
+                  *run_rows(rows), ""]
         lines += [*(f"- {r['layers']} blocks, {r['calibration']}: {run_header(r)}" for r in rows), ""]
-        lines += extrapolation(rows)
+        if settings["calib_dtype"]:
+            lines += extrapolation(rows)
+        else:
+            lines += [*memory(rows, max(rows, key=lambda r: r["layers"]), settings["shape"]), ""]
         lines += ["## Per block", ""] + [line for r in rows for line in block_table(r)]
     return "\n".join(lines)
 
@@ -433,6 +448,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     for k, v in LLAMA3_8B.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
+    p.add_argument("--method", default="awq+gptq", help="the recipe, W4 g128 (rtn: the memory and disk of a run "
+                   "without calibration, in minutes)")
     p.add_argument("--calib-samples", type=int, default=64)
     p.add_argument("--calib-seqlen", type=int, default=512)
     p.add_argument("--calib-dtype", default="auto", choices=("auto", "fp32", "bf16"))
