@@ -178,7 +178,7 @@ def wanted(args: argparse.Namespace) -> dict:
 
 
 def output_dir(args: argparse.Namespace) -> Path:
-    return Path(args.ckpt_root) / f"out-L{args.layers}-{args.calib_samples}x{args.calib_seqlen}"
+    return Path(args.ckpt_root) / f"out-{args.method}-L{args.layers}-{args.calib_samples}x{args.calib_seqlen}"
 
 
 def rss_mb() -> float:
@@ -235,7 +235,8 @@ def measure(args: argparse.Namespace, bench: Bench) -> None:
         written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         record.update(status="done", disk_written_bytes=written, **json.loads(child.stdout.strip().splitlines()[-1]))
     else:
-        record.update(status=f"failed (exit {child.returncode}): {child.stderr.strip().splitlines()[-1][:300]}")
+        last = child.stderr.strip().splitlines()[-1:] or [f"killed by signal {-child.returncode}"]
+        record.update(status=f"failed (exit {child.returncode}): {last[0][:300]}")
     shutil.rmtree(out, ignore_errors=True)
     bench.store(record)
     print(f"{record['model']}, {args.layers} blocks, {record['calibration']}: {record['status']}, wall "
