@@ -282,7 +282,7 @@ def mean(xs: list[float]) -> float:
 
 
 def run_rows(records: list[dict]) -> list[str]:
-    lines = ["| blocks | calibration | status | wall s | CPU s | peak RSS MB | quantize s | save s | disk written GB "
+    lines = ["| blocks | calibration | status | wall s | CPU s | peak RSS MiB | quantize s | save s | disk written GB "
              "| checkpoint GB (shards) | matmul GFLOPS fp32 / bf16, 1 thread | calibration ran in | load average |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
     for r in records:
@@ -301,7 +301,7 @@ def run_rows(records: list[dict]) -> list[str]:
 def block_table(r: dict) -> list[str]:
     calibration = "no calibration" if r["calibration"] == "none" else f"{r['calibration']} calibration tokens"
     lines = [f"### {r['layers']} blocks, {calibration}", "",
-             "| block | wall s | CPU s | of it the solver + reported error, wall s | RSS at its end MB "
+             "| block | wall s | CPU s | of it the solver + reported error, wall s | RSS at its end MiB "
              "| load average at its end |", "|---:|---:|---:|---:|---:|---|"]
     lines += [f"| {b['block']} | {b['wall_s']} | {b['cpu_s']} | {b.get('solve_wall_s', '')} | {b['rss_mb']:,} | "
               f"{b['loadavg']} |" for b in r["blocks"]]
@@ -385,43 +385,40 @@ def extrapolation(records: list[dict]) -> list[str]:
 
 
 def memory(records: list[dict], full: dict, shape: dict[str, int]) -> list[str]:
-    """Peak RSS of the full model (measured, or from its per-block RSS while it runs) and its 70B estimate."""
+    """Peak RSS of the full model (measured, or from a shorter run's peak plus the packed blocks the full model holds
+    beyond it) and its 70B estimate."""
     ends = 2 * shape["vocab"] * shape["hidden"] * 4 / GB  # the fp32 embedding and LM head
+    done = [r for r in records if r["status"] == "done"]
+    if not done:
+        return []
+    layers = full["layers"]
+    ref = max(done, key=lambda r: r["layers"])
+    per_block = (ref["disk_written_bytes"] / GB - ends) / ref["layers"]  # a packed block, as saved
+    lines, peak = [], 0.0
+    if full["status"] == "done":
+        peak = full["peak_rss_mb"] * 2**20 / GB
+        lines += ["", f"**Memory**: the {layers}-block run peaked at {peak:.1f} GB RSS: the fp32 embedding and LM "
+                  f"head ({ends:.1f} GB), the packed blocks kept until the save ({per_block * layers:.1f} GB: the "
+                  f"saved model less those two) and {peak - ends - per_block * layers:.1f} GB more (the working set "
+                  "of a block, the interpreter)."]
+    short = max((r for r in done if r["layers"] < layers), key=tokens, default=None)
+    if short is not None and (full["status"] != "done" or tokens(short) > tokens(full)):
+        during = short["peak_rss_mb"] * 2**20 / GB + per_block * (layers - short["layers"])
+        lines += ["", f"**Memory at {short['calibration']}**: the {short['layers']}-block run peaked at "
+                  f"{short['peak_rss_mb'] * 2**20 / GB:.1f} GB (RSS after its last block "
+                  f"{short['blocks'][-1]['rss_mb'] * 2**20 / GB:.1f} GB); with the {layers - short['layers']} more "
+                  f"packed blocks ({per_block:.3f} GB each) the {layers}-block model holds by its last block, it "
+                  f"would peak at ≈ **{max(during, peak):.1f} GB** (estimated)."]
+        peak = max(during, peak)
     big_shape = {k: v for k, v in LLAMA3_70B.items() if k != "layers"}
     ends_70 = 2 * big_shape["vocab"] * big_shape["hidden"] * 4 / GB
     rho_t = block_params(big_shape) / block_params(shape)
-    layers, blocks = full["layers"], full["blocks"]
-    if full["status"] == "done":
-        packed = full["disk_written_bytes"] / GB - ends
-        peak = full["peak_rss_mb"] * 2**20 / GB
-        lines = ["", f"**Memory**: the {layers}-block run peaked at {peak:.1f} GB RSS, at most the fp32 embedding and "
-                 f"LM head ({ends:.1f} GB), the packed blocks kept until the save ({packed:.1f} GB: the saved model "
-                 f"less those two) and the rest ({peak - ends - packed:.1f} GB: one block in fp32, its Hessians, "
-                 "calibration activations, the interpreter)."]
-    elif len(blocks) >= 2:
-        growth = (blocks[-1]["rss_mb"] - blocks[0]["rss_mb"]) / (len(blocks) - 1) * 2**20 / GB
-        packed = growth * layers
-        peak = blocks[-1]["rss_mb"] * 2**20 / GB + growth * (layers - len(blocks)) + ends / 2
-        lines = ["", f"**Memory** (the {layers}-block run is unfinished; estimated, not measured): RSS grew "
-                 f"{growth:.2f} GB per block (the packed blocks, kept until the save) to "
-                 f"{blocks[-1]['rss_mb'] * 2**20 / GB:.1f} GB after block {blocks[-1]['block']}; with the "
-                 f"{layers - len(blocks)} blocks left and the fp32 LM head ({ends / 2:.1f} GB) ≈ {peak:.1f} GB."]
-    else:
-        return []
-    short = max((r for r in records if r["status"] == "done" and r["layers"] < layers), key=tokens, default=None)
-    if short is not None and tokens(short) > tokens(full):
-        during = short["peak_rss_mb"] * 2**20 / GB + packed * (layers - short["layers"]) / layers
-        lines += ["", f"**Memory at {short['calibration']}**: the {short['layers']}-block run at that size peaked at "
-                  f"{short['peak_rss_mb'] * 2**20 / GB:.1f} GB; its last block's working set with the "
-                  f"{layers - short['layers']} more packed blocks the {layers}-block model holds by then "
-                  f"({packed / layers:.3f} GB each) is {during:.1f} GB, so the {layers} blocks would peak at "
-                  f"≈ max({during:.1f}, {peak:.1f}) = **{max(during, peak):.1f} GB** (estimated)."]
-    rest = peak - ends - packed
-    packed_70 = packed * rho_t * LLAMA3_70B["layers"] / layers
-    lines += ["", f"**Memory, 70B**: the embedding and head take {ends_70:.1f} GB, the packed blocks grow with the "
-              f"linear weights (×{rho_t:.2f} per block, {LLAMA3_70B['layers']} blocks: {packed_70:.1f} GB) and the "
-              f"rest at most ×{rho_t:.2f} ({rest * rho_t:.1f} GB): **≈ {ends_70 + packed_70 + rest * rho_t:.0f} GB**; "
-              f"the saved model ≈ {ends_70 + packed_70:.0f} GB."]
+    packed_70 = per_block * rho_t * LLAMA3_70B["layers"]
+    rest = peak - ends - per_block * layers
+    lines += ["", f"**Memory, 70B**: the fp32 embedding and head take {ends_70:.1f} GB, the packed blocks grow with "
+              f"the linear weights (×{rho_t:.2f} per block, {LLAMA3_70B['layers']} blocks: {packed_70:.1f} GB) and the "
+              f"rest ({rest:.1f} GB here) ×{rho_t:.2f} (a block's weights; its largest Hessian grows ×4): "
+              f"**≈ {ends_70 + packed_70 + rest * rho_t:.0f} GB**; the saved model ≈ {ends_70 + packed_70:.0f} GB."]
     return lines
 
 
