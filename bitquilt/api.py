@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +114,7 @@ def quantize(
     resume_dir: str | Path | None = None,
     calib_dtype: str = "auto",
     device: str = "cpu",
+    on_block: Callable[[int, QuantReport], None] | None = None,
     **recipe_fields: Any,
 ) -> QuantReport:
     """Quantize `model` in place. `calib` is token ids [n, seqlen], a CalibConfig, or None (defaults);
@@ -121,7 +123,7 @@ def quantize(
     (`bitquilt.pipeline.resume`; delete the directory once the model is saved). `calib_dtype` (auto, fp32, bf16)
     is the precision of calibration's matrix products, auto: bf16 where the machine multiplies it fast; `device`
     (cpu, cuda, auto) where each block is calibrated (`bitquilt.calib.compute`; the report's `compute` says which
-    ran and why)."""
+    ran and why). `on_block(i, report)` is called after each block i, its wall and CPU seconds in the report."""
     compute = calibration_compute(calib_dtype, device)
     if not isinstance(model, nn.Module):
         raise UserError(f"quantize takes a loaded model (`bitquilt.load`), got {type(model).__name__}")
@@ -139,7 +141,8 @@ def quantize(
     if ids is not None:
         check_calibration_ids(model, ids)
     return quantize_model(model, recipe, ids, config, progress=progress,
-                          resume_dir=None if resume_dir is None else Path(resume_dir), compute=compute)
+                          resume_dir=None if resume_dir is None else Path(resume_dir), compute=compute,
+                          on_block=on_block)
 
 
 def check_streamable(recipe: Recipe) -> None:
@@ -186,6 +189,7 @@ def quantize_streaming(
     calib_config: CalibConfig | None = None,
     calib_dtype: str = "auto",
     device: str = "cpu",
+    on_block: Callable[[int, QuantReport], None] | None = None,
     **recipe_fields: Any,
 ) -> tuple[nn.Module, Any, QuantReport]:
     """Quantize a model block by block from its safetensors checkpoint, never holding it whole in full precision:
@@ -204,7 +208,8 @@ def quantize_streaming(
                         "(open_streaming) to quantize it another way")
     tokenizer = tokenizer if tokenizer is not None else stream.tokenizer
     ids, config = _calibration(recipe, calib, tokenizer, calib_config)
-    report = quantize_model(stream.model, recipe, ids, config, progress=progress, blocks=stream, compute=compute)
+    report = quantize_model(stream.model, recipe, ids, config, progress=progress, blocks=stream, compute=compute,
+                            on_block=on_block)
     model = stream.finish()
     head = quantize_head(model, recipe)  # the engine left them: the LM head was still on disk
     if head is not None:

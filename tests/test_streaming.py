@@ -91,6 +91,21 @@ def test_only_one_block_holds_full_precision_weights(tmp_path):
         quantize_streaming(stream, Recipe("rtn", w_bits=4, group_size=32))
 
 
+def test_streams_a_sharded_bf16_checkpoint_reporting_each_block(tmp_path):
+    """Hugging Face's sharded layout (model-0000X-of-0000N.safetensors + index) in bf16, as large models ship: read
+    across the shards, widened to fp32 as the in-memory load does, with `on_block` called as each block ends."""
+    path = tmp_path / "fp-sharded-bf16"
+    make_tiny().to(torch.bfloat16).save_pretrained(path, max_shard_size="200KB")
+    assert len(list(path.glob("model-*-of-*.safetensors"))) > 2 and (path / "model.safetensors.index.json").is_file()
+    recipe, ids, seen = Recipe(**RECIPES["gptq"]), _calib(), []
+    model, _, report = quantize_streaming(path, recipe, ids, progress=False,
+                                          on_block=lambda i, r: seen.append((i, len(r.block_cpu_seconds))))
+    assert seen == [(0, 1), (1, 2)] and len(report.block_seconds) == 2
+    save(_in_ram(path, recipe, ids), tmp_path / "ram")
+    save(model, tmp_path / "stream")
+    _assert_same_saved(tmp_path / "ram", tmp_path / "stream")
+
+
 @pytest.mark.parametrize("fields", [
     dict(method="bpdq", w_bits=2, group_size=32),
     dict(method="mxint", w_bits=4, a_bits=4, kv_bits=4),

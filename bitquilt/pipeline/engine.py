@@ -13,6 +13,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
@@ -121,15 +122,17 @@ def quantize_model(
     blocks: BlockSource | None = None,
     resume_dir: Path | None = None,
     compute: CalibCompute = FP32_CPU,
+    on_block: Callable[[int, QuantReport], None] | None = None,
 ) -> QuantReport:
     """Quantize `model` in place according to `recipe`; returns what was done and what it cost. With `blocks`
     (streaming quantization), block i's weights are loaded from it just before its stages and released after;
     prepass and model stages reach the blocks through it (`ModelContext.each_block`, `walk_blocks`). With
     `resume_dir`, the state after every block is kept there and a rerun carries on from it
     (`bitquilt.pipeline.resume`). `compute` says what calibration multiplies in and which device each block is
-    moved to for its stages (`bitquilt.calib.compute`); the model stays where it is."""
+    moved to for its stages (`bitquilt.calib.compute`); the model stays where it is. `on_block(i, report)` is called
+    after block i, once its wall and CPU seconds are in the report (a benchmark's per-block progress)."""
     with calibrating(compute):
-        return _quantize_model(model, recipe, calib_ids, calib, progress, blocks, resume_dir, compute)
+        return _quantize_model(model, recipe, calib_ids, calib, progress, blocks, resume_dir, compute, on_block)
 
 
 def to_device(value: Any, device: str) -> Any:
@@ -160,7 +163,7 @@ def writer_shortcuts(arch: Architecture) -> dict[int, str]:
 
 def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | None, calib: CalibConfig | None,
                     progress: bool, blocks: BlockSource | None, resume_dir: Path | None,
-                    compute: CalibCompute) -> QuantReport:
+                    compute: CalibCompute, on_block: Callable[[int, QuantReport], None] | None) -> QuantReport:
     start = time.perf_counter()
     reset_peak_rss()
     arch = architecture_of(model)
@@ -241,6 +244,8 @@ def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | 
         bar.set_postfix(last_block=f"{report.block_seconds[-1]:.1f}s")
         if resume_dir is not None:
             save_progress(resume_dir, layers[i], Progress(run_id, i, inputs, ctx.scratch, plan, report))
+        if on_block is not None:
+            on_block(i, report)
 
     model.config.use_cache = use_cache
     if blocks is None:  # streaming quantizes them once it has loaded the LM head (`bitquilt.api.quantize_streaming`)
