@@ -166,14 +166,19 @@ def _copy(value: Any) -> Any:
     return tuple(_copy(v) for v in value) if isinstance(value, tuple) else value
 
 
-def _block_input_tracker(block: nn.Module) -> tuple[list[torch.Tensor | None], Any]:
-    """[the input of `block`'s current forward] (updated by the returned hook handle's pre-hook)."""
+@contextmanager
+def _block_input_tracked(block: nn.Module) -> Iterator[list[torch.Tensor | None]]:
+    """Within: yields [the input of `block`'s current forward], kept up to date by a pre-hook on `block`."""
     current: list[torch.Tensor | None] = [None]
 
     def remember(_block: nn.Module, args: tuple, kwargs: dict) -> None:
         current[0] = args[0] if args else kwargs.get("hidden_states")
 
-    return current, block.register_forward_pre_hook(remember, with_kwargs=True)
+    handle = block.register_forward_pre_hook(remember, with_kwargs=True)
+    try:
+        yield current
+    finally:
+        handle.remove()
 
 
 @contextmanager
@@ -212,7 +217,6 @@ def writer_input_reused(block: nn.Module, writer: str) -> Iterator[None]:
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(block input) -> (block input, writer's input)
     agrees: list[bool | None] = [None]  # None: the shortcut not yet compared with the full computation
     like: list[Any] = [None]  # what the module returned in that comparison (its structure)
-    current, tracker = _block_input_tracker(block)
 
     def record(_linear: nn.Module, args: tuple) -> None:
         if current[0] is not None and not torch.is_grad_enabled():
@@ -239,10 +243,9 @@ def writer_input_reused(block: nn.Module, writer: str) -> Iterator[None]:
         return shortcut(held[1])
 
     try:
-        with _forward_replaced(module, forward) as original:
+        with _block_input_tracked(block) as current, _forward_replaced(module, forward) as original:
             yield
     finally:
-        tracker.remove()
         recorder.remove()
         seen.clear()
 
@@ -264,7 +267,6 @@ def attention_reused(block: nn.Module, attention: str) -> Iterator[None]:
     module = block.get_submodule(attention)
     hooks = _hook_ids(module)
     outputs: dict[int, tuple[torch.Tensor, Any]] = {}
-    current, tracker = _block_input_tracker(block)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         x = current[0]
@@ -274,9 +276,6 @@ def attention_reused(block: nn.Module, attention: str) -> Iterator[None]:
             outputs[id(x)] = (x, original(*args, **kwargs))  # x kept: its id stays unique while cached
         return _copy(outputs[id(x)][1])
 
-    try:
-        with _forward_replaced(module, forward) as original:
-            yield
-    finally:
-        tracker.remove()
-        outputs.clear()
+    with _block_input_tracked(block) as current, _forward_replaced(module, forward) as original:
+        yield
+    outputs.clear()
