@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from bitquilt.errors import UserError
-from bitquilt.tensor_header import read_header
+from bitquilt.tensor_header import DTYPE_BYTES, read_header
 
-# safetensors dtype: (bytes per value, the struct format of memoryview.cast)
-DTYPES = {"F32": (4, "f"), "U8": (1, "B"), "I8": (1, "b"), "I32": (4, "i"), "I64": (8, "q")}
+# the safetensors dtypes a standalone export holds: the struct format of memoryview.cast
+FORMATS = {"F32": "f", "U8": "B", "I8": "b", "I32": "i", "I64": "q"}
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class MappedTensor:
 
     def values(self) -> memoryview:
         """The tensor's values in place, shaped (numpy.asarray of it is a view)."""
-        return memoryview(self._buffer).cast("B").cast(DTYPES[self.dtype][1], self.shape or [1])
+        return memoryview(self._buffer).cast("B").cast(FORMATS[self.dtype], self.shape or [1])
 
 
 class MappedTensors:
@@ -49,7 +49,7 @@ class MappedTensors:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        header = read_header(self.path, {name: size for name, (size, _) in DTYPES.items()}, aligned=True)
+        header = read_header(self.path, {name: DTYPE_BYTES[name] for name in FORMATS}, aligned=True)
         try:
             with open(self.path, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
