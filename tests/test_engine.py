@@ -42,6 +42,56 @@ def test_awq_scaling_is_function_preserving_before_quantization():
         assert torch.allclose(out, ref, atol=1e-4), (model_type, (out - ref).abs().max())
 
 
+def _awq_layer(seed=0, rows=(192, 160, 48), width=96, tokens=512):
+    """Linears reading one input with a few heavy output rows and outlier input channels, as LLM layers have."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, width, generator=g) * (1 + 20 * (torch.rand(width, generator=g) > 0.95))
+    weights = []
+    for n in rows:
+        w = torch.randn(n, width, generator=g) * 0.02
+        w[torch.randperm(n, generator=g)[: n // 32]] *= 15
+        weights.append(w)
+    return weights, x.T @ x / tokens, x.abs().mean(0)
+
+
+def test_awq_sampled_search_picks_an_alpha_as_good_as_the_exhaustive_one():
+    """A few hundred output rows (the heaviest half and an even sample of the rest) estimate the loss at α > 0;
+    the best 3 estimates are then scored on all rows: the chosen α's exact loss is within 0.5% of the best."""
+    from bitquilt.solvers.base import LayerSpec, hessian_error
+    from bitquilt.solvers.rtn import fake_quantize
+    from bitquilt.transforms.awq import normalised, search_scales
+
+    spec = LayerSpec(3, 32)
+    for seed in range(4):
+        weights, hessian, absmean = _awq_layer(seed)
+        specs = [spec] * len(weights)
+        s_all, best_all, gain_all = search_scales(weights, specs, hessian, absmean, 20)
+        s_sub, best_sub, gain_sub = search_scales(weights, specs, hessian, absmean, 20, rows=32)
+
+        def loss(s, weights=weights, hessian=hessian):
+            return sum(hessian_error(w, fake_quantize(w * s, spec) / s, hessian) for w in weights)
+
+        assert loss(s_all) == pytest.approx(min(loss(normalised(absmean.clamp(min=1e-8).pow(i / 20)))
+                                                for i in range(20)),
+                                            rel=1e-5)
+        assert loss(s_sub) <= loss(s_all) * 1.005, (seed, best_sub, best_all)
+        assert gain_sub == pytest.approx(gain_all * loss(s_all) / loss(s_sub), rel=1e-4)
+        # a sample as large as every linear is the exhaustive search
+        assert search_scales(weights, specs, hessian, absmean, 20, rows=192)[1:] == (best_all, gain_all)
+
+
+def test_stratified_rows_keep_the_heaviest_and_weight_the_rest():
+    from bitquilt.transforms.awq import stratified_rows
+
+    errors = torch.arange(1000, dtype=torch.float32).flip(0)  # row r has error 999 − r
+    idx, weight = stratified_rows(errors, 100)
+    assert set(idx[:50].tolist()) == set(range(50)) and torch.equal(weight[:50], torch.ones(50))
+    assert weight.sum().item() == pytest.approx(1000)
+    assert (errors[idx] * weight).sum().item() == pytest.approx(errors.sum().item(), rel=0.01)
+    idx, weight = stratified_rows(errors[:80], 100)
+    assert torch.equal(idx, torch.arange(80)) and torch.equal(weight, torch.ones(80))
+
+
 def test_awq_bits_searches_as_a_layer_of_that_width_would():
     """awq.bits: a MoBiQuant layer (6 bits of slices) gets the scales a 3-bit layer gets, not those of its own
     6-bit search; `awq+mobiquant` names that method."""

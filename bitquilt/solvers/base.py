@@ -207,6 +207,15 @@ def hessian_error(weight: torch.Tensor, approx: torch.Tensor | None, hessian: to
     return float(((d.to(products) @ hessian.to(products)).float() * d).sum())
 
 
-def relative_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
-    """tr(D H Dᵀ) / tr(W H Wᵀ): the relative output error on calibration data."""
-    return hessian_error(weight, approx, hessian) / max(hessian_error(weight, None, hessian), 1e-30)
+def row_errors(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor,
+               products: torch.dtype = torch.float32) -> torch.Tensor:
+    """d_r H d_rᵀ for each row r of D = W − Ŵ: each output channel's share of `hessian_error` (fp32)."""
+    d = weight.float() - approx.float()
+    return ((d.to(products) @ hessian.to(products)).float() * d).sum(dim=1)
+
+
+def relative_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor,
+                   products: torch.dtype = torch.float32) -> float:
+    """tr(D H Dᵀ) / tr(W H Wᵀ): the relative output error on calibration data (products as in `hessian_error`)."""
+    return hessian_error(weight, approx, hessian, products) / max(hessian_error(weight, None, hessian, products),
+                                                                  1e-30)

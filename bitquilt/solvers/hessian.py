@@ -37,28 +37,39 @@ def prepare_hessian(
     does. If the Cholesky factorisation fails, λ is multiplied by 10 and retried. Returns the
     prepared Hessian and the (possibly permuted, dead-zeroed) weight copy.
     """
-    H = hessian.detach().float().clone()
     W = weight.detach().float().clone()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
+    dead = torch.diag(hessian) == 0
     W[:, dead] = 0.0
-    perm = None
-    if act_order:
-        perm = torch.argsort(torch.diag(H), descending=True)
-        W, H = W[:, perm], H[perm][:, perm]
-    mean_diag = torch.diag(H).mean()
-    eye = torch.eye(H.shape[0], device=H.device)
+    diagonal = torch.diag(hessian).float().masked_fill(dead, 1.0)
+    perm = torch.argsort(diagonal, descending=True) if act_order else None
+    if perm is not None:
+        W = W[:, perm]
+    mean_diag = diagonal.mean()
     lam = damp
     for attempt in range(max_retries + 1):
-        L, info = torch.linalg.cholesky_ex(H + lam * mean_diag * eye)
+        # A fresh damped copy per attempt, and each factor freed once the next is made: an 8B model's down_proj
+        # Hessian is 0.8 GB in fp32, and this holds at most two such matrices at a time.
+        factor, info = torch.linalg.cholesky_ex(damped(hessian, perm, dead, lam * mean_diag))
         if info == 0:
-            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            factor = torch.cholesky_inverse(factor)
+            U, info = torch.linalg.cholesky_ex(factor, upper=True)
             if info == 0 and torch.isfinite(U).all():
                 if attempt:
                     log.warning("Hessian not positive definite: dampening raised to %.3g", lam)
                 return PreparedHessian(U, perm, lam, dead), W
+        del factor
         lam = lam * 10 if lam > 0 else 1e-4
     raise HessianError(f"Hessian could not be factorised even with damp={lam / 10:g}; calibration data degenerate?")
+
+
+def damped(hessian: torch.Tensor, perm: torch.Tensor | None, dead: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """H + shift·I in fp32, in `perm`'s order, with dead channels' diagonal set to 1 before the shift."""
+    H = hessian.detach().float()
+    H = H[perm][:, perm] if perm is not None else H.clone()
+    diagonal = H.diagonal()
+    diagonal.masked_fill_(dead[perm] if perm is not None else dead, 1.0)
+    diagonal.add_(shift)
+    return H
 
 
 def invert_permutation(perm: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from bitquilt.calib.capture import collect_stats
+from bitquilt.calib.compute import compute_dtype
 from bitquilt.calib.report import LinearReport
 from bitquilt.calib.stages import BlockContext, ModelContext, register_stage
 from bitquilt.models.adapters import decoder_layers
@@ -81,13 +82,13 @@ def solve_linear(ctx: BlockContext, name: str, solver, options, stats: LinearSta
         method, residual_options = residual
         fmt, plain = method.fn(w, stats, spec, solver, options, residual_options)
         if stats is not None:
-            base_error = relative_error(w, plain.dequantize(), stats.hessian)
+            base_error = relative_error(w, plain.dequantize(), stats.hessian, compute_dtype())
     qlin = QuantLinear(fmt, lin.bias).to(lin.weight.device)
     swap_host(ctx.block, name, qlin)
     if plan.act is not None and plan.act.enabled:
         attach(qlin, "act_quant", input_quantizer(plan.act, fmt))
     # not qlin.dequantized(): that would cache an fp32 copy of every quantized weight (2× peak memory)
-    err = relative_error(w, fmt.dequantize(), stats.hessian) if stats is not None else None
+    err = relative_error(w, fmt.dequantize(), stats.hessian, compute_dtype()) if stats is not None else None
     return LinearReport(ctx.full(name), fmt.describe(), fmt.bits_per_weight(), fmt.nbytes(),
                         time.perf_counter() - t0, err, base_error)
 
