@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from bitquilt.calib.plan import Plan
 from bitquilt.models.adapters import Architecture, decoder_layers
 from bitquilt.progress import progress_bar
 from bitquilt.registry import Registry, make_options
+
+if TYPE_CHECKING:
+    from bitquilt.calib.preserve import ModelCheck, Stream
 
 SCOPES = ("prepass", "model", "block", "inputs", "post_block")
 KINDS = ("transform", "policy", "solve")
@@ -73,9 +76,15 @@ class ModelContext:
     scratch: dict[str, Any] = field(default_factory=dict)  # run-wide state stages share (e.g. warnings given)
     blocks: BlockSource | None = None
     progress: bool = False  # progress bars for passes over the blocks
+    check: ModelCheck | None = None  # the function-preservation check of the transform running now
 
-    def each_block(self, fn: Callable[[int, nn.Module], None]) -> None:
-        """Apply fn(index, block) to every decoder block: now, or under streaming as each block is read."""
+    def each_block(self, fn: Callable[[int, nn.Module], None], stream: Stream | None = None) -> None:
+        """Apply fn(index, block) to every decoder block: now, or under streaming as each block is read. `stream` is
+        how fn maps the residual stream (QuaRot: x ↦ x Q), which the transform's check applies to the original
+        block's input and output to compare them with the block fn made (`bitquilt.calib.preserve`)."""
+        if self.check is not None:
+            self.check.set_stream(stream)
+            fn = self.check.block(fn)
         if self.blocks is not None:
             self.blocks.on_load(fn)
             return
@@ -84,6 +93,8 @@ class ModelContext:
 
     def at_end(self, fn: Callable[[nn.Module], None]) -> None:
         """Apply fn(model) where the LM head is in memory: now, or under streaming after the last block."""
+        if self.check is not None:
+            fn = self.check.head(fn)
         if self.blocks is not None:
             self.blocks.on_finish(fn)
         else:
