@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+from bitquilt.api import quantize
 from bitquilt.calib.preserve import TOLERANCE, NotPreserved
 from bitquilt.calib.stages import STAGES, register_stage
 from bitquilt.cli import main
+from bitquilt.errors import UserError
 from bitquilt.pipeline.engine import quantize_model
 from bitquilt.recipes import Recipe
 from bitquilt.transforms import awq, rotation
@@ -121,3 +125,47 @@ def test_cli_stops_with_one_line_exit_2_and_writes_nothing(tmp_path, capsys, mon
     assert err[-1].startswith("bitquilt quantize: error: awq does not preserve the function of this llama model: "
                               "block 0's update changed by ")
     assert "Traceback" not in "\n".join(err) and not out.exists()
+
+
+# ---------------------------------------------------------------- refused up front
+def _tiny_gemma(tmp_path):
+    """A tiny Gemma 3 saved with a tokenizer, its post-branch norms given random weights (not the trivial init)."""
+    path = tmp_path / "gemma"
+    save_tiny_with_tokenizer(path, "gemma3_text")  # make_tiny randomises every norm, the post-norms among them
+    return path
+
+
+QUAROT_REFUSED = (r"quarot cannot run on gemma3 models: the family normalises each branch's output with a weighted "
+                  r"norm before the residual add, .*; quantize without quarot$")
+
+
+def test_quarot_is_refused_on_a_family_with_post_branch_norms_before_any_work(monkeypatch):
+    model = make_tiny("gemma3_text")
+    post = model.model.layers[0].post_feedforward_layernorm.weight
+    assert post.std() > 0.1  # non-trivial post-norm weights
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(rotation, "rotate_block", lambda *a, **k: pytest.fail("QuaRot ran"))
+    with pytest.raises(UserError, match=QUAROT_REFUSED):
+        quantize(model, Recipe("quarot+gptq", w_bits=4, group_size=32, a_bits=4, kv_bits=4), _ids(), progress=False)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing changed
+
+
+def test_cli_refuses_quarot_on_gemma_before_loading(tmp_path, capsys, monkeypatch):
+    import bitquilt.api
+
+    path = _tiny_gemma(tmp_path)
+    monkeypatch.setattr(bitquilt.api, "load", lambda *_a, **_k: pytest.fail("the model was loaded"))
+    capsys.readouterr()
+    for stream in ([], ["--stream"]):
+        out = tmp_path / "q"
+        code = main(["quantize", str(path), "--method", "quarot+rtn", "--w-bits", "8", *stream, "-o", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and not out.exists()
+        assert re.match(r"bitquilt quantize: error: " + QUAROT_REFUSED, err[0]), err
+
+
+def test_methods_without_a_residual_rotation_run_on_gemma(tmp_path):
+    """AWQ and SmoothQuant fold into the norm that feeds their linears (Gemma's pre-norms), which holds: checked."""
+    model = make_tiny("gemma3_text")
+    report = quantize_model(model, Recipe("awq", w_bits=4, group_size=32), _ids(), progress=False)
+    assert max(_errors(report, "awq")) < TOLERANCE / 100

@@ -1,9 +1,11 @@
 """Function preservation: every transform stage checks itself on the model at hand.
 
 A transform (a stage of kind "transform": QuaRot's norm fusion and rotations, SmoothQuant's and AWQ's scales, folded
-permutations) must leave the full-precision function unchanged. Whether it does depends on the family and on the
-weights, which tiny random test models do not have, so each one is checked where it is applied, on one window: the
-first calibration window, or `PROBE_TOKENS` fixed random token ids when the recipe reads no calibration data.
+permutations) must leave the full-precision function unchanged. Where one cannot serve a family, it says so
+(`Stage.refuses`, reading the family's adapter) and the run is refused before any work (`check_family`). Whether it
+holds otherwise depends on the family and on the weights, which tiny random test models do not have, so each one is
+checked where it is applied, on one window: the first calibration window, or `PROBE_TOKENS` fixed random token ids
+when the recipe reads no calibration data.
 
   block, post_block   the block's output on its calibration input, before and after the stage (`checked_block_stage`)
   model (QuaRot)      each block as the stage reaches it (`ModelContext.each_block`, so also under streaming): the
@@ -22,7 +24,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +34,9 @@ from bitquilt.calib.stages import BlockContext, ModelContext, Stage
 from bitquilt.errors import UserError
 from bitquilt.models.adapters import Architecture
 from bitquilt.nn.online import attach, get
+
+if TYPE_CHECKING:
+    from bitquilt.recipes import Recipe
 
 # Largest relative error a transform may cause. Exact transforms differ from the original only by fp32 rounding (the
 # measured worst case over the packaged models and recipes is in bench/results/preservation.md); a transform that
@@ -46,6 +51,14 @@ QUANTIZER_SLOTS = ("act_quant", "kv_quant")  # online quantizers, off while a ch
 
 class NotPreserved(UserError):
     """A transform changed the model's function beyond TOLERANCE."""
+
+
+def check_family(recipe: Recipe, arch: Architecture) -> None:
+    """Raise UserError if a stage of `recipe` refuses the family `arch` describes (`Stage.refuses`)."""
+    for stage, _options in recipe.stages():
+        why = None if stage.refuses is None else stage.refuses(arch)
+        if why is not None:
+            raise UserError(f"{stage.name} cannot run on {arch.name} models: {why}; quantize without {stage.name}")
 
 
 def probe_ids(calib_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:

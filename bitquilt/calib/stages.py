@@ -145,6 +145,7 @@ class Stage:
     needs_calibration: bool = True
     requires: tuple[str, ...] = ()  # stages a recipe naming this one runs too (e.g. fp_reference)
     streams: bool = False  # a prepass/model stage that reaches the blocks only through ModelContext's block methods
+    refuses: Callable[[Architecture], str | None] | None = None  # why the stage cannot run on a family, or None
 
     def make_options(self, values: dict[str, Any] | None = None) -> Any:
         return make_options(self.options, values, f"{self.kind} {self.name!r}")
@@ -154,17 +155,20 @@ STAGES: Registry[Stage] = Registry("stage")
 
 
 def register_stage(name: str, scope: str, kind: str, options: type = NoOptions, needs_calibration: bool = True,
-                   requires: tuple[str, ...] = (), streams: bool = False):
+                   requires: tuple[str, ...] = (), streams: bool = False,
+                   refuses: Callable[[Architecture], str | None] | None = None):
     """Decorator registering `fn(ctx, options)` as a stage. A prepass or model stage declares `streams=True` when
     it touches the decoder blocks only through `ModelContext.each_block` / `walk_blocks` / `at_end` (or not at
-    all): it then runs under streaming quantization, where the blocks are on disk."""
+    all): it then runs under streaming quantization, where the blocks are on disk. `refuses(arch)` says why the stage
+    cannot run on the family `arch` describes (None where it can): the run is refused before any work
+    (`bitquilt.calib.preserve.check_family`)."""
     if scope not in SCOPES:
         raise ValueError(f"stage scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     if kind not in KINDS:
         raise ValueError(f"stage kind must be one of {', '.join(KINDS)}, not {kind!r}")
 
     def wrap(fn):
-        STAGES.register(name, Stage(name, scope, kind, fn, options, needs_calibration, requires, streams))
+        STAGES.register(name, Stage(name, scope, kind, fn, options, needs_calibration, requires, streams, refuses))
         return fn
 
     return wrap

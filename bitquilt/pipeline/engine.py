@@ -25,7 +25,7 @@ from torch import nn
 from bitquilt.calib.capture import attention_reused, capture_block_inputs, run_block, writer_input_reused
 from bitquilt.calib.compute import FP32_CPU, CalibCompute, calibrating
 from bitquilt.calib.plan import Plan
-from bitquilt.calib.preserve import checked_block_stage, checked_model_stage, probe_ids
+from bitquilt.calib.preserve import check_family, checked_block_stage, checked_model_stage, probe_ids
 from bitquilt.calib.report import QuantReport
 from bitquilt.calib.stages import SCOPES, BlockContext, BlockSource, ModelContext, Stage
 from bitquilt.formats.sparse_blocks import check_block_shape
@@ -168,6 +168,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | 
     start = time.perf_counter()
     reset_peak_rss()
     arch = architecture_of(model)
+    check_family(recipe, arch)
     if resume_dir is not None and blocks is not None:
         raise ValueError("a resume directory cannot be combined with streaming quantization")
     stages = recipe.stages()

@@ -193,8 +193,19 @@ def rotate_head(model: nn.Module, arch: Architecture, scale: torch.Tensor, signs
     _set(head.weight, _times(head.weight, signs))
 
 
+def refuses_family(arch: Architecture) -> str | None:
+    """Why QuaRot does not serve `arch`'s family, None where it does. With weighted norms after the branches (Gemma 3)
+    the rotation still holds in full precision (the online output rotation), but the rotated model loses most of its
+    accuracy once rounded, even at 8 bits (docs/methods/quarot.md has the measurement)."""
+    if not arch.post_norms:
+        return None
+    return ("the family normalises each branch's output with a weighted norm before the residual add, and its rotated "
+            "model, though exact in full precision, loses most of its accuracy once rounded, even at 8 bits "
+            "(docs/methods/quarot.md)")
+
+
 @register_stage("quarot", scope="model", kind="transform", options=QuaRotOptions, needs_calibration=False,
-                streams=True)
+                streams=True, refuses=refuses_family)
 @torch.no_grad()
 def quarot(ctx: ModelContext, opts: QuaRotOptions) -> dict[str, Any]:
     """Rotate the embedding and take the final norm's scale now, each block as `ctx` reaches it, the LM head last."""
