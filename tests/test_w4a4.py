@@ -293,7 +293,7 @@ def test_smoothquant_scaling_is_function_preserving_before_quantization():
     assert torch.allclose(_logits(model, ids[:2]), ref, atol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", [f for f in FAMILIES if f != "gemma3_text"])  # QuaRot refuses post-norms
 def test_w4a4kv4_save_load_gives_identical_logits(tmp_path, model_type):
     model = make_tiny(model_type)
     recipe = Recipe("quarot+gptq", w_bits=4, group_size=32, a_bits=4, kv_bits=4, a_clip=None)
