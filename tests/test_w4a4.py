@@ -312,6 +312,22 @@ def test_w4a4kv4_save_load_gives_identical_logits(tmp_path, model_type):
     assert len(restored) == 2 and all(torch.equal(a, b) for a, b in zip(saved, restored))
 
 
+def test_a_fresh_process_loads_a_saved_quarot_model(tmp_path):
+    """Loading imports the modules of bitquilt's online classes itself: the process that saved the model had imported
+    QuaRot's rotations through the stage, a fresh one (`bitquilt eval`) has not."""
+    import subprocess
+    import sys
+
+    model = make_tiny("llama")
+    quantize_model(model, Recipe("quarot+rtn", w_bits=8, group_size=32), _ids(), progress=False)
+    save(model, tmp_path / "q")
+    code = ("import sys; from bitquilt.io import load_quantized; m, _ = load_quantized(sys.argv[1]); "
+            "print(sum(type(x).__name__ == 'QKRotation' for x in m.modules()))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "q")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout) == sum(type(x).__name__ == "QKRotation" for x in model.modules()) > 0
+
+
 def test_recipe_validation_and_cli_flags():
     from bitquilt.cli import build_parser
     from bitquilt.commands import _recipe_from_args
