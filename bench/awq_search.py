@@ -82,7 +82,7 @@ def model_part(model_name: str, rows: int, calib: CalibConfig) -> list[dict]:
                 quantize(model, recipe, calib=calib, tokenizer=tok, progress=False)
             finally:
                 awq_module.search_scales = exhaustive
-            ppl = perplexity(model, tok, "wiki", 512, 16, progress=False)
+            ppl = perplexity(model, tok, "wiki", 512, 16, progress=False).ppl
             row = {"width": f"W{bits}g128", "rows": r or "all", "ppl": ppl}
             if searches:
                 row.update(searches=len(searches), same=sum(a == b for a, b, _ in searches),
