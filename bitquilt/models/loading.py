@@ -20,6 +20,7 @@ from torch import nn
 from bitquilt.cache import cache_dir
 from bitquilt.errors import UserError
 from bitquilt.models import registry
+from bitquilt.progress import route_transformers_bars
 from bitquilt.tensor_header import read_header
 
 SAVED_MODEL_TYPE = "bitquilt"  # config.json's model_type in a directory bitquilt saved (see bitquilt.io)
@@ -112,6 +113,7 @@ def _load_tokenizer(path: Path, **kwargs: Any) -> Any:
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    route_transformers_bars()
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         raise UserError(f"{path} has a config.json but no .safetensors weights; accepted: {_accepted()}")
