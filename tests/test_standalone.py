@@ -287,6 +287,8 @@ def test_bitquilt_native_runs_the_export_without_python_as_bitquilt_run_does(exp
         python = _run_json([sys.executable, "-m", "bitquilt.runtime.standalone.cli", out, *common, *extra])
         assert native["completion"] == python["completion"] and native["new_tokens"] == python["new_tokens"]
         assert native["prompt_tokens"] == python["prompt_tokens"] == 5
+        kernels = python["engine"].removeprefix("standalone ")  # "(avx512 kernels)": the path both ran
+        assert native["runtime"] == "standalone" and native["engine"] == f"bitquilt-native {kernels}"
         assert native["decode_tokens_per_s"] > 0 and native["prefill_tokens_per_s"] > 0
         completions.append(native["completion"])
         file_mb = (exported_smollm / "out" / FILE).stat().st_size / 2**20
@@ -297,6 +299,7 @@ def test_bitquilt_native_runs_the_export_without_python_as_bitquilt_run_does(exp
     assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout == "The capital of France is" + greedy + "\n"
     assert "decode_tokens_per_s=" in streamed.stderr and "peak_rss_mb=" in streamed.stderr
+    assert streamed.stderr.startswith("runtime=standalone, engine=bitquilt-native (")
     special = _run_json([runner, out, "--prompt", "<|im_start|>user\nHi<|im_end|>", "--max-new-tokens", "2",
                          "--ignore-eos", "--json"])
     assert special["prompt_tokens"] == len(StandaloneModel(out).tokenizer.encode("<|im_start|>user\nHi<|im_end|>"))
