@@ -288,7 +288,8 @@ def test_bitquilt_native_runs_the_export_without_python_as_bitquilt_run_does(exp
         assert native["completion"] == python["completion"] and native["new_tokens"] == python["new_tokens"]
         assert native["prompt_tokens"] == python["prompt_tokens"] == 5
         kernels = python["engine"].removeprefix("standalone ")  # "(avx512 kernels)": the path both ran
-        assert native["runtime"] == "standalone" and native["engine"] == f"bitquilt-native {kernels}"
+        assert native["runtime"] == python["runtime"] == "standalone"
+        assert native["engine"] == f"bitquilt-native {kernels}"
         assert native["decode_tokens_per_s"] > 0 and native["prefill_tokens_per_s"] > 0
         completions.append(native["completion"])
         file_mb = (exported_smollm / "out" / FILE).stat().st_size / 2**20
