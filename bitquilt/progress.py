@@ -35,10 +35,12 @@ def progress_bar(iterable: Iterable[Any] | None = None, **kwargs: Any) -> tqdm:
 
 
 def route_transformers_bars() -> None:
-    """Let transformers draw its bars with `progress_bar` (its empty stand-in, when its bars are off, stays)."""
+    """Let transformers draw its bars with `progress_bar` (its empty stand-in, when its bars are off, stays); a
+    transformers without `set_tqdm_hook` keeps drawing its own."""
     from transformers.utils import logging as hf_logging
 
     def hook(factory: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return factory(*args, **kwargs) if factory is hf_logging.EmptyTqdm else progress_bar(*args, **kwargs)
 
-    hf_logging.set_tqdm_hook(hook)
+    if hasattr(hf_logging, "set_tqdm_hook"):
+        hf_logging.set_tqdm_hook(hook)
