@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -34,9 +34,6 @@ from bitquilt.calib.stages import BlockContext, ModelContext, Stage
 from bitquilt.errors import UserError
 from bitquilt.models.adapters import Architecture
 from bitquilt.nn.online import attach, get
-
-if TYPE_CHECKING:
-    from bitquilt.recipes import Recipe
 
 # Largest relative error a transform may cause. Exact transforms differ from the original only by fp32 rounding (the
 # measured worst case over the packaged models and recipes is in bench/results/preservation.md); a transform that
@@ -53,7 +50,13 @@ class NotPreserved(UserError):
     """A transform changed the model's function beyond TOLERANCE."""
 
 
-def check_family(recipe: Recipe, arch: Architecture) -> None:
+class StagedRecipe(Protocol):
+    """What `check_family` reads of a recipe (`bitquilt.recipes.Recipe`, a floor above this one)."""
+
+    def stages(self) -> list[tuple[Stage, Any]]: ...
+
+
+def check_family(recipe: StagedRecipe, arch: Architecture) -> None:
     """Raise UserError if a stage of `recipe` refuses the family `arch` describes (`Stage.refuses`)."""
     for stage, _options in recipe.stages():
         why = None if stage.refuses is None else stage.refuses(arch)
