@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from bitquilt.calib.capture import block_output, capture_block_inputs
-from bitquilt.calib.stages import BlockContext, ModelContext, Stage
+from bitquilt.calib.stages import BlockContext, ModelContext, Stage, Stream
 from bitquilt.errors import UserError
 from bitquilt.models.adapters import Architecture
 from bitquilt.nn.online import attach, get
@@ -42,7 +42,6 @@ TOLERANCE = 1e-3
 PROBE_TOKENS = 128  # random token ids of the probe window when the recipe reads no calibration data
 HEAD_TOKENS = 16  # positions whose logits check the LM head (a 262k-word head makes all of them costly)
 
-Stream = Callable[[torch.Tensor], torch.Tensor]  # a transform's map of the residual stream
 QUANTIZER_SLOTS = ("act_quant", "kv_quant")  # online quantizers, off while a check runs: it compares the fp function
 
 

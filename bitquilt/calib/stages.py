@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -29,8 +29,20 @@ from bitquilt.models.adapters import Architecture, decoder_layers
 from bitquilt.progress import progress_bar
 from bitquilt.registry import Registry, make_options
 
-if TYPE_CHECKING:
-    from bitquilt.calib.preserve import ModelCheck, Stream
+Stream = Callable[[torch.Tensor], torch.Tensor]  # a transform's map of the residual stream
+BlockFn = Callable[[int, nn.Module], None]
+HeadFn = Callable[[nn.Module], None]
+
+
+class TransformCheck(Protocol):
+    """How a model-scope transform is checked as it reaches each block and the LM head
+    (`bitquilt.calib.preserve.ModelCheck`)."""
+
+    def set_stream(self, stream: Stream | None) -> None: ...
+
+    def block(self, fn: BlockFn) -> BlockFn: ...
+
+    def head(self, fn: HeadFn) -> HeadFn: ...
 
 SCOPES = ("prepass", "model", "block", "inputs", "post_block")
 KINDS = ("transform", "policy", "solve")
@@ -76,7 +88,7 @@ class ModelContext:
     scratch: dict[str, Any] = field(default_factory=dict)  # run-wide state stages share (e.g. warnings given)
     blocks: BlockSource | None = None
     progress: bool = False  # progress bars for passes over the blocks
-    check: ModelCheck | None = None  # the function-preservation check of the transform running now
+    check: TransformCheck | None = None  # the function-preservation check of the transform running now
 
     def each_block(self, fn: Callable[[int, nn.Module], None], stream: Stream | None = None) -> None:
         """Apply fn(index, block) to every decoder block: now, or under streaming as each block is read. `stream` is
