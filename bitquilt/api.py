@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from bitquilt.calib.compute import CalibCompute, choose_compute
+from bitquilt.calib.preserve import check_family
 from bitquilt.calib.report import QuantReport
 from bitquilt.errors import UserError
 from bitquilt.export import FORMATS as EXPORT_FORMATS
@@ -29,7 +30,7 @@ from bitquilt.io import (  # noqa: F401  (API)
     quantization_record,
     set_quantization_record,
 )
-from bitquilt.models.adapters import supported_model_types
+from bitquilt.models.adapters import architecture_for, architecture_of, supported_model_types
 from bitquilt.models.loading import config_model_type, resolve_path
 from bitquilt.models.streaming import StreamingCheckpoint
 from bitquilt.nn.finite import non_finite_parameter
@@ -137,6 +138,7 @@ def quantize(
     if resume_dir is not None and Path(resume_dir).exists() and not Path(resume_dir).is_dir():
         raise UserError(f"resume_dir {resume_dir} is a file; give a directory")
     check_finite_weights(model)
+    check_family(recipe, architecture_of(model))  # before calibration data is built
     ids, config = _calibration(recipe, calib, tokenizer, calib_config)
     if ids is not None:
         check_calibration_ids(model, ids)
@@ -164,10 +166,11 @@ def open_streaming(spec: str | Path) -> StreamingCheckpoint:
     return StreamingCheckpoint(path)
 
 
-def check_quantizable(spec: str | Path) -> None:
+def check_quantizable(spec: str | Path, recipe: Recipe | None = None) -> None:
     """Raise UserError, before anything is loaded, if `spec` is a directory saved by `bitquilt quantize` (quantizing
     it again would round already-rounded weights) or a Hugging Face folder whose config.json names an architecture
-    bitquilt has no adapter for (found otherwise only after its weights are loaded)."""
+    bitquilt has no adapter for, or one a stage of `recipe` refuses (`check_family`; found otherwise only after its
+    weights are loaded)."""
     path = Path(spec).expanduser()
     if is_quantized_dir(path):
         raise UserError(f"{path} is already quantized (a directory saved by `bitquilt quantize`); quantize the "
@@ -175,9 +178,12 @@ def check_quantizable(spec: str | Path) -> None:
     config = path / "config.json"
     if config.is_file():
         model_type = config_model_type(config)
-        if model_type not in supported_model_types():
+        arch = architecture_for(model_type)
+        if arch is None:
             raise UserError(f"unsupported architecture {model_type!r} in {config}; supported model types: "
                             f"{', '.join(supported_model_types())}")
+        if recipe is not None:
+            check_family(recipe, arch)
 
 
 def quantize_streaming(
@@ -206,6 +212,7 @@ def quantize_streaming(
     if stream.finished:
         raise UserError(f"{stream.directory} was already quantized through this StreamingCheckpoint; open it again "
                         "(open_streaming) to quantize it another way")
+    check_family(recipe, stream.arch)
     tokenizer = tokenizer if tokenizer is not None else stream.tokenizer
     ids, config = _calibration(recipe, calib, tokenizer, calib_config)
     report = quantize_model(stream.model, recipe, ids, config, progress=progress, blocks=stream, compute=compute,

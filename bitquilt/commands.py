@@ -419,6 +419,7 @@ def cmd_quantize(args) -> int:
     recipe = _recipe_from_args(args, args.method, args.w_bits, args.group_size, args.target_bits, strict=True)
     out = Path(args.output)
     check_output(out, args.overwrite, source=args.model)  # before hours of work, not after
+    check_quantizable(args.model, recipe)  # a saved model, no adapter, a family a stage refuses: before any load
     calib = _calib_config(args)
     if args.stream and args.resume:
         raise UserError("--resume keeps whole quantized blocks between runs and cannot be combined with --stream; "
@@ -430,7 +431,6 @@ def cmd_quantize(args) -> int:
         stream = open_streaming(args.model)  # the skeleton: blocks, final norm and LM head stay on disk
         model, tokenizer = stream.model, stream.tokenizer
     else:
-        check_quantizable(args.model)
         model, tokenizer = load(args.model)
     if recipe.needs_calibration:
         _check_calib_seqlen(model, calib)

@@ -296,3 +296,60 @@ def test_a_truncated_gguf_file_is_one_line(tmp_path):
     path.write_bytes(b"GGML" + whole[4:])
     with pytest.raises(UserError, match="GGUF magic invalid"):
         load_model(path)
+
+
+
+def test_a_gguf_input_is_converted_once_and_found_by_its_content(tmp_path, monkeypatch):
+    """The first command on a .gguf file converts it into the cache (0700, under its sha256); the next, on the same
+    file or a copy, loads that folder without converting; an entry that does not hold together (another hash in its
+    source.json, a listed file missing, writable by others) is converted again; other content is another entry."""
+    from bitquilt.models import gguf_cache, loading
+
+    monkeypatch.setenv("BITQUILT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "check_gguf", lambda path: None)  # the conversion is make_tiny's folder:
+    conversions = []
+    monkeypatch.setattr(registry, "convert_gguf", lambda gguf, out: (conversions.append(gguf),
+                                                                     make_tiny().save_pretrained(out)))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    first, _ = load_model(tmp_path / "m.gguf")
+    entry = gguf_cache.entry(cache.sha256_file(tmp_path / "m.gguf"))
+    assert conversions == [tmp_path / "m.gguf"] and gguf_cache.is_valid(entry, entry.name)
+    assert (entry.parent.stat().st_mode & 0o777) == 0o700
+    assert json.loads((entry / gguf_cache.SOURCE).read_text())["gguf_sha256"] == entry.name
+    shutil.copy(tmp_path / "m.gguf", tmp_path / "copy.gguf")
+    again, _ = load_model(tmp_path / "copy.gguf")
+    assert len(conversions) == 1  # found by its content
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values(), strict=True))
+    for damage in (lambda: (entry / gguf_cache.SOURCE).write_text(json.dumps({"gguf_sha256": "0" * 64})),
+                   lambda: (entry / "config.json").unlink(), lambda: entry.chmod(0o777)):
+        damage()
+        assert not gguf_cache.is_valid(entry, entry.name)
+        load_model(tmp_path / "m.gguf")
+        assert gguf_cache.is_valid(entry, entry.name)
+    assert len(conversions) == 4
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(64))  # edited in place: a new entry
+    load_model(tmp_path / "m.gguf")
+    assert len(conversions) == 5 and len(list(entry.parent.iterdir())) == 2
+
+
+@pytest.mark.slow
+def test_a_real_gguf_is_loaded_from_its_conversion_the_second_time(tmp_path, monkeypatch):
+    """End to end with transformers' GGUF reader: a tiny model exported to GGUF loads with its tokenizer, the second
+    time from the cache without converting, the same logits."""
+    from bitquilt.cli import main
+    from tests.conftest import save_tiny_with_tokenizer
+
+    save_tiny_with_tokenizer(tmp_path / "fp")
+    assert main(["quantize", str(tmp_path / "fp"), "--method", "rtn", "--w-bits", "8", "--sym", "--group-size",
+                 "32", "-o", str(tmp_path / "q"), "--json"]) == 0
+    assert main(["export", str(tmp_path / "q"), "--to", "gguf", "-o", str(tmp_path / "m.gguf"), "--json"]) == 0
+    monkeypatch.setenv("BITQUILT_CACHE", str(tmp_path / "cache"))
+    conversions = []
+    convert = registry.convert_gguf
+    monkeypatch.setattr(registry, "convert_gguf", lambda gguf, out: (conversions.append(gguf), convert(gguf, out)))
+    first, tokenizer = load_model(tmp_path / "m.gguf")
+    again, _ = load_model(tmp_path / "m.gguf")
+    assert len(conversions) == 1 and tokenizer is not None and tokenizer("hello world")["input_ids"]
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(first(ids).logits, again(ids).logits)

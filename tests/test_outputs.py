@@ -138,6 +138,54 @@ def test_progress_bars_in_a_log_print_a_few_lines(monkeypatch, capsys):
     assert 1 <= len(lines) <= 3 and "200/200" in lines[-1], lines
 
 
+def test_compare_in_a_log_draws_each_bar_once_at_the_start_and_once_at_the_end(tmp_path, monkeypatch, capsys):
+    """compare's bars (transformers' weight loading, quantize with its per-block postfix, perplexity) in a log: no
+    redraw lines between a bar's first and last."""
+    from conftest import save_tiny_with_tokenizer
+    from transformers.utils import logging as hf_logging
+
+    from bitquilt.progress import _LogBar
+
+    save_tiny_with_tokenizer(tmp_path / "fp")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "fp"), "--methods", "fp,rtn", "--w-bits", "4", "--ppl-windows", "2",
+                 "--seqlen", "64"]) == 0
+    bars = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "%|" in line]
+    assert {line.split(":")[0] for line in bars} == {"Loading weights", "quantize rtn w4g128", "perplexity"}
+    assert all(" 0%|" in line or "100%|" in line for line in bars), bars
+    assert len(bars) == 2 * (2 + 1 + 2)  # two loads, one quantize, two perplexities: first and last line each
+    assert isinstance(hf_logging.tqdm(range(2)), _LogBar)  # transformers' bars are drawn by progress_bar
+
+
+def test_a_gguf_export_that_does_not_fit_is_one_line_with_the_space_it_needs(hf_tiny, tmp_path, capsys,
+                                                                            monkeypatch):
+    """Too little space, found before the write or by it (numpy's "N requested and M written"): one line naming the
+    file, the MB it needs and the MB free, exit 1, after the bar's own finished lines; nothing left behind."""
+    import shutil
+
+    import gguf
+
+    assert _quantize(capsys, hf_tiny, tmp_path / "q", "--sym")[0] == 0
+    out = tmp_path / "m.gguf"
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=4096))
+    refused = main(["export", str(tmp_path / "q"), "--to", "gguf", "-o", str(out)]), capsys.readouterr().err
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+
+    def full(*args, **kwargs):
+        raise OSError("4096 requested and 0 written")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full)
+    failed = main(["export", str(tmp_path / "q"), "--to", "gguf", "-o", str(out)]), capsys.readouterr().err
+    for (code, err), said in ((refused, "had 0.0 MB free"), (failed, "(the write said: 4096 requested and 0 written)")):
+        *bars, last = err.replace("\r", "\n").strip().splitlines()
+        assert code == 1 and f"{out} needs " in last and said in last, err
+        assert all(line.startswith("export gguf: ") and ("100%|" in line or " 0%|" in line) for line in bars), err
+        assert not out.exists() and [p.name for p in tmp_path.iterdir() if "m.gguf" in p.name] == []
+
+
 def test_the_summary_method_names_the_residual_and_the_a8_layers():
     from types import SimpleNamespace
 

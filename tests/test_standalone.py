@@ -89,6 +89,30 @@ def test_standalone_runs_the_fused_int8_runtimes_layers_bit_for_bit(tmp_path, mo
     assert greedy.new_ids == tokens
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # 2 query heads per KV head; qwen3: q/k norms too
+def test_a_long_prompt_in_blocks_gives_the_token_by_token_results(tmp_path, monkeypatch, int8_on, model_type):
+    """A 500-token prompt crosses the runner's prompt passes (256 tokens) and many attention blocks (16 queries):
+    in one call, or in two at a position that is no block boundary, it leaves the caches and logits of the torch
+    runtime's fused decode step run one token at a time."""
+    saved = _saved(tmp_path, model_type, Recipe("rtn", w_bits=4, group_size=64))
+    export(saved, tmp_path / "out", to="standalone")
+    model = StandaloneModel(tmp_path / "out")
+    ids = torch.randint(0, 320, (500,), generator=torch.Generator().manual_seed(7)).tolist()
+    model.begin(512)
+    whole = model.forward(ids)
+    reference = _reference(saved, monkeypatch, model)
+    for token in ids:
+        expected = reference.forward(torch.tensor([[token]])).numpy()
+    np.testing.assert_allclose(whole, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+    for layer, (keys, values) in enumerate(zip(reference.keys, reference.values, strict=True)):
+        got_keys, got_values = (np.asarray(c)[:, :500] for c in model.cache(layer))
+        assert np.array_equal(got_keys, keys[0, :, :500].numpy())  # every position's attention, bit for bit
+        assert np.array_equal(got_values, values[0, :, :500].numpy())
+    model.begin(512)
+    model.forward(ids[:301])
+    np.testing.assert_array_equal(model.forward(ids[301:]), whole)
+
+
 def test_standalone_sampling_follows_the_softmax():
     logits = array("f", [0.0, 1.0, 2.0, -1.0])
     assert picker()(logits) == 2
@@ -263,6 +287,9 @@ def test_bitquilt_native_runs_the_export_without_python_as_bitquilt_run_does(exp
         python = _run_json([sys.executable, "-m", "bitquilt.runtime.standalone.cli", out, *common, *extra])
         assert native["completion"] == python["completion"] and native["new_tokens"] == python["new_tokens"]
         assert native["prompt_tokens"] == python["prompt_tokens"] == 5
+        kernels = python["engine"].removeprefix("standalone ")  # "(avx512 kernels)": the path both ran
+        assert native["runtime"] == python["runtime"] == "standalone"
+        assert native["engine"] == f"bitquilt-native {kernels}"
         assert native["decode_tokens_per_s"] > 0 and native["prefill_tokens_per_s"] > 0
         completions.append(native["completion"])
         file_mb = (exported_smollm / "out" / FILE).stat().st_size / 2**20
@@ -273,6 +300,7 @@ def test_bitquilt_native_runs_the_export_without_python_as_bitquilt_run_does(exp
     assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout == "The capital of France is" + greedy + "\n"
     assert "decode_tokens_per_s=" in streamed.stderr and "peak_rss_mb=" in streamed.stderr
+    assert streamed.stderr.startswith("runtime=standalone, engine=bitquilt-native (")
     special = _run_json([runner, out, "--prompt", "<|im_start|>user\nHi<|im_end|>", "--max-new-tokens", "2",
                          "--ignore-eos", "--json"])
     assert special["prompt_tokens"] == len(StandaloneModel(out).tokenizer.encode("<|im_start|>user\nHi<|im_end|>"))

@@ -171,7 +171,7 @@ def test_whole_model_stages_stream_bit_identically(tmp_path, monkeypatch, name):
     assert stream.peak_fp_weights == block  # the pre-passes too held one block at a time
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text"])  # biases; post-norms (online output rotation)
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])  # biases; q/k norms
 def test_quarot_streams_bit_identically_on_every_architecture(tmp_path, monkeypatch, model_type):
     _streamed_like_in_memory(tmp_path, monkeypatch, _checkpoint(tmp_path, model_type),
                              WHOLE_MODEL["quarot+gptq-w4a4kv4"])

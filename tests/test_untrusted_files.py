@@ -328,26 +328,52 @@ def test_fuzzed_saved_model_headers_load_or_are_refused_in_one_line(saved_tiny, 
     _fuzz(tmp_path / "q" / "model.safetensors", range(200), check)
 
 
+SANITIZERS = "-fsanitize=address,undefined"
+
+
+def _sanitizers_missing(work: Path) -> str | None:
+    """Why this machine's compiler cannot build and run a sanitized program, or None."""
+    import os
+
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler})"
+    (work / "probe.cpp").write_text("int main() { return 0; }\n")
+    built = subprocess.run([compiler, SANITIZERS, str(work / "probe.cpp"), "-o", str(work / "probe")],
+                           capture_output=True, text=True)
+    if built.returncode or subprocess.run([str(work / "probe")], capture_output=True).returncode:
+        return f"{compiler} cannot build or run a program with {SANITIZERS}: {built.stderr.strip()[-300:]}"
+    return None
+
+
 @pytest.mark.slow
 def test_the_fuzz_corpus_under_address_and_undefined_behaviour_sanitizers(export_copy, tmp_path):
-    """The native runner built with ASan and UBSan (every report fatal) over the crafted cases and the fuzz corpus:
-    no report, every case run or refused in one line."""
+    """The native runner built with ASan and UBSan (every report fatal) over the crafted cases, the fuzz corpus and
+    a prompt long enough to cross the prefill's blocks: no report, every case run or refused in one line, the long
+    prompt's tokens those of the runner as built."""
     import dataclasses
     import os
 
     from bitquilt import native_build
 
+    if (why := _sanitizers_missing(tmp_path)) is not None:
+        pytest.skip(why)
     sanitized = dataclasses.replace(native_build.RUNNER, flags=(
-        *native_build.RUNNER.flags, "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+        *native_build.RUNNER.flags, "-g", "-fno-omit-frame-pointer", SANITIZERS,
         "-fno-sanitize-recover=all"), links=((),))
     runner = str(native_build.build(sanitized, out=tmp_path / "asan"))
     env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1"}
 
-    def check(seed: int) -> None:
-        done = _run(runner, export_copy, env=env)
+    def check(case: int | str, *args: str) -> subprocess.CompletedProcess:
+        done = _run(runner, export_copy, *args, env=env)
         assert done.returncode in (0, 2) and "runtime error" not in done.stderr \
-            and "Sanitizer" not in done.stderr, (seed, done.returncode, done.stderr[-3000:])
+            and "Sanitizer" not in done.stderr, (case, done.returncode, done.stderr[-3000:])
+        return done
 
+    long_prompt = ("--prompt", "Hello 42 world " * 80, "--json")  # ~400 tokens: prompt passes and attention blocks
+    reference = json.loads(_run("bitquilt-native", export_copy, *long_prompt).stdout)
+    assert reference["prompt_tokens"] > 300
+    assert json.loads(check("a long prompt", *long_prompt).stdout)["completion"] == reference["completion"]
     original = (export_copy / FILE).read_bytes()
     for case, (edit, _) in CRAFTED.items():
         _edit(export_copy / FILE, edit)

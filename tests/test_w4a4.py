@@ -135,7 +135,8 @@ def test_norm_fusion_and_quarot_are_function_preserving_on_tiny_models(model_typ
     assert torch.allclose(_logits(fused, ids), ref, atol=1e-5)
     report = quarot(ModelContext(model, architecture_of(model), None, None), QuaRotOptions())
     assert torch.allclose(_logits(model, ids), ref, atol=1e-5), (_logits(model, ids) - ref).abs().max()
-    assert report["untied_lm_head"] == tied and tied == (model_type in ("llama", "gemma3_text"))
+    assert report["tied_lm_head"] == tied and tied == (model_type in ("llama", "gemma3_text"))
+    assert (model.lm_head.weight is model.get_input_embeddings().weight) == tied  # a tied head stays one table
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +152,8 @@ def test_quarot_is_function_preserving_on_the_default_model(smollm, rotated_smol
     ids = tok("The tallest mountain on Earth is Mount Everest, which rises", return_tensors="pt").input_ids
     ref, out = _logits(model, ids), _logits(rotated_smollm, ids)
     assert (out - ref).abs().max() < 2e-5 * ref.abs().max()
-    assert not rotated_smollm.config.tie_word_embeddings and model.config.tie_word_embeddings
+    assert rotated_smollm.config.tie_word_embeddings and model.config.tie_word_embeddings
+    assert rotated_smollm.lm_head.weight is rotated_smollm.get_input_embeddings().weight
 
 
 def _input_outlierness(model, ids, names):
@@ -293,7 +295,7 @@ def test_smoothquant_scaling_is_function_preserving_before_quantization():
     assert torch.allclose(_logits(model, ids[:2]), ref, atol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", [f for f in FAMILIES if f != "gemma3_text"])  # QuaRot refuses post-norms
 def test_w4a4kv4_save_load_gives_identical_logits(tmp_path, model_type):
     model = make_tiny(model_type)
     recipe = Recipe("quarot+gptq", w_bits=4, group_size=32, a_bits=4, kv_bits=4, a_clip=None)
@@ -310,6 +312,59 @@ def test_w4a4kv4_save_load_gives_identical_logits(tmp_path, model_type):
     saved, restored = ([m.kv_quant.key_center for m in mm.modules() if getattr(m, "kv_quant", None) is not None]
                        for mm in (model, loaded))
     assert len(restored) == 2 and all(torch.equal(a, b) for a, b in zip(saved, restored))
+
+
+def test_a_fresh_process_loads_a_saved_quarot_model(tmp_path):
+    """Loading imports the modules of bitquilt's online classes itself: the process that saved the model had imported
+    QuaRot's rotations through the stage, a fresh one (`bitquilt eval`) has not."""
+    import subprocess
+    import sys
+
+    model = make_tiny("llama")
+    quantize_model(model, Recipe("quarot+rtn", w_bits=8, group_size=32), _ids(), progress=False)
+    save(model, tmp_path / "q")
+    code = ("import sys; from bitquilt.io import load_quantized; m, _ = load_quantized(sys.argv[1]); "
+            "print(sum(type(x).__name__ == 'QKRotation' for x in m.modules()))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "q")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout) == sum(type(x).__name__ == "QKRotation" for x in model.modules()) > 0
+
+
+def _tensor_bytes(directory) -> dict[str, tuple[tuple[int, ...], int]]:
+    from safetensors import safe_open
+
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        return {k: (tuple(t.shape), t.numel() * t.element_size()) for k in f.keys() for t in [f.get_tensor(k)]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_quarot_keeps_a_tied_head_one_table(tmp_path, stream):
+    """A W4A4KV4 QuaRot model of a tied-embedding model stores its [vocab, hidden] table once, as the model without
+    QuaRot does: what it adds is the final norm's rotated scale ([hidden, hidden]), not a second fp32 table; it loads
+    back tied, to the logits it had (in memory, and streamed block by block)."""
+    from bitquilt.api import quantize_streaming
+
+    model = make_tiny("llama")
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(tmp_path / "fp")
+    sizes, ids = {}, _ids(1, seed=3)
+    for method in ("rtn", "quarot+rtn"):
+        recipe = Recipe(method, w_bits=4, group_size=32, a_bits=4, kv_bits=4)
+        if stream:
+            quantized, _, _ = quantize_streaming(tmp_path / "fp", recipe, _ids())
+        else:
+            quantized = copy.deepcopy(model)
+            quantize_model(quantized, recipe, _ids(), progress=False)
+        save(quantized, tmp_path / method)
+        tensors = _tensor_bytes(tmp_path / method)
+        assert [k for k, (shape, _) in tensors.items() if shape == (320, 128)] == ["model.embed_tokens.weight"]
+        sizes[method] = sum(n for _, n in tensors.values())
+    assert _tensor_bytes(tmp_path / "quarot+rtn")["model.norm.output_rotation.matrix"] == ((128, 128), 128 * 128 * 4)
+    assert sizes["quarot+rtn"] <= sizes["rtn"] + 128 * 128 * 4
+    loaded, _ = load_quantized(tmp_path / "quarot+rtn")
+    assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
+    assert torch.equal(_logits(loaded, ids), _logits(quantized, ids))
 
 
 def test_recipe_validation_and_cli_flags():

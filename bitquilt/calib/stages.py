@@ -29,6 +29,21 @@ from bitquilt.models.adapters import Architecture, decoder_layers
 from bitquilt.progress import progress_bar
 from bitquilt.registry import Registry, make_options
 
+Stream = Callable[[torch.Tensor], torch.Tensor]  # a transform's map of the residual stream
+BlockFn = Callable[[int, nn.Module], None]
+HeadFn = Callable[[nn.Module], None]
+
+
+class TransformCheck(Protocol):
+    """How a model-scope transform is checked as it reaches each block and the LM head
+    (`bitquilt.calib.preserve.ModelCheck`)."""
+
+    def set_stream(self, stream: Stream | None) -> None: ...
+
+    def block(self, fn: BlockFn) -> BlockFn: ...
+
+    def head(self, fn: HeadFn) -> HeadFn: ...
+
 SCOPES = ("prepass", "model", "block", "inputs", "post_block")
 KINDS = ("transform", "policy", "solve")
 
@@ -73,9 +88,15 @@ class ModelContext:
     scratch: dict[str, Any] = field(default_factory=dict)  # run-wide state stages share (e.g. warnings given)
     blocks: BlockSource | None = None
     progress: bool = False  # progress bars for passes over the blocks
+    check: TransformCheck | None = None  # the function-preservation check of the transform running now
 
-    def each_block(self, fn: Callable[[int, nn.Module], None]) -> None:
-        """Apply fn(index, block) to every decoder block: now, or under streaming as each block is read."""
+    def each_block(self, fn: Callable[[int, nn.Module], None], stream: Stream | None = None) -> None:
+        """Apply fn(index, block) to every decoder block: now, or under streaming as each block is read. `stream` is
+        how fn maps the residual stream (QuaRot: x ↦ x Q), which the transform's check applies to the original
+        block's input and output to compare them with the block fn made (`bitquilt.calib.preserve`)."""
+        if self.check is not None:
+            self.check.set_stream(stream)
+            fn = self.check.block(fn)
         if self.blocks is not None:
             self.blocks.on_load(fn)
             return
@@ -84,6 +105,8 @@ class ModelContext:
 
     def at_end(self, fn: Callable[[nn.Module], None]) -> None:
         """Apply fn(model) where the LM head is in memory: now, or under streaming after the last block."""
+        if self.check is not None:
+            fn = self.check.head(fn)
         if self.blocks is not None:
             self.blocks.on_finish(fn)
         else:
@@ -134,6 +157,7 @@ class Stage:
     needs_calibration: bool = True
     requires: tuple[str, ...] = ()  # stages a recipe naming this one runs too (e.g. fp_reference)
     streams: bool = False  # a prepass/model stage that reaches the blocks only through ModelContext's block methods
+    refuses: Callable[[Architecture], str | None] | None = None  # why the stage cannot run on a family, or None
 
     def make_options(self, values: dict[str, Any] | None = None) -> Any:
         return make_options(self.options, values, f"{self.kind} {self.name!r}")
@@ -143,17 +167,20 @@ STAGES: Registry[Stage] = Registry("stage")
 
 
 def register_stage(name: str, scope: str, kind: str, options: type = NoOptions, needs_calibration: bool = True,
-                   requires: tuple[str, ...] = (), streams: bool = False):
+                   requires: tuple[str, ...] = (), streams: bool = False,
+                   refuses: Callable[[Architecture], str | None] | None = None):
     """Decorator registering `fn(ctx, options)` as a stage. A prepass or model stage declares `streams=True` when
     it touches the decoder blocks only through `ModelContext.each_block` / `walk_blocks` / `at_end` (or not at
-    all): it then runs under streaming quantization, where the blocks are on disk."""
+    all): it then runs under streaming quantization, where the blocks are on disk. `refuses(arch)` says why the stage
+    cannot run on the family `arch` describes (None where it can): the run is refused before any work
+    (`bitquilt.calib.preserve.check_family`)."""
     if scope not in SCOPES:
         raise ValueError(f"stage scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     if kind not in KINDS:
         raise ValueError(f"stage kind must be one of {', '.join(KINDS)}, not {kind!r}")
 
     def wrap(fn):
-        STAGES.register(name, Stage(name, scope, kind, fn, options, needs_calibration, requires, streams))
+        STAGES.register(name, Stage(name, scope, kind, fn, options, needs_calibration, requires, streams, refuses))
         return fn
 
     return wrap

@@ -1,9 +1,13 @@
 """What every exporter refuses alike: online modules, quantized input embeddings, and linears whose format holds
-NaN/Inf or the target cannot hold exactly; one-line UserErrors naming the first offender."""
+NaN/Inf or the target cannot hold exactly (one-line UserErrors naming the first offender); and an output that does
+not fit its file system (one OSError line naming the path, the space it needs and the space free)."""
 
 from __future__ import annotations
 
+import errno
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 from torch import nn
 
@@ -48,3 +52,18 @@ def _non_finite(fmt: WeightFormat) -> str | None:
     """Why a format holding NaN or Inf (a damaged or edited checkpoint) is not exported; None when all finite."""
     bad = [key for key, t in fmt.tensors().items() if not all_finite(t)]
     return f"its {', '.join(bad)} hold NaN or Inf (the checkpoint is damaged or was edited)" if bad else None
+
+
+def no_space(output: Path, need: int, free: int, cause: OSError | None = None) -> OSError:
+    """The one-line error of a write of `need` bytes to `output` that does not fit or failed (`cause`): the path, the
+    bytes needed and those `free` on its file system before the write, and what the write said."""
+    text = f"{output} needs {need / 2**20:.1f} MB and its file system had {free / 2**20:.1f} MB free"
+    return OSError((cause and cause.errno) or errno.ENOSPC, text + (f" (the write said: {cause})" if cause else ""))
+
+
+def check_space(output: Path, need: int) -> int:
+    """The bytes free on the file system of `output`; `no_space` raised if fewer than the `need` it will write."""
+    free = shutil.disk_usage(output.parent).free
+    if free < need:
+        raise no_space(output, need, free)
+    return free

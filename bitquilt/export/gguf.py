@@ -49,7 +49,7 @@ from torch import nn
 
 from bitquilt.cache import atomic_file, claim_output
 from bitquilt.errors import UserError, option
-from bitquilt.export.checks import check_layers
+from bitquilt.export.checks import check_layers, check_space, no_space
 from bitquilt.formats.base import WeightFormat
 from bitquilt.formats.ggml import GGMLFormat
 from bitquilt.formats.uniform import UniformFormat
@@ -58,6 +58,7 @@ from bitquilt.models import registry
 from bitquilt.models.loading import TOKENIZER_FILES
 from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.progress import progress_bar
 from bitquilt.runtime.tokenizer import QWEN2_SPLIT, pre_tokenizer_steps
 
 log = logging.getLogger(__name__)
@@ -374,7 +375,8 @@ def write_gguf(model: nn.Module, tokenizer: Any, output: str | Path, name: str,
     fields |= model_fields(model.config, family)
     types: Counter[str] = Counter()
     shifts = [torch.zeros(0)]
-    with atomic_file(output) as tmp:
+    with atomic_file(output) as tmp, progress_bar(total=len(plan), desc="export gguf", unit="tensor",
+                                                  disable=not progress) as bar:
         writer = gguf.GGUFWriter(tmp, arch)
         try:
             for key, (value, vtype, sub_type) in fields.items():
@@ -383,6 +385,7 @@ def write_gguf(model: nn.Module, tokenizer: Any, output: str | Path, name: str,
             writer.add_file_type(file_type(plan, mix))
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
             for tensor_name, value, order in plan:
+                bar.update()
                 if isinstance(value, GGMLFormat):
                     blocks = value.blocks if order is None else value.blocks[order]
                     writer.add_tensor(tensor_name, blocks.numpy(), raw_dtype=block_type(value))
@@ -397,9 +400,15 @@ def write_gguf(model: nn.Module, tokenizer: Any, output: str | Path, name: str,
                     t = value.detach().float()
                     writer.add_tensor(tensor_name, (t if order is None else t[order]).contiguous().numpy())
                     types["F32"] += 1
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file(progress=progress)
+            bar.close()  # its last line drawn before anything the write may say
+            need = sum(ti.nbytes for shard in writer.tensors for ti in shard.values()) + 2**20  # + header, metadata
+            free = check_space(output, need)
+            try:
+                writer.write_header_to_file()
+                writer.write_kv_data_to_file()
+                writer.write_tensors_to_file()
+            except OSError as e:  # numpy's tofile names no file, only byte counts
+                raise no_space(output, need, free, e) from None
         finally:
             writer.close()
     shift = torch.cat(shifts)

@@ -83,12 +83,17 @@ def supported_model_types() -> list[str]:
     return sorted(t for a in ARCHITECTURES for t in a.model_types)
 
 
+def architecture_for(model_type: str) -> Architecture | None:
+    """The adapter for a config's `model_type`, None if there is none."""
+    return next((arch for arch in ARCHITECTURES if model_type in arch.model_types), None)
+
+
 def architecture_of(model: nn.Module) -> Architecture:
     """The adapter for a transformers causal LM, or an error naming what is supported."""
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    for arch in ARCHITECTURES:
-        if model_type in arch.model_types:
-            return arch
+    arch = architecture_for(model_type)
+    if arch is not None:
+        return arch
     raise UnsupportedArchitecture(
         f"unsupported architecture {model_type!r}; supported model types: {', '.join(supported_model_types())}"
     )

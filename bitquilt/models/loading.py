@@ -1,9 +1,9 @@
 """Load a model and its tokenizer from anything a user may point at, with one-line errors.
 
 Accepted: a packaged model name (fetched beforehand, never downloaded here), a local Hugging
-Face folder (config.json + .safetensors), a .gguf file (dequantized on load; slow), or a folder
-saved by `bitquilt.io.save` (it has a quantization_config.json). Weights load in fp32 by default
-because bf16 matmuls are very slow on CPU.
+Face folder (config.json + .safetensors), a .gguf file (dequantized once into the cache, keyed by its sha256:
+`gguf_cache`), or a folder saved by `bitquilt.io.save` (it has a quantization_config.json). Weights load in fp32
+by default because bf16 matmuls are very slow on CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import nn
 from bitquilt.cache import cache_dir
 from bitquilt.errors import UserError
 from bitquilt.models import registry
+from bitquilt.progress import route_transformers_bars
 from bitquilt.tensor_header import read_header
 
 SAVED_MODEL_TYPE = "bitquilt"  # config.json's model_type in a directory bitquilt saved (see bitquilt.io)
@@ -112,6 +113,7 @@ def _load_tokenizer(path: Path, **kwargs: Any) -> Any:
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    route_transformers_bars()
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         raise UserError(f"{path} has a config.json but no .safetensors weights; accepted: {_accepted()}")
@@ -131,15 +133,15 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
-    from transformers import AutoModelForCausalLM
+    """The model and tokenizer of a GGUF file, from its fp32 conversion in the cache (`gguf_cache`: made once)."""
+    from bitquilt.models import gguf_cache
 
     check_gguf(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
-                                                     local_files_only=True)
+        folder = gguf_cache.converted(path)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise UserError(f"cannot load the GGUF file {path}: {str(e).splitlines()[0]}") from None
-    return model, _load_tokenizer(path.parent, gguf_file=path.name)
+    return _load_hf_dir(folder, dtype)
 
 
 def resolve_path(spec: str | Path) -> Path:

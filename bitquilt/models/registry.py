@@ -24,6 +24,7 @@ import torch
 
 from bitquilt import cache
 from bitquilt.errors import UserError
+from bitquilt.progress import route_transformers_bars
 
 DEFAULT_MODEL = "smollm2-135m"
 SOURCE_FILE = "source.json"
@@ -186,6 +187,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    route_transformers_bars()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = src.config

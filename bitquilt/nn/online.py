@@ -37,6 +37,8 @@ class Slot:
 
 SLOTS: dict[str, Slot] = {}
 ONLINE_CLASSES: dict[str, type[nn.Module]] = {}
+# where bitquilt's own online classes are defined (`restore` imports them)
+BUILTIN_MODULES = ("bitquilt.nn.act_quant", "bitquilt.nn.kv_quant", "bitquilt.nn.rotation", "bitquilt.nn.slice_router")
 _hooked: dict[str, weakref.WeakSet] = {site: weakref.WeakSet() for site in SITES}
 
 
@@ -168,6 +170,15 @@ def online_modules(model: nn.Module) -> dict[str, dict[str, nn.Module]]:
     return out
 
 
+def import_builtin_classes() -> None:
+    """Import the modules defining bitquilt's own online classes, which register them: a process that loads a saved
+    model may not have imported the stage that attached them (e.g. QuaRot's rotations)."""
+    import importlib
+
+    for name in BUILTIN_MODULES:
+        importlib.import_module(name)
+
+
 def online_state(model: nn.Module) -> dict[str, dict[str, dict[str, Any]]]:
     """What `restore` needs: {host: {slot: {"class": name, "config": to_dict()}}}."""
     return {host: {slot: {"class": type(m).__name__, "config": m.to_dict()} for slot, m in slots.items()}
@@ -176,6 +187,7 @@ def online_state(model: nn.Module) -> dict[str, dict[str, dict[str, Any]]]:
 
 def restore(model: nn.Module, state: dict[str, dict[str, dict[str, Any]]]) -> None:
     """Re-attach the online modules described by `online_state` (their tensors load afterwards)."""
+    import_builtin_classes()
     for host, slots in state.items():
         for slot, entry in slots.items():
             cls = ONLINE_CLASSES.get(entry["class"])

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bitquilt.nn.hadamard import hadamard_transform, random_signs
+from bitquilt.nn.hadamard import hadamard_matrix, hadamard_transform, random_signs
 from bitquilt.nn.online import register_online
 
 
@@ -56,3 +56,36 @@ class QKRotation(nn.Module):
     @classmethod
     def from_dict(cls, _d: dict[str, Any]) -> QKRotation:
         return cls()
+
+
+@register_online
+class RotatedScale(nn.Module):
+    """x ↦ x Qᵀ diag(g) Q, Q = diag(s) M_n QuaRot's residual rotation (`seed`): a norm's scale g applied to the
+    rotated stream as the norm applied it before the rotation (slot `output_rotation` of the final norm, whose own
+    weight is then 1). It lets an LM head tied to the embedding stay tied: the head reads E Q, the rotated embedding,
+    where folding g into it would make a second table E diag(g) Q. One dense [n, n] product per token (`matrix`,
+    saved with the model), against the head's [vocab, n]."""
+
+    def __init__(self, size: int, seed: int, scale: torch.Tensor | None = None):
+        super().__init__()
+        self.size, self.seed = size, seed
+        matrix = torch.zeros(size, size)  # a placeholder until the saved matrix loads
+        if scale is not None:
+            q = random_signs(size, seed)[:, None] * hadamard_matrix(size)
+            matrix = (q.T * scale.double()) @ q
+        self.register_buffer("matrix", matrix.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.size:
+            raise ValueError(f"a rotated scale of size {self.size} got inputs of width {x.shape[-1]}")
+        return x @ self.matrix.to(x.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "seed": self.seed}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RotatedScale:
+        return cls(d["size"], d["seed"])
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}, seed={self.seed}"

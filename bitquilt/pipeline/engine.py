@@ -25,6 +25,7 @@ from torch import nn
 from bitquilt.calib.capture import attention_reused, capture_block_inputs, run_block, writer_input_reused
 from bitquilt.calib.compute import FP32_CPU, CalibCompute, calibrating
 from bitquilt.calib.plan import Plan
+from bitquilt.calib.preserve import check_family, checked_block_stage, checked_model_stage, probe_ids
 from bitquilt.calib.report import QuantReport
 from bitquilt.calib.stages import SCOPES, BlockContext, BlockSource, ModelContext, Stage
 from bitquilt.formats.sparse_blocks import check_block_shape
@@ -167,6 +168,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | 
     start = time.perf_counter()
     reset_peak_rss()
     arch = architecture_of(model)
+    check_family(recipe, arch)
     if resume_dir is not None and blocks is not None:
         raise ValueError("a resume directory cannot be combined with streaming quantization")
     stages = recipe.stages()
@@ -187,14 +189,20 @@ def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | 
                        progress=progress)
 
     for stage, opts in by_scope["prepass"] + by_scope["model"]:
-        _record(report, stage, stage.fn(ctx, opts), None)
+        _record(report, stage, checked_model_stage(stage, ctx, opts), None)
     use_cache = getattr(model.config, "use_cache", None)
     model.config.use_cache = False
     inputs, layer_kwargs = capture_block_inputs(model, arch, calib_ids) if needs_data else ([], [])
+    # without calibration data, block transforms are checked (`bitquilt.calib.preserve`) on a probe window of their
+    # own, carried through the blocks beside the run; with it, on the first calibration window
+    probing = not needs_data and any(s.kind == "transform" for s, _ in by_scope["block"] + by_scope["post_block"])
+    probe, probe_kwargs = (capture_block_inputs(model, arch, probe_ids(None, model.config.vocab_size)) if probing
+                           else ([], layer_kwargs))
     home = next(model.parameters()).device
     moving = torch.device(compute.device).type != home.type  # each block to the device for its stages, then back
     if moving:
         inputs, layer_kwargs = to_device(inputs, compute.device), to_device(layer_kwargs, compute.device)
+        probe, probe_kwargs = to_device(probe, compute.device), to_device(probe_kwargs, compute.device)
     first = 0
     saved = None if resume_dir is None else load_progress(resume_dir, run_id)
     if saved is not None:  # carry on after the last saved block
@@ -216,8 +224,9 @@ def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | 
             layers[i].to(compute.device)
         block_ctx = BlockContext(model, arch, plan, ctx.calib_ids, ctx.settings, ctx.scratch, index=i,
                                  block=layers[i], inputs=inputs, kwargs=layer_kwargs[i] if needs_data else {})
+        window = (probe if probing else inputs)[:1], probe_kwargs[i] if probing or needs_data else {}
         for stage, opts in by_scope["block"]:
-            _record(report, stage, stage.fn(block_ctx, opts), block_ctx.prefix)
+            _record(report, stage, checked_block_stage(stage, block_ctx, opts, *window), block_ctx.prefix)
         with ExitStack() as reuse:
             for j, shared in enumerate(arch.shared_inputs):
                 block_ctx.linears = shared.linears
@@ -231,10 +240,12 @@ def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | 
             if by_scope["post_block"]:
                 reuse.close()
             for stage, opts in by_scope["post_block"]:
-                _record(report, stage, stage.fn(block_ctx, opts), block_ctx.prefix)
+                _record(report, stage, checked_block_stage(stage, block_ctx, opts, *window), block_ctx.prefix)
             report.linears.extend(block_ctx.results)
             if needs_data:
                 inputs = run_block(layers[i], inputs, block_ctx.kwargs)
+            if probing:
+                probe = run_block(layers[i], probe, probe_kwargs[i])
         if moving:
             layers[i].to(home)
         if blocks is not None:

@@ -5,10 +5,12 @@ M_d the Hadamard of `hadamard.py`) the residual stream x becomes x Q, and the mo
 same function if
 
   norm fusion   RMSNorm(x)·(o + g) feeds W  →  W diag(o + g), g ← 1 − o  (o: Gemma's offset);
-                RMSNorm commutes with Q since ‖x Q‖ = ‖x‖ (an LM head tied to the embedding is
-                untied first: they now differ)
+                RMSNorm commutes with Q since ‖x Q‖ = ‖x‖
   embedding     E ← E Q
   readers       W ← W Q          (q/k/v, gate/up, LM head: their input is x Q)
+  tied head     an LM head tied to the embedding stays tied, reading E Q: the final norm's scale is not
+                folded into it (that would be a second table, E diag(g) Q) but applied online on the
+                norm's output, x ↦ x Qᵀ diag(g) Q (`RotatedScale`)
   writers       W ← Qᵀ W, b ← b Q (o_proj, down_proj: their output joins x Q);
                 where a norm sits between a writer and the residual add (Gemma 3's post-norms)
                 the writer is left alone and Q is applied online to the norm's output.
@@ -41,7 +43,7 @@ from bitquilt.calib.stages import ModelContext, register_stage
 from bitquilt.models.adapters import Architecture, decoder_layers
 from bitquilt.nn.hadamard import hadamard_transform, random_signs
 from bitquilt.nn.online import attach, enable_attention_site
-from bitquilt.nn.rotation import HadamardRotation, QKRotation
+from bitquilt.nn.rotation import HadamardRotation, QKRotation, RotatedScale
 from bitquilt.registry import option
 
 
@@ -80,20 +82,25 @@ def _linear(root: nn.Module, name: str) -> nn.Linear:
     return lin
 
 
+def is_tied(model: nn.Module, arch: Architecture) -> bool:
+    """Whether the LM head shares the embedding's weight (a head not read yet, streaming: as the config says)."""
+    head, embed = model.get_submodule(arch.lm_head), model.get_submodule(arch.embed)
+    if head.weight.is_meta:
+        return bool(getattr(model.config, "tie_word_embeddings", False))
+    return head.weight.data_ptr() == embed.weight.data_ptr()
+
+
 def untie_lm_head(model: nn.Module, arch: Architecture) -> bool:
     """Give the LM head its own weight if it shares the embedding's; True if it did. A head not read yet (streaming:
     still on the meta device) is marked untied in the config, and the checkpoint reads it as a copy of the
     embedding (`bitquilt.models.streaming.StreamingCheckpoint.finish`)."""
-    head, embed = model.get_submodule(arch.lm_head), model.get_submodule(arch.embed)
-    if head.weight.is_meta:
-        tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    elif head.weight.data_ptr() != embed.weight.data_ptr():
+    if not is_tied(model, arch):
         return False
-    else:
+    head = model.get_submodule(arch.lm_head)
+    if not head.weight.is_meta:
         head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
-        tied = True
     model.config.tie_word_embeddings = False
-    return tied
+    return True
 
 
 @torch.no_grad()
@@ -180,6 +187,11 @@ def rotate_block(_index: int, block: nn.Module, arch: Architecture, signs: torch
         online_hadamard(block, arch)
 
 
+def rotate_stream(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """x Q, in float64: how the rotation maps the residual stream (for its function-preservation check)."""
+    return hadamard_transform(x.double(), signs).to(x.dtype)
+
+
 @torch.no_grad()
 def rotate_head(model: nn.Module, arch: Architecture, scale: torch.Tensor, signs: torch.Tensor) -> None:
     """The LM head reads the rotated, unscaled stream: W ← W diag(scale) Q, `scale` the final norm's."""
@@ -188,22 +200,36 @@ def rotate_head(model: nn.Module, arch: Architecture, scale: torch.Tensor, signs
     _set(head.weight, _times(head.weight, signs))
 
 
+def refuses_family(arch: Architecture) -> str | None:
+    """Why QuaRot does not serve `arch`'s family, None where it does. With weighted norms after the branches (Gemma 3)
+    the rotation still holds in full precision (the online output rotation), but the rotated model loses most of its
+    accuracy once rounded, even at 8 bits (docs/methods/quarot.md has the measurement)."""
+    if not arch.post_norms:
+        return None
+    return ("the family normalises each branch's output with a weighted norm before the residual add, and its rotated "
+            "model, though exact in full precision, loses most of its accuracy once rounded, even at 8 bits "
+            "(docs/methods/quarot.md)")
+
+
 @register_stage("quarot", scope="model", kind="transform", options=QuaRotOptions, needs_calibration=False,
-                streams=True)
+                streams=True, refuses=refuses_family)
 @torch.no_grad()
 def quarot(ctx: ModelContext, opts: QuaRotOptions) -> dict[str, Any]:
     """Rotate the embedding and take the final norm's scale now, each block as `ctx` reaches it, the LM head last."""
     model, arch = ctx.model, ctx.arch
-    untied = untie_lm_head(model, arch)
-    embed = model.get_submodule(arch.embed)
+    embed, final_norm = model.get_submodule(arch.embed), model.get_submodule(arch.final_norm)
     d = embed.weight.shape[1]
     signs = random_signs(d, opts.seed)
-    head_scale = take_norm_scale(model.get_submodule(arch.final_norm), arch.norm_offset)
-    _set(embed.weight, _times(embed.weight, signs))
-    ctx.each_block(partial(rotate_block, arch=arch, signs=signs, opts=opts))
-    ctx.at_end(partial(rotate_head, arch=arch, scale=head_scale, signs=signs))
+    head_scale = take_norm_scale(final_norm, arch.norm_offset)
+    _set(embed.weight, _times(embed.weight, signs))  # a tied head's too: it is the same tensor
+    tied = is_tied(model, arch)
+    if tied:
+        attach(final_norm, "output_rotation", RotatedScale(d, opts.seed, head_scale))
+    ctx.each_block(partial(rotate_block, arch=arch, signs=signs, opts=opts), stream=partial(rotate_stream, signs=signs))
+    if not tied:
+        ctx.at_end(partial(rotate_head, arch=arch, scale=head_scale, signs=signs))
     if opts.head_hadamard:
         enable_attention_site(model)
-    return {"seed": opts.seed, "hidden_size": d, "untied_lm_head": untied,
+    return {"seed": opts.seed, "hidden_size": d, "tied_lm_head": tied,
             "online_hadamard": list(arch.writers) if opts.online_hadamard else [],
             "online_output_rotation": list(arch.post_norms)}

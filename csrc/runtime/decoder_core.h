@@ -26,6 +26,7 @@
 
 #include "common/avx2_simd.h"
 #include "common/parallel.h"
+#include "runtime/attention_tiles.h"
 
 namespace bitquilt_decoder {
 
@@ -108,9 +109,20 @@ class Decoder {
   size_t layers() const { return layers_.size(); }
 
   // x [T, D] of the tokens at positions pos..pos+T-1 through every layer, in place (the caches' rows written);
-  // pos + T <= max_len.
+  // pos + T <= max_len. A prompt goes through in blocks of kPrompt tokens, each through every layer before the
+  // next (whose tokens attend to its cached keys): the work per token, and the activations' memory, stay those of
+  // one block however long the prompt.
   template <typename Run>
   void forward(float* x, int64_t T, int64_t pos, const Run& run) {
+    for (int64_t t0 = 0; t0 < T; t0 += kPrompt) forward_block(x + t0 * d_.D, std::min(kPrompt, T - t0), pos + t0, run);
+  }
+
+ private:
+  static constexpr int64_t kPrompt = 256;  // prompt tokens per pass through the layers
+  static constexpr int64_t kBlock = 16;    // query tokens per attention task
+
+  template <typename Run>
+  void forward_block(float* x, int64_t T, int64_t pos, const Run& run) {
     const int64_t D = d_.D, F = d_.F, q_size = d_.H * d_.hd, kv_size = d_.G * d_.hd;
     fit(h_, T * std::max(D, F));
     fit(q_, T * q_size);
@@ -137,7 +149,6 @@ class Decoder {
     }
   }
 
- private:
   static void fit(std::vector<float>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
   }
@@ -154,54 +165,10 @@ class Decoder {
     }
   }
 
-  // s[j] = scaling * <q, k_j> for the n keys k [n, hd]: `dot`'s lanes and sum, four keys at a time (independent
-  // FMA chains, so a prompt's quadratic part runs at the FMA units' rate rather than their latency).
-  void scores_into(const float* q, const float* k, int64_t n, int64_t hd, float* s) const {
-    int64_t j = 0;
-    if (hd % 8 == 0) {
-      for (; j + 4 <= n; j += 4) {
-        const float* k0 = k + j * hd;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t c = 0; c < hd; c += 8) {
-          const __m256 qc = _mm256_loadu_ps(q + c);
-          a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + c), a0);
-          a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + hd + c), a1);
-          a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 2 * hd + c), a2);
-          a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 3 * hd + c), a3);
-        }
-        s[j] = d_.scaling * hsum8(a0);
-        s[j + 1] = d_.scaling * hsum8(a1);
-        s[j + 2] = d_.scaling * hsum8(a2);
-        s[j + 3] = d_.scaling * hsum8(a3);
-      }
-    }
-    for (; j < n; ++j) s[j] = d_.scaling * dot(q, k + j * hd, hd);
-  }
-
-  // out [hd] = sum_j (e[j] / total) v_j over the n values v [n, hd], 64 columns at a time in registers (the sum
-  // over j in order, as one FMA per value).
-  static void mix_into(const float* e, float total, const float* v, int64_t n, int64_t hd, float* out) {
-    const float inv = 1.0f / total;
-    int64_t c0 = 0;
-    for (; hd % 8 == 0 && c0 < hd; c0 += 64) {
-      const int64_t width = std::min<int64_t>(64, hd - c0) / 8;
-      __m256 acc[8];
-      for (int64_t w = 0; w < width; ++w) acc[w] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < n; ++j) {
-        const __m256 p = _mm256_set1_ps(e[j] * inv);
-        const float* vj = v + j * hd + c0;
-        for (int64_t w = 0; w < width; ++w) acc[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * w), acc[w]);
-      }
-      for (int64_t w = 0; w < width; ++w) _mm256_storeu_ps(out + c0 + 8 * w, acc[w]);
-    }
-    for (int64_t c = c0; c < hd; ++c) {  // a head dim that is no multiple of 8
-      float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) sum += e[j] * inv * v[j * hd + c];
-      out[c] = sum;
-    }
-  }
-
-  // a_ = attention of the T tokens at pos.. over the cache (q_, k_, v_ hold their projections)
+  // a_ = attention of the T tokens at pos.. over the cache (q_, k_, v_ hold their projections). The queries go in
+  // blocks of kBlock tokens: a block's rows of one KV head (its tokens times the query heads that share the head)
+  // read each key and value once for all of them (attention_tiles.h), their scores in one row each, soft-maxed
+  // over the row's own keys (causal).
   void attention(const Layer& layer, int64_t T, int64_t pos) {
     const int64_t hd = d_.hd, G = d_.G, H = d_.H, L = d_.max_len;
     for (int64_t t = 0; t < T; ++t)
@@ -212,24 +179,39 @@ class Decoder {
         std::copy_n(kg, hd, layer.keys + (g * L + pos + t) * hd);
         std::copy_n(v_.data() + (t * G + g) * hd, hd, layer.values + (g * L + pos + t) * hd);
       }
-    const int64_t group = H / G;
-    // (token, head) pairs: a prompt's spread over the threads, a decoded token's heads run in turn. The tokens are
-    // taken first, last, second, second to last...: a token attends to all before it, so contiguous chunks of that
-    // order hold as many keys each.
-    bitquilt_par::parallel_for(0, T * H, T > 1 ? 1 : H, [&](int64_t k0, int64_t k1) {
-      std::vector<float> scores(pos + T);
+    const int64_t group = H / G, blocks = (T + kBlock - 1) / kBlock;
+    // (block, KV head) tasks: a prompt's spread over the threads, a decoded token's heads run in turn. The blocks
+    // are taken first, last, second, second to last...: a block attends to all before it, so contiguous chunks of
+    // that order hold as many keys each.
+    bitquilt_par::parallel_for(0, blocks * G, T > 1 ? 1 : G, [&](int64_t k0, int64_t k1) {
+      const int64_t most = std::min(T, kBlock) * group, width = pos + T;
+      std::vector<float> scores(most * width);
+      std::vector<const float*> q(most);
+      std::vector<float*> s(most), out(most);
+      std::vector<int64_t> n(most);
       for (int64_t k = k0; k < k1; ++k) {
-        const int64_t r = k / H, t = r % 2 ? T - 1 - r / 2 : r / 2, h = k % H, i = t * H + h, n = pos + t + 1;
-        float* qh = q_.data() + i * hd;
-        if (layer.q_norm != nullptr) rms_norm(qh, layer.q_norm, hd, d_.eps, qh);
-        rope(qh, pos + t);
-        const float* kh = layer.keys + h / group * L * hd;
-        const float* vh = layer.values + h / group * L * hd;
-        scores_into(qh, kh, n, hd, scores.data());
-        float top = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) top = std::max(top, scores[j]);
-        const float total = exp_shifted(scores.data(), n, top);
-        mix_into(scores.data(), total, vh, n, hd, a_.data() + i * hd);
+        const int64_t r = k / G, b = r % 2 ? blocks - 1 - r / 2 : r / 2, g = k % G;
+        const int64_t t0 = b * kBlock, t1 = std::min(T, t0 + kBlock), rows = (t1 - t0) * group;
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            const int64_t row = (t - t0) * group + h - g * group, i = t * H + h;
+            float* qh = q_.data() + i * hd;
+            if (layer.q_norm != nullptr) rms_norm(qh, layer.q_norm, hd, d_.eps, qh);
+            rope(qh, pos + t);
+            q[row] = qh;
+            s[row] = scores.data() + row * width;
+            out[row] = a_.data() + i * hd;
+            n[row] = pos + t + 1;
+          }
+        const float* kh = layer.keys + g * L * hd;
+        const float* vh = layer.values + g * L * hd;
+        bitquilt_attention::scores_rows(q.data(), rows, kh, pos + t1, hd, d_.scaling, s.data());
+        for (int64_t row = 0; row < rows; ++row) {
+          float* sr = s[row];
+          const float inv = 1.0f / exp_shifted(sr, n[row], bitquilt_attention::max_of(sr, n[row]));
+          for (int64_t j = 0; j < n[row]; ++j) sr[j] *= inv;
+        }
+        bitquilt_attention::mix_rows(s.data(), n.data(), rows, vh, hd, out.data());
       }
     });
   }

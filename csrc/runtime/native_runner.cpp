@@ -1,8 +1,9 @@
 // bitquilt-native: generate text with a standalone export from a program without Python. The same model code as
 // bitquilt-run (standalone.cpp's loader, kernels and sampling) with the export's own tokenizer tables
 // (bpe_tokenizer.h), the same options and output: the prompt and its continuation as it is generated on stdout,
-// then the figures on stderr (or everything as JSON with --json). Sampled draws use Python's generator (MT19937
-// seeded as random.Random(seed) seeds it), so a seed gives bitquilt-run's tokens. Errors are one line and exit 2.
+// then what ran (runtime, engine with its kernel path) and the figures on stderr (or everything as JSON with
+// --json). Sampled draws use Python's generator (MT19937 seeded as random.Random(seed) seeds it), so a seed gives
+// bitquilt-run's tokens. Errors are one line and exit 2.
 //
 //   bitquilt-native OUT_DIR --prompt "The capital of France is" --max-new-tokens 32 --threads 2
 
@@ -354,20 +355,23 @@ int run(int argc, char** argv) {
   const std::optional<double> decode =
       n > 1 ? std::optional<double>((n - 1) / seconds(t1, t2)) : std::nullopt;
   const double peak = peak_rss_mb();
+  // what ran, as bitquilt-run's "standalone (ISA kernels)" and generate's runtime name it: this program, its path
+  const std::string engine = std::string("bitquilt-native (") + kIsaNames[bq_active_isa()] + " kernels)";
   if (o.json) {
     char decode_text[32] = "null";
     if (decode) std::snprintf(decode_text, sizeof decode_text, "%.17g", *decode);
-    std::printf("{\n  \"prompt\": %s,\n  \"completion\": %s,\n  \"prompt_tokens\": %zu,\n  \"new_tokens\": %lld,\n"
-                "  \"prefill_tokens_per_s\": %.17g,\n  \"decode_tokens_per_s\": %s,\n  \"load_seconds\": %.17g,\n"
-                "  \"peak_rss_mb\": %.17g\n}\n",
-                json_string(o.prompt).c_str(), json_string(stream.text()).c_str(), prompt.size(),
-                static_cast<long long>(n), prefill, decode_text, loaded, peak);
+    std::printf("{\n  \"prompt\": %s,\n  \"completion\": %s,\n  \"runtime\": \"standalone\",\n  \"engine\": %s,\n"
+                "  \"prompt_tokens\": %zu,\n  \"new_tokens\": %lld,\n  \"prefill_tokens_per_s\": %.17g,\n"
+                "  \"decode_tokens_per_s\": %s,\n  \"load_seconds\": %.17g,\n  \"peak_rss_mb\": %.17g\n}\n",
+                json_string(o.prompt).c_str(), json_string(stream.text()).c_str(), json_string(engine).c_str(),
+                prompt.size(), static_cast<long long>(n), prefill, decode_text, loaded, peak);
     flush_out();
   } else {
     std::printf("%s\n", stream.shown() ? "" : o.prompt.c_str());
     flush_out();
-    std::fprintf(stderr, "prompt_tokens=%zu, new_tokens=%lld, prefill_tokens_per_s=%.4g, ", prompt.size(),
-                 static_cast<long long>(n), prefill);
+    std::fprintf(stderr, "runtime=standalone, engine=%s, prompt_tokens=%zu, new_tokens=%lld, ", engine.c_str(),
+                 prompt.size(), static_cast<long long>(n));
+    std::fprintf(stderr, "prefill_tokens_per_s=%.4g, ", prefill);
     if (decode) std::fprintf(stderr, "decode_tokens_per_s=%.4g, ", *decode);
     std::fprintf(stderr, "load_seconds=%.4g, peak_rss_mb=%.4g\n", loaded, peak);
   }

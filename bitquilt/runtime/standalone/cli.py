@@ -2,9 +2,10 @@
 
     bitquilt-run OUT_DIR --prompt "The capital of France is" --max-new-tokens 32 --threads 2
 
-prints the prompt and its continuation as it is generated, then (stderr) the prompt and new token counts, prefill
-and decode tokens/s, the seconds from start to loaded, and the process's peak resident memory (`--json`: all of it
-at the end, as JSON). Errors are one line and exit 2 (`bitquilt.errors.run_command`).
+prints the prompt and its continuation as it is generated, then (stderr) what ran (runtime, engine with its kernel
+path), the prompt and new token counts, prefill and decode tokens/s, the seconds from start to loaded, and the
+process's peak resident memory (`--json`: all of it at the end, as JSON). Errors are one line and exit 2
+(`bitquilt.errors.run_command`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
         result = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.ignore_eos,
                           None if args.json else show)
-        stats = {**result.stats(), "load_seconds": loaded, "peak_rss_mb": peak_rss_mb()}
+        stats = {"runtime": "standalone", **result.stats(), "load_seconds": loaded, "peak_rss_mb": peak_rss_mb()}
         if args.json:
             print(json.dumps({"prompt": args.prompt, "completion": result.text, **stats}, indent=2), flush=True)
         else:
