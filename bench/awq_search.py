@@ -1,12 +1,12 @@
 """AWQ's α search, every output row against a stratified row sample: what it costs and what it chooses.
 
-    python bench/awq_search.py [--model smollm2-135m] [--rows 512] [--threads 2]
+    python bench/awq_search.py [--model smollm2-135m] [--rows 512] [--widths 4,3] [--threads 2]
 
 Part 1 times the search on Llama-3-8B shapes (32/8 heads of 128, hidden 4,096, MLP 14,336): each shared input's
 linears (q/k/v, o, gate/up, down) with random weights whose rows include a few 15× heavier ones, and a Hessian
 from 2,048 random tokens with outlier channels; 20 α values, products in the calibration precision `auto`
 picks on this machine; every row at every α (`awq.rows=0`) against `awq.rows=ROWS`. Part 2 quantizes the real
-model with `awq+rtn` at W4g128 and W3g128 twice, `awq.rows=0` and `awq.rows=ROWS`: in the sampled run every search
+model with `awq+rtn` at each of --widths (g128) twice, `awq.rows=0` and `awq.rows=ROWS`: in the sampled run every search
 is also done exhaustively, giving how often the same α is chosen and the regret (the chosen α's exact loss over
 the best one's, minus 1); both models are scored on the reference perplexity windows.
 """
@@ -69,10 +69,11 @@ def compared_with_exhaustive(exhaustive, searches: list):
     return search
 
 
-def model_part(model_name: str, rows: int, calib: CalibConfig) -> list[dict]:
+def model_part(model_name: str, rows: int, calib: CalibConfig, widths: list[int], done) -> list[dict]:
+    """The model rows, `done(rows so far)` called after each (the report is rewritten as they come)."""
     exhaustive = awq_module.search_scales
     out = []
-    for bits in (4, 3):
+    for bits in widths:
         for r in (0, rows):
             searches = []
             awq_module.search_scales = compared_with_exhaustive(exhaustive, searches)
@@ -90,6 +91,7 @@ def model_part(model_name: str, rows: int, calib: CalibConfig) -> list[dict]:
                            regret_max=max(x for *_, x in searches))
             out.append(row)
             print(row, flush=True)
+            done(out)
     return out
 
 
@@ -123,16 +125,21 @@ def main() -> None:
     p = parser(__doc__, model="smollm2-135m", threads=2)
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--calib-samples", type=int, default=16)
+    p.add_argument("--widths", default="4,3", help="comma-separated weight widths of part 2 (none: part 1 only)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     facts = run_facts()
     compute = choose_compute("auto", "cpu")
     calib = CalibConfig("sciq", args.calib_samples, 512, 0)
     shapes = shapes_part(args.rows, compute.dtype)
-    rows = model_part(args.model, args.rows, calib)
-    write_report("awq_search", {"facts": finish(facts), "products": compute.precision, "rows": args.rows,
-                                "model": args.model, "calibration": f"sciq {args.calib_samples} × 512",
-                                "shapes": shapes, "model_rows": rows}, render)
+    record = {"facts": facts, "products": compute.precision, "rows": args.rows, "model": args.model,
+              "calibration": f"sciq {args.calib_samples} × 512", "shapes": shapes, "model_rows": []}
+
+    def done(rows: list[dict]) -> None:
+        write_report("awq_search", {**record, "facts": finish(facts), "model_rows": rows}, render)
+
+    done([])
+    model_part(args.model, args.rows, calib, [int(w) for w in args.widths.split(",") if w], done)
 
 
 if __name__ == "__main__":
