@@ -41,6 +41,7 @@ from quant_time import matmul_gflops
 from bitquilt.recipes import Recipe
 
 LLAMA3_8B = {"hidden": 4096, "mlp": 14336, "heads": 32, "kv_heads": 8, "vocab": 128256}
+LLAMA3_8B_LAYERS = 32  # what the 8B-shaped runs extrapolate to (--layers may be fewer)
 LLAMA3_70B = {"layers": 80, "hidden": 8192, "mlp": 28672, "heads": 64, "kv_heads": 8, "vocab": 128256}
 FIELDS = ("model", "layers", "calibration")
 BF16_BYTES = 2
@@ -337,7 +338,7 @@ def extrapolation(records: list[dict]) -> list[str]:
     a = c_small - b * t_small
     shape, threads = records[0]["settings"]["shape"], records[0]["settings"]["threads"]
     full = max(records, key=lambda r: r["layers"])
-    layers = full["layers"]
+    layers = model_layers(full)
     done = [r for r in records if r["status"] == "done"]
     ref = full if full["status"] == "done" else next((r for r in done if tokens(r) == t_big), None)
     big_calib = f"{t_big // 512} × 512" if t_big % 512 == 0 else f"{t_big:,} tokens"
@@ -355,11 +356,11 @@ def extrapolation(records: list[dict]) -> list[str]:
                   f"t({t_big:,}) = **{total / 60:.0f} CPU-min**: ≥ {total / threads / 60:.0f} min wall on {threads} "
                   f"idle cores (÷ {threads} threads, perfect scaling), {total * w_big / c_big / 60:.0f} min at the "
                   f"wall/CPU ratio its blocks had here ({w_big / c_big:.2f})."]
-    lines += memory(records, full, shape)
+    lines += memory(records, full, shape, layers)
     big_shape = {k: v for k, v in LLAMA3_70B.items() if k != "layers"}
     rho_t, rho_f = block_params(big_shape) / block_params(shape), block_sweep(big_shape) / block_sweep(shape)
     params_70 = LLAMA3_70B["layers"] * block_params(big_shape) + 2 * big_shape["vocab"] * big_shape["hidden"]
-    rho_p = params_70 / full["checkpoint"]["params"]
+    rho_p = params_70 / (layers * block_params(shape) + 2 * shape["vocab"] * shape["hidden"])
     block_70 = rho_f * a + rho_t * b * t_big
     lines += ["", f"**Llama-3-70B shape** (80 blocks, hidden 8,192, MLP 28,672, 64/8 heads): b·T grows with a "
               f"block's linear weights, ×{rho_t:.2f} ({block_params(big_shape) / 1e6:.0f} M vs "
@@ -384,25 +385,29 @@ def extrapolation(records: list[dict]) -> list[str]:
     return lines
 
 
-def memory(records: list[dict], full: dict, shape: dict[str, int]) -> list[str]:
-    """Peak RSS of the full model (measured, or from a shorter run's peak plus the packed blocks the full model holds
-    beyond it) and its 70B estimate."""
+def model_layers(full: dict) -> int:
+    """The blocks of the model a run's shape stands for: 32 for the Llama-3-8B shape, else the longest run's."""
+    return max(full["layers"], LLAMA3_8B_LAYERS) if full["settings"]["shape"] == LLAMA3_8B else full["layers"]
+
+
+def memory(records: list[dict], full: dict, shape: dict[str, int], layers: int) -> list[str]:
+    """Peak RSS of the `layers`-block model (measured, or from a shorter run's peak plus the packed blocks the model
+    holds beyond it) and its 70B estimate."""
     ends = 2 * shape["vocab"] * shape["hidden"] * 4 / GB  # the fp32 embedding and LM head
     done = [r for r in records if r["status"] == "done"]
     if not done:
         return []
-    layers = full["layers"]
     ref = max(done, key=lambda r: r["layers"])
     per_block = (ref["disk_written_bytes"] / GB - ends) / ref["layers"]  # a packed block, as saved
     lines, peak = [], 0.0
-    if full["status"] == "done":
+    if full["status"] == "done" and full["layers"] == layers:
         peak = full["peak_rss_mb"] * 2**20 / GB
         lines += ["", f"**Memory**: the {layers}-block run peaked at {peak:.1f} GB RSS: the fp32 embedding and LM "
                   f"head ({ends:.1f} GB), the packed blocks kept until the save ({per_block * layers:.1f} GB: the "
                   f"saved model less those two) and {peak - ends - per_block * layers:.1f} GB more (the working set "
                   "of a block, the interpreter)."]
     short = max((r for r in done if r["layers"] < layers), key=tokens, default=None)
-    if short is not None and (full["status"] != "done" or tokens(short) > tokens(full)):
+    if short is not None and (full["status"] != "done" or full["layers"] < layers or tokens(short) > tokens(full)):
         during = short["peak_rss_mb"] * 2**20 / GB + per_block * (layers - short["layers"])
         lines += ["", f"**Memory at {short['calibration']}**: the {short['layers']}-block run peaked at "
                   f"{short['peak_rss_mb'] * 2**20 / GB:.1f} GB (RSS after its last block "
@@ -436,7 +441,8 @@ def render(records: list[dict]) -> str:
         if settings["calib_dtype"]:
             lines += extrapolation(rows)
         else:
-            lines += [*memory(rows, max(rows, key=lambda r: r["layers"]), settings["shape"]), ""]
+            full = max(rows, key=lambda r: r["layers"])
+            lines += [*memory(rows, full, settings["shape"], model_layers(full)), ""]
         lines += ["## Per block", ""] + [line for r in rows for line in block_table(r)]
     return "\n".join(lines)
 
