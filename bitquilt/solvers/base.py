@@ -201,16 +201,17 @@ def hessian_error(weight: torch.Tensor, approx: torch.Tensor | None, hessian: to
                   products: torch.dtype = torch.float32) -> float:
     """tr(D H Dᵀ), D = W − Ŵ (D = W if `approx` is None): the layer's output error ‖WX − ŴX‖² per token. `products`:
     the dtype D·H is multiplied in (bf16: one rounding of each product, summed in fp32)."""
-    d = weight.float() if approx is None else weight.float() - approx.float()
     if products == torch.float32:
+        d = weight.float() if approx is None else weight.float() - approx.float()
         return float(torch.einsum("ij,jk,ik->", d, hessian.float(), d))
-    return float(((d.to(products) @ hessian.to(products)).float() * d).sum())
+    return float(row_errors(weight, approx, hessian, products).sum())
 
 
-def row_errors(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor,
+def row_errors(weight: torch.Tensor, approx: torch.Tensor | None, hessian: torch.Tensor,
                products: torch.dtype = torch.float32) -> torch.Tensor:
-    """d_r H d_rᵀ for each row r of D = W − Ŵ: each output channel's share of `hessian_error` (fp32)."""
-    d = weight.float() - approx.float()
+    """d_r H d_rᵀ for each row r of D = W − Ŵ (D = W if `approx` is None): each output channel's share of
+    `hessian_error` (fp32)."""
+    d = weight.float() if approx is None else weight.float() - approx.float()
     return ((d.to(products) @ hessian.to(products)).float() * d).sum(dim=1)
 
 

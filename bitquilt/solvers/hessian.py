@@ -38,10 +38,12 @@ def prepare_hessian(
     prepared Hessian and the (possibly permuted, dead-zeroed) weight copy.
     """
     W = weight.detach().float().clone()
-    dead = torch.diag(hessian) == 0
+    diagonal = torch.diag(hessian).float()
+    dead = diagonal == 0
     W[:, dead] = 0.0
-    diagonal = torch.diag(hessian).float().masked_fill(dead, 1.0)
+    diagonal = diagonal.masked_fill(dead, 1.0)
     perm = torch.argsort(diagonal, descending=True) if act_order else None
+    dead_at = dead if perm is None else dead[perm]  # the dead channels in the swept order
     if perm is not None:
         W = W[:, perm]
     mean_diag = diagonal.mean()
@@ -49,7 +51,7 @@ def prepare_hessian(
     for attempt in range(max_retries + 1):
         # A fresh damped copy per attempt, and each factor freed once the next is made: an 8B model's down_proj
         # Hessian is 0.8 GB in fp32, and this holds at most two such matrices at a time.
-        factor, info = torch.linalg.cholesky_ex(damped(hessian, perm, dead, lam * mean_diag))
+        factor, info = torch.linalg.cholesky_ex(damped(hessian, perm, dead_at, lam * mean_diag))
         if info == 0:
             factor = torch.cholesky_inverse(factor)
             U, info = torch.linalg.cholesky_ex(factor, upper=True)
@@ -63,11 +65,11 @@ def prepare_hessian(
 
 
 def damped(hessian: torch.Tensor, perm: torch.Tensor | None, dead: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """H + shift·I in fp32, in `perm`'s order, with dead channels' diagonal set to 1 before the shift."""
+    """H + shift·I in fp32, in `perm`'s order, with the diagonal of `dead` (in that order) set to 1 before the shift."""
     H = hessian.detach().float()
     H = H[perm][:, perm] if perm is not None else H.clone()
     diagonal = H.diagonal()
-    diagonal.masked_fill_(dead[perm] if perm is not None else dead, 1.0)
+    diagonal.masked_fill_(dead, 1.0)
     diagonal.add_(shift)
     return H
 

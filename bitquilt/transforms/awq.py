@@ -102,8 +102,9 @@ def stratified_rows(errors: torch.Tensor, rows: int) -> tuple[torch.Tensor, torc
     heavy, rest = order[: rows // 2], order[rows // 2:]
     step = math.ceil(rest.numel() / (rows - rows // 2))
     sample = rest[step // 2:: step]  # the middle row of each stride of `step`
-    weight = torch.cat([torch.ones(heavy.numel()), torch.full((sample.numel(),), rest.numel() / sample.numel())])
-    return torch.cat([heavy, sample]), weight.to(errors.device)
+    weight = torch.cat([torch.ones(heavy.numel(), device=errors.device),
+                        torch.full((sample.numel(),), rest.numel() / sample.numel(), device=errors.device)])
+    return torch.cat([heavy, sample]), weight
 
 
 @register_stage("awq", scope="block", kind="transform", options=AWQOptions)
