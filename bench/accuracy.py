@@ -2,6 +2,8 @@
 
     python bench/accuracy.py --model smollm2-135m                 # the reference settings
     python bench/accuracy.py --model qwen2.5-0.5b --calib-samples 32 --ppl-windows 10
+    python bench/accuracy.py --model qwen2.5-1.5b --calib-samples 128 --suites main,default --labels rtn,awq,default \
+        --grid 4:128 --threads 2 --resume-dir out/bench/resume   # the default recipe; killed runs carry on
 
 Results are appended to bench/results/accuracy.json (one record per model × config × settings;
 a config already measured with the same settings is skipped, so an interrupted run resumes)
@@ -10,6 +12,7 @@ and bench/results/accuracy.md is regenerated from all records.
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -49,7 +52,9 @@ IMPROVEMENTS = [
 ]
 # BPDQ's extra grids, with the baselines it is compared against there
 BPDQ = [(m, m, b, g, OPTIONS.get(m, {})) for b, g in ((3, 64), (2, 128)) for m in ("bpdq", "rtn", "gptq", "awq")]
-SUITES = {"main": MAIN, "reference": REFERENCE_EXTRAS, "improvements": IMPROVEMENTS, "bpdq": BPDQ}
+# what `bitquilt quantize` runs without --method (`Recipe.best`) at each grid
+DEFAULT = [("default", "default", b, g, {}) for b, g in GRID]
+SUITES = {"main": MAIN, "reference": REFERENCE_EXTRAS, "improvements": IMPROVEMENTS, "bpdq": BPDQ, "default": DEFAULT}
 
 # The figures from the unmodified IST-DASLab GPTQ reference on smollm2-135m (same settings).
 REFERENCE_PPL = {
@@ -150,6 +155,10 @@ def main() -> None:
     p.add_argument("--save-dir", type=Path, default=None,
                    help="also save each quantized model under SAVE_DIR (see saved_name) for other benches")
     p.add_argument("--render-only", action="store_true", help="only rewrite accuracy.md from accuracy.json")
+    p.add_argument("--calib-dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="precision of calibration's matrix products (bitquilt quantize --calib-dtype)")
+    p.add_argument("--resume-dir", type=Path, default=None,
+                   help="keep each run's state after every block under RESUME_DIR, so a killed run carries on")
     args, calib, settings, bench = ppl_bench(p, "accuracy", KEY, render, calib_samples=64, ppl_windows=40)
     if args.render_only:
         bench.rerender()
@@ -161,25 +170,32 @@ def main() -> None:
         if not bench.todo(wanted):
             continue  # measure what is missing, or (--recheck) again what is stored
         model, tokenizer = load(args.model)  # one model in memory at a time: two 1.5B jobs must fit in RAM
-        quant_time = None
+        quant_time = quant_cpu = compute = resume = None
         reset_peak_rss()
         if method != "fp":
-            recipe = Recipe(method, w_bits=bits, group_size=group, options=options)
+            recipe = (Recipe.best(bits) if method == "default"
+                      else Recipe(method, w_bits=bits, group_size=group, options=options))
             if ids is None and recipe.needs_calibration:
                 ids = calibration_ids(tokenizer, calib)
-            t0 = time.perf_counter()
-            quantize(model, recipe, ids if recipe.needs_calibration else None, progress=True)
-            quant_time = time.perf_counter() - t0
+            resume = args.resume_dir / saved_name(args.model, label, bits, group) if args.resume_dir else None
+            t0, c0 = time.perf_counter(), time.process_time()
+            report = quantize(model, recipe, ids if recipe.needs_calibration else None, progress=True,
+                              calib_dtype=args.calib_dtype, resume_dir=resume)
+            quant_time, quant_cpu = time.perf_counter() - t0, time.process_time() - c0
+            compute = report.compute
         ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False)
         record = {"model": args.model, "label": label, "method": method, "w_bits": bits, "group_size": group,
                   "options": options, "ppl": ppl.ppl, "ppl_seconds": ppl.seconds, **model_summary(model),
-                  "quant_time_s": quant_time, "peak_rss_mb": peak_rss_mb(),
+                  "quant_time_s": quant_time, "quant_cpu_s": quant_cpu, "compute": compute,
+                  "peak_rss_mb": peak_rss_mb(),
                   "settings": settings, **stamp()}
         print(f"{label:24s} w{bits} g{group}: ppl {ppl.ppl:.2f}  {record['size_mb']:.1f} MB  "
               f"{record['bits_per_weight']:.3f} bpw  {quant_time or 0:.0f} s", flush=True)
         if args.save_dir and method != "fp":
             save(model, args.save_dir / saved_name(args.model, label, bits, group), tokenizer, overwrite=True)
         bench.store(record)
+        if resume is not None:
+            shutil.rmtree(resume, ignore_errors=True)
         del model
 
 

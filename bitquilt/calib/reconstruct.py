@@ -9,7 +9,11 @@ full-precision block's outputs), one random mini-batch of whole windows per step
 "signsgd" (SignRound: θ ← θ − η_t·sign(∇θ), η_t decaying linearly from η to 0; with η = 1/steps
 a rounding offset moves at most half a step in total) and "adam" (AdamW, no weight decay, same
 schedule). The parameters of the step with the lowest mini-batch loss are kept (as AutoRound
-does), and the loss over every window is measured before and after.
+does), and the loss is measured before and after on up to REPORT_WINDOWS evenly spaced windows (a report: on
+a large calibration set, every window would cost more forwards than the steps themselves). Every pass, training
+steps included, runs in the calibration precision (`bitquilt.calib.compute.block_pass`: in bf16 the block's
+matrix products multiply in bf16 under autocast while the parameters, their gradients' accumulation and the
+loss stay fp32).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import torch
 from torch import nn
 
 from bitquilt.calib.capture import block_output
+from bitquilt.calib.compute import block_pass
 
 OPTIMIZERS = ("signsgd", "adam")
+REPORT_WINDOWS = 16
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,7 @@ class FitConfig:
 
 @dataclass
 class FitResult:
-    loss_before: float  # mean squared error over every window, before and after
+    loss_before: float  # mean squared error over the reported windows (`report_windows`), before and after
     loss_after: float
     steps: int
     seconds: float
@@ -70,10 +76,19 @@ class FitResult:
 @torch.no_grad()
 def block_error(block: nn.Module, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
                 kwargs: dict[str, Any]) -> float:
-    """Mean squared error of the block's outputs against `targets` over every window."""
-    total = sum(float((block_output(block, x, kwargs).float() - y.float()).pow(2).sum()) for x, y in
-                zip(inputs, targets))
+    """Mean squared error of the block's outputs against `targets` over every window, in the calibration
+    precision."""
+    with block_pass(block):
+        total = sum(float((block_output(block, x, kwargs).float() - y.float()).pow(2).sum()) for x, y in
+                    zip(inputs, targets))
     return total / sum(y.numel() for y in targets)
+
+
+def report_windows(n: int) -> list[int]:
+    """The windows the loss before and after is measured on: all n, or REPORT_WINDOWS evenly spaced ones."""
+    if n <= REPORT_WINDOWS:
+        return list(range(n))
+    return torch.linspace(0, n - 1, REPORT_WINDOWS).round().long().tolist()
 
 
 class _SignSGD(torch.optim.Optimizer):
@@ -118,12 +133,14 @@ def fit_block(block: nn.Module, inputs: Sequence[torch.Tensor], targets: Sequenc
     `anneal(t)` runs before step t/steps ∈ [0, 1) (e.g. a router's temperature), and with t = 1 after the
     last step: the state the error after is measured in. `step_inputs()`, read after `anneal`, gives the inputs
     of the coming step when they depend on what `anneal` set (MoBiQuant's per-prefix streams: windows at the same
-    positions as `inputs`); the error before and after is measured on `inputs`. Deterministic for a given
-    `config.seed`.
+    positions as `inputs`); the error before and after is measured on `inputs` (`report_windows` of them).
+    Deterministic for a given `config.seed`.
     """
     config.validate()
     t0 = time.perf_counter()
-    before = block_error(block, inputs, targets, kwargs)
+    measured = report_windows(len(inputs))
+    inputs_measured, targets_measured = [inputs[i] for i in measured], [targets[i] for i in measured]
+    before = block_error(block, inputs_measured, targets_measured, kwargs)
     params = [p for p in params if p.requires_grad]
     if config.steps == 0 or not params:
         return FitResult(before, before, 0, time.perf_counter() - t0)
@@ -134,7 +151,7 @@ def fit_block(block: nn.Module, inputs: Sequence[torch.Tensor], targets: Sequenc
     gen = torch.Generator().manual_seed(config.seed)
     batch = min(config.batch, len(inputs))
     best, best_state = float("inf"), None
-    with torch.enable_grad(), only_training(block, params):
+    with torch.enable_grad(), only_training(block, params), block_pass(block):
         for step in range(config.steps):
             if anneal is not None:
                 anneal(step / config.steps)
@@ -162,4 +179,5 @@ def fit_block(block: nn.Module, inputs: Sequence[torch.Tensor], targets: Sequenc
                 p.copy_(saved)
     for p in params:
         p.grad = None
-    return FitResult(before, block_error(block, inputs, targets, kwargs), config.steps, time.perf_counter() - t0)
+    after = block_error(block, inputs_measured, targets_measured, kwargs)
+    return FitResult(before, after, config.steps, time.perf_counter() - t0)

@@ -82,7 +82,7 @@ def per_count(x: torch.Tensor, counts: torch.Tensor, n_parts: int, out_features:
         part = product(k, x[rows])
         if part is None:
             return None
-        y[rows] = part
+        y[rows] = part.to(y.dtype)  # under autocast a product may come back in bf16
     return y
 
 
