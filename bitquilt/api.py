@@ -22,6 +22,7 @@ from bitquilt.errors import UserError
 from bitquilt.export import FORMATS as EXPORT_FORMATS
 from bitquilt.io import (  # noqa: F401  (API)
     RUNTIMES,
+    check_writable,
     is_quantized_dir,
     load,
     load_quantized,
@@ -158,12 +159,18 @@ def check_streamable(recipe: Recipe) -> None:
                         "streaming only ever holds one block; quantize without --stream")
 
 
-def open_streaming(spec: str | Path) -> StreamingCheckpoint:
+def open_streaming(spec: str | Path, spill_dir: str | Path | None = None) -> StreamingCheckpoint:
     """A packaged model name or Hugging Face folder opened for `quantize_streaming`: the model's skeleton (config,
-    shapes, embeddings, final norm; the decoder blocks and the LM head stay on disk) and its tokenizer."""
+    shapes, embeddings, final norm; the decoder blocks and the LM head stay on disk) and its tokenizer. With
+    `spill_dir` (a folder on disk, e.g. where the result will be saved) the packed blocks and the embedding table
+    wait there, mapped, instead of in memory (`bitquilt.models.streaming`)."""
     path = resolve_path(spec)
     check_quantizable(path)
-    return StreamingCheckpoint(path)
+    if spill_dir is not None:
+        if not Path(spill_dir).is_dir():
+            raise UserError(f"spill_dir {spill_dir} is not a directory; give an existing folder on disk")
+        check_writable(Path(spill_dir) / ".bitquilt-spill")
+    return StreamingCheckpoint(path, spill_dir=spill_dir)
 
 
 def check_quantizable(spec: str | Path, recipe: Recipe | None = None) -> None:

@@ -428,7 +428,8 @@ def cmd_quantize(args) -> int:
         raise UserError(f"--resume keeps its state in {progress_dir(out)}, which is a file; move it away")
     if args.stream:
         check_streamable(recipe)
-        stream = open_streaming(args.model)  # the skeleton: blocks, final norm and LM head stay on disk
+        # the skeleton: blocks, final norm and LM head stay on disk; packed blocks wait beside the output
+        stream = open_streaming(args.model, spill_dir=next(p for p in out.absolute().parents if p.is_dir()))
         model, tokenizer = stream.model, stream.tokenizer
     else:
         model, tokenizer = load(args.model)

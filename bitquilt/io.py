@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from bitquilt.cache import MANIFEST, atomic_dir, claim_output, foreign_entries, written_entries
@@ -50,6 +49,7 @@ from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.runtime.module_tree import ModuleTreeConfig, ModuleTreeLM
 from bitquilt.runtime.tokenizer import FastTokenizer
+from bitquilt.tensor_writer import write_tensors
 
 CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -212,7 +212,7 @@ def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, extra: 
             model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        save_file(stored_tensors(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "bitquilt": "1"})
+        write_tensors(tmp / WEIGHTS_NAME, stored_tensors(model), metadata={"format": "pt", "bitquilt": "1"})
         (tmp / CONFIG_NAME).write_text(json.dumps(qconfig, indent=2, default=str))
     return directory
 

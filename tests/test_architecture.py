@@ -15,7 +15,7 @@ EXTENDING = ROOT.parent / "docs" / "extending.md"
 # Lowest floor first. A module may import its own floor and the floors below, never above.
 FLOORS = [
     {"errors", "cache", "resources", "registry", "tables", "mapped", "heap", "isa", "flag_checks", "native_build",
-     "tensor_header", "progress", "__init__"},
+     "tensor_header", "tensor_writer", "progress", "__init__"},
     {"formats"},
     {"kernels"},
     {"nn"},

@@ -55,7 +55,7 @@ def test_save_is_atomic_and_refuses_to_overwrite(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(bio, "save_file", broken)
+    monkeypatch.setattr(bio, "write_tensors", broken)
     with pytest.raises(OSError, match="disk full"):
         save(model, tmp_path / "q")
     assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
@@ -239,3 +239,27 @@ def test_a_saved_config_json_with_a_wrong_typed_field_is_one_line(saved_tiny, tm
     assert str(error.value) == (f"{path / 'config.json'} is not a valid model config: Validation error for field "
                                 "'num_hidden_layers': TypeError: Field 'num_hidden_layers' expected int, got str "
                                 "(value: 'two')")
+
+
+def test_tensor_writer_writes_what_the_safetensors_library_reads(tmp_path):
+    """`write_tensors` (saves write tensor by tensor): every dtype, empty and 0-d tensors, a non-contiguous one and
+    metadata read back bit for bit by the library, each tensor aligned to its element size."""
+    from safetensors import safe_open
+
+    from bitquilt.tensor_header import read_header
+    from bitquilt.tensor_writer import SAFETENSORS_DTYPES, write_tensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t_{str(d).split('.')[-1]}": (torch.randn(3, 5, generator=g) * 50).to(d) for d in SAFETENSORS_DTYPES}
+    tensors |= {"empty": torch.empty(0, 4), "scalar": torch.tensor(7, dtype=torch.int16),
+                "strided": torch.arange(24, dtype=torch.int32).reshape(4, 6).T, "odd": torch.ones(3, dtype=torch.uint8)}
+    path = tmp_path / "t.safetensors"
+    write_tensors(path, tensors, metadata={"format": "pt"})
+    with safe_open(path, "pt") as f:
+        assert f.metadata() == {"format": "pt"} and set(f.keys()) == set(tensors)
+        for name, t in tensors.items():
+            got = f.get_tensor(name)
+            assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), name
+    read_header(path, aligned=True)  # raises on a gap, an overlap or a misaligned tensor
+    with pytest.raises(ValueError, match="complex64"):
+        write_tensors(tmp_path / "c.safetensors", {"c": torch.zeros(2, dtype=torch.complex64)})

@@ -91,6 +91,45 @@ def test_only_one_block_holds_full_precision_weights(tmp_path):
         quantize_streaming(stream, Recipe("rtn", w_bits=4, group_size=32))
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_spilled_blocks_and_embedding_wait_mapped_and_leave_nothing_on_disk(tmp_path, tied):
+    """With a spill directory each finished block's packed linears, and the embedding table from the capture of the
+    calibration inputs to `finish`, are views of a mapped file that is already unlinked; the result is bit-identical
+    to the in-memory run and the embedding is back in memory of its own (stages may change it in place)."""
+    from bitquilt.mapped import _mapping_of
+
+    path = _checkpoint(tmp_path, "llama", tied)
+    recipe, ids = Recipe("gptq", w_bits=4, group_size=32), _calib()
+    ref = _in_ram(path, recipe, ids)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    stream = open_streaming(path, spill_dir=spill)
+    embed = lambda: stream.model.model.embed_tokens.weight  # noqa: E731
+    seen, load = [], stream.load
+
+    def spy(i):  # as block i is read: the embedding and every finished block are mapped, nothing is on disk
+        load(i)
+        packed = [t for layer in stream.layers[:i] for t in layer.buffers()]
+        seen.append(_mapping_of(embed()) is not None and all(_mapping_of(t) is not None for t in packed)
+                    and not any(spill.iterdir()))
+
+    stream.load = spy
+    model, _, _ = quantize_streaming(stream, recipe, ids, progress=False)
+    assert seen == [True] * len(stream.layers) and not any(spill.iterdir())
+    assert _mapping_of(embed()) is None and torch.equal(embed(), ref.model.embed_tokens.weight)
+    assert (model.lm_head.weight.data_ptr() == embed().data_ptr()) == tied
+    save(ref, tmp_path / "ram")
+    save(model, tmp_path / "stream")
+    _assert_same_saved(tmp_path / "ram", tmp_path / "stream")
+    with torch.no_grad():
+        assert torch.equal(ref(ids[:2]).logits, model(ids[:2]).logits)
+
+
+def test_a_spill_directory_must_exist(tmp_path):
+    with pytest.raises(UserError, match="is not a directory"):
+        open_streaming(_checkpoint(tmp_path), spill_dir=tmp_path / "missing")
+
+
 def test_streams_a_sharded_bf16_checkpoint_reporting_each_block(tmp_path):
     """Hugging Face's sharded layout (model-0000X-of-0000N.safetensors + index) in bf16, as large models ship: read
     across the shards, widened to fp32 as the in-memory load does, with `on_block` called as each block ends."""

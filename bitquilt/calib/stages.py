@@ -65,6 +65,10 @@ class BlockSource(Protocol):
     def release(self, index: int) -> None:
         """Free what block `index` holds in full precision once its linears are quantized."""
 
+    def inputs_captured(self) -> None:
+        """Block 0's calibration inputs are taken: what only produced them (the embedding table) may leave memory
+        until the end."""
+
     def on_load(self, fn: Callable[[int, nn.Module], None]) -> None:
         """Run fn(index, block) on every block as it is read, from now on."""
 

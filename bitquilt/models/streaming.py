@@ -18,11 +18,19 @@ arguments every block receives (positions, masks), which do not depend on any bl
 
 Tensors are read with plain file reads into fresh memory rather than through a memory map, so that a block's
 file pages do not stay mapped (and counted in RSS) after the block is freed.
+
+With a `spill_dir` (the CLI gives the output's folder), what the run holds only to save it at the end leaves
+memory: each block's packed linears once the block is done, and the embedding table once the calibration inputs
+are captured (until `finish`, which reads it back). They are written to a file there (`bitquilt.tensor_writer`),
+replaced by views of it mapped into memory (`bitquilt.mapped`) whose pages are given back, and the file is unlinked
+at once (the mapping keeps its data): memory then stays at one block's working set however many blocks the model
+has, and nothing is left on disk.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +41,13 @@ from torch import nn
 
 from bitquilt.errors import UserError
 from bitquilt.heap import return_free_memory
-from bitquilt.mapped import map_file, tensor_view
+from bitquilt.mapped import map_file, release, tensor_view
 from bitquilt.models.adapters import architecture_of, decoder_layers
 from bitquilt.models.loading import TOKENIZER_FILES, _load_tokenizer, checked_config, empty_model
 from bitquilt.nn.finite import all_finite
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.tensor_header import DTYPE_BYTES, read_header
+from bitquilt.tensor_writer import write_tensors
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -125,7 +134,7 @@ class StreamingCheckpoint:
     """A Hugging Face folder opened for streaming quantization: `model` is its skeleton, filled by `load(i)` /
     `release(i)` (the engine's block source, `bitquilt.calib.stages.BlockSource`) and `finish()`."""
 
-    def __init__(self, directory: str | Path, dtype: torch.dtype = torch.float32):
+    def __init__(self, directory: str | Path, dtype: torch.dtype = torch.float32, spill_dir: str | Path | None = None):
         from transformers import AutoConfig, GenerationConfig
 
         directory = Path(directory)
@@ -134,6 +143,8 @@ class StreamingCheckpoint:
             raise UserError(f"{directory} is {kind}; --stream (streaming quantization) reads a Hugging Face folder "
                             "(config.json + .safetensors); quantize it without --stream")
         self.directory, self.dtype = directory, dtype
+        self.spill_dir = None if spill_dir is None else Path(spill_dir)
+        self._spilled_embedding = False
         self.files = TensorFiles(directory)
         config = checked_config(directory / "config.json",
                                 lambda: AutoConfig.from_pretrained(directory, local_files_only=True))
@@ -211,15 +222,54 @@ class StreamingCheckpoint:
 
     def release(self, index: int) -> None:
         """Free what block `index` holds in full precision beyond its packed linears (the dequantized weights its
-        QuantLinears cached while computing the next block's inputs); linears kept in full precision stay."""
-        for module in self.layers[index].modules():
-            if isinstance(module, QuantLinear):
-                module._dequantized = None
+        QuantLinears cached while computing the next block's inputs); linears kept in full precision stay. With a
+        spill directory the packed linears leave memory too (module docstring)."""
+        linears = [m for m in self.layers[index].modules() if isinstance(m, QuantLinear)]
+        for module in linears:
+            module._dequantized = None
+        packed = {f"{i}.{name}": t for i, m in enumerate(linears) for name, t in m.named_buffers(recurse=False)}
+        owned = [t.data_ptr() for t in packed.values() if t.numel()]
+        if self.spill_dir is not None and packed and len(set(owned)) == len(owned):  # shared tensors stay shared
+            views = self._spill(packed, f"block{index}")
+            for i, module in enumerate(linears):
+                for name in list(module._buffers):
+                    module._buffers[name] = views[f"{i}.{name}"]
+                module.rebuild_format()
         return_free_memory()
+
+    def inputs_captured(self) -> None:
+        """The calibration inputs of block 0 are taken: with a spill directory the embedding table leaves memory
+        until `finish` (module docstring)."""
+        embed = self.model.get_submodule(self.arch.embed)
+        if self.spill_dir is None or embed.weight.is_meta:
+            return
+        view = self._spill({"weight": embed.weight.detach()}, "embedding")["weight"]
+        _put(embed, "weight", view, embed.weight.requires_grad)
+        self._spilled_embedding = True
+        return_free_memory()
+
+    def _spill(self, tensors: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tensor]:
+        """`tensors` written to a file in the spill directory and mapped back, the file unlinked: views with the
+        same values whose pages the system may drop (tensors sharing memory are written once each, so the
+        callers pass those a module owns)."""
+        path = self.spill_dir / f".bitquilt-spill-{os.getpid()}-{tag}.safetensors"
+        try:
+            write_tensors(path, tensors)
+            files = TensorFiles(self.spill_dir, [path])
+            views = {name: files.mapped(name) for name in tensors}
+        finally:
+            path.unlink(missing_ok=True)
+        return views
 
     def finish(self) -> nn.Module:
         """Load the LM head, tied to the embeddings if the config says so, or a copy of the embedding's tensor on
         disk if a stage untied a tied head (QuaRot), and run the `on_finish` functions; the model is then complete."""
+        if self._spilled_embedding:  # back into memory of its own: stages may change it in place from here on
+            embed = self.model.get_submodule(self.arch.embed)
+            mapped = embed.weight.detach()
+            _put(embed, "weight", mapped.clone(), embed.weight.requires_grad)
+            release([mapped])
+            self._spilled_embedding = False
         if getattr(self.model.config, "tie_word_embeddings", False):
             self.model.tie_weights()
         elif self.tied_head:

@@ -61,10 +61,15 @@ class QuantLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         # keep the format's tensors the same objects as the buffers after .to()/.cuda()
         super()._apply(fn, recurse)
+        self.rebuild_format()
+        return self
+
+    def rebuild_format(self) -> None:
+        """Make the format's tensors the module's buffers again, after they were moved or replaced (e.g. by views
+        of a file the same bytes were written to)."""
         tensors = split_buffers(dict(self.named_buffers(recurse=False)))
         self.fmt = type(self.fmt).from_tensors(tensors, self.fmt.meta())
         self._dequantized = None
-        return self
 
     def context_for(self, x: torch.Tensor) -> MatmulContext | None:
         """The run-time context of input x [..., in]: the router's, one entry per row of the 2-D x; None

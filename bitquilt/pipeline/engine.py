@@ -198,6 +198,8 @@ def _quantize_model(model: nn.Module, recipe: Recipe, calib_ids: torch.Tensor | 
     probing = not needs_data and any(s.kind == "transform" for s, _ in by_scope["block"] + by_scope["post_block"])
     probe, probe_kwargs = (capture_block_inputs(model, arch, probe_ids(None, model.config.vocab_size)) if probing
                            else ([], layer_kwargs))
+    if blocks is not None:
+        blocks.inputs_captured()
     home = next(model.parameters()).device
     moving = torch.device(compute.device).type != home.type  # each block to the device for its stages, then back
     if moving:
