@@ -12,7 +12,8 @@ model.safetensors.index.json, config.json) with smollm2-135m's tokenizer (its id
 not claimed.
 
 The run is what `bitquilt quantize CKPT --stream --method awq+gptq --w-bits 4 --group-size 128 --calib-dtype auto`
-runs (`bitquilt.quantize_streaming`, then `bitquilt.save`), on sciq calibration windows, in a child process with
+runs (`bitquilt.open_streaming` with the output's folder as its spill directory, as the CLI does, unless --no-spill;
+`bitquilt.quantize_streaming`, then `bitquilt.save`), on sciq calibration windows, in a child process with
 --threads threads: its wall and CPU seconds and peak RSS (ru_maxrss from wait4) over the whole run, every block's
 wall and CPU seconds (the engine's per-block report, stored in the results as each block ends, so a run cut short
 keeps its blocks) and resident memory at its end, and the bytes of the saved model, which is deleted once measured.
@@ -175,7 +176,7 @@ def wanted(args: argparse.Namespace) -> dict:
     return {"model": model_label(widths(args)), "layers": args.layers,
             "calibration": f"{args.calib_samples} × {args.calib_seqlen}" if calibrated else "none",
             "settings": {"method": f"{args.method} W4g128", "calib_dtype": args.calib_dtype if calibrated else None,
-                         "threads": args.threads, "shape": widths(args)}}
+                         "threads": args.threads, "shape": widths(args), "spill": not args.no_spill}}
 
 
 def output_dir(args: argparse.Namespace) -> Path:
@@ -208,7 +209,7 @@ def worker(args: argparse.Namespace, bench: Bench) -> None:
         bench.store(record)
 
     t0 = time.perf_counter()
-    stream = open_streaming(args.ckpt)
+    stream = open_streaming(args.ckpt, spill_dir=None if args.no_spill else output_dir(args).parent)
     t1 = time.perf_counter()
     model, tokenizer, report = quantize_streaming(
         stream, recipe(args), CalibConfig("sciq", args.calib_samples, args.calib_seqlen, 0),
@@ -331,7 +332,9 @@ def extrapolation(records: list[dict]) -> list[str]:
     model at the largest; Llama-3-70B's shape from the shape ratios; memory from the full model's run."""
     points = block_means(records)
     if len(points) < 2:
-        return ["Extrapolation: needs blocks measured at two calibration sizes.", ""]
+        full = max(records, key=lambda r: r["layers"])
+        return ["Time extrapolation: needs blocks measured at two calibration sizes.",
+                *memory(records, full, records[0]["settings"]["shape"], model_layers(full)), ""]
     t_small, t_big = min(points), max(points)
     (c_small, _), (c_big, w_big) = points[t_small], points[t_big]
     b = (c_big - c_small) / (t_big - t_small)
@@ -397,6 +400,8 @@ def memory(records: list[dict], full: dict, shape: dict[str, int], layers: int) 
     done = [r for r in records if r["status"] == "done"]
     if not done:
         return []
+    if full["settings"].get("spill"):
+        return spilled_memory(done, shape, layers, ends)
     ref = max(done, key=lambda r: r["layers"])
     per_block = (ref["disk_written_bytes"] / GB - ends) / ref["layers"]  # a packed block, as saved
     lines, peak = [], 0.0
@@ -427,6 +432,30 @@ def memory(records: list[dict], full: dict, shape: dict[str, int], layers: int) 
     return lines
 
 
+def spilled_memory(done: list[dict], shape: dict[str, int], layers: int, ends: float) -> list[str]:
+    """Peak RSS of spilled runs: finished blocks wait on disk, so a longer run holds no more during its blocks, and
+    the end holds the fp32 embedding and LM head for the save."""
+    rho_t = block_params({k: v for k, v in LLAMA3_70B.items() if k != "layers"}) / block_params(shape)
+    ends_70 = ends * LLAMA3_70B["hidden"] / shape["hidden"]
+    lines = []
+    for r in sorted(done, key=lambda r: (r["layers"], tokens(r))):
+        peak, rss = r["peak_rss_mb"] * 2**20 / GB, [b["rss_mb"] * 2**20 / GB for b in r["blocks"]]
+        lines += ["", f"**Memory, {r['layers']} blocks at {r['calibration']}** (finished blocks' packed linears and "
+                  f"the embedding table spilled to mapped files beside the output): peak **{peak:.1f} GB** RSS; "
+                  f"resident at the end of the first and the last block {rss[0]:.1f} and {rss[-1]:.1f} GB (the "
+                  f"blocks do not accumulate in memory); the end reads the fp32 embedding and LM head back "
+                  f"({ends:.1f} GB) for the save."]
+    big = max(done, key=lambda r: (tokens(r), r["layers"]))
+    peak = big["peak_rss_mb"] * 2**20 / GB
+    if big["layers"] < layers:
+        lines += ["", f"**{layers} blocks at {big['calibration']}**: blocks do not add memory, so the "
+                  f"{big['layers']}-block run's peak stands for the whole model: ≈ **{peak:.1f} GB** (estimated)."]
+    lines += ["", f"**Memory, 70B** (estimated): what a block holds grows at most with its weights (×{rho_t:.2f}): "
+              f"≤ {peak * rho_t:.0f} GB during the blocks; the fp32 embedding and head at the save take "
+              f"{ends_70:.1f} GB."]
+    return lines
+
+
 def render(records: list[dict]) -> str:
     lines = intro("Quantizing an 8B-class model with --stream", ABOUT)
     groups: dict[str, list[dict]] = {}
@@ -435,7 +464,8 @@ def render(records: list[dict]) -> str:
     for rows in groups.values():
         model, settings = rows[0]["model"], rows[0]["settings"]
         calibration = f"calibration {settings['calib_dtype']}" if settings["calib_dtype"] else "no calibration"
-        lines += [f"## {model}, {settings['method']}, {calibration}, {settings['threads']} threads", "",
+        spill = "finished blocks spilled beside the output" if settings.get("spill") else "finished blocks in memory"
+        lines += [f"## {model}, {settings['method']}, {calibration}, {settings['threads']} threads, {spill}", "",
                   *run_rows(rows), ""]
         lines += [*(f"- {r['layers']} blocks, {r['calibration']}: {run_header(r)}" for r in rows), ""]
         if settings["calib_dtype"]:
@@ -461,6 +491,8 @@ def main() -> None:
     p.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard, GB")
     p.add_argument("--tokenizer-from", default="smollm2-135m", help="packaged model whose tokenizer files are copied")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-spill", action="store_true", help="keep finished blocks and the embedding in memory (the "
+                   "CLI spills them beside the output, `bitquilt.open_streaming(spill_dir=...)`)")
     p.add_argument("--report", default="scale", help="results name under bench/results/")
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
