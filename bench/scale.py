@@ -440,7 +440,8 @@ def spilled_memory(done: list[dict], shape: dict[str, int], layers: int, ends: f
     lines = []
     for r in sorted(done, key=lambda r: (r["layers"], tokens(r))):
         peak, rss = r["peak_rss_mb"] * 2**20 / GB, [b["rss_mb"] * 2**20 / GB for b in r["blocks"]]
-        lines += ["", f"**Memory, {r['layers']} blocks at {r['calibration']}** (finished blocks' packed linears and "
+        calibration = "no calibration" if r["calibration"] == "none" else f"calibration {r['calibration']}"
+        lines += ["", f"**Memory, {r['layers']} blocks, {calibration}** (finished blocks' packed linears and "
                   f"the embedding table spilled to mapped files beside the output): peak **{peak:.1f} GB** RSS; "
                   f"resident at the end of the first and the last block {rss[0]:.1f} and {rss[-1]:.1f} GB (the "
                   f"blocks do not accumulate in memory); the end reads the fp32 embedding and LM head back "
@@ -450,9 +451,10 @@ def spilled_memory(done: list[dict], shape: dict[str, int], layers: int, ends: f
     if big["layers"] < layers:
         lines += ["", f"**{layers} blocks at {big['calibration']}**: blocks do not add memory, so the "
                   f"{big['layers']}-block run's peak stands for the whole model: ≈ **{peak:.1f} GB** (estimated)."]
-    lines += ["", f"**Memory, 70B** (estimated): what a block holds grows at most with its weights (×{rho_t:.2f}): "
-              f"≤ {peak * rho_t:.0f} GB during the blocks; the fp32 embedding and head at the save take "
-              f"{ends_70:.1f} GB."]
+    rho = max(rho_t, (LLAMA3_70B["mlp"] / shape["mlp"]) ** 2)
+    lines += ["", f"**Memory, 70B** (estimated, an upper bound): what the run holds at any time grows at most as a "
+              f"block's weights (×{rho_t:.2f}) or its largest Hessian (the MLP width squared) do, ×{rho:.2f}: "
+              f"≤ {peak * rho:.0f} GB; of it the fp32 embedding and head at the save take {ends_70:.1f} GB."]
     return lines
 
 
