@@ -496,11 +496,14 @@ def main() -> None:
     p.add_argument("--no-spill", action="store_true", help="keep finished blocks and the embedding in memory (the "
                    "CLI spills them beside the output, `bitquilt.open_streaming(spill_dir=...)`)")
     p.add_argument("--report", default="scale", help="results name under bench/results/")
+    p.add_argument("--render-only", action="store_true", help="only rewrite the report from its .json")
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     bench = Bench(args.report, FIELDS, render)
-    if args.worker:
+    if args.render_only:
+        bench.rerender()
+    elif args.worker:
         worker(args, bench)
     else:
         measure(args, bench)
