@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from common import GPTQ_ACT_ORDER_STATIC, GPTQ_PLAIN, fmt_ppl, parser, pivot, ppl_bench, run, sections, stamp
@@ -21,6 +22,8 @@ from common import GPTQ_ACT_ORDER_STATIC, GPTQ_PLAIN, fmt_ppl, parser, pivot, pp
 from bitquilt.api import calibration_ids, load, model_summary, quantize, save
 from bitquilt.errors import UserError
 from bitquilt.eval import perplexity
+from bitquilt.eval.tasks import TASK_NAMES
+from bitquilt.eval.zeroshot import average_accuracy, evaluate_tasks
 from bitquilt.recipes import Recipe
 from bitquilt.resources import peak_rss_mb, reset_peak_rss
 
@@ -77,9 +80,15 @@ def grid_label(bits: int, group: int) -> str:
     return f"W{bits}" + (" per-ch" if group == -1 else f"g{group}")
 
 
-def grid_summary(rows: list[dict]) -> list[str]:
-    """One row per method, one column per grid (widest first): the ppl, plus the bits/weight where a
-    format spends more than the uniform grid of that size (BPDQ's coefficients)."""
+def zeroshot_cell(r: dict) -> str:
+    """The zero-shot average of a record, in %, with the items scored per task; blank if not measured."""
+    z = r.get("zeroshot")
+    return "" if not z else f"{100 * z['average']:.1f} ({z['limit']}/task)"
+
+
+def grid_summary(rows: list[dict], value: Callable[[dict], str] | None = None) -> list[str]:
+    """One row per method, one column per grid (widest first): `value` of each record (default: the ppl, plus the
+    bits/weight where a format spends more than the uniform grid of that size, BPDQ's coefficients)."""
     quantized = [r for r in rows if r["w_bits"] is not None]
     grids = sorted({(r["w_bits"], r["group_size"]) for r in quantized}, key=lambda bg: (-bg[0], bg[1] == -1, -bg[1]))
     labels = sorted({r["label"] for r in quantized}, key=lambda label: (label != "rtn", "bpdq" in label, label))
@@ -89,7 +98,7 @@ def grid_summary(rows: list[dict]) -> list[str]:
         uniform_bpw = bits + (16 + 8) / group if group > 0 else bits  # asymmetric uniform grid: fp16 scale, 8-bit zero
         # (tolerance: a shorter last group, e.g. 576 = 4×128 + 64, costs a uniform grid a few hundredths)
         extra = f" ({r['bits_per_weight']:.2f} bpw)" if r["bits_per_weight"] > uniform_bpw + 0.05 else ""
-        cell[r["label"], grid_label(bits, group)] = fmt_ppl(r["ppl"]) + extra
+        cell[r["label"], grid_label(bits, group)] = fmt_ppl(r["ppl"]) + extra if value is None else value(r)
     fp = next((r for r in rows if r["label"] == "fp"), None)
     corner = f"method (fp {fmt_ppl(fp['ppl'])})" if fp else "method"
     return pivot(corner, labels, [grid_label(*g) for g in grids], cell)
@@ -107,8 +116,9 @@ def render(records: list[dict]) -> str:
              "meaningful part.", ""]
     for model, _settings, rows, header in sections(records):
         lines += header + [
-            "| method | bits | group | ppl | ref | size MB | bits/weight | quant time s | peak RSS MB |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| method | bits | group | ppl | ref | zero-shot avg % | size MB | bits/weight | quant time s "
+            "| peak RSS MB |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
         order = {"fp": 0, "rtn": 1, "awq": 2, "gptq": 3, "bpdq": 9}
         for r in sorted(rows, key=lambda r: (r["w_bits"] is not None, -(r["w_bits"] or 0),
                                              -(r["group_size"] or 0) % 10**6, order.get(r["label"], 5), r["label"])):
@@ -116,8 +126,12 @@ def render(records: list[dict]) -> str:
             ref = REFERENCE_PPL.get((r["label"], r["w_bits"], r["group_size"])) if model == "smollm2-135m" else None
             qt = "" if r["quant_time_s"] is None else f"{r['quant_time_s']:.0f}"
             lines.append(f"| {r['label']} | {r['w_bits'] or 'fp32'} | {g} | {fmt_ppl(r['ppl'])} | {fmt_ppl(ref)} | "
-                         f"{r['size_mb']:.1f} | {r['bits_per_weight']:.3f} | {qt} | {r['peak_rss_mb']:.0f} |")
+                         f"{zeroshot_cell(r)} | {r['size_mb']:.1f} | {r['bits_per_weight']:.3f} | {qt} | "
+                         f"{r['peak_rss_mb']:.0f} |")
         lines += ["", "Perplexity by method and grid (the same records):", ""] + grid_summary(rows) + [""]
+        if any(r.get("zeroshot") for r in rows):
+            lines += ["Zero-shot average accuracy (%) by method and grid, items per task as in the long table:", "",
+                      *grid_summary(rows, zeroshot_cell), ""]
     return "\n".join(lines)
 
 
@@ -157,6 +171,8 @@ def main() -> None:
     p.add_argument("--render-only", action="store_true", help="only rewrite accuracy.md from accuracy.json")
     p.add_argument("--calib-dtype", default="auto", choices=("auto", "fp32", "bf16"),
                    help="precision of calibration's matrix products (bitquilt quantize --calib-dtype)")
+    p.add_argument("--zeroshot-limit", type=int, default=0,
+                   help="also score the zero-shot tasks on this many items each (bitquilt.eval.zeroshot; 0: off)")
     p.add_argument("--resume-dir", type=Path, default=None,
                    help="keep each run's state after every block under RESUME_DIR, so a killed run carries on")
     args, calib, settings, bench = ppl_bench(p, "accuracy", KEY, render, calib_samples=64, ppl_windows=40)
@@ -167,7 +183,9 @@ def main() -> None:
     ids = None
     for label, method, bits, group, options in select_configs(args.suites, args.labels, args.grid):
         wanted = {"model": args.model, "label": label, "w_bits": bits, "group_size": group, "settings": settings}
-        if not bench.todo(wanted):
+        stored = bench.stored(wanted)
+        lacks_zeroshot = args.zeroshot_limit and stored is not None and not stored.get("zeroshot")
+        if not bench.todo(wanted) and not lacks_zeroshot:
             continue  # measure what is missing, or (--recheck) again what is stored
         model, tokenizer = load(args.model)  # one model in memory at a time: two 1.5B jobs must fit in RAM
         quant_time = quant_cpu = compute = resume = None
@@ -184,9 +202,13 @@ def main() -> None:
             quant_time, quant_cpu = time.perf_counter() - t0, time.process_time() - c0
             compute = report.compute
         ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False)
+        zeroshot = None
+        if args.zeroshot_limit:
+            scores = evaluate_tasks(model, tokenizer, list(TASK_NAMES), limit=args.zeroshot_limit, progress=False)
+            zeroshot = {"limit": args.zeroshot_limit, "tasks": scores, "average": average_accuracy(scores)}
         record = {"model": args.model, "label": label, "method": method, "w_bits": bits, "group_size": group,
                   "options": options, "ppl": ppl.ppl, "ppl_seconds": ppl.seconds, **model_summary(model),
-                  "quant_time_s": quant_time, "quant_cpu_s": quant_cpu, "compute": compute,
+                  "quant_time_s": quant_time, "quant_cpu_s": quant_cpu, "compute": compute, "zeroshot": zeroshot,
                   "peak_rss_mb": peak_rss_mb(),
                   "settings": settings, **stamp()}
         print(f"{label:24s} w{bits} g{group}: ppl {ppl.ppl:.2f}  {record['size_mb']:.1f} MB  "
