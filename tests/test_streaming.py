@@ -92,12 +92,14 @@ def test_only_one_block_holds_full_precision_weights(tmp_path):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_spilled_blocks_and_embedding_wait_mapped_and_leave_nothing_on_disk(tmp_path, tied):
+def test_spilled_blocks_and_embedding_wait_mapped_and_leave_nothing_on_disk(tmp_path, monkeypatch, tied):
     """With a spill directory each finished block's packed linears, and the embedding table from the capture of the
     calibration inputs to `finish`, are views of a mapped file that is already unlinked; the result is bit-identical
     to the in-memory run and the embedding is back in memory of its own (stages may change it in place)."""
     from bitquilt.mapped import _mapping_of
+    from bitquilt.models import streaming
 
+    monkeypatch.setattr(streaming, "READ_CHUNK_BYTES", 1000)  # the embedding comes back a few rows at a time
     path = _checkpoint(tmp_path, "llama", tied)
     recipe, ids = Recipe("gptq", w_bits=4, group_size=32), _calib()
     ref = _in_ram(path, recipe, ids)
@@ -123,6 +125,22 @@ def test_spilled_blocks_and_embedding_wait_mapped_and_leave_nothing_on_disk(tmp_
     _assert_same_saved(tmp_path / "ram", tmp_path / "stream")
     with torch.no_grad():
         assert torch.equal(ref(ids[:2]).logits, model(ids[:2]).logits)
+
+
+def test_a_tensor_converted_while_read_equals_the_stored_one_converted(tmp_path, monkeypatch):
+    """`TensorFiles.read(name, dtype)` converts through a bounded buffer; chunks that do not divide the tensor (and
+    the embedding read back from its spill in row chunks, in the test above) give the same values."""
+    from safetensors.torch import save_file
+
+    from bitquilt.models import streaming
+
+    t = torch.randn(37, 11, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    save_file({"t": t, "i": torch.arange(5)}, str(tmp_path / "w.safetensors"))
+    monkeypatch.setattr(streaming, "READ_CHUNK_BYTES", 50)  # 25 bf16 values a chunk
+    files = streaming.TensorFiles(tmp_path)
+    got = files.read("t", torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got, t.float()) and torch.equal(files.read("t"), t)
+    assert torch.equal(files.read("i"), torch.arange(5))
 
 
 def test_a_spill_directory_must_exist(tmp_path):

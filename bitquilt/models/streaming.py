@@ -49,6 +49,7 @@ from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.tensor_header import DTYPE_BYTES, read_header
 from bitquilt.tensor_writer import write_tensors
 
+READ_CHUNK_BYTES = 64 * 2**20  # a tensor converted while it is read goes through a buffer of this size
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
@@ -93,15 +94,30 @@ class TensorFiles:
             self._maps[e.path] = map_file(e.path)
         return tensor_view(self._maps[e.path], e.start, e.nbytes, e.dtype, e.shape)
 
-    def read(self, name: str) -> torch.Tensor:
-        """Tensor `name` in its stored dtype, in memory of its own."""
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor `name` in memory of its own, in its stored dtype or converted to `dtype` a chunk at a time (a bf16
+        LM head read as fp32 never holds both copies whole)."""
         e = self.entries[name]
-        raw = torch.empty(e.nbytes, dtype=torch.uint8)
+        if dtype is None or dtype == e.dtype or not e.nbytes:
+            raw = torch.empty(e.nbytes, dtype=torch.uint8)
+            self._read_bytes(e, name, 0, raw)
+            return raw.view(e.dtype).reshape(e.shape).to(dtype or e.dtype)
+        out = torch.empty(e.shape, dtype=dtype).reshape(-1)
+        size = e.dtype.itemsize
+        chunk = max(READ_CHUNK_BYTES // size, 1)
+        raw = torch.empty(min(chunk, out.numel()) * size, dtype=torch.uint8)
+        for first in range(0, out.numel(), chunk):
+            count = min(chunk, out.numel() - first)
+            self._read_bytes(e, name, first * size, raw[: count * size])
+            out[first: first + count] = raw[: count * size].view(e.dtype)
+        return out.reshape(e.shape)
+
+    @staticmethod
+    def _read_bytes(e: _Entry, name: str, offset: int, into: torch.Tensor) -> None:
         with open(e.path, "rb") as f:
-            f.seek(e.start)
-            if f.readinto(raw.numpy()) != e.nbytes:
+            f.seek(e.start + offset)
+            if f.readinto(into.numpy()) != into.numel():
                 raise UserError(f"{e.path} ended inside tensor {name}; re-fetch or re-save the model")
-        return raw.view(e.dtype).reshape(e.shape)
 
 
 def _identity(hidden_states: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
@@ -182,12 +198,12 @@ class StreamingCheckpoint:
         if name not in self.files:
             raise UserError(f"{self.directory} has no tensor {name!r}; streaming reads checkpoints whose tensor "
                             "names match the model's modules; quantize without --stream")
-        t = self.files.read(name)
-        if tuple(t.shape) != tuple(shape):
+        stored = self.files.entries[name]
+        if tuple(stored.shape) != tuple(shape):
             raise UserError(f"{self.directory} is corrupt or was edited: tensor {name} has shape "
-                            f"{tuple(t.shape)}, the config implies {tuple(shape)}")
+                            f"{tuple(stored.shape)}, the config implies {tuple(shape)}")
+        t = self.files.read(name, self.dtype if stored.dtype.is_floating_point else None)
         if t.is_floating_point():
-            t = t.to(self.dtype)
             if not all_finite(t):
                 raise UserError(f"parameter {name} contains NaN/Inf values; refusing to quantize a corrupted model")
         return t
@@ -267,8 +283,12 @@ class StreamingCheckpoint:
         if self._spilled_embedding:  # back into memory of its own: stages may change it in place from here on
             embed = self.model.get_submodule(self.arch.embed)
             mapped = embed.weight.detach()
-            _put(embed, "weight", mapped.clone(), embed.weight.requires_grad)
-            release([mapped])
+            copy = torch.empty_like(mapped)
+            rows = max(READ_CHUNK_BYTES // max(mapped[0].numel() * mapped.element_size(), 1), 1)
+            for first in range(0, mapped.shape[0], rows):  # a chunk at a time, its mapped pages given back
+                copy[first: first + rows] = mapped[first: first + rows]
+                release([mapped[first: first + rows]])
+            _put(embed, "weight", copy, embed.weight.requires_grad)
             self._spilled_embedding = False
         if getattr(self.model.config, "tie_word_embeddings", False):
             self.model.tie_weights()
