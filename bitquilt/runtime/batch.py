@@ -3,12 +3,13 @@ one step at a time, and join or leave the batch between steps.
 
 A step of `Batch` feeds every decoding sequence its last token and the first sequence still reading its prompt the
 next chunk of it (`chunk` tokens: a long prompt holds the running streams up for one chunk per step, not for the
-whole prompt), all their rows through each linear in one call (`LeanLayers.run`), attention per sequence over its own
-cache; a sequence that has read all of its input gets its next token. A sequence's chunks and ops do not depend on
-what else runs, so with the module-by-module layers it gets the same logits, and tokens, batched as alone. A lone
-decoding sequence takes the fused one-token step (`bitquilt.runtime.fused`) where the model allows: the same math in
-another fp32 order. A model the lean layers do not run (engine "transformers", another family) steps its sequences
-one after another through their own `stepper`, the prompt whole.
+whole prompt). The module-by-module layers take all their rows through each linear in one call (`LeanLayers.run`),
+attention per sequence over its own cache; a sequence that has read all of its input gets its next token. Where the
+model allows the fused one-token step (`bitquilt.runtime.fused`, engines auto and fused), each decoding sequence
+takes its own fused step instead, one after another (that step has no batched form yet). Nothing a sequence computes
+depends on what else runs (its chunks, its ops, its pick), so it gets the same logits, and tokens, batched as alone.
+A model the lean layers do not run (engine "transformers", another family) steps its sequences one after another
+through their own `stepper`, the prompt whole.
 """
 
 from __future__ import annotations
@@ -77,16 +78,16 @@ class Batch:
             return [self._picked(s, s.step(torch.tensor([s.pending]))) for s in list(self.sequences)]
         decoding = [s for s in self.sequences if s.new_ids]
         reading = next((s for s in self.sequences if not s.new_ids), None)
-        batch = decoding + ([reading] if reading is not None else [])
+        fused = [s for s in decoding if s.fused is not None] if kernels.options().enabled else []
+        picked = [self._fused_step(s) for s in fused]
+        batch = [s for s in decoding if s not in fused]
+        counts = [1] * len(batch)
+        if reading is not None:
+            batch.append(reading)
+            counts.append(min(self.chunk, len(reading.pending)))
         if not batch:
-            return []
-        counts = [1] * len(decoding) + ([min(self.chunk, len(reading.pending))] if reading is not None else [])
+            return picked
         ids = torch.tensor([[t for s, n in zip(batch, counts) for t in s.pending[:n]]])
-        lone = batch[0]
-        if len(batch) == 1 and lone.new_ids and lone.fused is not None and kernels.options().enabled:
-            x = lone.fused.step(self.model.model.embed_tokens(ids), lone.cache.pos)
-            lone.cache.pos += 1
-            return [self._picked(lone, self.layers.logits(x.view(1, -1))[0])]
         x = self.layers.run(ids, [s.cache for s in batch], counts)[0]
         ends = torch.tensor(counts).cumsum(0) - 1
         done = [i for i, (s, n) in enumerate(zip(batch, counts)) if n == len(s.pending)]
@@ -94,7 +95,13 @@ class Batch:
             if i not in done:
                 del s.pending[:counts[i]]
         logits = self.layers.logits(x[ends[done]]) if done else None
-        return [self._picked(batch[i], logits[j]) for j, i in enumerate(done)]
+        return picked + [self._picked(batch[i], logits[j]) for j, i in enumerate(done)]
+
+    def _fused_step(self, seq: Sequence) -> tuple[Sequence, int]:
+        """`seq`'s one-token step in the fused layers over its cache."""
+        x = seq.fused.step(self.model.model.embed_tokens(torch.tensor([seq.pending])), seq.cache.pos)
+        seq.cache.pos += 1
+        return self._picked(seq, self.layers.logits(x.view(1, -1))[0])
 
     @staticmethod
     def _picked(seq: Sequence, logits: torch.Tensor) -> tuple[Sequence, int]:

@@ -22,6 +22,10 @@ output dataclasses. `LeanDecoder` runs the model's own modules for one sequence:
   of a MoBiQuant checkpoint, static or routed per token); `fused_reason` says why not otherwise, and
   those steps run module by module.
 
+`LeanLayers` is all of it but the cache: it runs the rows of several sequences, each appended to its own `KVCache`
+at its own position, every linear called once with all rows and attention per sequence (a chunk after earlier
+tokens under a causal mask); `LeanDecoder` is it over one cache, `bitquilt.runtime.batch` over a running batch.
+
 Families: llama, mistral (without a sliding window shorter than the run), qwen2 (without sliding
 window), qwen3 (q/k norms); `unsupported_reason` says why another model stays on transformers.
 Tested against the transformers forward (logits and greedy tokens).
