@@ -170,7 +170,10 @@ def cmd_serve(args) -> int:
     limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_body_bytes)
     chat = ChatTemplate(resolve_path(args.model), getattr(tokenizer, "bos_token", None), tokenizer.eos_token)
     name = args.model if args.model in MODELS else Path(args.model).name
-    server = Server(Worker(model, tokenizer, args.engine, args.max_queue), chat, name, limits, positions, api_key)
+    longest = args.max_prompt_tokens + args.max_tokens  # a sequence's positions: prompt and new tokens
+    worker = Worker(model, tokenizer, args.engine, args.max_queue, longest if positions is None else
+                    min(positions, longest), args.max_batch)
+    server = Server(worker, chat, name, limits, positions, api_key)
     if args.host not in LOOPBACK and api_key is None:
         print(f"bitquilt serve: warning: {args.host} is reachable from other machines and no --api-key is set",
               file=sys.stderr)
@@ -227,6 +230,9 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
                    "(default: $BITQUILT_API_KEY if set, else none)")
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait for the model; more are refused with 503 at once (default 16)")
+    s.add_argument("--max-batch", type=int, default=8,
+                   help="requests decoded at once, a token each per step (engine lean: one kernel call per linear "
+                   "for all); waiting ones join as others end (default 8)")
     s.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt in tokens (default 4096)")
     s.add_argument("--max-tokens", type=int, default=1024, help="most new tokens a request may ask (default 1024)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")

@@ -21,8 +21,8 @@ RANGES: dict[str, tuple[float, float | None]] = {
     "seqlen": (2, INT32_MAX), "ppl_windows": (1, INT32_MAX), "limit": (1, INT32_MAX), "calib_samples": (1, INT32_MAX),
     "calib_seqlen": (16, INT32_MAX), "max_new_tokens": (1, INT32_MAX), "prompt_tokens": (1, INT32_MAX),
     "new_tokens": (2, INT32_MAX), "repeats": (1, INT32_MAX), "temperature": (0, None), "threads": (1, MAX_THREADS),
-    "seed": (0, MAX_SEED), "port": (1, 65535), "max_queue": (0, INT32_MAX), "max_prompt_tokens": (1, INT32_MAX),
-    "max_tokens": (1, INT32_MAX), "max_body_bytes": (1, INT32_MAX),
+    "seed": (0, MAX_SEED), "port": (1, 65535), "max_queue": (0, INT32_MAX), "max_batch": (1, INT32_MAX),
+    "max_prompt_tokens": (1, INT32_MAX), "max_tokens": (1, INT32_MAX), "max_body_bytes": (1, INT32_MAX),
 }
 
 

@@ -4,6 +4,7 @@ goes away, after which it still answers."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -102,13 +103,12 @@ def test_a_chat_template_from_the_tokenizer_config(tmp_path):
     assert ChatTemplate(tmp_path, "<s>", "</s>").render(messages) == "<s><user>hi<assistant>"
 
 
-@pytest.fixture(scope="module")
-def server(saved_smollm):
-    """(port, served model name, process) of `bitquilt serve` on the saved model, one waiting request allowed."""
+@contextlib.contextmanager
+def _serving(model, *flags: str):
+    """(port, process) of `bitquilt serve` on `model` with `flags`, once it answers /health; killed after."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bitquilt.cli", "serve", str(saved_smollm), "--port", str(port),
-                             "--api-key", KEY, "--max-queue", "1", "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
-                             "--max-tokens", "256", "--max-body-bytes", str(MAX_BODY_BYTES), "--threads", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "bitquilt.cli", "serve", str(model), "--port", str(port),
+                             "--max-tokens", "256", "--threads", "1", *flags],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     try:
         deadline = time.monotonic() + 300
@@ -121,11 +121,20 @@ def server(saved_smollm):
                 time.sleep(0.5)
         else:
             pytest.fail("the server did not answer /health within 300 s")
-        yield port, saved_smollm.name, proc
+        yield port, proc
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(saved_smollm):
+    """(port, served model name, process) of `bitquilt serve` on the saved model, one sequence at a time and one
+    waiting request allowed."""
+    with _serving(saved_smollm, "--api-key", KEY, "--max-batch", "1", "--max-queue", "1", "--max-prompt-tokens",
+                  str(MAX_PROMPT_TOKENS), "--max-body-bytes", str(MAX_BODY_BYTES)) as (port, proc):
+        yield port, saved_smollm.name, proc
 
 
 @pytest.fixture(scope="module")
@@ -278,9 +287,101 @@ def test_a_client_that_leaves_before_a_whole_answer_stops_its_decode(server):
     assert after["generated_tokens_total"] - before["generated_tokens_total"] < 128
 
 
+STORY = "Once upon a time, in a small village by the sea, there lived"
+LONG = "Write a long story about a dragon: " * 6  # over one prefill chunk: read in several steps
+
+
+@pytest.fixture(scope="module")
+def batch_server(saved_smollm):
+    """The port of `bitquilt serve` running up to three sequences at once, on engine lean: each step one kernel call
+    per linear for all of them (auto steps each sequence's fused layers in turn; tests/test_batch.py runs both)."""
+    with _serving(saved_smollm, "--engine", "lean", "--max-batch", "3", "--max-queue", "4") as (port, _):
+        yield port
+
+
+def _together(port: int, bodies: list[dict], stagger: float = 0.2) -> tuple[list, float]:
+    """The answers to `bodies`, sent from threads `stagger` seconds apart (they join a running batch at different
+    steps), with the most sequences /metrics saw active at once."""
+    answers: list = [None] * len(bodies)
+    threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, _post(port, "/v1/completions", bodies[i])))
+               for i in range(len(bodies))]
+    most = 0.0
+    for thread in threads:
+        thread.start()
+        time.sleep(stagger)
+    while any(thread.is_alive() for thread in threads):
+        most = max(most, _metrics(port)["active_sequences"])
+        time.sleep(0.02)
+    return answers, most
+
+
+def _texts(answers: list) -> list[str]:
+    assert all(status == 200 for status, _ in answers), answers
+    return [answer["choices"][0]["text"] for _, answer in answers]
+
+
+def test_each_sequence_of_a_batch_gets_the_greedy_tokens_it_gets_alone(batch_server):
+    bodies = [{"prompt": prompt, "max_tokens": n, "temperature": 0}
+              for prompt, n in ((PROMPT, 60), (STORY, 40), (LONG, 50), ("def fibonacci(n):", 30))]
+    alone = [_post(batch_server, "/v1/completions", body) for body in bodies]
+    together, most = _together(batch_server, bodies)  # the fourth waits for a free place among three
+    assert most >= 2 and _texts(together) == _texts(alone)
+    assert [a["usage"] for _, a in together] == [a["usage"] for _, a in alone]
+    after = _metrics(batch_server)
+    assert after["active_sequences"] == 0 and after["queue_depth"] == 0
+
+
+def test_a_seed_reproduces_a_sampled_answer_in_a_batch(batch_server):
+    sampled = {"prompt": STORY, "max_tokens": 30, "temperature": 1.0, "top_p": 0.9, "seed": 11}
+    alone = _texts([_post(batch_server, "/v1/completions", sampled)])
+    others = [{"prompt": PROMPT, "max_tokens": 40, "temperature": 1.0}, {"prompt": LONG, "max_tokens": 20}]
+    together, most = _together(batch_server, [others[0], sampled, others[1]], stagger=0.1)
+    assert most >= 2 and _texts(together)[1] == alone[0]
+
+
+def test_a_request_cancelled_mid_batch_frees_its_place_and_the_others_go_on(batch_server):
+    port = batch_server
+    before = _metrics(port)
+    bodies = [{"prompt": prompt, "max_tokens": 100, "temperature": 0} for prompt in (PROMPT, STORY)]
+    alone = _texts([_post(port, "/v1/completions", body) for body in bodies])
+    streaming = http.client.HTTPConnection("127.0.0.1", port, timeout=60)  # a long stream, left mid-batch
+    streaming.request("POST", "/v1/completions", json.dumps({"prompt": LONG, "max_tokens": 256, "temperature": 0,
+                                                             "stream": True}).encode(),
+                      {"Content-Type": "application/json"})
+    response = streaming.getresponse()
+    assert response.readline().startswith(b"data: ")
+    answers: list = [None] * 3
+    ended: list = [0.0] * 3
+
+    def ask(i: int, body: dict) -> None:
+        answers[i] = _post(port, "/v1/completions", body)
+        ended[i] = time.monotonic()
+
+    threads = [threading.Thread(target=ask, args=(i, body)) for i, body in enumerate(bodies)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while _metrics(port)["active_sequences"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    short = threading.Thread(target=ask, args=(2, {"prompt": "Hello", "max_tokens": 4, "temperature": 0}))
+    short.start()  # the batch is full: it waits
+    while _metrics(port)["queue_depth"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    response.close()  # the streaming client goes away: its place goes to the waiting request
+    streaming.close()
+    for thread in [*threads, short]:
+        thread.join(timeout=120)
+    assert _texts(answers[:2]) == alone  # the others went on as if alone
+    assert answers[2][0] == 200 and ended[2] < max(ended[:2])  # it ran beside them, not after them
+    after = _metrics(port)
+    assert after["requests_cancelled_total"] == before["requests_cancelled_total"] + 1
+    assert after["active_sequences"] == 0 and after["queue_depth"] == 0
+
+
 @pytest.mark.parametrize("args, message", [
     (["--port", "0"], "--port must be ≥ 1, got 0"),
     (["--max-queue", "-1"], "--max-queue must be ≥ 0, got -1"),
+    (["--max-batch", "0"], "--max-batch must be ≥ 1, got 0"),
     (["--max-tokens", "0"], "--max-tokens must be ≥ 1, got 0"),
     (["--api-key", ""], "--api-key is empty"),
     (["--threads", "0"], "--threads must be ≥ 1, got 0"),

@@ -76,8 +76,8 @@ def test_standalone_runs_the_fused_int8_runtimes_layers_bit_for_bit(tmp_path, mo
         expected = reference.forward(torch.tensor([[token]])).numpy()
         got = model.forward([token])  # the final norm runs in another order: the head's input differs by ulps
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
-    caches = [model.cache(i) for i in range(len(reference.keys))]
-    for (keys, values), ref_keys, ref_values in zip(caches, reference.keys, reference.values, strict=True):
+    caches = [model.cache(i) for i in range(len(reference.cache.keys))]
+    for (keys, values), ref_keys, ref_values in zip(caches, reference.cache.keys, reference.cache.values, strict=True):
         assert np.array_equal(keys, ref_keys[0].numpy()) and np.array_equal(values, ref_values[0].numpy())
     model.begin(16)  # the prompt in one batched pass: the same logits
     np.testing.assert_array_equal(model.forward(ids), got)
@@ -104,7 +104,7 @@ def test_a_long_prompt_in_blocks_gives_the_token_by_token_results(tmp_path, monk
     for token in ids:
         expected = reference.forward(torch.tensor([[token]])).numpy()
     np.testing.assert_allclose(whole, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
-    for layer, (keys, values) in enumerate(zip(reference.keys, reference.values, strict=True)):
+    for layer, (keys, values) in enumerate(zip(reference.cache.keys, reference.cache.values, strict=True)):
         got_keys, got_values = (np.asarray(c)[:, :500] for c in model.cache(layer))
         assert np.array_equal(got_keys, keys[0, :, :500].numpy())  # every position's attention, bit for bit
         assert np.array_equal(got_values, values[0, :, :500].numpy())

@@ -4,7 +4,9 @@ The ladder, slowest and most general first (docs/runtime.md says why each rung e
 
 - `engines`: the one place that picks how a torch model generates ("transformers", "lean", "fused" or "auto");
 - `module_tree`: bitquilt's own torch module tree for a saved model (`--runtime bitquilt`), no transformers import;
-- `lean`: `LeanDecoder`, batch-1 decoding with a static KV cache over the model's own modules;
+- `lean`: `LeanDecoder`, batch-1 decoding with a static KV cache over the model's own modules (`LeanLayers`: the
+  same over several sequences' caches);
+- `batch`: continuous batching, sequences joining and leaving a running batch between steps (`bitquilt serve`);
 - `fused`: every decoder layer of a one-token step in one call of the C++ extension;
 - `standalone`: the torch-free runtime of a standalone export (`bitquilt-run`), and `bitquilt-native`, the same
   model from a C++ program;

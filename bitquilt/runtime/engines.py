@@ -42,6 +42,14 @@ def _next_token(logits: torch.Tensor, temperature: float, generator: torch.Gener
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def sampler(temperature: float, top_p: float = 1.0, seed: int = 0) -> Callable[[torch.Tensor], int]:
+    """One sequence's pick of its next token from its logits [vocab]: greedy at temperature 0, else sampled with its
+    own generator seeded by `seed` (so a sequence draws the same tokens whatever runs beside it); -1 for logits that
+    are not all finite."""
+    generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
+    return lambda logits: _next_token(logits, temperature, generator, top_p)
+
+
 def stepper(model: nn.Module, max_len: int, engine: str = "auto") -> Callable[[torch.Tensor], torch.Tensor]:
     """A function from the next input ids [1, T] to the logits [vocab] of their last position, the
     sequence's KV cache kept between calls. Engines: "lean" is `LeanDecoder` (bitquilt.runtime.lean:
@@ -98,9 +106,8 @@ def decode(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, temp
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] == 0:
         raise ValueError(f"decode needs one non-empty prompt [1, T], got shape {tuple(prompt_ids.shape)}")
     check_generation(max_new_tokens, temperature, top_p)
-    generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
     step = stepper(model, prompt_ids.shape[1] + max_new_tokens, engine)
     run = run_decode(lambda ids: step(torch.tensor([list(ids)])), prompt_ids[0].tolist(), max_new_tokens,
-                     lambda logits: _next_token(logits, temperature, generator, top_p), stop_ids, on_token)
+                     sampler(temperature, top_p, seed), stop_ids, on_token)
     run.engine = engine_of(step)
     return run

@@ -22,6 +22,10 @@ output dataclasses. `LeanDecoder` runs the model's own modules for one sequence:
   of a MoBiQuant checkpoint, static or routed per token); `fused_reason` says why not otherwise, and
   those steps run module by module.
 
+`LeanLayers` is all of it but the cache: it runs the rows of several sequences, each appended to its own `KVCache`
+at its own position, every linear called once with all rows and attention per sequence (a chunk after earlier
+tokens under a causal mask); `LeanDecoder` is it over one cache, `bitquilt.runtime.batch` over a running batch.
+
 Families: llama, mistral (without a sliding window shorter than the run), qwen2 (without sliding
 window), qwen3 (q/k norms); `unsupported_reason` says why another model stays on transformers.
 Tested against the transformers forward (logits and greedy tokens).
@@ -118,26 +122,27 @@ def _linear_spec(name: str, linear: nn.Module) -> LinearSpec | str:
     return f"{name} is a {type(linear).__name__}"
 
 
-def fuse_layers(decoder: LeanDecoder) -> tuple[FusedLayers | None, str | None]:
-    """The decoder's layers in one compiled step (`bitquilt.runtime.fused.FusedLayers`), or None and why not."""
+def fuse_layers(stack: LeanLayers, cache: KVCache) -> tuple[FusedLayers | None, str | None]:
+    """The stack's layers in one compiled step over `cache` (`bitquilt.runtime.fused.FusedLayers`), or None and why
+    not."""
     from bitquilt.runtime.fused import FusedLayers
 
-    if decoder.keys[0].dtype != torch.float32:
-        return None, f"dtype {decoder.keys[0].dtype} (fused layers run fp32)"
-    if any(decoder.has_site):
+    if cache.keys[0].dtype != torch.float32:
+        return None, f"dtype {cache.keys[0].dtype} (fused layers run fp32)"
+    if any(stack.has_site):
         return None, "modules at the attention site (KV quantizers or rotations)"
-    config, first = decoder.model.config, decoder.layers[0]
-    norms = {_rms_eps(m) for layer in decoder.layers for m in layer.modules() if type(m).__name__.endswith("Norm")}
+    config, first = stack.model.config, stack.layers[0]
+    norms = {_rms_eps(m) for layer in stack.layers for m in layer.modules() if type(m).__name__.endswith("Norm")}
     if None in norms or len(norms) != 1:
         return None, "norms that are not plain RMSNorms with one epsilon"
-    mlp = first.mlp
+    mlp, length = first.mlp, cache.length
     try:
-        fused = FusedLayers(config.hidden_size, decoder.heads, decoder.kv_heads, decoder.head_dim,
-                            mlp.gate_proj.out_features, norms.pop(), first.self_attn.scaling, decoder.cos[0],
-                            decoder.sin[0])
+        fused = FusedLayers(config.hidden_size, stack.heads, stack.kv_heads, stack.head_dim,
+                            mlp.gate_proj.out_features, norms.pop(), first.self_attn.scaling,
+                            stack.cos[0, :length], stack.sin[0, :length])
     except RuntimeError as e:
         return None, str(e)
-    for i, layer in enumerate(decoder.layers):
+    for i, layer in enumerate(stack.layers):
         if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, layer.self_attn, layer.mlp)):
             return None, f"layer {i} has hooks"
         attn, mlp = layer.self_attn, layer.mlp
@@ -158,18 +163,34 @@ def fuse_layers(decoder: LeanDecoder) -> tuple[FusedLayers | None, str | None]:
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         fused.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                        indices, decoder.keys[i][0], decoder.values[i][0])
+                        indices, cache.keys[i][0], cache.values[i][0])
     return fused, None
 
 
-class LeanDecoder:
-    """Prompt and one-token steps of a Llama-like causal LM with a static KV cache (module docstring)."""
+@dataclass
+class KVCache:
+    """One sequence's static KV cache: per layer, key and value buffers [1, kv_heads, length, head_dim] written in
+    place, filled up to `pos`."""
 
-    def __init__(self, model: nn.Module, max_len: int, fuse: bool = True):
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    pos: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+
+class LeanLayers:
+    """A Llama-like causal LM's modules, rotary tables for `max_len` positions and norms, run over the KV caches of
+    one or several sequences (module docstring): what `LeanDecoder` runs for one sequence and
+    `bitquilt.runtime.batch` for a batch."""
+
+    def __init__(self, model: nn.Module, max_len: int):
         reason = unsupported_reason(model, max_len)
         if reason is not None:
             raise ValueError(f"lean decoding does not support this model: {reason}")
-        self.model, self.max_len, self.pos = model, max_len, 0
+        self.model, self.max_len = model, max_len
         config, body = model.config, model.model
         self.layers = list(body.layers)
         attn = self.layers[0].self_attn
@@ -177,38 +198,86 @@ class LeanDecoder:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         param = next(model.parameters(), None)
-        dtype = torch.float32 if param is None or not param.is_floating_point() else param.dtype
+        self.dtype = torch.float32 if param is None or not param.is_floating_point() else param.dtype
         positions = torch.arange(max_len).unsqueeze(0)
-        probe = torch.zeros(1, 1, self.head_dim, dtype=dtype)
+        probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype)
         self.cos, self.sin = body.rotary_emb(probe, positions)  # [1, max_len, head_dim]
-        shape = (1, self.kv_heads, max_len, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
         self.input_norms = [_norm_fn(layer.input_layernorm) for layer in self.layers]
         self.mlp_norms = [_norm_fn(layer.post_attention_layernorm) for layer in self.layers]
         self.final_norm = _norm_fn(body.norm)
         attention_slots = set(slots_at("attention"))
         self.has_site = [bool(layer.self_attn._modules.keys() & attention_slots) for layer in self.layers]
-        self.fused, self.fused_reason = fuse_layers(self) if fuse else (None, "not requested")
 
-    def _attention(self, index: int, layer: nn.Module, h: torch.Tensor, start: int) -> torch.Tensor:
-        attn, t = layer.self_attn, h.shape[1]
-        q = attn.q_proj(h).view(1, t, self.heads, self.head_dim)
-        k = attn.k_proj(h).view(1, t, self.kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(1, t, self.kv_heads, self.head_dim).transpose(1, 2)
+    def new_cache(self, length: int) -> KVCache:
+        """An empty cache for a sequence of up to `length` (≤ max_len) positions."""
+        if not 0 < length <= self.max_len:
+            raise ValueError(f"a cache of {length} positions; this stack takes 1 to {self.max_len}")
+        shape = (1, self.kv_heads, length, self.head_dim)
+        return KVCache([torch.zeros(shape, dtype=self.dtype) for _ in self.layers],
+                       [torch.zeros(shape, dtype=self.dtype) for _ in self.layers])
+
+    def run(self, ids: torch.Tensor, caches: list[KVCache], counts: list[int]) -> torch.Tensor:
+        """The residual stream [1, R, hidden] after every decoder layer of `ids` [1, R]: the rows of each sequence
+        in turn, `counts[s]` of them appended to `caches[s]` at its position. Every linear is called once with all
+        R rows; attention runs per sequence over its own cache. Advances the caches."""
+        if not counts or len({id(c) for c in caches}) != len(caches) or sum(counts) != ids.shape[1] or min(counts) < 1:
+            raise ValueError("each sequence once, with at least one of the input's rows")
+        for cache, t in zip(caches, counts, strict=True):
+            if cache.pos + t > cache.length:
+                raise ValueError(f"position {cache.pos + t} is past the cache's {cache.length} positions")
+        x = self.model.model.embed_tokens(ids)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, layer, self.input_norms[i](x), caches, counts)
+            mlp = layer.mlp
+            h = self.mlp_norms[i](x)
+            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        for cache, t in zip(caches, counts):
+            cache.pos += t
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits [..., vocab] of residual-stream rows x [..., hidden]."""
+        return self.model.lm_head(self.final_norm(x))
+
+    def _attention(self, index: int, layer: nn.Module, h: torch.Tensor, caches: list[KVCache],
+                   counts: list[int]) -> torch.Tensor:
+        attn, r = layer.self_attn, h.shape[1]
+        q = attn.q_proj(h).view(1, r, self.heads, self.head_dim)
+        k = attn.k_proj(h).view(1, r, self.kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(1, r, self.kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # qwen3: per-head norms before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        end = start + t
-        q, k = self.apply_rope(q, k, self.cos[:, start:end], self.sin[:, start:end])
-        self.keys[index][:, :, start:end] = k
-        self.values[index][:, :, start:end] = v
-        keys, values = self.keys[index][:, :, :end], self.values[index][:, :, :end]
-        if self.has_site[index]:
-            q, keys, values = run_site(attn, "attention", q, keys, values)
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=t > 1, scale=attn.scaling,
-                                             enable_gqa=self.heads != self.kv_heads)
-        return attn.o_proj(out.transpose(1, 2).reshape(1, t, -1))
+        outs, row = [], 0
+        for cache, t in zip(caches, counts):
+            start, end = cache.pos, cache.pos + t
+            rows = slice(row, row + t)
+            q_s, k_s = self.apply_rope(q[:, rows].transpose(1, 2), k[:, rows].transpose(1, 2),
+                                       self.cos[:, start:end], self.sin[:, start:end])
+            cache.keys[index][:, :, start:end] = k_s
+            cache.values[index][:, :, start:end] = v[:, rows].transpose(1, 2)
+            keys, values = cache.keys[index][:, :, :end], cache.values[index][:, :, :end]
+            if self.has_site[index]:
+                q_s, keys, values = run_site(attn, "attention", q_s, keys, values)
+            # a chunk after earlier tokens: each row sees the cache up to its own position
+            mask = torch.ones(t, end, dtype=torch.bool).tril(start) if t > 1 and start else None
+            out = F.scaled_dot_product_attention(q_s, keys, values, attn_mask=mask, is_causal=t > 1 and not start,
+                                                 scale=attn.scaling, enable_gqa=self.heads != self.kv_heads)
+            outs.append(out.transpose(1, 2).reshape(1, t, -1))
+            row += t
+        return attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs, 1))
+
+
+class LeanDecoder(LeanLayers):
+    """Prompt and one-token steps of a Llama-like causal LM with a static KV cache (module docstring)."""
+
+    def __init__(self, model: nn.Module, max_len: int, fuse: bool = True):
+        super().__init__(model, max_len)
+        self.cache = self.new_cache(max_len)
+        self.fused, self.fused_reason = fuse_layers(self, self.cache) if fuse else (None, "not requested")
+
+    @property
+    def pos(self) -> int:
+        return self.cache.pos
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -218,17 +287,17 @@ class LeanDecoder:
         T > 1 (a prompt) only on an empty cache; then one token at a time."""
         t, start = self._check(ids)
         if t == 1 and self.fused is not None and kernels.options().enabled:
-            self.pos = start + 1
+            self.cache.pos = start + 1
             x = self.fused.step(self.model.model.embed_tokens(ids), start).view(1, 1, -1)
-            return self.model.lm_head(self.final_norm(x))[0, -1]
-        return self.model.lm_head(self.final_norm(self._layers(ids)[:, -1:]))[0, -1]
+            return self.logits(x)[0, -1]
+        return self.logits(self.run(ids, [self.cache], [t])[:, -1:])[0, -1]
 
     @torch.no_grad()
     def final_hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """The LM head's input [T, hidden] (the final norm's output) at every position of `ids` [1, T], appended at
         the cache's current position: what scoring multiplies by the head a slice of positions at a time."""
-        self._check(ids)
-        return self.final_norm(self._layers(ids))[0]
+        t, _ = self._check(ids)
+        return self.final_norm(self.run(ids, [self.cache], [t]))[0]
 
     def _check(self, ids: torch.Tensor) -> tuple[int, int]:
         """(T, start) of an input the cache can take, else ValueError."""
@@ -241,18 +310,6 @@ class LeanDecoder:
             raise ValueError(f"position {start + t} is past the cache's {self.max_len} positions")
         return t, start
 
-    def _layers(self, ids: torch.Tensor) -> torch.Tensor:
-        """The residual stream [1, T, hidden] after every decoder layer, module by module; advances the cache."""
-        t, start = ids.shape[1], self.pos
-        x = self.model.model.embed_tokens(ids)
-        for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, self.input_norms[i](x), start)
-            mlp = layer.mlp
-            h = self.mlp_norms[i](x)
-            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-        self.pos = start + t
-        return x
-
     def reset(self) -> None:
         """Forget the sequence (the buffers are overwritten as positions fill again)."""
-        self.pos = 0
+        self.cache.pos = 0

@@ -3,7 +3,7 @@
 - `protocol`: requests checked field by field, OpenAI's answer, chunk and error shapes;
 - `chat`: the model's chat template, rendered in Jinja's immutable sandbox;
 - `text`: new tokens' text released as it becomes final, cut at stop strings;
-- `worker`: the asyncio queue and the one decode thread (one sequence at a time);
+- `worker`: the asyncio queue, the running batch (`bitquilt.runtime.batch`) and its decode thread;
 - `app`: the Starlette routes, the API key and the limits.
 
 Needs the `serve` extra (starlette, uvicorn); imports nothing on import.

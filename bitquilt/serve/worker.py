@@ -1,7 +1,8 @@
-"""One sequence at a time behind an asyncio queue: requests wait in the queue (a full one is refused at once), one
-decode thread runs them in turn with `bitquilt.runtime.engines.decode` while the event loop keeps answering, and
+"""The running batch behind an asyncio queue: requests wait in the queue (a full one is refused at once); between
+decode steps up to `max_batch` of them run together in a `bitquilt.runtime.batch.Batch`, one step at a time in the
+decode thread while the event loop keeps answering, each with its own sampling, stop strings and token limit, and
 each request's text comes back as events on its own asyncio queue. A request whose client went away is cancelled:
-skipped if it waits, its decode stopped at the next token if it runs."""
+skipped if it waits, out of the batch before the next step if it runs, its place taken by the next waiting one."""
 
 from __future__ import annotations
 
@@ -12,17 +13,21 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bitquilt.flag_checks import MAX_SEED
+from bitquilt.runtime.loop import NON_FINITE
 from bitquilt.serve.protocol import ApiError, Request
 from bitquilt.serve.text import TextStream
 
+if TYPE_CHECKING:  # torch: imported where used, so the package imports nothing heavy
+    from bitquilt.runtime.batch import Sequence
 
-@dataclass
+
+@dataclass(eq=False)
 class Job:
     """A request in the server: its prompt ids and settings, its events ("text", str), ("done", finish_reason,
-    usage) or ("error", message), and its cancellation."""
+    usage) or ("error", message), and its cancellation; while it runs, its sequence in the batch and its text."""
 
     ids: list[int]
     request: Request
@@ -30,6 +35,8 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     ended: bool = False  # its last event is sent: nothing left to cancel
+    sequence: Sequence | None = None
+    text: TextStream | None = None
 
 
 @dataclass
@@ -41,25 +48,27 @@ class Counters:
     cancelled: int = 0  # clients that went away before their answer ended
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    active: int = 0  # sequences decoding now (0 or 1)
-    run_tokens: int = 0  # tokens of the running (or last) sequence
+    active: int = 0  # sequences in the batch now
+    run_tokens: int = 0  # tokens of the running (or last) busy stretch, from the batch's first sequence to its last
     run_started: float = 0.0
     run_ended: float | None = None
 
 
 class Worker:
-    """The queue and the decode thread of a model (module docstring)."""
+    """The queue, the running batch and the decode thread of a model (module docstring); each sequence has up to
+    `max_len` positions (prompt and new tokens)."""
 
-    def __init__(self, model: Any, tokenizer: Any, engine: str, max_queue: int):
-        import torch  # the server runs torch models; imported here so the package imports nothing heavy
+    def __init__(self, model: Any, tokenizer: Any, engine: str, max_queue: int, max_len: int, max_batch: int):
+        from bitquilt.runtime.batch import Batch
 
-        self.torch, self.model, self.tokenizer, self.engine, self.max_queue = torch, model, tokenizer, engine, max_queue
+        self.batch = Batch(model, max_len, engine)
+        self.tokenizer, self.max_queue, self.max_batch = tokenizer, max_queue, max_batch
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.counters = Counters()
         self.stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="bitquilt-decode")
         self.context = contextvars.copy_context()  # the kernel options in force where the server started
-        self.running: Job | None = None
+        self.running: list[Job] = []  # changed by the decode thread only
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop `run` serves
         self.closing = False
 
@@ -78,33 +87,33 @@ class Worker:
         return job
 
     async def run(self) -> None:
-        """Decode the queued jobs one after another, for as long as the server runs."""
+        """Step the batch, waiting requests joining it between steps while it has room, for as long as the server
+        runs."""
         self.loop = loop = asyncio.get_running_loop()
         while True:
-            job = await self.queue.get()
-            if job.cancelled.is_set():
-                continue
-            self.running = job
-            await loop.run_in_executor(self.thread, self.context.copy().run, self._decode, job, loop)
-            self.running = None
+            joining = [] if self.running else [await self.queue.get()]  # idle: wait for a request
+            while len(self.running) + len(joining) < self.max_batch and not self.queue.empty():
+                joining.append(self.queue.get_nowait())
+            joining = [job for job in joining if not job.cancelled.is_set()]
+            await loop.run_in_executor(self.thread, self.context.copy().run, self._step, joining)
 
     def shut_down_soon(self) -> None:
-        """Callable from a signal handler: on the event loop's next turn, end the running decode at its next token
-        (its answer ends as if at max_tokens), answer the waiting requests with an error, refuse new ones."""
+        """Callable from a signal handler: on the event loop's next turn, end the running sequences before the next
+        step (their answers end as if at max_tokens), answer the waiting requests with an error, refuse new ones."""
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._shut_down)
 
     def _shut_down(self) -> None:
         self.closing = True
-        if self.running is not None:
-            self.running.cancelled.set()
+        for job in list(self.running):
+            job.cancelled.set()
         while not self.queue.empty():
             job = self.queue.get_nowait()
             job.ended = True
             job.events.put_nowait(("error", "the server is shutting down"))
 
     def close(self) -> None:
-        """Stop the running decode and the thread after it (the server has stopped)."""
+        """Stop the running sequences and the thread after them (the server has stopped)."""
         self._shut_down()
         self.thread.shutdown(wait=False, cancel_futures=True)
 
@@ -116,41 +125,80 @@ class Worker:
                 "prompt_tokens_total": c.prompt_tokens, "generated_tokens_total": c.generated_tokens,
                 "tokens_per_second": c.run_tokens / seconds if c.run_tokens and seconds > 0 else 0.0}
 
-    def _decode(self, job: Job, loop: asyncio.AbstractEventLoop) -> None:
-        """Run one job in the decode thread, its events sent to the event loop."""
-        from bitquilt.runtime.engines import decode
+    def _step(self, joining: list[Job]) -> None:
+        """In the decode thread: `joining` into the batch, cancelled sequences out, then one step of the batch and
+        each new token to its request."""
+        for job in joining:
+            self._join(job)
+        for job in [j for j in self.running if j.cancelled.is_set()]:
+            self._finish(job, "length")
+        if not self.running:
+            return
+        try:
+            picked = self.batch.step()
+        except Exception as e:  # a fault of the model: the running requests fail, the server goes on
+            for job in list(self.running):
+                self._fail(job, str(e) or type(e).__name__)
+            return
+        owner = {id(job.sequence): job for job in self.running}
+        for seq, token in picked:
+            self._token(owner[id(seq)], token)
 
-        def emit(*event: Any) -> None:
-            loop.call_soon_threadsafe(job.events.put_nowait, event)
-
-        c = self.counters
-        text = TextStream(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), job.request.stop)
-
-        def on_token(token: int) -> bool:
-            c.generated_tokens += 1
-            c.run_tokens += 1
-            delta = text.push(token)
-            if delta:
-                emit("text", delta)
-            return text.stopped or job.cancelled.is_set()
+    def _join(self, job: Job) -> None:
+        from bitquilt.runtime.engines import sampler
 
         r = job.request
         seed = r.seed if r.seed is not None else secrets.randbelow(MAX_SEED + 1)
-        c.active, c.run_tokens, c.run_started, c.run_ended = 1, 0, time.perf_counter(), None
         try:
-            run = decode(self.model, self.torch.tensor([job.ids]), job.max_tokens, r.temperature, seed,
-                         self.stop_ids, self.engine, r.top_p, on_token)
-        except Exception as e:  # a NaN logit or a fault of the model: this request fails, the server goes on
+            job.sequence = self.batch.add(job.ids, len(job.ids) + job.max_tokens, sampler(r.temperature, r.top_p, seed))
+        except Exception as e:  # a cache that does not fit in memory: this request fails
             job.ended = True
-            emit("error", str(e) or type(e).__name__)
+            self._emit(job, "error", str(e) or type(e).__name__)
             return
-        finally:
-            c.active, c.run_ended = 0, time.perf_counter()
-        rest = text.finish()
+        job.text = TextStream(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), r.stop)
+        c = self.counters
+        if not self.running:
+            c.run_tokens, c.run_started, c.run_ended = 0, time.perf_counter(), None
+        self.running.append(job)
+        c.active = len(self.running)
+
+    def _token(self, job: Job, token: int) -> None:
+        """A new token of a running request: its text sent, and its end if it ends there."""
+        if token < 0:
+            self._fail(job, NON_FINITE)
+            return
+        c = self.counters
+        c.generated_tokens += 1
+        c.run_tokens += 1
+        delta = job.text.push(token)
+        if delta:
+            self._emit(job, "text", delta)
+        stopped = job.text.stopped or token in self.stop_ids
+        if stopped or len(job.sequence.new_ids) >= job.max_tokens or job.cancelled.is_set():
+            self._finish(job, "stop" if stopped else "length")
+
+    def _finish(self, job: Job, reason: str) -> None:
+        rest = job.text.finish()
         if rest:
-            emit("text", rest)
-        stopped = text.stopped or run.new_ids[-1] in self.stop_ids
-        usage = {"prompt_tokens": len(job.ids), "completion_tokens": len(run.new_ids),
-                 "total_tokens": len(job.ids) + len(run.new_ids)}
+            self._emit(job, "text", rest)
+        n = len(job.sequence.new_ids)
+        self._leave(job)
+        self._emit(job, "done", reason, {"prompt_tokens": len(job.ids), "completion_tokens": n,
+                                         "total_tokens": len(job.ids) + n})
+
+    def _fail(self, job: Job, message: str) -> None:
+        self._leave(job)
+        self._emit(job, "error", message)
+
+    def _leave(self, job: Job) -> None:
+        """`job` out of the batch (its slot free for the next waiting request); its last event follows."""
+        self.batch.remove(job.sequence)
+        self.running.remove(job)
         job.ended = True
-        emit("done", "stop" if stopped else "length", usage)
+        c = self.counters
+        c.active = len(self.running)
+        if not self.running:
+            c.run_ended = time.perf_counter()
+
+    def _emit(self, job: Job, *event: Any) -> None:
+        self.loop.call_soon_threadsafe(job.events.put_nowait, event)

@@ -1,0 +1,113 @@
+"""Continuous batching: sequences, each with its own KV cache, position and pick of the next token, advance together
+one step at a time, and join or leave the batch between steps.
+
+A step of `Batch` feeds every decoding sequence its last token and the first sequence still reading its prompt the
+next chunk of it (`chunk` tokens: a long prompt holds the running streams up for one chunk per step, not for the
+whole prompt). The module-by-module layers take all their rows through each linear in one call (`LeanLayers.run`),
+attention per sequence over its own cache; a sequence that has read all of its input gets its next token. Where the
+model allows the fused one-token step (`bitquilt.runtime.fused`, engines auto and fused), each decoding sequence
+takes its own fused step instead, one after another (that step has no batched form yet). Nothing a sequence computes
+depends on what else runs (its chunks, its ops, its pick), so it gets the same logits, and tokens, batched as alone.
+A model the lean layers do not run (engine "transformers", another family) steps its sequences one after another
+through their own `stepper`, the prompt whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from bitquilt import kernels
+from bitquilt.runtime.engines import ENGINES, stepper
+from bitquilt.runtime.lean import KVCache, LeanLayers, fuse_layers, unsupported_reason
+
+PREFILL_CHUNK = 32  # prompt tokens a step reads for a joining sequence
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A sequence of a batch: the ids it has still to read (the rest of its prompt, then its last new token), its new
+    tokens and how it picks the next one from its logits [vocab] (-1: not all finite)."""
+
+    pending: list[int]
+    pick: Callable[[torch.Tensor], int]
+    cache: KVCache | None = None  # lean layers: its cache, and the fused step over it where the model allows
+    fused: Any = None
+    step: Callable[[torch.Tensor], torch.Tensor] | None = None  # else: its own stepper
+    new_ids: list[int] = field(default_factory=list)
+
+
+class Batch:
+    """The running sequences of one model (module docstring); positions up to `max_len` per sequence."""
+
+    def __init__(self, model: nn.Module, max_len: int, engine: str = "auto", chunk: int = PREFILL_CHUNK):
+        if engine not in ENGINES:
+            raise ValueError(f"unknown decode engine {engine!r}; engines: {', '.join(ENGINES)}")
+        self.model, self.engine, self.chunk = model, engine, chunk
+        lean = engine != "transformers" and unsupported_reason(model, max_len) is None
+        self.layers = LeanLayers(model, max_len) if lean else None
+        self.fuse = engine in ("auto", "fused")
+        self.sequences: list[Sequence] = []
+
+    def add(self, prompt: list[int], length: int, pick: Callable[[torch.Tensor], int]) -> Sequence:
+        """A new sequence of `prompt` and up to `length` positions in all, joining at the next step."""
+        if not prompt or len(prompt) >= length:
+            raise ValueError(f"a prompt of 1 to {length - 1} tokens for {length} positions, got {len(prompt)}")
+        seq = Sequence(list(prompt), pick)
+        if self.layers is None:
+            seq.step = stepper(self.model, length, self.engine)
+        else:
+            seq.cache = self.layers.new_cache(length)
+            seq.fused = fuse_layers(self.layers, seq.cache)[0] if self.fuse else None
+        self.sequences.append(seq)
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        """Take `seq` out of the batch (finished, stopped or cancelled); its cache is freed with it."""
+        self.sequences.remove(seq)
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[Sequence, int]]:
+        """One step (module docstring): (sequence, its new token) for each sequence that got one, -1 for logits
+        that are not all finite."""
+        if self.layers is None:
+            return [self._picked(s, s.step(torch.tensor([s.pending]))) for s in list(self.sequences)]
+        decoding = [s for s in self.sequences if s.new_ids]
+        reading = next((s for s in self.sequences if not s.new_ids), None)
+        fused = [s for s in decoding if s.fused is not None] if kernels.options().enabled else []
+        picked = [self._fused_step(s) for s in fused]
+        batch = [s for s in decoding if s not in fused]
+        counts = [1] * len(batch)
+        if reading is not None:
+            batch.append(reading)
+            counts.append(min(self.chunk, len(reading.pending)))
+        if not batch:
+            return picked
+        ids = torch.tensor([[t for s, n in zip(batch, counts) for t in s.pending[:n]]])
+        x = self.layers.run(ids, [s.cache for s in batch], counts)[0]
+        ends = torch.tensor(counts).cumsum(0) - 1
+        done = [i for i, (s, n) in enumerate(zip(batch, counts)) if n == len(s.pending)]
+        for i, s in enumerate(batch):
+            if i not in done:
+                del s.pending[:counts[i]]
+        logits = self.layers.logits(x[ends[done]]) if done else None
+        return picked + [self._picked(batch[i], logits[j]) for j, i in enumerate(done)]
+
+    def _fused_step(self, seq: Sequence) -> tuple[Sequence, int]:
+        """`seq`'s one-token step in the fused layers over its cache."""
+        x = seq.fused.step(self.model.model.embed_tokens(torch.tensor([seq.pending])), seq.cache.pos)
+        seq.cache.pos += 1
+        return self._picked(seq, self.layers.logits(x.view(1, -1))[0])
+
+    @staticmethod
+    def _picked(seq: Sequence, logits: torch.Tensor) -> tuple[Sequence, int]:
+        """`seq`, its input all read, with its next token picked from `logits` (and pending: read next)."""
+        token = seq.pick(logits)
+        seq.pending = [token]
+        if token >= 0:
+            seq.new_ids.append(token)
+        return seq, token
