@@ -264,6 +264,19 @@ class StreamingCheckpoint:
         self._spilled_embedding = True
         return_free_memory()
 
+    def _restore_embedding(self) -> None:
+        """The spilled embedding table copied into memory of its own, a chunk at a time with its mapped pages given
+        back; the mapping closes on return (its address space counts against a process limit too)."""
+        embed = self.model.get_submodule(self.arch.embed)
+        mapped = embed.weight.detach()
+        copy = torch.empty_like(mapped)
+        rows = max(READ_CHUNK_BYTES // max(mapped[0].numel() * mapped.element_size(), 1), 1)
+        for first in range(0, mapped.shape[0], rows):
+            copy[first: first + rows] = mapped[first: first + rows]
+            release([mapped[first: first + rows]])
+        _put(embed, "weight", copy, embed.weight.requires_grad)
+        self._spilled_embedding = False
+
     def _spill(self, tensors: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tensor]:
         """`tensors` written to a file in the spill directory and mapped back, the file unlinked: views with the
         same values whose pages the system may drop (tensors sharing memory are written once each, so the
@@ -281,15 +294,7 @@ class StreamingCheckpoint:
         """Load the LM head, tied to the embeddings if the config says so, or a copy of the embedding's tensor on
         disk if a stage untied a tied head (QuaRot), and run the `on_finish` functions; the model is then complete."""
         if self._spilled_embedding:  # back into memory of its own: stages may change it in place from here on
-            embed = self.model.get_submodule(self.arch.embed)
-            mapped = embed.weight.detach()
-            copy = torch.empty_like(mapped)
-            rows = max(READ_CHUNK_BYTES // max(mapped[0].numel() * mapped.element_size(), 1), 1)
-            for first in range(0, mapped.shape[0], rows):  # a chunk at a time, its mapped pages given back
-                copy[first: first + rows] = mapped[first: first + rows]
-                release([mapped[first: first + rows]])
-            _put(embed, "weight", copy, embed.weight.requires_grad)
-            self._spilled_embedding = False
+            self._restore_embedding()
         if getattr(self.model.config, "tie_word_embeddings", False):
             self.model.tie_weights()
         elif self.tied_head:
