@@ -243,15 +243,22 @@ class StreamingCheckpoint:
         linears = [m for m in self.layers[index].modules() if isinstance(m, QuantLinear)]
         for module in linears:
             module._dequantized = None
+        if self.spill_dir is not None:
+            self._spill_linears(linears, f"block{index}")
+        return_free_memory()
+
+    def _spill_linears(self, linears: list[QuantLinear], tag: str) -> None:
+        """The packed tensors of `linears` replaced by mapped views of their spill (`_spill`); tensors that two of
+        them share stay in memory, shared."""
         packed = {f"{i}.{name}": t for i, m in enumerate(linears) for name, t in m.named_buffers(recurse=False)}
         owned = [t.data_ptr() for t in packed.values() if t.numel()]
-        if self.spill_dir is not None and packed and len(set(owned)) == len(owned):  # shared tensors stay shared
-            views = self._spill(packed, f"block{index}")
-            for i, module in enumerate(linears):
-                for name in list(module._buffers):
-                    module._buffers[name] = views[f"{i}.{name}"]
-                module.rebuild_format()
-        return_free_memory()
+        if not packed or len(set(owned)) != len(owned):
+            return
+        views = self._spill(packed, tag)
+        for i, module in enumerate(linears):
+            for name in list(module._buffers):
+                module._buffers[name] = views[f"{i}.{name}"]
+            module.rebuild_format()
 
     def inputs_captured(self) -> None:
         """The calibration inputs of block 0 are taken: with a spill directory the embedding table leaves memory
@@ -278,9 +285,8 @@ class StreamingCheckpoint:
         self._spilled_embedding = False
 
     def _spill(self, tensors: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tensor]:
-        """`tensors` written to a file in the spill directory and mapped back, the file unlinked: views with the
-        same values whose pages the system may drop (tensors sharing memory are written once each, so the
-        callers pass those a module owns)."""
+        """`tensors` (none sharing memory) written to a file in the spill directory and mapped back, the file
+        unlinked: views with the same values whose pages the system may drop."""
         path = self.spill_dir / f".bitquilt-spill-{os.getpid()}-{tag}.safetensors"
         try:
             write_tensors(path, tensors)
