@@ -47,12 +47,10 @@ from bitquilt.models.loading import TOKENIZER_FILES, _load_tokenizer, checked_co
 from bitquilt.nn.finite import all_finite
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.tensor_header import DTYPE_BYTES, read_header
-from bitquilt.tensor_writer import write_tensors
+from bitquilt.tensor_writer import SAFETENSORS_DTYPES, write_tensors
 
 READ_CHUNK_BYTES = 64 * 2**20  # a tensor converted while it is read goes through a buffer of this size
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # safetensors' dtype names -> torch's
 
 
 @dataclass(frozen=True)
