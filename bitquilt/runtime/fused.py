@@ -1,8 +1,12 @@
-"""Every decoder layer of a batch-1 decode step in one compiled call (csrc/runtime/decode_step.cpp).
+"""Every decoder layer of a decode step in one compiled call (csrc/runtime/decode_step.cpp), for one sequence or a
+batch of them.
 
-`FusedLayers` holds, per layer, the norms' weights, the seven linears, optional q/k norms and the layer's
-static KV cache, and `step(x, pos)` runs the token's hidden state through all of them: norms, projections,
-biases, RoPE, attention over the cache, SiLU-gated MLP and residuals, without a Python call per op. A
+`FusedLayers` holds, per layer, the norms' weights, the seven linears and optional q/k norms; a sequence's static KV
+cache joins as a handle (`cache`), and `step(x, positions, caches)` runs one token of each of B sequences through
+every layer: norms, projections, biases, RoPE, attention over each sequence's own cache, SiLU-gated MLP and
+residuals, without a Python call per op, each linear called once for all B rows (its weight read once per step).
+Every row comes out as it would alone (the kernels' rows are independent), so batching changes no sequence's
+result. A
 linear is bit-plane packed parts run by the lookup-table kernel (the slices of a MoBiQuant weight as a
 static prefix, or routed per token by its router; a MosaicQuant base with its sparse residual added inside the
 tables), an 8-bit uniform weight run by the 8-bit GEMV, or a dense fp32 matrix: the kernel each would run module
@@ -23,7 +27,8 @@ from bitquilt.kernels import cpu, mosaic, options, q4_int8, uniform8
 
 
 class FusedLayers:
-    """A Llama-like decoder stack for one sequence in the extension's `FusedDecoder` (module docstring)."""
+    """A Llama-like decoder stack in the extension's `FusedDecoder`, stepping the sequences whose caches it is given
+    (module docstring)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
                  scaling: float, cos: torch.Tensor, sin: torch.Tensor):
@@ -72,10 +77,16 @@ class FusedLayers:
                                  fc2_weight.detach().contiguous(), fc2_bias.detach().contiguous(), threshold)
 
     def add_layer(self, in_norm: torch.Tensor, post_norm: torch.Tensor, q_norm: torch.Tensor | None,
-                  k_norm: torch.Tensor | None, linears: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
-        """A layer: norm weights, the indices of its q, k, v, o, gate, up, down linears, its caches [kv, len, hd]."""
-        self._decoder.add_layer(in_norm, post_norm, q_norm, k_norm, linears, keys, values)
+                  k_norm: torch.Tensor | None, linears: list[int]) -> None:
+        """A layer: norm weights and the indices of its q, k, v, o, gate, up, down linears."""
+        self._decoder.add_layer(in_norm, post_norm, q_norm, k_norm, linears)
 
-    def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        """The hidden state [D] of the token at `pos` after every layer (its keys and values cached)."""
-        return self._decoder.step(x, pos)
+    def cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> object:
+        """A sequence's cache for `step`, over its per-layer keys and values [kv_heads, length, head_dim] (fp32,
+        written in place; length at most the RoPE tables')."""
+        return self._decoder.cache(keys, values)
+
+    def step(self, x: torch.Tensor, positions: list[int], caches: list[object]) -> torch.Tensor:
+        """The hidden states [B, D] after every layer of B sequences' tokens x [B, D], token b at `positions[b]` of
+        `caches[b]` (its keys and values cached there)."""
+        return self._decoder.step(x, positions, caches)

@@ -164,6 +164,7 @@ struct Model {
   bitquilt_decoder::Decoder core;
   int64_t cache_floats;  // one layer's keys (or values), [kv_heads, max_len, head_dim]
   ZeroPages caches;      // per layer, keys then values
+  bitquilt_decoder::Cache kv;  // the layers' caches as the decoder takes them
   int64_t layers;
   std::vector<Linear> linears;
   int64_t embed = -1, head = -1;
@@ -271,8 +272,11 @@ std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file,
                        floats(f, prefix + "post_attention_layernorm.weight", {D}),
                        qk_norms ? floats(f, prefix + "self_attn.q_norm.weight", {hd}) : nullptr,
                        qk_norms ? floats(f, prefix + "self_attn.k_norm.weight", {hd}) : nullptr, index[0], index[1],
-                       index[2], index[3], index[4], index[5], index[6], m->cache(layer, 0), m->cache(layer, 1)});
+                       index[2], index[3], index[4], index[5], index[6]});
+    m->kv.keys.push_back(m->cache(layer, 0));
+    m->kv.values.push_back(m->cache(layer, 1));
   }
+  m->kv.length = max_len;
   m->head = m->add(load_linear(f, "lm_head"));
   const std::string& embed = c["embed"].string;
   m->embed = embed == "lm_head" ? m->head : m->add(load_linear(f, embed));
@@ -350,7 +354,7 @@ int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* 
     embed.row(ids[t], m->x.data() + t * d.D);
     if (m->embed != m->head) embed.unmap();  // a tied table is the head's, which every step reads whole
   }
-  m->core.forward(m->x.data(), T, pos,
+  m->core.forward(m->x.data(), m->kv, pos, T,
                   [m](int64_t i, const float* in, int64_t n, float* out) { m->linears[i].run(in, n, out); });
   m->last.resize(d.D);
   bitquilt_decoder::rms_norm(m->x.data() + (T - 1) * d.D, m->final_norm, d.D, d.eps, m->last.data());
