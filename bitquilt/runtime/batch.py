@@ -8,8 +8,9 @@ attention per sequence over its own cache; a sequence that has read all of its i
 model allows the fused step (`bitquilt.runtime.fused`, engines auto and fused), the decoding sequences take it
 together instead: every decoder layer in one compiled call, each linear once for all their rows, attention per
 sequence over its own cache. Nothing a sequence computes depends on what else runs (its chunks, its ops, its pick:
-the kernels compute each row as alone), so it gets the same logits, and tokens, batched as alone; the LM head is the
-one exception where its kernel's rows are not independent (an fp32 head's GEMM), see `Batch.step`.
+the kernels compute each row as alone, the LM head's too where the fused layers hold it), so it gets the same logits,
+and tokens, batched as alone. (On the lean layers, an fp32 head's GEMM over several sequences' last rows may round a
+logit otherwise than over one.)
 A model the lean layers do not run (engine "transformers", another family) steps its sequences one after another
 through their own `stepper`, the prompt whole.
 """
@@ -25,7 +26,7 @@ from torch import nn
 
 from bitquilt import kernels
 from bitquilt.runtime.engines import ENGINES, stepper
-from bitquilt.runtime.lean import KVCache, LeanLayers, fuse_layers, fused_cache, unsupported_reason
+from bitquilt.runtime.lean import KVCache, LeanLayers, fuse_layers, fused_cache, fused_logits, unsupported_reason
 
 PREFILL_CHUNK = 32  # prompt tokens a step reads for a joining sequence
 
@@ -101,14 +102,13 @@ class Batch:
         return picked + [self._picked(batch[i], logits[j]) for j, i in enumerate(done)]
 
     def _fused_step(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
-        """One token of each of `seqs` through the fused layers together, and their picks. The head takes all their
-        rows in one call too: exact as alone where its kernel's rows are independent (the packed ones'); an fp32
-        head's GEMM may round a row otherwise than its GEMV does."""
+        """One token of each of `seqs` through the fused layers together, and their picks; the head takes all their
+        rows in one call too (`fused_logits`)."""
         ids = torch.tensor([[s.pending[0] for s in seqs]])
         x = self.fused.step(self.model.model.embed_tokens(ids)[0], [s.cache.pos for s in seqs], [s.fused for s in seqs])
         for s in seqs:
             s.cache.pos += 1
-        logits = self.layers.logits(x)
+        logits = fused_logits(self.layers, self.fused, x)
         return [self._picked(s, row) for s, row in zip(seqs, logits)]
 
     @staticmethod

@@ -5,12 +5,13 @@ batch of them.
 cache joins as a handle (`cache`), and `step(x, positions, caches)` runs one token of each of B sequences through
 every layer: norms, projections, biases, RoPE, attention over each sequence's own cache, SiLU-gated MLP and
 residuals, without a Python call per op, each linear called once for all B rows (its weight read once per step).
-Every row comes out as it would alone (the kernels' rows are independent), so batching changes no sequence's
-result. A
+The LM head and the final norm may join too (`set_head`: `logits`). Every row comes out as it would alone (the
+kernels' rows are independent), so batching changes no sequence's result. A
 linear is bit-plane packed parts run by the lookup-table kernel (the slices of a MoBiQuant weight as a
 static prefix, or routed per token by its router; a MosaicQuant base with its sparse residual added inside the
-tables), an 8-bit uniform weight run by the 8-bit GEMV, or a dense fp32 matrix: the kernel each would run module
-by module. While `kernels.using(int8_activations=True)` is in force as the
+tables), an 8-bit uniform weight run by the 8-bit GEMV, or a dense fp32 matrix (a dot product per row and token,
+where module by module a BLAS GEMM runs, whose rows may round otherwise for other row counts): for the packed
+weights, the kernel each would run module by module. While `kernels.using(int8_activations=True)` is in force as the
 layers are built, 4- and 2-bit uniform weights run the low-bit × int8 kernel and 8-bit ones the GEMV's int8 path,
 as module by module too. The model side (which modules qualify) is `bitquilt.runtime.lean`; the
 math is the eager modules' in another fp32 order, tested against them, and csrc/runtime/decoder_core.h's, which the
@@ -37,6 +38,7 @@ class FusedLayers:
             raise RuntimeError("the CPU kernels are unavailable")
         self._decoder = ext.FusedDecoder(hidden, heads, kv_heads, head_dim, intermediate, eps, scaling,
                                          cos.float().contiguous(), sin.float().contiguous())
+        self.head: int | None = None  # the LM head's linear, once `set_head` names one
 
     def add_linear(self, fmts: list[WeightFormat] | None, dense: torch.Tensor | None, bias: torch.Tensor | None,
                    out_features: int, in_features: int) -> int | None:
@@ -85,6 +87,15 @@ class FusedLayers:
         """A sequence's cache for `step`, over its per-layer keys and values [kv_heads, length, head_dim] (fp32,
         written in place; length at most the RoPE tables')."""
         return self._decoder.cache(keys, values)
+
+    def set_head(self, index: int, norm: torch.Tensor) -> None:
+        """Linear `index` as the LM head, after the final RMSNorm of weight `norm` (the layers' epsilon)."""
+        self._decoder.set_head(index, norm)
+        self.head = index
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits [B, vocab] of hidden states x [B, D] (`set_head` first), each row as it comes out alone."""
+        return self._decoder.logits(x)
 
     def step(self, x: torch.Tensor, positions: list[int], caches: list[object]) -> torch.Tensor:
         """The hidden states [B, D] after every layer of B sequences' tokens x [B, D], token b at `positions[b]` of

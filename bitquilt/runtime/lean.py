@@ -135,10 +135,10 @@ def fuse_layers(stack: LeanLayers) -> tuple[FusedLayers | None, str | None]:
     norms = {_rms_eps(m) for layer in stack.layers for m in layer.modules() if type(m).__name__.endswith("Norm")}
     if None in norms or len(norms) != 1:
         return None, "norms that are not plain RMSNorms with one epsilon"
-    mlp = first.mlp
+    mlp, eps = first.mlp, norms.pop()
     try:
         fused = FusedLayers(config.hidden_size, stack.heads, stack.kv_heads, stack.head_dim, mlp.gate_proj.out_features,
-                            norms.pop(), first.self_attn.scaling, stack.cos[0], stack.sin[0])
+                            eps, first.self_attn.scaling, stack.cos[0], stack.sin[0])
     except RuntimeError as e:
         return None, str(e)
     for i, layer in enumerate(stack.layers):
@@ -163,7 +163,26 @@ def fuse_layers(stack: LeanLayers) -> tuple[FusedLayers | None, str | None]:
         fused.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
                         indices)
+    _fuse_head(stack, fused, eps)
     return fused, None
+
+
+def _fuse_head(stack: LeanLayers, fused: FusedLayers, eps: float) -> None:
+    """The final norm and LM head into `fused` (`fused_logits`) where they run there as they are: a plain RMSNorm of
+    the layers' epsilon and a head a kernel takes whole (else the stack's own head gives the logits)."""
+    head, norm = stack.model.lm_head, stack.model.model.norm
+    spec = _linear_spec("lm_head", head)
+    if isinstance(spec, str) or spec.router is not None or _rms_eps(norm) != eps:
+        return
+    index = fused.add_linear(spec.fmts, spec.dense, spec.bias, head.out_features, head.in_features)
+    if index is not None:
+        fused.set_head(index, norm.weight.detach())
+
+
+def fused_logits(stack: LeanLayers, fused: FusedLayers, x: torch.Tensor) -> torch.Tensor:
+    """The logits [B, vocab] of the fused step's hidden states x [B, D]: its own head where it has one (each row as
+    alone, however many), else the stack's."""
+    return stack.logits(x) if fused.head is None else fused.logits(x)
 
 
 def fused_cache(fused: FusedLayers, cache: KVCache) -> object:
@@ -293,8 +312,8 @@ class LeanDecoder(LeanLayers):
         t, start = self._check(ids)
         if t == 1 and self.fused is not None and kernels.options().enabled:
             self.cache.pos = start + 1
-            x = self.fused.step(self.model.model.embed_tokens(ids)[0], [start], [self._fused_cache]).view(1, 1, -1)
-            return self.logits(x)[0, -1]
+            x = self.fused.step(self.model.model.embed_tokens(ids)[0], [start], [self._fused_cache])
+            return fused_logits(self, self.fused, x)[0]
         return self.logits(self.run(ids, [self.cache], [t])[:, -1:])[0, -1]
 
     @torch.no_grad()

@@ -11,14 +11,13 @@
 // Every W is a sum of bit-plane packed parts run by the lookup-table kernel (lut_parts.h: one part for a
 // bitplane or uniform format, the first k slices for a MoBiQuant checkpoint in static mode), a 4- or 2-bit
 // uniform weight run on int8-rounded activations (q4_int8.h, when int8 activations are enabled), an 8-bit
-// uniform weight run by the 8-bit GEMV (uniform8.h), or a dense fp32 matrix (at::mv); packed parts may carry a
+// uniform weight run by the 8-bit GEMV (uniform8.h), or a dense fp32 matrix (dense_rows.h); packed parts may carry a
 // MosaicQuant sparse residual, added inside the lookup-table kernel (sparse_residual.h). A routed MoBiQuant
 // linear first counts the token's slices with its router (slice_router.h) and runs that prefix of its parts.
 // The same math as the eager modules in another fp32 order; tested against them (tests/test_lean_decode.py).
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/mv.h>
+#include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
@@ -26,6 +25,7 @@
 #include <optional>
 #include <vector>
 
+#include "kernels/dense_rows.h"
 #include "kernels/lut_parts.h"
 #include "kernels/q4_int8.h"
 #include "kernels/slice_router.h"
@@ -49,9 +49,8 @@ struct Linear {
   mutable std::vector<float> hidden;      // the router's scratch
   int64_t N = 0, K = 0;
 
-  // y [T, N] = x [T, K] W^T (+ b), each row as it comes out alone (tokens run beside it change nothing): the packed
-  // kernels' rows are independent; a routed linear runs each token's own prefix, a dense one a GEMV per token (a
-  // GEMM's rows may sum in another order).
+  // y [T, N] = x [T, K] W^T (+ b), each row as it comes out alone (tokens run beside it change nothing): every
+  // kernel's rows are independent; a routed linear runs each token's own prefix.
   void run(const float* x, int64_t T, float* y) const {
     if (router) {
       for (int64_t t = 0; t < T; ++t) {
@@ -63,11 +62,7 @@ struct Linear {
     } else if (u8) {
       (u8_int8 ? bitquilt_u8::gemv_int8_into : bitquilt_u8::gemv_into)(x, T, *u8, y);
     } else if (parts.empty()) {
-      const auto opts = at::TensorOptions().dtype(at::kFloat);
-      for (int64_t t = 0; t < T; ++t) {
-        auto out = at::from_blob(y + t * N, {N}, opts);
-        at::mv_out(out, dense, at::from_blob(const_cast<float*>(x + t * K), {K}, opts));
-      }
+      bitquilt_dense::rows_into(x, T, dense.data_ptr<float>(), N, K, y);
     } else {
       bitquilt_lut::lut_parts_into(x, T, parts, N, residual, y);
     }
@@ -217,6 +212,32 @@ class FusedDecoder {
     return c;
   }
 
+  // Linear `index` as the LM head (vocab outputs, hidden inputs), after the final RMSNorm of weight `norm` [hidden]
+  // (the layers' epsilon).
+  void set_head(int64_t index, const at::Tensor& norm) {
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "unknown linear ", index);
+    const int64_t D = core_.dims().D;
+    TORCH_CHECK(linears_[index].K == D, "the head takes ", linears_[index].K, " inputs, not the hidden size ", D);
+    final_norm_ = fp32_vector(norm, D, "final norm");
+    head_ = index;
+  }
+
+  // The logits [B, vocab] of hidden states x [B, D]: the final norm and the head, each row as it comes out alone.
+  at::Tensor logits(const at::Tensor& x) {
+    TORCH_CHECK(head_ >= 0, "no head: set_head first");
+    const int64_t D = core_.dims().D;
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == D, "x: fp32 [B, ", D, "]");
+    const at::Tensor xc = x.contiguous();
+    const int64_t B = xc.size(0);
+    normed_.resize(B * D);
+    for (int64_t b = 0; b < B; ++b)
+      bitquilt_decoder::rms_norm(xc.data_ptr<float>() + b * D, final_norm_.data_ptr<float>(), D, core_.dims().eps,
+                                 normed_.data() + b * D);
+    at::Tensor y = at::empty({B, linears_[head_].N}, xc.options());
+    linears_[head_].run(normed_.data(), B, y.data_ptr<float>());
+    return y;
+  }
+
   // The hidden states [B, D] of B sequences' tokens after every layer, token b at position positions[b] of
   // caches[b] (that row written): one call per linear for all B rows; each row as it comes out alone.
   at::Tensor step(const at::Tensor& x, const std::vector<int64_t>& positions, const std::vector<FusedCache*>& caches) {
@@ -262,6 +283,9 @@ class FusedDecoder {
   at::Tensor cos_, sin_;
   std::vector<at::Tensor> keep_;  // the tensors the layers point into
   std::vector<Linear> linears_;
+  int64_t head_ = -1;      // the LM head's linear, or none
+  at::Tensor final_norm_;  // the norm before it
+  std::vector<float> normed_;
 };
 
 }  // namespace
@@ -288,5 +312,7 @@ void register_decode_step(pybind11::module& m) {
       .def("add_layer", &FusedDecoder::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("q_norm"),
            py::arg("k_norm"), py::arg("linears"))
       .def("cache", &FusedDecoder::cache, py::arg("keys"), py::arg("values"))
+      .def("set_head", &FusedDecoder::set_head, py::arg("index"), py::arg("norm"))
+      .def("logits", &FusedDecoder::logits, py::arg("x"))
       .def("step", &FusedDecoder::step, py::arg("x"), py::arg("positions"), py::arg("caches"));
 }

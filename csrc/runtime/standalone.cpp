@@ -26,8 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "common/avx2_simd.h"
-#include "common/parallel.h"
+#include "kernels/dense_rows.h"
 #include "kernels/q4_int8.h"
 #include "kernels/uniform8.h"
 #include "runtime/decoder_core.h"
@@ -42,14 +41,6 @@ thread_local std::string g_error;
 int64_t fail(const std::string& why) {
   g_error = why;
   return -1;
-}
-
-// y [T, N] = x [T, K] W^T for a row-major fp32 W [N, K]
-void dense_into(const float* x, int64_t T, const float* W, int64_t N, int64_t K, float* y) {
-  bitquilt_par::parallel_for(0, N, std::max<int64_t>(16, (1 << 14) / K), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t t = 0; t < T; ++t) y[t * N + r] = bitquilt_simd::dot(x + t * K, W + r * K, K);
-  });
 }
 
 // madvise(MADV_DONTNEED) over the whole pages around [p, p + bytes): for a private, never written file mapping, the
@@ -74,7 +65,7 @@ struct Linear {
     else if (u8)
       bitquilt_u8::gemv_int8_into(x, T, *u8, y);
     else
-      dense_into(x, T, dense, N, K, y);
+      bitquilt_dense::rows_into(x, T, dense, N, K, y);
     if (bias != nullptr)
       for (int64_t t = 0; t < T; ++t)
         for (int64_t i = 0; i < N; ++i) y[t * N + i] += bias[i];
