@@ -6,13 +6,12 @@
 B sequences (distinct prompts of `--prompt` tokens) join one batch and read their prompts; once all are decoding,
 `--steps` steps are timed, each giving every sequence one token (greedy): aggregate tok/s = B × steps / wall seconds,
 and the process's CPU seconds per token beside it. Engines: *fused* (every decoder layer in one compiled call for all
-B rows, csrc/runtime/decode_step.cpp) and *lean* (module by module, each linear once for all rows); the LM head takes
-all rows in one call either way. Activations: *exact* (the lookup-table kernels) or *int8* (`kernels.using(
-int8_activations=True)`, CLI `--int8-activations`: 4-bit linears on the int8 kernel). Each (activations, threads, B)
-runs fused and lean back to back, their order alternating from
-round to round, so that both see the same load; a cell is the median over `--rounds`, and the ratio columns compare
-cells of the same run. The load average (1 minute) is taken before each timing. Results:
-bench/results/batch_decode.{json,md}.
+B rows, csrc/runtime/decode_step.cpp, the final norm and LM head in it too) and *lean* (module by module, each linear
+once for all rows, the head a torch matmul). Activations: *exact* (the lookup-table kernels) or *int8*
+(`kernels.using(int8_activations=True)`, CLI `--int8-activations`: 4-bit linears on the int8 kernel). Each
+(activations, threads, B) runs fused and lean back to back, their order alternating from round to round, so that both
+see the same load; a cell is the median over `--rounds`, and the ratio columns compare cells of the same run. The
+load average (1 minute) is taken before each timing. Results: bench/results/batch_decode.{json,md}.
 """
 
 from __future__ import annotations
