@@ -231,8 +231,8 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait for the model; more are refused with 503 at once (default 16)")
     s.add_argument("--max-batch", type=int, default=8,
-                   help="requests decoded at once, a token each per step (engine lean: one kernel call per linear "
-                   "for all); waiting ones join as others end (default 8)")
+                   help="requests decoded at once, a token each per step, one kernel call per linear for all of "
+                   "them; waiting ones join as others end (default 8)")
     s.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt in tokens (default 4096)")
     s.add_argument("--max-tokens", type=int, default=1024, help="most new tokens a request may ask (default 1024)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")

@@ -293,9 +293,9 @@ LONG = "Write a long story about a dragon: " * 6  # over one prefill chunk: read
 
 @pytest.fixture(scope="module")
 def batch_server(saved_smollm):
-    """The port of `bitquilt serve` running up to three sequences at once, on engine lean: each step one kernel call
-    per linear for all of them (auto steps each sequence's fused layers in turn; tests/test_batch.py runs both)."""
-    with _serving(saved_smollm, "--engine", "lean", "--max-batch", "3", "--max-queue", "4") as (port, _):
+    """The port of `bitquilt serve` running up to three sequences at once on the default engine (fused: each step one
+    compiled call, one kernel call per linear, for all of them; tests/test_batch.py runs engine lean too)."""
+    with _serving(saved_smollm, "--max-batch", "3", "--max-queue", "4") as (port, _):
         yield port
 
 

@@ -5,9 +5,12 @@ A step of `Batch` feeds every decoding sequence its last token and the first seq
 next chunk of it (`chunk` tokens: a long prompt holds the running streams up for one chunk per step, not for the
 whole prompt). The module-by-module layers take all their rows through each linear in one call (`LeanLayers.run`),
 attention per sequence over its own cache; a sequence that has read all of its input gets its next token. Where the
-model allows the fused one-token step (`bitquilt.runtime.fused`, engines auto and fused), each decoding sequence
-takes its own fused step instead, one after another (that step has no batched form yet). Nothing a sequence computes
-depends on what else runs (its chunks, its ops, its pick), so it gets the same logits, and tokens, batched as alone.
+model allows the fused step (`bitquilt.runtime.fused`, engines auto and fused), the decoding sequences take it
+together instead: every decoder layer in one compiled call, each linear once for all their rows, attention per
+sequence over its own cache. Nothing a sequence computes depends on what else runs (its chunks, its ops, its pick:
+the kernels compute each row as alone, the LM head's too where the fused layers hold it), so it gets the same logits,
+and tokens, batched as alone. (On the lean layers, an fp32 head's GEMM over several sequences' last rows may round a
+logit otherwise than over one.)
 A model the lean layers do not run (engine "transformers", another family) steps its sequences one after another
 through their own `stepper`, the prompt whole.
 """
@@ -23,7 +26,7 @@ from torch import nn
 
 from bitquilt import kernels
 from bitquilt.runtime.engines import ENGINES, stepper
-from bitquilt.runtime.lean import KVCache, LeanLayers, fuse_layers, unsupported_reason
+from bitquilt.runtime.lean import KVCache, LeanLayers, fuse_layers, fused_cache, fused_logits, unsupported_reason
 
 PREFILL_CHUNK = 32  # prompt tokens a step reads for a joining sequence
 
@@ -35,7 +38,7 @@ class Sequence:
 
     pending: list[int]
     pick: Callable[[torch.Tensor], int]
-    cache: KVCache | None = None  # lean layers: its cache, and the fused step over it where the model allows
+    cache: KVCache | None = None  # lean layers: its cache, and that cache for the fused step where the model allows
     fused: Any = None
     step: Callable[[torch.Tensor], torch.Tensor] | None = None  # else: its own stepper
     new_ids: list[int] = field(default_factory=list)
@@ -50,7 +53,8 @@ class Batch:
         self.model, self.engine, self.chunk = model, engine, chunk
         lean = engine != "transformers" and unsupported_reason(model, max_len) is None
         self.layers = LeanLayers(model, max_len) if lean else None
-        self.fuse = engine in ("auto", "fused")
+        fuse = lean and engine in ("auto", "fused")
+        self.fused = fuse_layers(self.layers)[0] if fuse else None
         self.sequences: list[Sequence] = []
 
     def add(self, prompt: list[int], length: int, pick: Callable[[torch.Tensor], int]) -> Sequence:
@@ -62,7 +66,7 @@ class Batch:
             seq.step = stepper(self.model, length, self.engine)
         else:
             seq.cache = self.layers.new_cache(length)
-            seq.fused = fuse_layers(self.layers, seq.cache)[0] if self.fuse else None
+            seq.fused = None if self.fused is None else fused_cache(self.fused, seq.cache)
         self.sequences.append(seq)
         return seq
 
@@ -79,7 +83,7 @@ class Batch:
         decoding = [s for s in self.sequences if s.new_ids]
         reading = next((s for s in self.sequences if not s.new_ids), None)
         fused = [s for s in decoding if s.fused is not None] if kernels.options().enabled else []
-        picked = [self._fused_step(s) for s in fused]
+        picked = self._fused_step(fused) if fused else []
         batch = [s for s in decoding if s not in fused]
         counts = [1] * len(batch)
         if reading is not None:
@@ -97,11 +101,15 @@ class Batch:
         logits = self.layers.logits(x[ends[done]]) if done else None
         return picked + [self._picked(batch[i], logits[j]) for j, i in enumerate(done)]
 
-    def _fused_step(self, seq: Sequence) -> tuple[Sequence, int]:
-        """`seq`'s one-token step in the fused layers over its cache."""
-        x = seq.fused.step(self.model.model.embed_tokens(torch.tensor([seq.pending])), seq.cache.pos)
-        seq.cache.pos += 1
-        return self._picked(seq, self.layers.logits(x.view(1, -1))[0])
+    def _fused_step(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """One token of each of `seqs` through the fused layers together, and their picks; the head takes all their
+        rows in one call too (`fused_logits`)."""
+        ids = torch.tensor([[s.pending[0] for s in seqs]])
+        x = self.fused.step(self.model.model.embed_tokens(ids)[0], [s.cache.pos for s in seqs], [s.fused for s in seqs])
+        for s in seqs:
+            s.cache.pos += 1
+        logits = fused_logits(self.layers, self.fused, x)
+        return [self._picked(s, row) for s, row in zip(seqs, logits)]
 
     @staticmethod
     def _picked(seq: Sequence, logits: torch.Tensor) -> tuple[Sequence, int]:

@@ -1,12 +1,17 @@
-"""Every decoder layer of a batch-1 decode step in one compiled call (csrc/runtime/decode_step.cpp).
+"""Every decoder layer of a decode step in one compiled call (csrc/runtime/decode_step.cpp), for one sequence or a
+batch of them.
 
-`FusedLayers` holds, per layer, the norms' weights, the seven linears, optional q/k norms and the layer's
-static KV cache, and `step(x, pos)` runs the token's hidden state through all of them: norms, projections,
-biases, RoPE, attention over the cache, SiLU-gated MLP and residuals, without a Python call per op. A
+`FusedLayers` holds, per layer, the norms' weights, the seven linears and optional q/k norms; a sequence's static KV
+cache joins as a handle (`cache`), and `step(x, positions, caches)` runs one token of each of B sequences through
+every layer: norms, projections, biases, RoPE, attention over each sequence's own cache, SiLU-gated MLP and
+residuals, without a Python call per op, each linear called once for all B rows (its weight read once per step).
+The LM head and the final norm may join too (`set_head`: `logits`). Every row comes out as it would alone (the
+kernels' rows are independent), so batching changes no sequence's result. A
 linear is bit-plane packed parts run by the lookup-table kernel (the slices of a MoBiQuant weight as a
 static prefix, or routed per token by its router; a MosaicQuant base with its sparse residual added inside the
-tables), an 8-bit uniform weight run by the 8-bit GEMV, or a dense fp32 matrix: the kernel each would run module
-by module. While `kernels.using(int8_activations=True)` is in force as the
+tables), an 8-bit uniform weight run by the 8-bit GEMV, or a dense fp32 matrix (a dot product per row and token,
+where module by module a BLAS GEMM runs, whose rows may round otherwise for other row counts): for the packed
+weights, the kernel each would run module by module. While `kernels.using(int8_activations=True)` is in force as the
 layers are built, 4- and 2-bit uniform weights run the low-bit × int8 kernel and 8-bit ones the GEMV's int8 path,
 as module by module too. The model side (which modules qualify) is `bitquilt.runtime.lean`; the
 math is the eager modules' in another fp32 order, tested against them, and csrc/runtime/decoder_core.h's, which the
@@ -23,7 +28,8 @@ from bitquilt.kernels import cpu, mosaic, options, q4_int8, uniform8
 
 
 class FusedLayers:
-    """A Llama-like decoder stack for one sequence in the extension's `FusedDecoder` (module docstring)."""
+    """A Llama-like decoder stack in the extension's `FusedDecoder`, stepping the sequences whose caches it is given
+    (module docstring)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
                  scaling: float, cos: torch.Tensor, sin: torch.Tensor):
@@ -32,6 +38,7 @@ class FusedLayers:
             raise RuntimeError("the CPU kernels are unavailable")
         self._decoder = ext.FusedDecoder(hidden, heads, kv_heads, head_dim, intermediate, eps, scaling,
                                          cos.float().contiguous(), sin.float().contiguous())
+        self.head: int | None = None  # the LM head's linear, once `set_head` names one
 
     def add_linear(self, fmts: list[WeightFormat] | None, dense: torch.Tensor | None, bias: torch.Tensor | None,
                    out_features: int, in_features: int) -> int | None:
@@ -72,10 +79,25 @@ class FusedLayers:
                                  fc2_weight.detach().contiguous(), fc2_bias.detach().contiguous(), threshold)
 
     def add_layer(self, in_norm: torch.Tensor, post_norm: torch.Tensor, q_norm: torch.Tensor | None,
-                  k_norm: torch.Tensor | None, linears: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
-        """A layer: norm weights, the indices of its q, k, v, o, gate, up, down linears, its caches [kv, len, hd]."""
-        self._decoder.add_layer(in_norm, post_norm, q_norm, k_norm, linears, keys, values)
+                  k_norm: torch.Tensor | None, linears: list[int]) -> None:
+        """A layer: norm weights and the indices of its q, k, v, o, gate, up, down linears."""
+        self._decoder.add_layer(in_norm, post_norm, q_norm, k_norm, linears)
 
-    def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        """The hidden state [D] of the token at `pos` after every layer (its keys and values cached)."""
-        return self._decoder.step(x, pos)
+    def cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> object:
+        """A sequence's cache for `step`, over its per-layer keys and values [kv_heads, length, head_dim] (fp32,
+        written in place; length at most the RoPE tables')."""
+        return self._decoder.cache(keys, values)
+
+    def set_head(self, index: int, norm: torch.Tensor) -> None:
+        """Linear `index` as the LM head, after the final RMSNorm of weight `norm` (the layers' epsilon)."""
+        self._decoder.set_head(index, norm)
+        self.head = index
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits [B, vocab] of hidden states x [B, D] (`set_head` first), each row as it comes out alone."""
+        return self._decoder.logits(x)
+
+    def step(self, x: torch.Tensor, positions: list[int], caches: list[object]) -> torch.Tensor:
+        """The hidden states [B, D] after every layer of B sequences' tokens x [B, D], token b at `positions[b]` of
+        `caches[b]` (its keys and values cached there)."""
+        return self._decoder.step(x, positions, caches)

@@ -16,11 +16,11 @@ output dataclasses. `LeanDecoder` runs the model's own modules for one sequence:
   RoPE, keys and values the whole filled cache);
 - an RMSNorm without hooks runs as one fused `rms_norm` call;
 - with `fuse=True`, a one-token step runs every decoder layer in one compiled call
-  (`bitquilt.runtime.fused`) when every layer qualifies: plain RMSNorms, no attention-site
-  modules, no hooks, fp32, and linears that are `nn.Linear` or `QuantLinear` without online modules
-  (a slice router excepted) whose weight a CPU kernel takes (bitplane, uniform at any width, the slices
-  of a MoBiQuant checkpoint, static or routed per token); `fused_reason` says why not otherwise, and
-  those steps run module by module.
+  (`bitquilt.runtime.fused`, which `bitquilt.runtime.batch` steps several sequences through at once)
+  when every layer qualifies: plain RMSNorms, no attention-site modules, no hooks, fp32, and linears
+  that are `nn.Linear` or `QuantLinear` without online modules (a slice router excepted) whose weight a
+  CPU kernel takes (bitplane, uniform at any width, the slices of a MoBiQuant checkpoint, static or
+  routed per token); `fused_reason` says why not otherwise, and those steps run module by module.
 
 `LeanLayers` is all of it but the cache: it runs the rows of several sequences, each appended to its own `KVCache`
 at its own position, every linear called once with all rows and attention per sequence (a chunk after earlier
@@ -122,24 +122,23 @@ def _linear_spec(name: str, linear: nn.Module) -> LinearSpec | str:
     return f"{name} is a {type(linear).__name__}"
 
 
-def fuse_layers(stack: LeanLayers, cache: KVCache) -> tuple[FusedLayers | None, str | None]:
-    """The stack's layers in one compiled step over `cache` (`bitquilt.runtime.fused.FusedLayers`), or None and why
-    not."""
+def fuse_layers(stack: LeanLayers) -> tuple[FusedLayers | None, str | None]:
+    """The stack's layers in one compiled step (`bitquilt.runtime.fused.FusedLayers`) for caches of up to its
+    `max_len` positions (`fused_cache`), or None and why not."""
     from bitquilt.runtime.fused import FusedLayers
 
-    if cache.keys[0].dtype != torch.float32:
-        return None, f"dtype {cache.keys[0].dtype} (fused layers run fp32)"
+    if stack.dtype != torch.float32:
+        return None, f"dtype {stack.dtype} (fused layers run fp32)"
     if any(stack.has_site):
         return None, "modules at the attention site (KV quantizers or rotations)"
     config, first = stack.model.config, stack.layers[0]
     norms = {_rms_eps(m) for layer in stack.layers for m in layer.modules() if type(m).__name__.endswith("Norm")}
     if None in norms or len(norms) != 1:
         return None, "norms that are not plain RMSNorms with one epsilon"
-    mlp, length = first.mlp, cache.length
+    mlp, eps = first.mlp, norms.pop()
     try:
-        fused = FusedLayers(config.hidden_size, stack.heads, stack.kv_heads, stack.head_dim,
-                            mlp.gate_proj.out_features, norms.pop(), first.self_attn.scaling,
-                            stack.cos[0, :length], stack.sin[0, :length])
+        fused = FusedLayers(config.hidden_size, stack.heads, stack.kv_heads, stack.head_dim, mlp.gate_proj.out_features,
+                            eps, first.self_attn.scaling, stack.cos[0], stack.sin[0])
     except RuntimeError as e:
         return None, str(e)
     for i, layer in enumerate(stack.layers):
@@ -163,8 +162,32 @@ def fuse_layers(stack: LeanLayers, cache: KVCache) -> tuple[FusedLayers | None, 
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         fused.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                        indices, cache.keys[i][0], cache.values[i][0])
+                        indices)
+    _fuse_head(stack, fused, eps)
     return fused, None
+
+
+def _fuse_head(stack: LeanLayers, fused: FusedLayers, eps: float) -> None:
+    """The final norm and LM head into `fused` (`fused_logits`) where they run there as they are: a plain RMSNorm of
+    the layers' epsilon and a head a kernel takes whole (else the stack's own head gives the logits)."""
+    head, norm = stack.model.lm_head, stack.model.model.norm
+    spec = _linear_spec("lm_head", head)
+    if isinstance(spec, str) or spec.router is not None or _rms_eps(norm) != eps:
+        return
+    index = fused.add_linear(spec.fmts, spec.dense, spec.bias, head.out_features, head.in_features)
+    if index is not None:
+        fused.set_head(index, norm.weight.detach())
+
+
+def fused_logits(stack: LeanLayers, fused: FusedLayers, x: torch.Tensor) -> torch.Tensor:
+    """The logits [B, vocab] of the fused step's hidden states x [B, D]: its own head where it has one (each row as
+    alone, however many), else the stack's."""
+    return stack.logits(x) if fused.head is None else fused.logits(x)
+
+
+def fused_cache(fused: FusedLayers, cache: KVCache) -> object:
+    """`cache` as `fused.step` takes it (a handle on its buffers, written in place)."""
+    return fused.cache([k[0] for k in cache.keys], [v[0] for v in cache.values])
 
 
 @dataclass
@@ -273,7 +296,8 @@ class LeanDecoder(LeanLayers):
     def __init__(self, model: nn.Module, max_len: int, fuse: bool = True):
         super().__init__(model, max_len)
         self.cache = self.new_cache(max_len)
-        self.fused, self.fused_reason = fuse_layers(self, self.cache) if fuse else (None, "not requested")
+        self.fused, self.fused_reason = fuse_layers(self) if fuse else (None, "not requested")
+        self._fused_cache = None if self.fused is None else fused_cache(self.fused, self.cache)
 
     @property
     def pos(self) -> int:
@@ -288,8 +312,8 @@ class LeanDecoder(LeanLayers):
         t, start = self._check(ids)
         if t == 1 and self.fused is not None and kernels.options().enabled:
             self.cache.pos = start + 1
-            x = self.fused.step(self.model.model.embed_tokens(ids), start).view(1, 1, -1)
-            return self.logits(x)[0, -1]
+            x = self.fused.step(self.model.model.embed_tokens(ids)[0], [start], [self._fused_cache])
+            return fused_logits(self, self.fused, x)[0]
         return self.logits(self.run(ids, [self.cache], [t])[:, -1:])[0, -1]
 
     @torch.no_grad()

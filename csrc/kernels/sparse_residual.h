@@ -8,11 +8,11 @@
 // Segments are sorted by output tile (TILE = 32 rows), then row, then column; tile_ptr int32
 // [tiles + 1] is the CSR index: tile i owns segments tile_ptr[i] .. tile_ptr[i + 1] - 1.
 //
-// Each segment's codes are decoded once per call to exact fp32 integers and multiplied with every
-// token's 32 activations in fp32 FMAs; each token's dot product is then scaled (one multiply after the
-// horizontal sum, not 32 before; with one token, one FMA of the 8 partial sums, a row's segments summed before
-// a single horizontal sum, since horizontal sums are what a batch-1 residual spends its time on), so the residual
-// adds no error beyond fp32 rounding and order. Reducing 8 segments' sums at once with hadd, or decoding through an
+// Each segment's codes are decoded once for up to 16 tokens to exact fp32 integers and multiplied with each
+// token's 32 activations in fp32 FMAs; the 8 partial sums are scaled by one FMA into the row's sum, and a row's
+// segments are summed before a single horizontal sum (horizontal sums are what a batch-1 residual spends its time
+// on), so the residual adds no error beyond fp32 rounding and order, the same order for a token whatever tokens
+// share the call. Reducing 8 segments' sums at once with hadd, or decoding through an
 // L1 buffer, were tried and lost (docs/kernels.md, "Sparse residual").
 // The fused kernels add a tile's segments into the tile's accumulators (lookup-table path) or into
 // its dequantized fp32 rows (sgemm path) while the tile is hot, so y is written once;
@@ -78,38 +78,30 @@ inline __m256 segment_partials(const __m256 w[4], const float* x) {
   return _mm256_add_ps(a, b);
 }
 
-// out[t * ld_out] += scale * sum_j q_j * x[t * ld_x + j] for t < T: one segment, every token, the
-// codes decoded once. x points at the segment's first column of token 0, out at its row of token 0.
-inline void segment_matvec(const uint8_t* code, float scale, const float* x, int64_t ld_x, int64_t T,
-                           float* out, int64_t ld_out) {
-  __m256 w[4];
-  decode_segment(code, w);
-  for (int64_t t = 0; t < T; ++t)
-    out[t * ld_out] += scale * bitquilt_simd::hsum8(segment_partials(w, x + t * ld_x));
-}
-
-// One token (decode): the segments of a row (consecutive, as sorted) summed in one vector, scaled per segment
-// by an FMA, and reduced once per row instead of once per segment (a touched row has several segments).
-inline void tile_residual_one(const Residual& r, int64_t tile, const float* x, float* acc) {
-  for (int64_t k = r.begin(tile), end = r.end(tile); k < end;) {
-    const int32_t row = r.rows[k];
-    __m256 sum = _mm256_setzero_ps();
-    for (; k < end && r.rows[k] == row; ++k) {
-      __m256 w[4];
-      decode_segment(r.codes + k * SEG_BYTES, w);
-      sum = _mm256_fmadd_ps(segment_partials(w, x + r.cols[k]), _mm256_set1_ps(r.scales[k]), sum);
-    }
-    acc[row - tile * ROWS] += bitquilt_simd::hsum8(sum);
-  }
-}
-
-// Tile `tile`'s segments added into acc: acc[t * ld_t + (row - tile * ROWS)] for every token t.
+// Tile `tile`'s segments added into acc: acc[t * ld_t + (row - tile * ROWS)] for every token t. Per token, a row's
+// segments (consecutive, as sorted) are summed in one vector, each scaled by an FMA of its 8 partial sums, and
+// reduced once per row (a touched row has several segments; horizontal sums are what a batch-1 residual spends its
+// time on); each segment's codes are decoded once for up to kTokens tokens. A token's sums run in the same order
+// however many tokens share the call, so a batch's rows come out as each alone.
 inline void tile_residual(const Residual& r, int64_t tile, const float* x, int64_t K, int64_t T, float* acc,
                           int64_t ld_t) {
-  if (T == 1) return tile_residual_one(r, tile, x, acc);
-  for (int64_t k = r.begin(tile); k < r.end(tile); ++k)
-    segment_matvec(r.codes + k * SEG_BYTES, r.scales[k], x + r.cols[k], K, T, acc + (r.rows[k] - tile * ROWS),
-                   ld_t);
+  constexpr int64_t kTokens = 16;
+  __m256 sum[kTokens];
+  for (int64_t t0 = 0; t0 < T; t0 += kTokens) {
+    const int64_t n = std::min(kTokens, T - t0);
+    for (int64_t k = r.begin(tile), end = r.end(tile); k < end;) {
+      const int32_t row = r.rows[k];
+      for (int64_t t = 0; t < n; ++t) sum[t] = _mm256_setzero_ps();
+      for (; k < end && r.rows[k] == row; ++k) {
+        __m256 w[4];
+        decode_segment(r.codes + k * SEG_BYTES, w);
+        const __m256 scale = _mm256_set1_ps(r.scales[k]);
+        for (int64_t t = 0; t < n; ++t)
+          sum[t] = _mm256_fmadd_ps(segment_partials(w, x + (t0 + t) * K + r.cols[k]), scale, sum[t]);
+      }
+      for (int64_t t = 0; t < n; ++t) acc[(t0 + t) * ld_t + row - tile * ROWS] += bitquilt_simd::hsum8(sum[t]);
+    }
+  }
 }
 
 // dst[j] += scale * q_j for the 32 columns of one segment (a dequantized fp32 row; scale * q_j is exact).

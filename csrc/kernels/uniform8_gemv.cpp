@@ -40,7 +40,7 @@ namespace {
 
 using bitquilt_u8::prefetch_ahead;
 
-constexpr int MAX_TOKENS = 4;  // tokens per pass over the weights
+constexpr int MAX_TOKENS = 2;  // tokens per pass over the weights
 // Each row's codes are read once, in order; the next row's first line is hinted, and every other 32-byte step
 // prefetches ahead in the (row-major, contiguous) code stream (uniform8.h), where the hardware prefetcher alone left
 // the loop waiting on memory.
@@ -49,10 +49,10 @@ inline __m256 widen(const uint8_t* q) {  // 8 codes -> 8 exact floats
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
 }
 
-// Rows r0 .. r1 - 1 for T tokens (x rows ldx apart, y rows ldy apart). U accumulators per token: enough
-// independent FMA chains in all (4 for one token, 2 each for two, 1 each from three) while T * U + 4 weight
-// vectors + T totals stay within the 16 ymm registers.
-template <int T, int U = (T == 1 ? 4 : T == 2 ? 2 : 1)>
+// Rows r0 .. r1 - 1 for T (1 or 2) tokens (x rows ldx apart, y rows ldy apart). Four accumulators per token, one
+// per 8-column quarter of a step: 4 T + 4 weight vectors + T totals stay within the 16 ymm registers, and a token's
+// sums run in the same order whether it passes alone or with another (a batch's rows come out as each alone).
+template <int T>
 void rows(const uint8_t* q, const float* scale, const float* scale_zero, const float* x, const float* xsum, int64_t K,
           int64_t G, int64_t group, int64_t ldx, int64_t r0, int64_t r1, float* y, int64_t ldy) {
   for (int64_t r = r0; r < r1; ++r) {
@@ -62,9 +62,9 @@ void rows(const uint8_t* q, const float* scale, const float* scale_zero, const f
     float offset[T];
     for (int t = 0; t < T; ++t) total[t] = _mm256_setzero_ps(), offset[t] = 0.0f;
     for (int64_t g = 0; g < G; ++g) {
-      __m256 acc[T][U];
+      __m256 acc[T][4];
       for (int t = 0; t < T; ++t)
-        for (int u = 0; u < U; ++u) acc[t][u] = _mm256_setzero_ps();
+        for (int u = 0; u < 4; ++u) acc[t][u] = _mm256_setzero_ps();
       const int64_t c1 = std::min(K, (g + 1) * group);
       for (int64_t c = g * group; c < c1; c += 32) {
         if (c % 64 == 0) prefetch_ahead(qr + c, 1);
@@ -72,13 +72,13 @@ void rows(const uint8_t* q, const float* scale, const float* scale_zero, const f
         for (int t = 0; t < T; ++t) {
           const float* xt = x + t * ldx + c;
           for (int u = 0; u < 4; ++u)
-            acc[t][u % U] = _mm256_fmadd_ps(w[u], _mm256_loadu_ps(xt + 8 * u), acc[t][u % U]);
+            acc[t][u] = _mm256_fmadd_ps(w[u], _mm256_loadu_ps(xt + 8 * u), acc[t][u]);
         }
       }
       const __m256 s = _mm256_set1_ps(scale[r * G + g]);
       for (int t = 0; t < T; ++t) {
         __m256 dot = acc[t][0];
-        for (int u = 1; u < U; ++u) dot = _mm256_add_ps(dot, acc[t][u]);
+        for (int u = 1; u < 4; ++u) dot = _mm256_add_ps(dot, acc[t][u]);
         total[t] = _mm256_fmadd_ps(dot, s, total[t]);
         offset[t] += scale_zero[r * G + g] * xsum[t * G + g];
       }
@@ -117,7 +117,7 @@ void rows_int8(const uint8_t* q, const float* scale, const float* scale_zero, co
 
 using RowsFn = void (*)(const uint8_t*, const float*, const float*, const float*, const float*, int64_t, int64_t,
                         int64_t, int64_t, int64_t, int64_t, float*, int64_t);
-constexpr RowsFn ROWS[MAX_TOKENS] = {rows<1>, rows<2>, rows<3>, rows<4>};
+constexpr RowsFn ROWS[MAX_TOKENS] = {rows<1>, rows<2>};
 
 #ifdef TORCH_EXTENSION_NAME
 at::Tensor uniform8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,

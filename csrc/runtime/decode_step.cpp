@@ -1,22 +1,23 @@
-// One decoded token through every decoder layer of a Llama-like model in one call, used by
-// bitquilt.runtime.fused (built by bitquilt.runtime.lean).
+// A decode step through every decoder layer of a Llama-like model in one call, one token for each of B sequences
+// (each its own KV cache and position), used by bitquilt.runtime.fused (built by bitquilt.runtime.lean).
 //
 // A batch-1 decode step of a small model run module by module spends more time in the framework's
 // per-op overhead (hundreds of views, slices and element-wise ops per token) than in
 // its matmuls. The layer math is decoder_core.h's (shared with the standalone runtime); this file holds the
-// linears and the torch bindings.
+// linears and the torch bindings. A step with B sequences calls each linear once for all B rows, so its weight is
+// read once per step whatever B; every kernel here computes a row as it would alone, so a sequence's results do
+// not depend on what runs beside it (one sequence is the case B = 1).
 //
 // Every W is a sum of bit-plane packed parts run by the lookup-table kernel (lut_parts.h: one part for a
 // bitplane or uniform format, the first k slices for a MoBiQuant checkpoint in static mode), a 4- or 2-bit
 // uniform weight run on int8-rounded activations (q4_int8.h, when int8 activations are enabled), an 8-bit
-// uniform weight run by the 8-bit GEMV (uniform8.h), or a dense fp32 matrix (at::mv); packed parts may carry a
+// uniform weight run by the 8-bit GEMV (uniform8.h), or a dense fp32 matrix (dense_rows.h); packed parts may carry a
 // MosaicQuant sparse residual, added inside the lookup-table kernel (sparse_residual.h). A routed MoBiQuant
 // linear first counts the token's slices with its router (slice_router.h) and runs that prefix of its parts.
 // The same math as the eager modules in another fp32 order; tested against them (tests/test_lean_decode.py).
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/mv.h>
+#include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
@@ -24,6 +25,7 @@
 #include <optional>
 #include <vector>
 
+#include "kernels/dense_rows.h"
 #include "kernels/lut_parts.h"
 #include "kernels/q4_int8.h"
 #include "kernels/slice_router.h"
@@ -47,27 +49,35 @@ struct Linear {
   mutable std::vector<float> hidden;      // the router's scratch
   int64_t N = 0, K = 0;
 
-  // y [N] = W x (+ b)
-  void run(const float* x, float* y) const {
+  // y [T, N] = x [T, K] W^T (+ b), each row as it comes out alone (tokens run beside it change nothing): every
+  // kernel's rows are independent; a routed linear runs each token's own prefix.
+  void run(const float* x, int64_t T, float* y) const {
     if (router) {
-      const int64_t k = bitquilt_router::count(x, *router, *tau.data_ptr<float>(), hidden.data());
-      bitquilt_lut::lut_parts_into(x, 1, prefixes[k], N, {}, y);
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t k = bitquilt_router::count(x + t * K, *router, *tau.data_ptr<float>(), hidden.data());
+        bitquilt_lut::lut_parts_into(x + t * K, 1, prefixes[k], N, {}, y + t * N);
+      }
     } else if (q4) {
-      bitquilt_q4::matmul_into(x, 1, *q4, y);
+      bitquilt_q4::matmul_into(x, T, *q4, y);
     } else if (u8) {
-      (u8_int8 ? bitquilt_u8::gemv_int8_into : bitquilt_u8::gemv_into)(x, 1, *u8, y);
+      (u8_int8 ? bitquilt_u8::gemv_int8_into : bitquilt_u8::gemv_into)(x, T, *u8, y);
     } else if (parts.empty()) {
-      const auto opts = at::TensorOptions().dtype(at::kFloat);
-      auto out = at::from_blob(y, {N}, opts);
-      at::mv_out(out, dense, at::from_blob(const_cast<float*>(x), {K}, opts));
+      bitquilt_dense::rows_into(x, T, dense.data_ptr<float>(), N, K, y);
     } else {
-      bitquilt_lut::lut_parts_into(x, 1, parts, N, residual, y);
+      bitquilt_lut::lut_parts_into(x, T, parts, N, residual, y);
     }
     if (bias.defined()) {
       const float* b = bias.data_ptr<float>();
-      for (int64_t i = 0; i < N; ++i) y[i] += b[i];
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t i = 0; i < N; ++i) y[t * N + i] += b[i];
     }
   }
+};
+
+// A sequence's KV cache as the fused step takes it: the decoder's view of its per-layer tensors, which it keeps.
+struct FusedCache {
+  bitquilt_decoder::Cache cache;
+  std::vector<at::Tensor> keep;
 };
 
 at::Tensor fp32_vector(const at::Tensor& t, int64_t n, const char* what) {
@@ -158,8 +168,7 @@ class FusedDecoder {
   }
 
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, const std::optional<at::Tensor>& q_norm,
-                 const std::optional<at::Tensor>& k_norm, const std::vector<int64_t>& linears, const at::Tensor& keys,
-                 const at::Tensor& values) {
+                 const std::optional<at::Tensor>& k_norm, const std::vector<int64_t>& linears) {
     TORCH_CHECK(linears.size() == 7, "seven linears per layer: q, k, v, o, gate, up, down");
     int64_t N[7], K[7];
     for (int j = 0; j < 7; ++j) {
@@ -170,34 +179,82 @@ class FusedDecoder {
     }
     const std::string error = bitquilt_decoder::linears_error(core_.dims(), N, K);
     TORCH_CHECK(error.empty(), error);
-    const auto& d = core_.dims();
-    const int64_t D = d.D, hd = d.hd;
+    const int64_t D = core_.dims().D, hd = core_.dims().hd;
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
-    for (const at::Tensor* cache : {&keys, &values})
-      TORCH_CHECK(cache->dim() == 3 && cache->size(0) == d.G && cache->size(1) == d.max_len && cache->size(2) == hd &&
-                      cache->scalar_type() == at::kFloat && cache->is_contiguous(),
-                  "caches: contiguous fp32 [kv_heads, max_len, head_dim]");
     const bitquilt_decoder::Layer layer{
         fp32_vector(in_norm, D, "input norm").data_ptr<float>(),
         fp32_vector(post_norm, D, "post-attention norm").data_ptr<float>(),
         q_norm ? fp32_vector(*q_norm, hd, "q norm").data_ptr<float>() : nullptr,
         k_norm ? fp32_vector(*k_norm, hd, "k norm").data_ptr<float>() : nullptr,
-        linears[0], linears[1], linears[2], linears[3], linears[4], linears[5], linears[6],
-        keys.data_ptr<float>(), values.data_ptr<float>()};
-    keep_.insert(keep_.end(), {in_norm, post_norm, keys, values});
+        linears[0], linears[1], linears[2], linears[3], linears[4], linears[5], linears[6]};
+    keep_.insert(keep_.end(), {in_norm, post_norm});
     if (q_norm) keep_.insert(keep_.end(), {*q_norm, *k_norm});
     core_.add_layer(layer);
   }
 
-  // The hidden state [D] of the token at position `pos` after every layer (the caches' row pos written).
-  at::Tensor step(const at::Tensor& x, int64_t pos) {
+  // A sequence's cache over its per-layer keys and values, each contiguous fp32 [kv_heads, length, head_dim] (one
+  // length, at most the RoPE tables'), written in place by the steps it takes part in.
+  FusedCache cache(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values) const {
+    const auto& d = core_.dims();
+    TORCH_CHECK(keys.size() == values.size() && !keys.empty(), "keys and values for every layer");
+    FusedCache c;
+    c.cache.length = keys[0].dim() == 3 ? keys[0].size(1) : 0;
+    for (size_t l = 0; l < keys.size(); ++l)
+      for (const at::Tensor* t : {&keys[l], &values[l]}) {
+        TORCH_CHECK(t->dim() == 3 && t->size(0) == d.G && t->size(1) == c.cache.length && t->size(2) == d.hd &&
+                        t->scalar_type() == at::kFloat && t->is_contiguous(),
+                    "caches: contiguous fp32 [kv_heads, length, head_dim], one length");
+        (t == &keys[l] ? c.cache.keys : c.cache.values).push_back(t->data_ptr<float>());
+        c.keep.push_back(*t);
+      }
+    const std::string error = core_.cache_error(c.cache);
+    TORCH_CHECK(error.empty(), error);
+    return c;
+  }
+
+  // Linear `index` as the LM head (vocab outputs, hidden inputs), after the final RMSNorm of weight `norm` [hidden]
+  // (the layers' epsilon).
+  void set_head(int64_t index, const at::Tensor& norm) {
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "unknown linear ", index);
     const int64_t D = core_.dims().D;
-    TORCH_CHECK(x.scalar_type() == at::kFloat && x.numel() == D, "x: fp32 with ", D, " values");
-    TORCH_CHECK(pos >= 0 && pos < core_.dims().max_len, "position ", pos, " outside the cache's ",
-                core_.dims().max_len);
-    at::Tensor y = x.contiguous().clone().view({D});
-    core_.forward(y.data_ptr<float>(), 1, pos,
-                  [this](int64_t i, const float* in, int64_t, float* out) { linears_[i].run(in, out); });
+    TORCH_CHECK(linears_[index].K == D, "the head takes ", linears_[index].K, " inputs, not the hidden size ", D);
+    final_norm_ = fp32_vector(norm, D, "final norm");
+    head_ = index;
+  }
+
+  // The logits [B, vocab] of hidden states x [B, D]: the final norm and the head, each row as it comes out alone.
+  at::Tensor logits(const at::Tensor& x) {
+    TORCH_CHECK(head_ >= 0, "no head: set_head first");
+    const int64_t D = core_.dims().D;
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == D, "x: fp32 [B, ", D, "]");
+    const at::Tensor xc = x.contiguous();
+    const int64_t B = xc.size(0);
+    normed_.resize(B * D);
+    for (int64_t b = 0; b < B; ++b)
+      bitquilt_decoder::rms_norm(xc.data_ptr<float>() + b * D, final_norm_.data_ptr<float>(), D, core_.dims().eps,
+                                 normed_.data() + b * D);
+    at::Tensor y = at::empty({B, linears_[head_].N}, xc.options());
+    linears_[head_].run(normed_.data(), B, y.data_ptr<float>());
+    return y;
+  }
+
+  // The hidden states [B, D] of B sequences' tokens after every layer, token b at position positions[b] of
+  // caches[b] (that row written): one call per linear for all B rows; each row as it comes out alone.
+  at::Tensor step(const at::Tensor& x, const std::vector<int64_t>& positions, const std::vector<FusedCache*>& caches) {
+    const int64_t D = core_.dims().D, B = static_cast<int64_t>(positions.size());
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == B && x.size(1) == D &&
+                    static_cast<int64_t>(caches.size()) == B,
+                "x: fp32 [B, ", D, "] for B positions and caches");
+    std::vector<bitquilt_decoder::Span> spans(B);
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(caches[b] != nullptr, "a sequence without a cache");
+      spans[b] = {&caches[b]->cache, positions[b], 1};
+    }
+    const std::string error = core_.spans_error(spans.data(), spans.size());
+    TORCH_CHECK(error.empty(), error);
+    at::Tensor y = x.contiguous().clone();
+    core_.forward_spans(y.data_ptr<float>(), spans.data(), spans.size(),
+                        [this](int64_t i, const float* in, int64_t T, float* out) { linears_[i].run(in, T, out); });
     return y;
   }
 
@@ -226,6 +283,9 @@ class FusedDecoder {
   at::Tensor cos_, sin_;
   std::vector<at::Tensor> keep_;  // the tensors the layers point into
   std::vector<Linear> linears_;
+  int64_t head_ = -1;      // the LM head's linear, or none
+  at::Tensor final_norm_;  // the norm before it
+  std::vector<float> normed_;
 };
 
 }  // namespace
@@ -233,7 +293,8 @@ class FusedDecoder {
 // Adds the fused decoder class to the extension module (called from its PYBIND11_MODULE).
 void register_decode_step(pybind11::module& m) {
   namespace py = pybind11;
-  py::class_<FusedDecoder>(m, "FusedDecoder", "every decoder layer of one decoded token in one call")
+  py::class_<FusedCache>(m, "FusedCache", "a sequence's KV cache as the fused step takes it");
+  py::class_<FusedDecoder>(m, "FusedDecoder", "every decoder layer of a decode step, one token per sequence, in one call")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, const at::Tensor&,
                     const at::Tensor&>(),
            py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
@@ -249,6 +310,9 @@ void register_decode_step(pybind11::module& m) {
       .def("set_router", &FusedDecoder::set_router, py::arg("index"), py::arg("w1"), py::arg("b1"), py::arg("w2"),
            py::arg("b2"), py::arg("tau"))
       .def("add_layer", &FusedDecoder::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("q_norm"),
-           py::arg("k_norm"), py::arg("linears"), py::arg("keys"), py::arg("values"))
-      .def("step", &FusedDecoder::step, py::arg("x"), py::arg("pos"));
+           py::arg("k_norm"), py::arg("linears"))
+      .def("cache", &FusedDecoder::cache, py::arg("keys"), py::arg("values"))
+      .def("set_head", &FusedDecoder::set_head, py::arg("index"), py::arg("norm"))
+      .def("logits", &FusedDecoder::logits, py::arg("x"))
+      .def("step", &FusedDecoder::step, py::arg("x"), py::arg("positions"), py::arg("caches"));
 }

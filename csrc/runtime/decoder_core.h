@@ -1,20 +1,24 @@
-// The layer math of a Llama-like decoder over a static KV cache, shared by the torch extension's fused decode
-// step (decode_step.cpp) and the standalone runtime's library (standalone.cpp). For T tokens at positions
-// pos..pos+T-1, hidden states x (fp32 [T, D]), a layer is, token by token:
+// The layer math of a Llama-like decoder over static KV caches, shared by the torch extension's fused decode
+// step (decode_step.cpp) and the standalone runtime's library (standalone.cpp). For T tokens of a sequence at
+// positions pos..pos+T-1, hidden states x (fp32 [T, D]), a layer is, token by token:
 //
 //   h = RMSNorm(x) * w_in                                  (mean of squares in fp32, then rsqrt(. + eps))
 //   q = W_q h + b_q,  k = W_k h + b_k,  v = W_v h + b_v     (biases optional: Qwen2)
 //   q, k per head: RMSNorm over head_dim * w_qn / w_kn      (optional: Qwen3)
 //   q, k per head: RoPE, out = u * cos[p] + rotate_half(u) * sin[p],
 //                  rotate_half(u) = [-u[d/2:], u[:d/2]]     (cos/sin tables [max_len, head_dim] from the caller)
-//   K[g, p] = k_g, V[g, p] = v_g                            (the static cache, [kv_heads, max_len, head_dim])
+//   K[g, p] = k_g, V[g, p] = v_g                            (the sequence's cache, [kv_heads, length, head_dim])
 //   a_h = sum_{j <= p} softmax_j(scaling * <q_h, K[g(h), j]>) V[g(h), j],   g(h) = h / (heads / kv_heads)
 //   x = x + W_o a
 //   h = RMSNorm(x) * w_post
 //   x = x + W_down (silu(W_gate h) * (W_up h))
 //
-// The linears are the caller's: `run(index, x, T, y)` computes y [T, N] = x [T, K] W_index^T (+ its bias), every
-// token's rows contiguous. A token attends to the cache's rows up to its own position (causal for a prompt).
+// The linears are the caller's: `run(index, x, R, y)` computes y [R, N] = x [R, K] W_index^T (+ its bias), every
+// token's rows contiguous. Several sequences (spans, each its own cache and position) go through together: their
+// rows in one call per linear, so a weight is read once for all of them, attention per sequence over its own
+// cache. A token attends to its cache's rows up to its own position (causal for a prompt). Everything but the
+// linears is computed row by row the same whatever rows run beside it; so, with linears whose rows are
+// independent of each other (the CPU kernels'), a sequence's results do not depend on what runs with it.
 
 #pragma once
 
@@ -71,12 +75,23 @@ struct Dims {
   const float *cos, *sin;  // [max_len, hd]
 };
 
-// A layer's norm weights (q_norm / k_norm null unless the family has them), the indices of its q, k, v, o, gate,
-// up and down linears, and its caches [G, max_len, hd] (written in place).
+// A layer's norm weights (q_norm / k_norm null unless the family has them) and the indices of its q, k, v, o, gate,
+// up and down linears.
 struct Layer {
   const float *in_norm, *post_norm, *q_norm, *k_norm;
   int64_t q, k, v, o, gate, up, down;
-  float *keys, *values;
+};
+
+// One sequence's KV cache: per layer, its keys and values [G, length, hd], written in place.
+struct Cache {
+  std::vector<float*> keys, values;
+  int64_t length = 0;
+};
+
+// T tokens of one sequence, at positions pos..pos+T-1 of its cache.
+struct Span {
+  const Cache* cache;
+  int64_t pos, T;
 };
 
 // Why the dims do not make a decoder; empty if they do.
@@ -108,46 +123,85 @@ class Decoder {
   void add_layer(const Layer& layer) { layers_.push_back(layer); }
   size_t layers() const { return layers_.size(); }
 
-  // x [T, D] of the tokens at positions pos..pos+T-1 through every layer, in place (the caches' rows written);
-  // pos + T <= max_len. A prompt goes through in blocks of kPrompt tokens, each through every layer before the
-  // next (whose tokens attend to its cached keys): the work per token, and the activations' memory, stay those of
-  // one block however long the prompt.
+  // Why `c` is no cache for this decoder's layers; empty if it is one.
+  std::string cache_error(const Cache& c) const {
+    if (c.keys.size() != layers_.size() || c.values.size() != layers_.size())
+      return "a cache holds keys and values for each of the " + std::to_string(layers_.size()) + " layers";
+    if (c.length <= 0 || c.length > d_.max_len)
+      return "a cache of " + std::to_string(c.length) + " positions; 1 to " + std::to_string(d_.max_len) + " fit";
+    for (size_t l = 0; l < layers_.size(); ++l)
+      if (c.keys[l] == nullptr || c.values[l] == nullptr) return "a cache without layer " + std::to_string(l);
+    return "";
+  }
+
+  // Why `spans` cannot run together: each needs a cache of its own (cache_error) and 1 to length - pos tokens
+  // from a position pos >= 0; empty if they can.
+  std::string spans_error(const Span* spans, size_t n) const {
+    if (n == 0) return "no sequences";
+    for (size_t s = 0; s < n; ++s) {
+      const Span& sp = spans[s];
+      if (sp.cache == nullptr) return "a sequence without a cache";
+      const std::string error = cache_error(*sp.cache);
+      if (!error.empty()) return error;
+      if (sp.T <= 0 || sp.pos < 0 || sp.pos + sp.T > sp.cache->length)
+        return "positions " + std::to_string(sp.pos) + ".." + std::to_string(sp.pos + sp.T) + " outside the cache's " +
+               std::to_string(sp.cache->length);
+      for (size_t o = 0; o < s; ++o)
+        if (spans[o].cache == sp.cache) return "a cache given twice";
+    }
+    return "";
+  }
+
+  // x [T, D] of one sequence's tokens at positions pos..pos+T-1 through every layer, in place (its cache's rows
+  // written). A prompt goes through in blocks of kPrompt tokens, each through every layer before the next (whose
+  // tokens attend to its cached keys): the work per token, and the activations' memory, stay those of one block
+  // however long the prompt. The caller checks the span (spans_error).
   template <typename Run>
-  void forward(float* x, int64_t T, int64_t pos, const Run& run) {
-    for (int64_t t0 = 0; t0 < T; t0 += kPrompt) forward_block(x + t0 * d_.D, std::min(kPrompt, T - t0), pos + t0, run);
+  void forward(float* x, const Cache& cache, int64_t pos, int64_t T, const Run& run) {
+    for (int64_t t0 = 0; t0 < T; t0 += kPrompt) {
+      const Span span{&cache, pos + t0, std::min(kPrompt, T - t0)};
+      forward_spans(x + t0 * d_.D, &span, 1, run);
+    }
+  }
+
+  // The rows of n sequences (x: span 0's T rows, then span 1's, ...) through every layer together, in place: one
+  // `run` per linear for all rows, attention per sequence over its own cache (written). The caller checks the spans
+  // (spans_error) and keeps the rows few (a decode step: one per sequence).
+  template <typename Run>
+  void forward_spans(float* x, const Span* spans, size_t n, const Run& run) {
+    int64_t R = 0;
+    for (size_t s = 0; s < n; ++s) R += spans[s].T;
+    const int64_t D = d_.D, F = d_.F, q_size = d_.H * d_.hd, kv_size = d_.G * d_.hd;
+    fit(h_, R * std::max(D, F));
+    fit(q_, R * q_size);
+    fit(k_, R * kv_size);
+    fit(v_, R * kv_size);
+    fit(a_, R * q_size);
+    fit(out_, R * D);
+    fit(gate_, R * F);
+    fit(up_, R * F);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& layer = layers_[l];
+      for (int64_t t = 0; t < R; ++t) rms_norm(x + t * D, layer.in_norm, D, d_.eps, h_.data() + t * D);
+      run(layer.q, h_.data(), R, q_.data());
+      run(layer.k, h_.data(), R, k_.data());
+      run(layer.v, h_.data(), R, v_.data());
+      attention(l, spans, n);
+      run(layer.o, a_.data(), R, out_.data());
+      for (int64_t i = 0; i < R * D; ++i) x[i] += out_[i];
+      for (int64_t t = 0; t < R; ++t) rms_norm(x + t * D, layer.post_norm, D, d_.eps, h_.data() + t * D);
+      run(layer.gate, h_.data(), R, gate_.data());
+      run(layer.up, h_.data(), R, up_.data());
+      for (int64_t t = 0; t < R; ++t)  // row by row: a row's 8-lane groups whatever rows come before it
+        silu_times(gate_.data() + t * F, up_.data() + t * F, F, h_.data() + t * F);
+      run(layer.down, h_.data(), R, out_.data());
+      for (int64_t i = 0; i < R * D; ++i) x[i] += out_[i];
+    }
   }
 
  private:
   static constexpr int64_t kPrompt = 256;  // prompt tokens per pass through the layers
   static constexpr int64_t kBlock = 16;    // query tokens per attention task
-
-  template <typename Run>
-  void forward_block(float* x, int64_t T, int64_t pos, const Run& run) {
-    const int64_t D = d_.D, F = d_.F, q_size = d_.H * d_.hd, kv_size = d_.G * d_.hd;
-    fit(h_, T * std::max(D, F));
-    fit(q_, T * q_size);
-    fit(k_, T * kv_size);
-    fit(v_, T * kv_size);
-    fit(a_, T * q_size);
-    fit(out_, T * D);
-    fit(gate_, T * F);
-    fit(up_, T * F);
-    for (const Layer& layer : layers_) {
-      for (int64_t t = 0; t < T; ++t) rms_norm(x + t * D, layer.in_norm, D, d_.eps, h_.data() + t * D);
-      run(layer.q, h_.data(), T, q_.data());
-      run(layer.k, h_.data(), T, k_.data());
-      run(layer.v, h_.data(), T, v_.data());
-      attention(layer, T, pos);
-      run(layer.o, a_.data(), T, out_.data());
-      for (int64_t i = 0; i < T * D; ++i) x[i] += out_[i];
-      for (int64_t t = 0; t < T; ++t) rms_norm(x + t * D, layer.post_norm, D, d_.eps, h_.data() + t * D);
-      run(layer.gate, h_.data(), T, gate_.data());
-      run(layer.up, h_.data(), T, up_.data());
-      silu_times(gate_.data(), up_.data(), T * F, h_.data());
-      run(layer.down, h_.data(), T, out_.data());
-      for (int64_t i = 0; i < T * D; ++i) x[i] += out_[i];
-    }
-  }
 
   static void fit(std::vector<float>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
@@ -165,53 +219,69 @@ class Decoder {
     }
   }
 
-  // a_ = attention of the T tokens at pos.. over the cache (q_, k_, v_ hold their projections). The queries go in
-  // blocks of kBlock tokens: a block's rows of one KV head (its tokens times the query heads that share the head)
-  // read each key and value once for all of them (attention_tiles.h), their scores in one row each, soft-maxed
-  // over the row's own keys (causal).
-  void attention(const Layer& layer, int64_t T, int64_t pos) {
-    const int64_t hd = d_.hd, G = d_.G, H = d_.H, L = d_.max_len;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t g = 0; g < G; ++g) {
-        float* kg = k_.data() + (t * G + g) * hd;
-        if (layer.k_norm != nullptr) rms_norm(kg, layer.k_norm, hd, d_.eps, kg);
-        rope(kg, pos + t);
-        std::copy_n(kg, hd, layer.keys + (g * L + pos + t) * hd);
-        std::copy_n(v_.data() + (t * G + g) * hd, hd, layer.values + (g * L + pos + t) * hd);
-      }
-    const int64_t group = H / G, blocks = (T + kBlock - 1) / kBlock;
-    // (block, KV head) tasks: a prompt's spread over the threads, a decoded token's heads run in turn. The blocks
-    // are taken first, last, second, second to last...: a block attends to all before it, so contiguous chunks of
-    // that order hold as many keys each.
-    bitquilt_par::parallel_for(0, blocks * G, T > 1 ? 1 : G, [&](int64_t k0, int64_t k1) {
-      const int64_t most = std::min(T, kBlock) * group, width = pos + T;
+  // a_ = attention of every span's tokens over its own cache in layer l (q_, k_, v_ hold their projections, the
+  // spans' rows in order). A span's queries go in blocks of kBlock tokens: a block's rows of one KV head (its tokens
+  // times the query heads that share the head) read each key and value once for all of them (attention_tiles.h),
+  // their scores in one row each, soft-maxed over the row's own keys (causal).
+  void attention(size_t l, const Span* spans, size_t n) {
+    const Layer& layer = layers_[l];
+    const int64_t hd = d_.hd, G = d_.G, H = d_.H, group = H / G;
+    std::vector<int64_t> first(n + 1, 0), row0(n, 0);  // span s: tasks first[s].., rows row0[s]..
+    int64_t rows_before = 0, width = 0, longest = 0;
+    for (size_t s = 0; s < n; ++s) {
+      const Span& sp = spans[s];
+      const int64_t L = sp.cache->length;
+      for (int64_t t = 0; t < sp.T; ++t)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t i = (rows_before + t) * G + g, p = sp.pos + t;
+          float* kg = k_.data() + i * hd;
+          if (layer.k_norm != nullptr) rms_norm(kg, layer.k_norm, hd, d_.eps, kg);
+          rope(kg, p);
+          std::copy_n(kg, hd, sp.cache->keys[l] + (g * L + p) * hd);
+          std::copy_n(v_.data() + i * hd, hd, sp.cache->values[l] + (g * L + p) * hd);
+        }
+      row0[s] = rows_before;
+      rows_before += sp.T;
+      first[s + 1] = first[s] + (sp.T + kBlock - 1) / kBlock * G;
+      width = std::max(width, sp.pos + sp.T);
+      longest = std::max(longest, sp.T);
+    }
+    // (span, block, KV head) tasks: a prompt's spread over the threads, a decoded token's heads run in turn (one
+    // token per span: a chunk of tasks is a span's heads). A span's blocks are taken first, last, second, second to
+    // last...: a block attends to all before it, so contiguous chunks of that order hold as many keys each.
+    bitquilt_par::parallel_for(0, first[n], longest > 1 ? 1 : G, [&](int64_t k0, int64_t k1) {
+      const int64_t most = std::min(longest, kBlock) * group;
       std::vector<float> scores(most * width);
       std::vector<const float*> q(most);
       std::vector<float*> s(most), out(most);
-      std::vector<int64_t> n(most);
+      std::vector<int64_t> count(most);
       for (int64_t k = k0; k < k1; ++k) {
-        const int64_t r = k / G, b = r % 2 ? blocks - 1 - r / 2 : r / 2, g = k % G;
+        const size_t sn = std::upper_bound(first.begin(), first.end(), k) - first.begin() - 1;
+        const Span& sp = spans[sn];
+        const int64_t T = sp.T, pos = sp.pos, L = sp.cache->length, local = k - first[sn];
+        const int64_t blocks = (T + kBlock - 1) / kBlock, r = local / G, g = local % G;
+        const int64_t b = r % 2 ? blocks - 1 - r / 2 : r / 2;
         const int64_t t0 = b * kBlock, t1 = std::min(T, t0 + kBlock), rows = (t1 - t0) * group;
         for (int64_t t = t0; t < t1; ++t)
           for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-            const int64_t row = (t - t0) * group + h - g * group, i = t * H + h;
+            const int64_t row = (t - t0) * group + h - g * group, i = (row0[sn] + t) * H + h;
             float* qh = q_.data() + i * hd;
             if (layer.q_norm != nullptr) rms_norm(qh, layer.q_norm, hd, d_.eps, qh);
             rope(qh, pos + t);
             q[row] = qh;
             s[row] = scores.data() + row * width;
             out[row] = a_.data() + i * hd;
-            n[row] = pos + t + 1;
+            count[row] = pos + t + 1;
           }
-        const float* kh = layer.keys + g * L * hd;
-        const float* vh = layer.values + g * L * hd;
+        const float* kh = sp.cache->keys[l] + g * L * hd;
+        const float* vh = sp.cache->values[l] + g * L * hd;
         bitquilt_attention::scores_rows(q.data(), rows, kh, pos + t1, hd, d_.scaling, s.data());
         for (int64_t row = 0; row < rows; ++row) {
           float* sr = s[row];
-          const float inv = 1.0f / exp_shifted(sr, n[row], bitquilt_attention::max_of(sr, n[row]));
-          for (int64_t j = 0; j < n[row]; ++j) sr[j] *= inv;
+          const float inv = 1.0f / exp_shifted(sr, count[row], bitquilt_attention::max_of(sr, count[row]));
+          for (int64_t j = 0; j < count[row]; ++j) sr[j] *= inv;
         }
-        bitquilt_attention::mix_rows(s.data(), n.data(), rows, vh, hd, out.data());
+        bitquilt_attention::mix_rows(s.data(), count.data(), rows, vh, hd, out.data());
       }
     });
   }

@@ -26,8 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "common/avx2_simd.h"
-#include "common/parallel.h"
+#include "kernels/dense_rows.h"
 #include "kernels/q4_int8.h"
 #include "kernels/uniform8.h"
 #include "runtime/decoder_core.h"
@@ -42,14 +41,6 @@ thread_local std::string g_error;
 int64_t fail(const std::string& why) {
   g_error = why;
   return -1;
-}
-
-// y [T, N] = x [T, K] W^T for a row-major fp32 W [N, K]
-void dense_into(const float* x, int64_t T, const float* W, int64_t N, int64_t K, float* y) {
-  bitquilt_par::parallel_for(0, N, std::max<int64_t>(16, (1 << 14) / K), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t t = 0; t < T; ++t) y[t * N + r] = bitquilt_simd::dot(x + t * K, W + r * K, K);
-  });
 }
 
 // madvise(MADV_DONTNEED) over the whole pages around [p, p + bytes): for a private, never written file mapping, the
@@ -74,7 +65,7 @@ struct Linear {
     else if (u8)
       bitquilt_u8::gemv_int8_into(x, T, *u8, y);
     else
-      dense_into(x, T, dense, N, K, y);
+      bitquilt_dense::rows_into(x, T, dense, N, K, y);
     if (bias != nullptr)
       for (int64_t t = 0; t < T; ++t)
         for (int64_t i = 0; i < N; ++i) y[t * N + i] += bias[i];
@@ -164,6 +155,7 @@ struct Model {
   bitquilt_decoder::Decoder core;
   int64_t cache_floats;  // one layer's keys (or values), [kv_heads, max_len, head_dim]
   ZeroPages caches;      // per layer, keys then values
+  bitquilt_decoder::Cache kv;  // the layers' caches as the decoder takes them
   int64_t layers;
   std::vector<Linear> linears;
   int64_t embed = -1, head = -1;
@@ -271,8 +263,11 @@ std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file,
                        floats(f, prefix + "post_attention_layernorm.weight", {D}),
                        qk_norms ? floats(f, prefix + "self_attn.q_norm.weight", {hd}) : nullptr,
                        qk_norms ? floats(f, prefix + "self_attn.k_norm.weight", {hd}) : nullptr, index[0], index[1],
-                       index[2], index[3], index[4], index[5], index[6], m->cache(layer, 0), m->cache(layer, 1)});
+                       index[2], index[3], index[4], index[5], index[6]});
+    m->kv.keys.push_back(m->cache(layer, 0));
+    m->kv.values.push_back(m->cache(layer, 1));
   }
+  m->kv.length = max_len;
   m->head = m->add(load_linear(f, "lm_head"));
   const std::string& embed = c["embed"].string;
   m->embed = embed == "lm_head" ? m->head : m->add(load_linear(f, embed));
@@ -350,7 +345,7 @@ int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* 
     embed.row(ids[t], m->x.data() + t * d.D);
     if (m->embed != m->head) embed.unmap();  // a tied table is the head's, which every step reads whole
   }
-  m->core.forward(m->x.data(), T, pos,
+  m->core.forward(m->x.data(), m->kv, pos, T,
                   [m](int64_t i, const float* in, int64_t n, float* out) { m->linears[i].run(in, n, out); });
   m->last.resize(d.D);
   bitquilt_decoder::rms_norm(m->x.data() + (T - 1) * d.D, m->final_norm, d.D, d.eps, m->last.data());
