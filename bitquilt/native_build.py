@@ -60,11 +60,12 @@ class Target:
 
 INT8_KERNELS = ("kernels/q4_int8.cpp", "kernels/avx512/q4_int8.cpp", "kernels/avxvnni/q4_int8.cpp",
                 "kernels/uniform8_gemv.cpp", "kernels/avx512/uniform8.cpp")
-STANDALONE = ("runtime/standalone.cpp", "text/bpe_tokenizer.cpp", *INT8_KERNELS)
+SHARED_KERNELS = (*INT8_KERNELS, "kernels/lut_parts.cpp")  # torch-free: built into every target
+STANDALONE = ("runtime/standalone.cpp", "text/bpe_tokenizer.cpp", *SHARED_KERNELS)
 TORCH_EXTENSION = Target(
     "the CPU kernels' torch extension", "bitquilt_cpu.so",
     ("kernels/lut_matmul.cpp", "kernels/mxint_matmul.cpp", "kernels/slice_router.cpp", "kernels/hadamard.cpp",
-     "kernels/repack.cpp", "kernels/read_rate.cpp", "runtime/decode_step.cpp", *INT8_KERNELS),
+     "kernels/repack.cpp", "kernels/read_rate.cpp", "runtime/decode_step.cpp", *SHARED_KERNELS),
     ("-fPIC", "-std=c++20", *BASELINE), (("-shared",),), torch=True)
 LIBRARY = Target("the standalone runtime library", "libbitquilt_standalone.so", STANDALONE,
                  ("-fPIC", "-std=c++17", *BASELINE), (("-shared",),))

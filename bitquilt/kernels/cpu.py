@@ -8,7 +8,7 @@ torch reference path; `make kernels` rebuilds it.
 
 Both formats run through one kernel: a weight matrix is k binary planes with per-(row, group)
 coefficients (a b-bit uniform grid is b planes with C_i = s·2^(i-1), C0 = −s·z), multiplied by
-activation lookup tables (see csrc/kernels/lut_matmul.cpp); from a bit-width-dependent batch size on,
+activation lookup tables (see csrc/kernels/lut_parts.cpp); from a bit-width-dependent batch size on,
 rows are instead dequantized to fp32 in chunks and multiplied by sgemm. The packed layout is
 built on first use from the format's codes (cut into bit-planes by csrc/kernels/repack.cpp), `scale_zero()` and
 coefficients and kept in this module's `LayoutCache` while the format lives (about the size of the packed
@@ -185,7 +185,7 @@ def _segments(residual: Residual | None) -> list[torch.Tensor]:
 
 @dataclass(frozen=True)
 class Packed:
-    """A weight matrix in the kernel's layout (see csrc/kernels/lut_matmul.cpp)."""
+    """A weight matrix in the kernel's layout (see csrc/kernels/lut_parts.cpp)."""
 
     planes: torch.Tensor  # uint8 [tiles, blocks, bits, block/8, 32]
     coeffs: torch.Tensor  # fp16 [tiles, G, bits+1, 32] (C0..Ck); if uniform, `_uniform_coefficients`
@@ -236,7 +236,7 @@ def _pack_uniform(fmt: UniformFormat) -> Packed | None:
 
 
 def _uniform_coefficients(fmt: UniformFormat) -> torch.Tensor:
-    """(s, z) of every row group in tile order (csrc/kernels/lut_matmul.cpp): uint8 [tiles, G, 96], 32 fp16 s then 32
+    """(s, z) of every row group in tile order (csrc/kernels/lut_parts.cpp): uint8 [tiles, G, 96], 32 fp16 s then 32
     uint8 z, when every s is an fp16 value and every z an integer in [0, 255] (a saved grid always is); fp32 [tiles, G,
     2, 32] (s, −s·z) otherwise, 2.7× the bytes. Built PACK_ROWS rows at a time (the whole matrix's fp32 temporaries at
     once were ≈ 35 MB above the layout for Qwen's 151,936-row LM head)."""

@@ -1,4 +1,5 @@
-// MoBiRoute slice counts in one call per linear, used by bitquilt.kernels.router.
+// MoBiRoute slice counts in one call per linear, used by bitquilt.kernels.router (a token's count is
+// slice_router.h's, which the fused step and the standalone runtime run too).
 //
 // For each token x_t (a row of x, K values) and the router's two layers (fc1: H x (K + 1), fc2: (E - 1) x H):
 //   r_t = sqrt(mean(x_t^2) + 1e-12)
@@ -19,35 +20,7 @@
 #include <cmath>
 #include <vector>
 
-#include "common/avx2_simd.h"
 #include "kernels/slice_router.h"
-
-namespace {
-
-using bitquilt_simd::dot;
-
-float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }  // torch's threshold 20
-
-}  // namespace
-
-int64_t bitquilt_router::count(const float* xt, const Router& r, float tau, float* u) {
-  const int64_t K = r.K, H = r.H;
-  const float rms = std::sqrt(dot(xt, xt, K) / static_cast<float>(K) + 1e-12f);
-  const float inv = 1.0f / rms, log_rms = std::log(rms);
-  for (int64_t h = 0; h < H; ++h) {
-    const float* row = r.w1 + h * (K + 1);
-    u[h] = std::max(0.0f, dot(row, xt, K) * inv + row[K] * log_rms + r.b1[h]);
-  }
-  int64_t count = 1;
-  float logit = 0.0f;
-  for (int64_t j = 0; j < r.E1; ++j) {
-    const float v = dot(r.w2 + j * H, u, H) + r.b2[j];
-    logit = j == 0 ? v : logit - softplus(v);
-    if (logit <= tau) break;  // logits fall with j: no later slice is on either
-    ++count;
-  }
-  return count;
-}
 
 namespace {
 

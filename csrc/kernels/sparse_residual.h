@@ -20,8 +20,6 @@
 
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -29,6 +27,11 @@
 #include <vector>
 
 #include "common/avx2_simd.h"
+
+#ifdef TORCH_EXTENSION_NAME  // check_residual's tensors: the torch extension's files only
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#endif
 
 namespace bitquilt_sparse {
 
@@ -118,6 +121,7 @@ inline void tile_residual_rows(const Residual& r, int64_t tile, int64_t K, float
     segment_add_row(r.codes + k * SEG_BYTES, r.scales[k], out + (r.rows[k] - tile * ROWS) * K + r.cols[k]);
 }
 
+#ifdef TORCH_EXTENSION_NAME
 // The residual {tile_ptr, rows, cols, scales, codes} of an [N, K] weight, checked so that no segment
 // reaches outside its tile's rows or the K columns (empty vector: no residual).
 inline Residual check_residual(const std::vector<at::Tensor>& t, int64_t N, int64_t K) {
@@ -148,5 +152,6 @@ inline Residual check_residual(const std::vector<at::Tensor>& t, int64_t N, int6
   }
   return r;
 }
+#endif
 
 }  // namespace bitquilt_sparse
