@@ -121,6 +121,28 @@ def save_tiny_with_tokenizer(path, model_type: str = "llama"):
     return tokenizer
 
 
+ROUTED_RECIPE = dict(method="mobiquant", w_bits=6, group_size=32,
+                     stage_options={"mobiroute": {"target_bits": 3.0, "steps": 2, "batch": 2}})
+
+
+@pytest.fixture(scope="session")
+def routed_tiny(tmp_path_factory):
+    """The root of a tiny llama quantized with MoBiQuant (slices and per-token routers) with the default model's
+    tokenizer: saved (`saved/`) and exported to the standalone runtime (`out/`)."""
+    from bitquilt.api import export, quantize, save
+    from bitquilt.models.loading import load_model
+    from bitquilt.recipes import Recipe
+
+    root = tmp_path_factory.mktemp("routed")
+    tokenizer = save_tiny_with_tokenizer(root / "hf")
+    model, _ = load_model(root / "hf")
+    quantize(model, Recipe(**ROUTED_RECIPE), torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(2)),
+             progress=False)
+    save(model, root / "saved", tokenizer=tokenizer)
+    export(root / "saved", root / "out", to="standalone")
+    return root
+
+
 @pytest.fixture
 def tiny_llama():
     return make_tiny("llama")

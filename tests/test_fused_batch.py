@@ -8,8 +8,9 @@ from conftest import make_tiny
 
 from bitquilt import kernels
 from bitquilt.api import quantize
+from bitquilt.io import load_quantized
 from bitquilt.nn.quant_linear import set_slices
-from bitquilt.nn.slice_router import has_routers, set_precision
+from bitquilt.nn.slice_router import has_routers, precision_range, set_precision
 from bitquilt.recipes import Recipe
 from bitquilt.runtime.batch import Batch
 from bitquilt.runtime.engines import sampler
@@ -98,7 +99,7 @@ def test_a_batch_steps_its_decoding_sequences_in_one_fused_call():
     assert batch.fused is not None
     calls = []
     step = batch.fused.step
-    batch.fused.step = lambda x, positions, caches: calls.append(len(positions)) or step(x, positions, caches)
+    batch.fused.step = lambda x, positions, *rest: calls.append(len(positions)) or step(x, positions, *rest)
     seqs = [batch.add([1, 2, 3][: n], 20, sampler(0.0)) for n in (1, 2, 3)]
     while any(len(s.new_ids) < 4 for s in seqs):
         batch.step()
@@ -147,3 +148,35 @@ def test_the_fused_step_refuses_what_it_cannot_place():
         fused.cache([k[0] for k in stack.new_cache(8).keys[:1]], [v[0] for v in stack.new_cache(8).values[:1]])
     with pytest.raises(RuntimeError, match="a cache of 32 positions; 1 to 16 fit"):
         fused.cache([torch.zeros(2, 32, 32)] * 2, [torch.zeros(2, 32, 32)] * 2)
+
+
+def test_a_batch_mixing_precisions_gives_each_sequence_its_tokens_alone(routed_tiny):
+    """Each sequence of a MoBiQuant model routed at its own avg_bits, row by row in the fused step: its tokens and bits
+    used are those it gets alone, and alone with the routers set to its avg_bits (`set_precision`); fewer bits at the
+    lower setting. A bad avg_bits is a ValueError."""
+    model, _ = load_quantized(routed_tiny / "saved", runtime="bitquilt")
+    low, high = precision_range(model)
+    settings = (low + 0.2 * (high - low), high - 0.2 * (high - low))
+    prompts = ([7, 8, 9, 10, 11], [12, 13])
+
+    def run(which: list[int], own: bool = True) -> dict[int, tuple[list[int], float]]:
+        batch = Batch(model, 64, "auto", chunk=4)
+        assert batch.fused is not None
+        seqs = {i: batch.add(prompts[i], 24, sampler(0.0), settings[i] if own else None) for i in which}
+        while batch.sequences:
+            batch.step()
+            for s in [s for s in batch.sequences if len(s.new_ids) == 10]:  # each reads its prompt and 9 new tokens
+                batch.remove(s)
+        return {i: (s.new_ids, s.avg_bits) for i, s in seqs.items()}
+
+    together = run([0, 1])
+    for i in (0, 1):
+        assert together[i] == run([i])[i]
+        set_precision(model, settings[i])
+        assert together[i][0] == run([i], own=False)[i][0]
+        assert low - 1e-6 <= together[i][1] <= high + 1e-6
+    assert together[0][1] < together[1][1]
+    with pytest.raises(ValueError, match="out of this checkpoint's routed range"):
+        Batch(model, 64).add([1, 2], 8, sampler(0.0), avg_bits=high + 1)
+    with pytest.raises(ValueError, match="no slice routers"):
+        Batch(make_tiny("llama"), 64).add([1, 2], 8, sampler(0.0), avg_bits=3.0)

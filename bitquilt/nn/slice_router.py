@@ -127,19 +127,40 @@ def precision_range(model: nn.Module) -> tuple[float, float]:
     return float(curve.min()), float(curve.max())
 
 
-def set_precision(model: nn.Module, avg_bits: float) -> float:
-    """Route every token so the model uses `avg_bits` bits per weight on average (module docstring);
-    returns δ = σ(τ). Clears any static slice count (`set_slices`)."""
+def threshold_for(model: nn.Module, avg_bits: float) -> float:
+    """τ at which the model's routers use `avg_bits` bits per weight on average (module docstring); ValueError
+    outside the checkpoint's range (csrc/runtime/standalone.cpp's threshold_for computes it alike)."""
     curve = model_curve(model)  # falls with τ
     low, high = float(curve.min()), float(curve.max())
     if not low - 1e-6 <= avg_bits <= high + 1e-6:
         raise ValueError(f"average bits {avg_bits:g} are out of this checkpoint's routed range "
                          f"[{low:.2f}, {high:.2f}]; use set_slices / --slices-static for fixed widths")
-    tau = float(np.interp(avg_bits, curve.flip(0).numpy(), TAU_GRID.flip(0).numpy()))  # bits rise as τ falls
+    return float(np.interp(avg_bits, curve.flip(0).numpy(), TAU_GRID.flip(0).numpy()))  # bits rise as τ falls
+
+
+def set_precision(model: nn.Module, avg_bits: float) -> float:
+    """Route every token so the model uses `avg_bits` bits per weight on average (module docstring);
+    returns δ = σ(τ). Clears any static slice count (`set_slices`)."""
+    tau = threshold_for(model, avg_bits)
     for linear, router in routed_linears(model).values():
         linear.set_slices(None)
         router.threshold.fill_(tau)
     return float(torch.sigmoid(torch.tensor(tau)))
+
+
+@contextmanager
+def routed_at(model: nn.Module, threshold: float | None) -> Iterator[None]:
+    """Every router of `model` at `threshold` (a τ of `threshold_for`) while inside, their own ones restored on exit;
+    None: as they are."""
+    routers = [r for _, r in routed_linears(model).values()] if threshold is not None else []
+    saved = [r.threshold.clone() for r in routers]
+    for r in routers:
+        r.threshold.fill_(threshold)
+    try:
+        yield
+    finally:
+        for r, tau in zip(routers, saved):
+            r.threshold.copy_(tau)
 
 
 @contextmanager

@@ -13,10 +13,17 @@ and tokens, batched as alone. (On the lean layers, an fp32 head's GEMM over seve
 logit otherwise than over one.)
 A model the lean layers do not run (engine "transformers", another family) steps its sequences one after another
 through their own `stepper`, the prompt whole.
+
+A MoBiQuant model's sequences may each carry their own precision (`add(..., avg_bits=B)`): the fused step routes
+each row at its sequence's threshold, the module-by-module layers run the sequences of one threshold together with
+the routers set to it (`bitquilt.nn.slice_router.routed_at`); the others route at the routers' own thresholds. Each
+sequence counts the bits per weight its tokens used (`Sequence.avg_bits`).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +32,7 @@ import torch
 from torch import nn
 
 from bitquilt import kernels
+from bitquilt.nn.slice_router import has_routers, realised_bits, routed_at, threshold_for
 from bitquilt.runtime.engines import ENGINES, stepper
 from bitquilt.runtime.lean import KVCache, LeanLayers, fuse_layers, fused_cache, fused_logits, unsupported_reason
 
@@ -42,6 +50,19 @@ class Sequence:
     fused: Any = None
     step: Callable[[torch.Tensor], torch.Tensor] | None = None  # else: its own stepper
     new_ids: list[int] = field(default_factory=list)
+    threshold: float | None = None  # a routed model's: its routers' threshold (None: the routers' own)
+    bits: float = 0.0  # bits per weight its tokens used in the routed linears, summed over them
+    tokens: int = 0  # those tokens
+
+    @property
+    def avg_bits(self) -> float | None:
+        """The bits per weight its tokens used on average (routed models; None before any or without routers)."""
+        return self.bits / self.tokens if self.tokens else None
+
+    def count_bits(self, avg_bits: float, tokens: int) -> None:
+        """`tokens` more of its tokens used `avg_bits` bits per weight on average."""
+        if not math.isnan(avg_bits):
+            self.bits, self.tokens = self.bits + avg_bits * tokens, self.tokens + tokens
 
 
 class Batch:
@@ -55,13 +76,17 @@ class Batch:
         self.layers = LeanLayers(model, max_len) if lean else None
         fuse = lean and engine in ("auto", "fused")
         self.fused = fuse_layers(self.layers)[0] if fuse else None
+        self.routed = has_routers(model)
         self.sequences: list[Sequence] = []
 
-    def add(self, prompt: list[int], length: int, pick: Callable[[torch.Tensor], int]) -> Sequence:
-        """A new sequence of `prompt` and up to `length` positions in all, joining at the next step."""
+    def add(self, prompt: list[int], length: int, pick: Callable[[torch.Tensor], int],
+            avg_bits: float | None = None) -> Sequence:
+        """A new sequence of `prompt` and up to `length` positions in all, joining at the next step; a routed model's
+        tokens routed to `avg_bits` bits per weight on average (None: at the routers' own thresholds). ValueError
+        for avg_bits on a model without routers or outside its range."""
         if not prompt or len(prompt) >= length:
             raise ValueError(f"a prompt of 1 to {length - 1} tokens for {length} positions, got {len(prompt)}")
-        seq = Sequence(list(prompt), pick)
+        seq = Sequence(list(prompt), pick, threshold=None if avg_bits is None else threshold_for(self.model, avg_bits))
         if self.layers is None:
             seq.step = stepper(self.model, length, self.engine)
         else:
@@ -79,7 +104,9 @@ class Batch:
         """One step (module docstring): (sequence, its new token) for each sequence that got one, -1 for logits
         that are not all finite."""
         if self.layers is None:
-            return [self._picked(s, s.step(torch.tensor([s.pending]))) for s in list(self.sequences)]
+            return [self._picked(s, self._counted([s], [len(s.pending)], functools.partial(s.step,
+                                                                                         torch.tensor([s.pending]))))
+                    for s in list(self.sequences)]
         decoding = [s for s in self.sequences if s.new_ids]
         reading = next((s for s in self.sequences if not s.new_ids), None)
         fused = [s for s in decoding if s.fused is not None] if kernels.options().enabled else []
@@ -89,25 +116,47 @@ class Batch:
         if reading is not None:
             batch.append(reading)
             counts.append(min(self.chunk, len(reading.pending)))
-        if not batch:
-            return picked
+        groups: dict[float | None, list[int]] = {}  # rows of one threshold run together
+        for i, seq in enumerate(batch):
+            groups.setdefault(seq.threshold, []).append(i)
+        for rows in groups.values():
+            picked += self._module_step([batch[i] for i in rows], [counts[i] for i in rows])
+        return picked
+
+    def _module_step(self, batch: list[Sequence], counts: list[int]) -> list[tuple[Sequence, int]]:
+        """`counts[i]` pending ids of each of `batch` (sequences of one threshold) through the lean layers together,
+        and the picks of those that read all of theirs."""
         ids = torch.tensor([[t for s, n in zip(batch, counts) for t in s.pending[:n]]])
-        x = self.layers.run(ids, [s.cache for s in batch], counts)[0]
+        x = self._counted(batch, counts, lambda: self.layers.run(ids, [s.cache for s in batch], counts)[0])
         ends = torch.tensor(counts).cumsum(0) - 1
         done = [i for i, (s, n) in enumerate(zip(batch, counts)) if n == len(s.pending)]
         for i, s in enumerate(batch):
             if i not in done:
                 del s.pending[:counts[i]]
         logits = self.layers.logits(x[ends[done]]) if done else None
-        return picked + [self._picked(batch[i], logits[j]) for j, i in enumerate(done)]
+        return [self._picked(batch[i], logits[j]) for j, i in enumerate(done)]
+
+    def _counted(self, seqs: list[Sequence], counts: list[int], run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`run()` module by module with the routers at the threshold of `seqs` (one for all), the bits it used
+        counted to each (the average of the call's tokens: per sequence where it runs alone)."""
+        if not self.routed:
+            return run()
+        with routed_at(self.model, seqs[0].threshold), realised_bits(self.model) as used:
+            out = run()
+        for s, n in zip(seqs, counts):
+            s.count_bits(used["avg_bits"], n)
+        return out
 
     def _fused_step(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
         """One token of each of `seqs` through the fused layers together, and their picks; the head takes all their
         rows in one call too (`fused_logits`)."""
         ids = torch.tensor([[s.pending[0] for s in seqs]])
-        x = self.fused.step(self.model.model.embed_tokens(ids)[0], [s.cache.pos for s in seqs], [s.fused for s in seqs])
-        for s in seqs:
+        thresholds = [math.nan if s.threshold is None else s.threshold for s in seqs]
+        x = self.fused.step(self.model.model.embed_tokens(ids)[0], [s.cache.pos for s in seqs], [s.fused for s in seqs],
+                            thresholds if any(s.threshold is not None for s in seqs) else None)
+        for s, bits in zip(seqs, self.fused.step_bits() or [math.nan] * len(seqs)):
             s.cache.pos += 1
+            s.count_bits(bits, 1)
         logits = fused_logits(self.layers, self.fused, x)
         return [self._picked(s, row) for s, row in zip(seqs, logits)]
 

@@ -4,7 +4,9 @@ batch of them.
 `FusedLayers` holds, per layer, the norms' weights, the seven linears and optional q/k norms; a sequence's static KV
 cache joins as a handle (`cache`), and `step(x, positions, caches)` runs one token of each of B sequences through
 every layer: norms, projections, biases, RoPE, attention over each sequence's own cache, SiLU-gated MLP and
-residuals, without a Python call per op, each linear called once for all B rows (its weight read once per step).
+residuals, without a Python call per op, each linear called once for all B rows (its weight read once per step);
+a routed MoBiQuant linear routes each row at the step's threshold for it where given (a batch mixing precisions),
+and `step_bits` says the bits per weight each row used.
 The LM head and the final norm may join too (`set_head`: `logits`). Every row comes out as it would alone (the
 kernels' rows are independent), so batching changes no sequence's result. A
 linear is bit-plane packed parts run by the lookup-table kernel (the slices of a MoBiQuant weight as a
@@ -72,11 +74,13 @@ class FusedLayers:
                                         K=in_features, dense=dense, bias=bias, residual=residual, **kwargs)
 
     def route(self, index: int, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor, fc2_weight: torch.Tensor,
-              fc2_bias: torch.Tensor, threshold: torch.Tensor) -> None:
-        """Give linear `index` (several parts) a MoBiRoute router: per token, its first k parts, k from the router's
-        two layers and `threshold` (read at every step, so a later `set_precision` applies)."""
+              fc2_bias: torch.Tensor, threshold: torch.Tensor, slice_bits: list[int]) -> None:
+        """Give linear `index` (several parts, `slice_bits[p]` bits each) a MoBiRoute router: per token, its first k
+        parts, k from the router's two layers and `threshold` (read at every step, so a later `set_precision`
+        applies) or the step's own threshold for the token's row."""
         self._decoder.set_router(index, fc1_weight.detach().contiguous(), fc1_bias.detach().contiguous(),
-                                 fc2_weight.detach().contiguous(), fc2_bias.detach().contiguous(), threshold)
+                                 fc2_weight.detach().contiguous(), fc2_bias.detach().contiguous(), threshold,
+                                 [float(b) for b in slice_bits])
 
     def add_layer(self, in_norm: torch.Tensor, post_norm: torch.Tensor, q_norm: torch.Tensor | None,
                   k_norm: torch.Tensor | None, linears: list[int]) -> None:
@@ -97,7 +101,14 @@ class FusedLayers:
         """The logits [B, vocab] of hidden states x [B, D] (`set_head` first), each row as it comes out alone."""
         return self._decoder.logits(x)
 
-    def step(self, x: torch.Tensor, positions: list[int], caches: list[object]) -> torch.Tensor:
+    def step(self, x: torch.Tensor, positions: list[int], caches: list[object],
+             thresholds: list[float] | None = None) -> torch.Tensor:
         """The hidden states [B, D] after every layer of B sequences' tokens x [B, D], token b at `positions[b]` of
-        `caches[b]` (its keys and values cached there)."""
-        return self._decoder.step(x, positions, caches)
+        `caches[b]` (its keys and values cached there). Routed linears route row b at `thresholds[b]` where given and
+        not NaN (a batch mixing precisions; `bitquilt.nn.slice_router.threshold_for`), else at their routers' own."""
+        return self._decoder.step(x, positions, caches, thresholds or [])
+
+    def step_bits(self) -> list[float]:
+        """The bits per weight each row of the last step used in the routed linears (weighted by their sizes); empty
+        without routed linears."""
+        return self._decoder.step_bits()

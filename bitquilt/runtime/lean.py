@@ -157,7 +157,8 @@ def fuse_layers(stack: LeanLayers) -> tuple[FusedLayers | None, str | None]:
                 return None, f"layer {i} {name}: a weight no CPU kernel takes whole"
             if spec.router is not None:
                 r = spec.router
-                fused.route(index, r.fc1.weight, r.fc1.bias, r.fc2.weight, r.fc2.bias, r.threshold)
+                fused.route(index, r.fc1.weight, r.fc1.bias, r.fc2.weight, r.fc2.bias, r.threshold,
+                            [f.bits for f in spec.fmts])
             indices.append(index)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         fused.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,

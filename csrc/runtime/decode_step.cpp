@@ -13,7 +13,8 @@
 // uniform weight run on int8-rounded activations (q4_int8.h, when int8 activations are enabled), an 8-bit
 // uniform weight run by the 8-bit GEMV (uniform8.h), or a dense fp32 matrix (dense_rows.h); packed parts may carry a
 // MosaicQuant sparse residual, added inside the lookup-table kernel (sparse_residual.h). A routed MoBiQuant
-// linear first counts the token's slices with its router (slice_router.h) and runs that prefix of its parts.
+// linear first counts the token's slices with its router and runs that prefix of its parts (routed_parts.h), at
+// its own threshold or, per row, at the one the step is given (a batch mixing precisions).
 // The same math as the eager modules in another fp32 order; tested against them (tests/test_lean_decode.py).
 
 #include <ATen/core/Tensor.h>
@@ -21,6 +22,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -28,7 +30,7 @@
 #include "kernels/dense_rows.h"
 #include "kernels/lut_parts.h"
 #include "kernels/q4_int8.h"
-#include "kernels/slice_router.h"
+#include "kernels/routed_parts.h"
 #include "kernels/uniform8.h"
 #include "runtime/decoder_core.h"
 
@@ -43,20 +45,21 @@ struct Linear {
   std::vector<at::Tensor> keep;           // the tensors the parts point into
   at::Tensor dense;                       // fp32 [N, K] when there are no parts
   at::Tensor bias;                        // fp32 [N] or undefined
-  std::optional<bitquilt_router::Router> router;  // per-token slice count over the parts (MoBiQuant)
-  std::vector<std::vector<bitquilt_lut::Part>> prefixes;  // prefixes[k]: the first k parts
+  std::optional<bitquilt_routed::RoutedParts> routed;  // the parts routed per token (MoBiQuant), or not
   at::Tensor tau;                         // the router's threshold (fp32 scalar, read at every call)
-  mutable std::vector<float> hidden;      // the router's scratch
+  mutable std::vector<float> taus;        // a call's thresholds, one per row
   int64_t N = 0, K = 0;
 
   // y [T, N] = x [T, K] W^T (+ b), each row as it comes out alone (tokens run beside it change nothing): every
-  // kernel's rows are independent; a routed linear runs each token's own prefix.
-  void run(const float* x, int64_t T, float* y) const {
-    if (router) {
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t k = bitquilt_router::count(x + t * K, *router, *tau.data_ptr<float>(), hidden.data());
-        bitquilt_lut::lut_parts_into(x + t * K, 1, prefixes[k], N, {}, y + t * N);
-      }
+  // kernel's rows are independent; a routed linear runs each token's own prefix, at thresholds[t] where that is a
+  // number (else its own threshold), adding the bits it used to bits[t] (routed_parts.h) where bits is given.
+  void run(const float* x, int64_t T, float* y, const double* thresholds = nullptr, double* bits = nullptr) const {
+    if (routed) {
+      taus.resize(T);
+      for (int64_t t = 0; t < T; ++t)
+        taus[t] = thresholds != nullptr && !std::isnan(thresholds[t]) ? static_cast<float>(thresholds[t])
+                                                                      : *tau.data_ptr<float>();
+      routed->run(x, T, N, taus.data(), y, bits);
     } else if (q4) {
       bitquilt_q4::matmul_into(x, T, *q4, y);
     } else if (u8) {
@@ -146,25 +149,28 @@ class FusedDecoder {
     return push(std::move(lin), bias);
   }
 
-  // Route linear `index`'s tokens over its parts: a MoBiRoute router's fc1 [H, K + 1] (+ [H]), fc2 [E - 1, H]
-  // (+ [E - 1]) and threshold (a one-value tensor, read at every step so set_precision applies at once).
+  // Route linear `index`'s tokens over its parts (each slice_bits[p] bits per weight): a MoBiRoute router's fc1
+  // [H, K + 1] (+ [H]), fc2 [E - 1, H] (+ [E - 1]) and threshold (a one-value tensor, read at every step so
+  // set_precision applies at once).
   void set_router(int64_t index, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
-                  const at::Tensor& tau) {
+                  const at::Tensor& tau, const std::vector<double>& slice_bits) {
     TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "unknown linear ", index);
     Linear& lin = linears_[index];
     const int64_t H = w1.size(0), E1 = w2.size(0);
-    TORCH_CHECK(w1.dim() == 2 && w1.size(1) == lin.K + 1 && w2.dim() == 2 && w2.size(1) == H && b1.numel() == H &&
-                    b2.numel() == E1 && E1 + 1 == static_cast<int64_t>(lin.parts.size()) && tau.numel() == 1,
-                "a router needs fc1 [H, K + 1], fc2 [parts - 1, H], their biases and one threshold");
+    const std::string error = bitquilt_routed::router_error(lin.K, static_cast<int64_t>(lin.parts.size()), H,
+                                                            w1.dim() == 2 ? w1.size(1) : -1, E1,
+                                                            w2.dim() == 2 ? w2.size(1) : -1);
+    TORCH_CHECK(error.empty() && b1.numel() == H && b2.numel() == E1 && tau.numel() == 1 &&
+                    slice_bits.size() == lin.parts.size(),
+                error.empty() ? "a router needs biases [H] and [E - 1], one threshold and each slice's bits" : error);
     for (const at::Tensor* t : {&w1, &b1, &w2, &b2, &tau})
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "router tensors: contiguous fp32");
-    lin.router = bitquilt_router::Router{w1.data_ptr<float>(), b1.data_ptr<float>(), w2.data_ptr<float>(),
-                                         b2.data_ptr<float>(), lin.K, H, E1};
+    if (!lin.routed) routed_weights_ += static_cast<double>(lin.N * lin.K);
+    lin.routed.emplace(bitquilt_router::Router{w1.data_ptr<float>(), b1.data_ptr<float>(), w2.data_ptr<float>(),
+                                               b2.data_ptr<float>(), lin.K, H, E1},
+                       lin.parts, slice_bits);
     lin.keep.insert(lin.keep.end(), {w1, b1, w2, b2});
     lin.tau = tau;
-    lin.hidden.resize(H);
-    lin.prefixes.clear();
-    for (size_t k = 0; k <= lin.parts.size(); ++k) lin.prefixes.emplace_back(lin.parts.begin(), lin.parts.begin() + k);
   }
 
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, const std::optional<at::Tensor>& q_norm,
@@ -239,12 +245,16 @@ class FusedDecoder {
   }
 
   // The hidden states [B, D] of B sequences' tokens after every layer, token b at position positions[b] of
-  // caches[b] (that row written): one call per linear for all B rows; each row as it comes out alone.
-  at::Tensor step(const at::Tensor& x, const std::vector<int64_t>& positions, const std::vector<FusedCache*>& caches) {
+  // caches[b] (that row written): one call per linear for all B rows; each row as it comes out alone. Routed
+  // linears route row b at thresholds[b] where given and a number (else at their own threshold); step_bits()
+  // then holds the bits per weight each row used.
+  at::Tensor step(const at::Tensor& x, const std::vector<int64_t>& positions, const std::vector<FusedCache*>& caches,
+                  const std::vector<double>& thresholds) {
     const int64_t D = core_.dims().D, B = static_cast<int64_t>(positions.size());
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == B && x.size(1) == D &&
                     static_cast<int64_t>(caches.size()) == B,
                 "x: fp32 [B, ", D, "] for B positions and caches");
+    TORCH_CHECK(thresholds.empty() || static_cast<int64_t>(thresholds.size()) == B, "no threshold or one per row");
     std::vector<bitquilt_decoder::Span> spans(B);
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(caches[b] != nullptr, "a sequence without a cache");
@@ -253,9 +263,22 @@ class FusedDecoder {
     const std::string error = core_.spans_error(spans.data(), spans.size());
     TORCH_CHECK(error.empty(), error);
     at::Tensor y = x.contiguous().clone();
+    const double* taus = thresholds.empty() ? nullptr : thresholds.data();
+    bits_.assign(B, 0.0);
     core_.forward_spans(y.data_ptr<float>(), spans.data(), spans.size(),
-                        [this](int64_t i, const float* in, int64_t T, float* out) { linears_[i].run(in, T, out); });
+                        [this, taus](int64_t i, const float* in, int64_t T, float* out) {
+                          linears_[i].run(in, T, out, taus, bits_.data());
+                        });
     return y;
+  }
+
+  // The bits per weight each row of the last step used in the routed linears (weighted by their sizes); empty
+  // without routed linears.
+  std::vector<double> step_bits() const {
+    if (routed_weights_ == 0) return {};
+    std::vector<double> out(bits_.size());
+    for (size_t b = 0; b < bits_.size(); ++b) out[b] = bits_[b] / routed_weights_;
+    return out;
   }
 
  private:
@@ -286,6 +309,8 @@ class FusedDecoder {
   int64_t head_ = -1;      // the LM head's linear, or none
   at::Tensor final_norm_;  // the norm before it
   std::vector<float> normed_;
+  double routed_weights_ = 0;  // the routed linears' weights, N * K summed
+  std::vector<double> bits_;   // per row of the last step: its routed linears' bits times their weights, summed
 };
 
 }  // namespace
@@ -308,11 +333,13 @@ void register_decode_step(pybind11::module& m) {
       .def("add_u8_linear", &FusedDecoder::add_u8_linear, py::arg("codes"), py::arg("scale"), py::arg("scale_zero"),
            py::arg("group"), py::arg("N"), py::arg("K"), py::arg("int8"), py::arg("bias") = py::none())
       .def("set_router", &FusedDecoder::set_router, py::arg("index"), py::arg("w1"), py::arg("b1"), py::arg("w2"),
-           py::arg("b2"), py::arg("tau"))
+           py::arg("b2"), py::arg("tau"), py::arg("slice_bits"))
       .def("add_layer", &FusedDecoder::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("q_norm"),
            py::arg("k_norm"), py::arg("linears"))
       .def("cache", &FusedDecoder::cache, py::arg("keys"), py::arg("values"))
       .def("set_head", &FusedDecoder::set_head, py::arg("index"), py::arg("norm"))
       .def("logits", &FusedDecoder::logits, py::arg("x"))
-      .def("step", &FusedDecoder::step, py::arg("x"), py::arg("positions"), py::arg("caches"));
+      .def("step", &FusedDecoder::step, py::arg("x"), py::arg("positions"), py::arg("caches"),
+           py::arg("thresholds") = std::vector<double>())
+      .def("step_bits", &FusedDecoder::step_bits);
 }

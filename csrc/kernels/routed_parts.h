@@ -1,0 +1,52 @@
+// A MoBiQuant linear run per token (torch-free): its router (slice_router.h) counts the token's slices k at a
+// threshold, and the lookup-table kernel (lut_parts.h) sums the first k packed slices. One piece for the fused
+// decode step (decode_step.cpp) and the standalone runtime (standalone.cpp), so both route alike.
+
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/lut_parts.h"
+#include "kernels/slice_router.h"
+
+namespace bitquilt_routed {
+
+// Why a router of fc1 [H, K1], fc2 [E1, H2] cannot route `parts` slices of K inputs; empty if it can.
+inline std::string router_error(int64_t K, int64_t parts, int64_t H, int64_t K1, int64_t E1, int64_t H2) {
+  if (H <= 0 || K1 != K + 1 || H2 != H || E1 + 1 != parts)
+    return "a router needs fc1 [H, K + 1], fc2 [slices - 1, H] and at least 2 slices";
+  return "";
+}
+
+class RoutedParts {
+ public:
+  // The slices `parts` (each `slice_bits[p]` bits per weight) of an [N, K] weight, routed by `router`.
+  RoutedParts(const bitquilt_router::Router& router, const std::vector<bitquilt_lut::Part>& parts,
+              const std::vector<double>& slice_bits)
+      : router_(router), prefix_bits_(1, 0.0), hidden_(router.H) {
+    for (size_t k = 0; k <= parts.size(); ++k) prefixes_.emplace_back(parts.begin(), parts.begin() + k);
+    for (double b : slice_bits) prefix_bits_.push_back(prefix_bits_.back() + b);
+  }
+
+  // y [T, N] = each row x_t [K] through its first count(x_t, taus[t]) slices, as it comes out alone; where `bits`
+  // is given, bits[t] += N * K * the bits per weight that row used (summed over linears, weighted by their size).
+  void run(const float* x, int64_t T, int64_t N, const float* taus, float* y, double* bits) const {
+    const int64_t K = router_.K;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t k = bitquilt_router::count(x + t * K, router_, taus[t], hidden_.data());
+      bitquilt_lut::lut_parts_into(x + t * K, 1, prefixes_[k], N, {}, y + t * N);
+      if (bits != nullptr) bits[t] += static_cast<double>(N * K) * prefix_bits_[k];
+    }
+  }
+
+ private:
+  bitquilt_router::Router router_;
+  std::vector<std::vector<bitquilt_lut::Part>> prefixes_;  // prefixes_[k]: the first k slices
+  std::vector<double> prefix_bits_;                        // prefix_bits_[k]: their bits per weight
+  mutable std::vector<float> hidden_;                      // the router's scratch
+};
+
+}  // namespace bitquilt_routed
