@@ -55,6 +55,7 @@ def cmd_generate(args) -> int:
     model, tokenizer = load(args.model, _runtime(args))
     if tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files; cannot generate text")
+    _set_avg_bits(model, args.avg_bits)
     ids = torch.tensor([tokenizer(args.prompt)["input_ids"]])
     run = decode(model, ids, args.max_new_tokens, args.temperature, args.seed,
                  stop_ids=None if args.ignore_eos or tokenizer.eos_token_id is None else {tokenizer.eos_token_id},
@@ -63,6 +64,21 @@ def cmd_generate(args) -> int:
     runtime = "bitquilt" if isinstance(model, ModuleTreeLM) else "transformers"
     _print_generation(args, text, {"runtime": runtime, "engine": run.engine, **generation_stats(ids.shape[1], run)})
     return 0
+
+
+def _set_avg_bits(model, avg_bits: float | None) -> None:
+    """Route a MoBiQuant model's tokens to `avg_bits` bits per weight on average (--avg-bits; None: its saved
+    thresholds); UserError for a model without routers or a value outside its range."""
+    if avg_bits is None:
+        return
+    from bitquilt.nn.slice_router import has_routers, precision_range, set_precision
+
+    if not has_routers(model):
+        raise UserError("--avg-bits needs a MoBiQuant model (per-token slice routers); this model has none")
+    low, high = precision_range(model)
+    if not low - 1e-6 <= avg_bits <= high + 1e-6:
+        raise UserError(f"--avg-bits {avg_bits:g} is outside this checkpoint's routed range [{low:.2f}, {high:.2f}]")
+    set_precision(model, avg_bits)
 
 
 def _is_standalone_export(model: str) -> bool:
@@ -88,8 +104,9 @@ def _generate_standalone(args) -> int:
     """`generate` of a standalone export: the standalone runtime's, as `bitquilt-run`."""
     from bitquilt.runtime.standalone.generate import generate
 
-    result = generate(_standalone(args, args.model), args.prompt, args.max_new_tokens, args.temperature, args.seed,
-                      args.ignore_eos)
+    model = _standalone(args, args.model)
+    model.set_avg_bits(args.avg_bits)
+    result = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.ignore_eos)
     _print_generation(args, result.text, {"runtime": "standalone", **result.stats()})
     return 0
 
@@ -165,6 +182,7 @@ def cmd_serve(args) -> int:
     model, tokenizer = load(args.model, _runtime(args))
     if tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files; cannot serve text")
+    _set_avg_bits(model, args.avg_bits)
     stepper(model, 2, args.engine)  # an engine that cannot run the model says so now, not at the first request
     positions = getattr(model.config, "max_position_embeddings", None)
     limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_body_bytes)
@@ -192,6 +210,12 @@ def _add_engine(s: argparse.ArgumentParser) -> None:
     add_runtime(s, "bitquilt where it covers the model; default; transformers with --engine transformers")
 
 
+def _add_avg_bits(s: argparse.ArgumentParser, what: str) -> None:
+    """--avg-bits of generate and serve."""
+    s.add_argument("--avg-bits", type=float, metavar="B", help=f"a MoBiQuant model: route {what} to B bits per weight "
+                   "on average (default: the checkpoint's saved thresholds)")
+
+
 def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     """Register generate, bench and serve on `sub`."""
     model_help = MODEL_HELP
@@ -203,6 +227,7 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
+    _add_avg_bits(s, "its tokens")
     _add_engine(s)
     add_int8_activations(s)
     add_threads(s)
@@ -236,6 +261,7 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt in tokens (default 4096)")
     s.add_argument("--max-tokens", type=int, default=1024, help="most new tokens a request may ask (default 1024)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    _add_avg_bits(s, "requests without their own avg_bits")
     _add_engine(s)
     add_int8_activations(s)
     add_threads(s)

@@ -13,7 +13,7 @@ from bitquilt.data.corpora import load_documents
 from bitquilt.export.tokenizer_tables import Unsupported, tokenizer_tables
 from bitquilt.models.registry import DEFAULT_MODEL, model_dir
 from bitquilt.runtime.standalone.library import last_error, library
-from bitquilt.runtime.standalone.model import FILE, FORMAT_VERSION, METADATA_KEY
+from bitquilt.runtime.standalone.model import FILE, FORMAT_VERSIONS, METADATA_KEY
 from bitquilt.runtime.tokenizer import QWEN2_SPLIT
 
 EDGE_CASES = [
@@ -69,7 +69,7 @@ class NativeTokenizer:
         (directory / "tokenizer.json").write_text(json.dumps(spec))
         tensors, metadata = tokenizer_tables(directory)
         save_file(tensors, str(directory / FILE),
-                  metadata={METADATA_KEY: json.dumps({"format_version": FORMAT_VERSION, "tokenizer": metadata})})
+                  metadata={METADATA_KEY: json.dumps({"format_version": FORMAT_VERSIONS[0], "tokenizer": metadata})})
         self.lib = library()
         file = self.lib.bq_file_open(str(directory / FILE).encode())
         assert file, last_error()

@@ -15,6 +15,7 @@ from bitquilt.api import export, quantize, save
 from bitquilt.errors import UserError
 from bitquilt.io import load_quantized
 from bitquilt.kernels import q4_int8
+from bitquilt.nn.slice_router import precision_range, set_precision
 from bitquilt.recipes import Recipe
 from bitquilt.runtime.lean import LeanDecoder
 from bitquilt.runtime.standalone.file import MappedTensors
@@ -38,10 +39,12 @@ def widest_path():
     set_isa()
 
 
-def _reference(saved, monkeypatch, standalone: StandaloneModel) -> LeanDecoder:
-    """The bitquilt runtime's fused int8 decoder for `saved`, its RoPE tables those of `standalone` (begun); the
-    caller runs where int8 activations are allowed (`int8_on`)."""
+def _reference(saved, monkeypatch, standalone: StandaloneModel, avg_bits: float | None = None) -> LeanDecoder:
+    """The bitquilt runtime's fused int8 decoder for `saved` (a routed model's at `avg_bits`, if given), its RoPE tables
+    those of `standalone` (begun); the caller runs where int8 activations are allowed (`int8_on`)."""
     model, _ = load_quantized(saved, runtime="bitquilt")
+    if avg_bits is not None:
+        set_precision(model, avg_bits)
     cos, sin = (torch.tensor(np.asarray(t))[None] for t in standalone.rope())
     angles = torch.arange(standalone.max_len, dtype=torch.float32)[:, None] * \
         torch.tensor(np.asarray(standalone.tensors["rope.inv_freq"].values()))[None]
@@ -111,6 +114,77 @@ def test_a_long_prompt_in_blocks_gives_the_token_by_token_results(tmp_path, monk
     model.begin(512)
     model.forward(ids[:301])
     np.testing.assert_array_equal(model.forward(ids[301:]), whole)
+
+
+def _routed_settings(routed_tiny) -> tuple[float, float, float, float]:
+    """(low, high) of the routed model's range, and two average bits well inside it."""
+    low, high = precision_range(load_quantized(routed_tiny / "saved", runtime="bitquilt")[0])
+    return low, high, low + 0.2 * (high - low), high - 0.2 * (high - low)
+
+
+def test_a_routed_export_runs_the_fused_runtimes_routed_layers(routed_tiny, monkeypatch):
+    """MoBiQuant slices and routers: the standalone runtime runs the fused torch runtime's lookup-table kernel and
+    routing code, so, token by token, the same logits (but for the final norm's order) and greedy tokens at the
+    same avg_bits (the checkpoint's saved thresholds by default), and fewer bits used at a lower avg_bits."""
+    low, high, lower, higher = _routed_settings(routed_tiny)
+    model = StandaloneModel(routed_tiny / "out")
+    assert model.config["format_version"] == 4
+    assert {e["kind"] for e in model.config["linears"].values()} == {"slices", "dense"}
+    used = {}
+    for avg_bits in (None, lower, higher):
+        model.set_avg_bits(avg_bits)
+        model.begin(24)
+        reference = _reference(routed_tiny / "saved", monkeypatch, model, avg_bits)
+        token, tokens, expected_tokens = 17, [], []
+        for _ in range(16):  # greedy, one token at a time in both (the prompt is the first token)
+            expected = reference.forward(torch.tensor([[token]])).numpy()
+            got = np.asarray(model.forward([token]))
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+            token = int(got.argmax())
+            tokens.append(token)
+            expected_tokens.append(int(expected.argmax()))
+        assert tokens == expected_tokens
+        used[avg_bits] = model.routed_bits()
+        assert low - 1e-6 <= used[avg_bits] <= high + 1e-6
+    assert used[lower] < used[higher]
+    with pytest.raises(UserError, match=r"average bits 99 are out of this checkpoint's routed range \["):
+        model.set_avg_bits(99)
+
+
+def test_the_runners_route_to_avg_bits_and_refuse_what_the_model_cannot(routed_tiny, tmp_path):
+    """bitquilt-run and bitquilt-native --avg-bits: the same text and bits used; out of range, or on a model without
+    routers, one line and exit 2; `bitquilt generate --avg-bits` on the saved model too."""
+    from bitquilt.cli import main
+
+    low, high, lower, higher = _routed_settings(routed_tiny)
+    out, runner = str(routed_tiny / "out"), _native("--path").stdout.strip()
+    common = ["--prompt", "The capital of France is", "--max-new-tokens", "8", "--threads", "1", "--ignore-eos",
+              "--json"]
+    used = {}
+    for avg_bits in (lower, higher):
+        native = _run_json([runner, out, *common, "--avg-bits", repr(avg_bits)])
+        python = _run_json([sys.executable, "-m", "bitquilt.runtime.standalone.cli", out, *common, "--avg-bits",
+                            repr(avg_bits)])
+        assert native["completion"] == python["completion"] and native["avg_bits"] == python["avg_bits"]
+        assert low - 1e-6 <= native["avg_bits"] <= high + 1e-6
+        used[avg_bits] = native["avg_bits"]
+    assert used[lower] < used[higher]
+    assert _run_json([runner, out, *common])["avg_bits"] is not None  # the saved thresholds
+    plain = _saved(tmp_path, "llama", Recipe("rtn", w_bits=4, group_size=64))
+    export(plain, tmp_path / "plain", to="standalone")
+    for model, value, message in [(out, "99", "out of this checkpoint's routed range ["),
+                                  (out, "x", "invalid float value: 'x'"),
+                                  (str(tmp_path / "plain"), "3", "the model has no slice routers")]:
+        done = _native(model, "--prompt", "x", "--avg-bits", value)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+        if value != "x":  # (argparse's own usage line for a value that is no number)
+            done = subprocess.run([sys.executable, "-m", "bitquilt.runtime.standalone.cli", model, "--prompt", "x",
+                                   "--avg-bits", value], capture_output=True, text=True)
+            assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+    saved = str(routed_tiny / "saved")
+    assert main(["generate", saved, "--prompt", "Hi", "--max-new-tokens", "2", "--avg-bits", repr(lower)]) == 0
+    assert main(["generate", saved, "--prompt", "Hi", "--avg-bits", "99"]) == 2
+    assert main(["generate", str(plain), "--prompt", "Hi", "--avg-bits", "3"]) == 2
 
 
 def test_standalone_sampling_follows_the_softmax():

@@ -21,12 +21,14 @@ from bitquilt.nn.quant_linear import QuantLinear
 
 def check_layers(model: nn.Module, target: str, runtime_cannot: str,
                  refusal: Callable[[WeightFormat], str | None], exportable: str,
-                 quantized_embeddings: bool = False) -> None:
+                 quantized_embeddings: bool = False, runs_online: tuple[str, ...] = ()) -> None:
     """Raise for the first part of `model` that `target` (e.g. "GGUF") cannot hold: a module run online at
-    inference (`runtime_cannot` says why, e.g. "which llama.cpp cannot run"), a NaN/Inf parameter, a quantized input
-    embedding (unless `quantized_embeddings`: then its format must pass `refusal` too), or a QuantLinear whose format
-    holds NaN/Inf or for which `refusal(fmt)` gives a reason; `exportable` names what the target takes."""
-    hosts = online.online_state(model)
+    inference (`runtime_cannot` says why, e.g. "which llama.cpp cannot run") but at the slots `runs_online` names,
+    a NaN/Inf parameter, a quantized input embedding (unless `quantized_embeddings`: then its format must pass
+    `refusal` too), or a QuantLinear whose format holds NaN/Inf or for which `refusal(fmt)` gives a reason;
+    `exportable` names what the target takes."""
+    hosts = {host: rest for host, slots in online.online_state(model).items()
+             if (rest := {slot: entry for slot, entry in slots.items() if slot not in runs_online})}
     if hosts:
         host, slots = next(iter(hosts.items()))
         modules = ", ".join(f"{slot} ({entry['class']})" for slot, entry in slots.items())

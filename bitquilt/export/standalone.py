@@ -9,17 +9,27 @@ holds one copy of each weight (the file's pages). `standalone.safetensors` holds
   kind "u8"     8-bit uniform grid: `.codes` uint8 [out, in], `.scale` and `.scale_zero` fp32 [out, groups]
                 (`bitquilt.kernels.uniform8`)
   kind "dense"  a linear kept in full precision: `.weight` fp32 [out, in]
+  kind "slices" a MoBiQuant linear, routed per token: per slice p `.slice<p>.planes` and `.slice<p>.coefs`, the
+                lookup-table kernel's packed bit-planes and coefficients as bytes (`bitquilt.kernels.cpu.Packed`;
+                metadata: each slice's bits and coefficient layout, one block and group), and its router's
+                `.router.fc1.weight` [H, in + 1], `.router.fc1.bias`, `.router.fc2.weight` [slices - 1, H],
+                `.router.fc2.bias` and saved `.router.threshold` [1] (fp32, `bitquilt.nn.slice_router`)
   and `.bias` fp32 where the linear has one; the input embedding as one more such matrix [vocab, hidden] read by rows
   (or, tied, the LM head's own), the norms' weights, and RoPE's inverse frequencies (`rope.inv_freq`, the native
   runtime's, so scaled RoPE variants need no code of their own at run time). The header's metadata
   "bitquilt.runtime.standalone" is JSON: the dimensions, each linear's kind and shape, what the embedding reads.
+  A routed model also holds its routers' curve, `routing.curve` (mean bits per weight at each threshold of
+  `routing.taus`, fp32), from which the runtimes set one threshold for an average of bits (`--avg-bits`), and is
+  format 4 (`FORMAT_VERSIONS`); any other model is format 3, as before.
 
 Both 4/2- and 8-bit weights run on int8-rounded activations (the bitquilt runtime's `--int8-activations` engine), so
-the standalone runtime computes what `bitquilt generate --int8-activations` does, in another fp32 order.
+the standalone runtime computes what `bitquilt generate --int8-activations` does, in another fp32 order; routed
+slices run on fp32 activations through the same kernel and routing code as the fused torch runtime.
 Exportable: llama, mistral, qwen2 and qwen3 models whose linears are uniform 4- or 2-bit grids (width and groups
-multiples of 64 columns, fp16 scales, no act-order g_idx), uniform 8-bit grids (multiples of 32) or full precision,
-with no online modules; the rest is refused with one line naming the first layer. The tokenizer and generation
-files are copied, and a byte-level BPE tokenizer is also written as tables for the native runner
+multiples of 64 columns, fp16 scales, no act-order g_idx), uniform 8-bit grids (multiples of 32), full precision,
+or (decoder layers) MoBiQuant slices with their routers, with no other online modules; the rest is refused with one
+line naming the first layer. The tokenizer and generation files are copied, and a byte-level BPE tokenizer is also
+written as tables for the native runner
 (`bitquilt.export.tokenizer_tables`; metadata "tokenizer", or why not); the directory is written beside the target
 and renamed into place.
 """
@@ -42,18 +52,23 @@ from bitquilt.errors import UserError
 from bitquilt.export.checks import check_layers
 from bitquilt.export.tokenizer_tables import Unsupported, tokenizer_tables
 from bitquilt.formats.base import WeightFormat
+from bitquilt.formats.bitplane import BitplaneFormat
+from bitquilt.formats.composite import CompositeFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
 from bitquilt.heap import HUGE_PAGE
 from bitquilt.io import CONFIG_NAME, check_output, companion_files, is_quantized_dir, load_quantized, saved_config
-from bitquilt.kernels import q4_int8, uniform8
+from bitquilt.kernels import cpu, q4_int8, uniform8
+from bitquilt.nn import online
+from bitquilt.nn.slice_router import TAU_GRID, has_routers, model_curve
 from bitquilt.runtime.module_tree import ModuleTreeConfig, ModuleTreeLM, inverse_frequencies
-from bitquilt.runtime.standalone.model import FILE, FORMAT_VERSION, METADATA_KEY, PROJECTIONS
+from bitquilt.runtime.standalone.model import FILE, FORMAT_VERSIONS, METADATA_KEY, PROJECTIONS
 from bitquilt.runtime.tokenizer import TOKENIZER_FILE, FastTokenizer
 
 log = logging.getLogger(__name__)
 
 EXPORTABLE = ("uniform 4- and 2-bit grids (width and groups multiples of 64 columns, no act-order), uniform 8-bit "
-              "grids (multiples of 32) and linears in full precision")
+              "grids (multiples of 32), linears in full precision and routed MoBiQuant slices")
+SLICE_FORMATS = (BitplaneFormat, UniformFormat)  # what a slice may be: the lookup-table kernel packs both
 
 
 @dataclass
@@ -70,7 +85,14 @@ class StandaloneExport:
 
 
 def refusal(fmt: WeightFormat) -> str | None:
-    """Why the standalone runtime cannot run `fmt`; None if it can."""
+    """Why the standalone runtime cannot run `fmt`; None if it can (slices: if their packing does, `_slices`)."""
+    if isinstance(fmt, CompositeFormat):
+        parts = list(fmt.parts.values())
+        if fmt.perm is not None:
+            return "permuted input columns"
+        if not 2 <= len(parts) <= 8 or not all(isinstance(p, SLICE_FORMATS) for p in parts):
+            return "slices other than 2 to 8 bit-plane or uniform parts"
+        return None
     if not isinstance(fmt, UniformFormat):
         return f"the standalone runtime runs uniform grids, not {type(fmt).__name__}"
     if fmt.bits not in (*q4_int8.BITS, 8):
@@ -103,10 +125,36 @@ def _quantized(tensors: dict[str, torch.Tensor], name: str, fmt: WeightFormat) -
                     f"{EXPORTABLE}")
 
 
+def _slices(tensors: dict[str, torch.Tensor], name: str, module: nn.Module) -> dict[str, Any]:
+    """A MoBiQuant linear's slices and router into `tensors` (kind "slices", module docstring); its metadata entry."""
+    fmt, router = module.fmt, online.get(module, "router")
+    if router is None or not name.startswith("model.layers."):
+        where = "without a router (a mobislice checkpoint)" if router is None else "outside the decoder layers"
+        raise UserError(f"cannot export {name} ({fmt.describe()}) to the standalone runtime: sliced weights "
+                        f"{where}; it runs routed MoBiQuant slices in decoder layers (exportable: {EXPORTABLE})")
+    layouts = cpu.packed_alike(list(fmt.parts.values()))
+    if layouts is None:
+        raise UserError(f"cannot export {name} ({fmt.describe()}) to the standalone runtime: slices the lookup-table "
+                        "kernel does not pack alike (widths and groups multiples of 32 columns)")
+    slices = []
+    for p, packed in enumerate(layouts):
+        tensors[f"{name}.slice{p}.planes"] = packed.planes.contiguous().reshape(-1)
+        tensors[f"{name}.slice{p}.coefs"] = packed.coeffs.contiguous().view(torch.uint8).reshape(-1)
+        coef = "uniform16" if packed.coeffs.dtype == torch.uint8 else "uniform32" if packed.uniform else "planes"
+        slices.append({"bits": packed.bits, "coef": coef})
+    for key, value in router.state_dict().items():  # fc1.weight, fc1.bias, fc2.weight, fc2.bias, threshold, curve
+        if key != "curve":  # the model's curve is the file's (routing.curve)
+            tensors[f"{name}.router.{key}"] = value.detach().float().reshape(value.shape or (1,)).contiguous()
+    return {"kind": "slices", "block": layouts[0].block, "group": layouts[0].group, "slices": slices}
+
+
 def _linear(tensors: dict[str, torch.Tensor], name: str, module: nn.Module) -> dict[str, Any]:
     """A linear (QuantLinear or nn.Linear) or embedding table into `tensors`; its metadata entry."""
     fmt = getattr(module, "fmt", None)
-    if fmt is not None:
+    if isinstance(fmt, CompositeFormat):
+        entry = _slices(tensors, name, module)
+        shape = (fmt.out_features, fmt.in_features)
+    elif fmt is not None:
         entry = _quantized(tensors, name, fmt)
         shape = (fmt.out_features, fmt.in_features)
     else:
@@ -130,7 +178,7 @@ def _same_table(embedding: nn.Module, head: nn.Module) -> bool:
 def standalone_tensors(model: ModuleTreeLM) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every tensor of the standalone file and its metadata (module docstring)."""
     check_layers(model, "the standalone runtime", "which the standalone runtime does not run", refusal, EXPORTABLE,
-                 quantized_embeddings=True)
+                 quantized_embeddings=True, runs_online=("router",))
     config = model.config
     tensors: dict[str, torch.Tensor] = {}
     linears: dict[str, Any] = {}
@@ -152,9 +200,14 @@ def standalone_tensors(model: ModuleTreeLM) -> tuple[dict[str, torch.Tensor], di
     if embed != "lm_head":
         linears[embed] = _linear(tensors, embed, embedding)
     tensors["rope.inv_freq"] = inverse_frequencies(config).float().contiguous()
+    routed = has_routers(model)
+    if routed:
+        tensors["routing.curve"] = model_curve(model).float().contiguous()
+        tensors["routing.taus"] = TAU_GRID.float().contiguous()
     window = config.sliding_window if config.model_type == "mistral" or config.use_sliding_window else None
     metadata = {
-        "format_version": FORMAT_VERSION, "model_type": config.model_type, "hidden_size": config.hidden_size,
+        "format_version": FORMAT_VERSIONS[-1] if routed else FORMAT_VERSIONS[0], "model_type": config.model_type,
+        "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "vocab_size": config.vocab_size,

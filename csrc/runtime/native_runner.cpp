@@ -37,7 +37,7 @@ namespace {
 constexpr const char* kFile = "standalone.safetensors";
 constexpr const char* kUsage =
     "usage: bitquilt-native MODEL --prompt TEXT [--max-new-tokens N] [--temperature T] [--seed S] [--ignore-eos]\n"
-    "                       [--threads N] [--isa {avx2,avxvnni,avx512}] [--json]\n"
+    "                       [--avg-bits B] [--threads N] [--isa {avx2,avxvnni,avx512}] [--json]\n"
     "\n"
     "Generate text with a standalone export (`bitquilt export SAVED -o OUT --to standalone`), without Python.\n"
     "\n"
@@ -47,6 +47,8 @@ constexpr const char* kUsage =
     "  --temperature T     0 (default): greedy; above: sampled\n"
     "  --seed S            sampling seed (default 0; the draws of bitquilt-run's)\n"
     "  --ignore-eos        do not stop at the end-of-sequence token\n"
+    "  --avg-bits B        a MoBiQuant export: route tokens to B bits per weight on average\n"
+    "                      (default: the checkpoint's saved thresholds)\n"
     "  --threads N         threads (default: every core)\n"
     "  --isa ISA           kernel path (default: $BITQUILT_ISA, else the widest)\n"
     "  --json              print the completion and figures as JSON\n";
@@ -79,8 +81,18 @@ struct Options {
   bool has_prompt = false, ignore_eos = false, json = false;
   int64_t max_new_tokens = 64, seed = 0;
   double temperature = 0;
+  std::optional<double> avg_bits;
   int threads = omp_get_num_procs();
 };
+
+// `text` as a finite number for option `name`.
+double float_option(const std::string& name, const char* text) {
+  char* end = nullptr;
+  const double v = std::strtod(text, &end);
+  if (*text == '\0' || *end != '\0' || !std::isfinite(v))
+    throw UserError("argument " + name + ": invalid float value: '" + text + "'");
+  return v;
+}
 
 // `text` as an integer in [low, high] for option `name`.
 int64_t integer_option(const std::string& name, const char* text, int64_t low, int64_t high) {
@@ -120,11 +132,10 @@ Options parse(int argc, char** argv) {
       o.max_new_tokens = integer_option(arg, value(), 1, kMaxNewTokens);
     } else if (arg == "--temperature") {
       const char* text = value();
-      char* end = nullptr;
-      o.temperature = std::strtod(text, &end);
-      if (*text == '\0' || *end != '\0' || !std::isfinite(o.temperature))
-        throw UserError("argument --temperature: invalid float value: '" + std::string(text) + "'");
+      o.temperature = float_option(arg, text);
       if (o.temperature < 0) throw UserError("--temperature must be ≥ 0, got " + std::string(text));
+    } else if (arg == "--avg-bits") {
+      o.avg_bits = float_option(arg, value());
     } else if (arg == "--seed") {
       o.seed = integer_option(arg, value(), 0, kMaxSeed);
     } else if (arg == "--threads") {
@@ -317,12 +328,15 @@ int run(int argc, char** argv) {
   if (stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
     throw UserError(o.model + " is not a standalone export (no " + kFile +
                     "); write one with `bitquilt export SAVED_DIR -o OUT --to standalone`");
-  const auto file = std::make_shared<const bitquilt_standalone::MappedFile>(path);  // one mapping for both:
+  const auto file = std::make_shared<const bitquilt_standalone::MappedFile>(path);  // one mapping for both
+  // (--avg-bits checked first: a model without routers says so, whatever its tokenizer)
+  const float threshold = o.avg_bits ? bq_threshold_mapped(*file, *o.avg_bits) : NAN;  // NaN: the saved ones
   const bitquilt_tokenizer::Tokenizer tokenizer(file);
   const std::vector<int64_t> prompt = tokenizer.encode(o.prompt);
   if (prompt.empty()) throw UserError("the prompt has no tokens; give the text to continue");
   const ModelHandle model(bq_open_mapped(file, static_cast<int64_t>(prompt.size()) + o.max_new_tokens));
   if (model.handle == nullptr) throw UserError(bq_error());
+  bq_set_threshold(model.handle, threshold);
   const double loaded = seconds(start, Clock::now());
 
   std::vector<float> logits(bq_vocab(model.handle));
@@ -354,7 +368,9 @@ int run(int argc, char** argv) {
   const double prefill = static_cast<double>(prompt.size()) / seconds(t0, t1);
   const std::optional<double> decode =
       n > 1 ? std::optional<double>((n - 1) / seconds(t1, t2)) : std::nullopt;
-  const double peak = peak_rss_mb();
+  const double peak = peak_rss_mb(), bits = bq_routed_bits(model.handle);  // NaN: no routed linears
+  char bits_text[32] = "null";
+  if (!std::isnan(bits)) std::snprintf(bits_text, sizeof bits_text, "%.17g", bits);
   // what ran, as bitquilt-run's "standalone (ISA kernels)" and generate's runtime name it: this program, its path
   const std::string engine = std::string("bitquilt-native (") + kIsaNames[bq_active_isa()] + " kernels)";
   if (o.json) {
@@ -362,9 +378,10 @@ int run(int argc, char** argv) {
     if (decode) std::snprintf(decode_text, sizeof decode_text, "%.17g", *decode);
     std::printf("{\n  \"prompt\": %s,\n  \"completion\": %s,\n  \"runtime\": \"standalone\",\n  \"engine\": %s,\n"
                 "  \"prompt_tokens\": %zu,\n  \"new_tokens\": %lld,\n  \"prefill_tokens_per_s\": %.17g,\n"
-                "  \"decode_tokens_per_s\": %s,\n  \"load_seconds\": %.17g,\n  \"peak_rss_mb\": %.17g\n}\n",
+                "  \"decode_tokens_per_s\": %s,\n  \"avg_bits\": %s,\n  \"load_seconds\": %.17g,\n"
+                "  \"peak_rss_mb\": %.17g\n}\n",
                 json_string(o.prompt).c_str(), json_string(stream.text()).c_str(), json_string(engine).c_str(),
-                prompt.size(), static_cast<long long>(n), prefill, decode_text, loaded, peak);
+                prompt.size(), static_cast<long long>(n), prefill, decode_text, bits_text, loaded, peak);
     flush_out();
   } else {
     std::printf("%s\n", stream.shown() ? "" : o.prompt.c_str());
@@ -373,6 +390,7 @@ int run(int argc, char** argv) {
                  prompt.size(), static_cast<long long>(n));
     std::fprintf(stderr, "prefill_tokens_per_s=%.4g, ", prefill);
     if (decode) std::fprintf(stderr, "decode_tokens_per_s=%.4g, ", *decode);
+    if (!std::isnan(bits)) std::fprintf(stderr, "avg_bits=%.4g, ", bits);
     std::fprintf(stderr, "load_seconds=%.4g, peak_rss_mb=%.4g\n", loaded, peak);
   }
   return 0;

@@ -2,8 +2,11 @@
 // layouts of a standalone export, with a C interface that ctypes calls, so that generating text needs neither
 // torch nor its extension. Built on its own (bitquilt/standalone/library.py) from this file and the torch-free
 // kernels: q4_int8.cpp (+ its VNNI twin) for 4- and 2-bit linears, uniform8_gemv.cpp for 8-bit ones, both on
-// int8-rounded activations, and a plain fp32 product for linears kept in full precision; the layer math is
-// decoder_core.h's, as in the torch extension's fused decode step.
+// int8-rounded activations, lut_parts.cpp for the bit-plane slices of a MoBiQuant checkpoint, routed per token by
+// their routers (routed_parts.h) on fp32 activations, and a plain fp32 product for linears kept in full precision;
+// the layer math is decoder_core.h's, as in the torch extension's fused decode step, and so is a routed linear's.
+// The routers' threshold is each router's saved one, or one for all set from an average of bits
+// (bq_threshold: SliceRouter.set_precision's interpolation on the checkpoint's curve).
 //
 // The file is opened by the library itself (bq_file_open: standalone_file.h maps it and parses its header), once,
 // and every model of it (bq_open, one per sequence length) points its linears into that mapping, which it keeps, so
@@ -19,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -28,6 +32,7 @@
 
 #include "kernels/dense_rows.h"
 #include "kernels/q4_int8.h"
+#include "kernels/routed_parts.h"
 #include "kernels/uniform8.h"
 #include "runtime/decoder_core.h"
 #include "runtime/standalone.h"
@@ -55,12 +60,19 @@ void unmap_pages(const void* p, size_t bytes) {
 struct Linear {
   std::optional<bitquilt_q4::Weight> q4;  // 4- or 2-bit codes on int8 activations, or:
   std::optional<bitquilt_u8::Weight> u8;  // 8-bit codes on int8 activations, or:
+  std::optional<bitquilt_routed::RoutedParts> routed;  // MoBiQuant slices routed per token, or:
   const float* dense = nullptr;           // fp32 [N, K]
   const float* bias = nullptr;            // fp32 [N] or null
+  float tau = 0;                          // routed: the router's saved threshold
   int64_t N = 0, K = 0;
 
-  void run(const float* x, int64_t T, float* y) const {
-    if (q4)
+  // y [T, N] = x [T, K] W^T (+ b); a routed linear routes at `threshold` (NaN: its own) and adds each row's bits
+  // times its weights to bits[t] (routed_parts.h).
+  void run(const float* x, int64_t T, float* y, float threshold = NAN, double* bits = nullptr) const {
+    if (routed) {
+      std::vector<float> taus(T, std::isnan(threshold) ? tau : threshold);
+      routed->run(x, T, N, taus.data(), y, bits);
+    } else if (q4)
       bitquilt_q4::matmul_into(x, T, *q4, y);
     else if (u8)
       bitquilt_u8::gemv_int8_into(x, T, *u8, y);
@@ -161,6 +173,11 @@ struct Model {
   int64_t embed = -1, head = -1;
   const float* final_norm = nullptr;
   std::vector<float> x, last;
+  float threshold = NAN;        // the routers' threshold for every routed linear (NaN: each its saved one)
+  double routed_weights = 0;    // the routed linears' weights, N * K summed
+  double bits = 0;              // the bits times weights the tokens so far used in them
+  int64_t routed_tokens = 0;    // those tokens
+  std::vector<double> row_bits;  // a call's, per row
 };
 
 Model* model(void* handle) { return static_cast<Model*>(handle); }
@@ -193,6 +210,44 @@ int64_t integer(const MappedFile& f, const Value& v, const std::string& what) {
   return v.integer();
 }
 
+// The slices of MoBiQuant linear `name` (metadata `entry`) into `lin`: per slice `name.slice<p>.planes` and
+// `.coefs` (the lookup-table kernel's packed planes and coefficients as bytes, lut_parts.h), and its router's
+// `name.router.fc1.weight` [H, K + 1], `.fc1.bias` [H], `.fc2.weight` [slices - 1, H], `.fc2.bias` and saved
+// `.threshold` [1].
+void load_slices(const MappedFile& f, const std::string& name, const Value& entry, Linear& lin) {
+  static const char* const modes[3] = {"planes", "uniform32", "uniform16"};  // bitquilt_lut::Coef's order
+  const int64_t N = lin.N, K = lin.K;
+  const int64_t block = integer(f, entry["block"], name + ".block"), group = integer(f, entry["group"], name + ".group");
+  const auto& slices = entry["slices"].array;
+  if (slices.size() < 2 || slices.size() > 8) refuse(f, name + ": a routed linear has 2 to 8 slices");
+  std::vector<bitquilt_lut::Part> parts;
+  std::vector<double> slice_bits;
+  for (size_t p = 0; p < slices.size(); ++p) {
+    const std::string slice = name + ".slice" + std::to_string(p);
+    const int64_t k = integer(f, slices[p]["bits"], slice + ".bits");
+    const auto mode = std::find(modes, modes + 3, slices[p]["coef"].string) - modes;
+    if (mode == 3) refuse(f, slice + " has no coefficient layout (planes, uniform32 or uniform16)");
+    const Tensor planes = f.tensor(slice + ".planes", "U8"), coefs = f.tensor(slice + ".coefs", "U8");
+    const bitquilt_lut::Shape shape{K, N, k, block, group};
+    const auto coef = static_cast<bitquilt_lut::Coef>(mode);
+    const std::string error = bitquilt_lut::packed_error(shape, planes.nbytes, coefs.nbytes, coef);
+    if (!error.empty()) refuse(f, slice + ": " + error);
+    parts.push_back({planes.as<uint8_t>(), coefs.as<char>(), shape, bitquilt_lut::coef_group_bytes(coef, k), coef});
+    slice_bits.push_back(static_cast<double>(k));
+  }
+  const std::string router = name + ".router.";
+  const Tensor w1 = f.tensor(router + "fc1.weight", "F32"), w2 = f.tensor(router + "fc2.weight", "F32");
+  const int64_t H = w1.shape.size() == 2 ? w1.shape[0] : -1, E1 = w2.shape.size() == 2 ? w2.shape[0] : -1;
+  const std::string error = bitquilt_routed::router_error(K, static_cast<int64_t>(parts.size()), H,
+                                                          w1.shape.size() == 2 ? w1.shape[1] : -1, E1,
+                                                          w2.shape.size() == 2 ? w2.shape[1] : -1);
+  if (!error.empty()) refuse(f, name + ": " + error);
+  const bitquilt_router::Router r{w1.as<float>(), floats(f, router + "fc1.bias", {H}), w2.as<float>(),
+                                  floats(f, router + "fc2.bias", {E1}), K, H, E1};
+  lin.tau = *floats(f, router + "threshold", {1});
+  lin.routed.emplace(r, parts, slice_bits);
+}
+
 // Linear `name` of the file, as its metadata entry describes it (kinds: bitquilt.export.standalone).
 Linear load_linear(const MappedFile& f, const std::string& name) {
   const Value& entry = f.config()["linears"][name];
@@ -218,6 +273,8 @@ Linear load_linear(const MappedFile& f, const std::string& name) {
       refuse(f, name + ".codes is " + shape_text(codes.shape) + ", expected " + shape_text({N, K}));
     lin.u8 = bitquilt_u8::Weight{codes.as<uint8_t>(), floats(f, name + ".scale", {N, groups}),
                                  floats(f, name + ".scale_zero", {N, groups}), N, K, group};
+  } else if (kind == "slices") {
+    load_slices(f, name, entry, lin);
   } else if (kind == "dense") {
     lin.dense = floats(f, name + ".weight", {N, K});
   } else {
@@ -255,6 +312,7 @@ std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file,
       const Linear lin = load_linear(f, prefix + projections[j]);
       N[j] = lin.N;
       K[j] = lin.K;
+      if (lin.routed) m->routed_weights += static_cast<double>(lin.N * lin.K);
       index[j] = m->add(lin);
     }
     error = bitquilt_decoder::linears_error(d, N, K);
@@ -273,6 +331,7 @@ std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file,
   m->embed = embed == "lm_head" ? m->head : m->add(load_linear(f, embed));
   const Linear &e = m->linears[m->embed], &h = m->linears[m->head];
   if (e.K != D || h.K != D || h.N != e.N) refuse(f, "the embedding and the head must be [vocab, hidden]");
+  if (e.routed || h.routed) refuse(f, "the embedding and the head are not routed");
   if (e.q4 && e.q4->bits != 4) refuse(f, "the embedding table must be fp32, 8- or 4-bit, not 2-bit");
   m->final_norm = floats(f, "model.norm.weight", {D});
   return m;
@@ -345,8 +404,14 @@ int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* 
     embed.row(ids[t], m->x.data() + t * d.D);
     if (m->embed != m->head) embed.unmap();  // a tied table is the head's, which every step reads whole
   }
-  m->core.forward(m->x.data(), m->kv, pos, T,
-                  [m](int64_t i, const float* in, int64_t n, float* out) { m->linears[i].run(in, n, out); });
+  m->core.forward(m->x.data(), m->kv, pos, T, [m](int64_t i, const float* in, int64_t n, float* out) {
+    const Linear& lin = m->linears[i];
+    if (!lin.routed) return lin.run(in, n, out);
+    m->row_bits.assign(n, 0.0);
+    lin.run(in, n, out, m->threshold, m->row_bits.data());
+    for (double b : m->row_bits) m->bits += b;
+  });
+  if (m->routed_weights > 0) m->routed_tokens += T;
   m->last.resize(d.D);
   bitquilt_decoder::rms_norm(m->x.data() + (T - 1) * d.D, m->final_norm, d.D, d.eps, m->last.data());
   // NaN / Inf in the residual stream (a weight or scale that holds one) reach the final norm whatever the int8
@@ -355,6 +420,27 @@ int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* 
     return static_cast<int>(fail(bitquilt_standalone::kNonFinite));
   m->linears[m->head].run(m->last.data(), 1, logits);
   return 0;
+}
+
+// The threshold at which the routers of an opened file use `avg_bits` bits per weight on average, into *tau;
+// -1 (bq_error: why) when the model has no routers or avg_bits is outside the checkpoint's range.
+int bq_threshold(void* file, double avg_bits, float* tau) {
+  try {
+    *tau = bq_threshold_mapped(**static_cast<FileHandle*>(file), avg_bits);
+    return 0;
+  } catch (const std::exception& e) {
+    return static_cast<int>(fail(e.what()));
+  }
+}
+
+// Route every routed linear of the model at threshold `tau` from its next token on (NaN: each at its saved one).
+void bq_set_threshold(void* handle, float tau) { model(handle)->threshold = tau; }
+
+// The bits per weight the model's tokens so far used on average in its routed linears (weighted by their sizes);
+// NaN without routed linears or tokens.
+double bq_routed_bits(void* handle) {
+  const Model* m = model(handle);
+  return m->routed_tokens == 0 ? NAN : m->bits / (m->routed_weights * static_cast<double>(m->routed_tokens));
 }
 
 // The tokenizer of an opened file (bpe_tokenizer.h); null with the reason in bq_error().
@@ -422,4 +508,36 @@ void* bq_open_mapped(const std::shared_ptr<const MappedFile>& file, int64_t max_
     fail(e.what());
     return nullptr;
   }
+}
+
+// The threshold at which the routers of `f` use `avg_bits` bits per weight on average: SliceRouter.set_precision's
+// interpolation, as numpy.interp computes it, on the checkpoint's curve (`routing.curve`, the mean bits at each
+// threshold of `routing.taus`, falling as the threshold rises).
+float bq_threshold_mapped(const MappedFile& f, double avg_bits) {
+  if (!f.has("routing.curve"))
+    refuse(f, "the model has no slice routers (--avg-bits needs a MoBiQuant checkpoint)");
+  const Tensor curve = f.tensor("routing.curve", "F32");
+  const int64_t n = curve.numel();
+  const float* taus = floats(f, "routing.taus", {n});
+  if (curve.shape.size() != 1 || n < 2) refuse(f, "routing.curve is not a curve; re-export the model");
+  std::vector<double> xp(n), fp(n);  // bits rising, thresholds falling
+  for (int64_t i = 0; i < n; ++i) {
+    xp[i] = curve.as<float>()[n - 1 - i];
+    fp[i] = taus[n - 1 - i];
+  }
+  const double low = *std::min_element(xp.begin(), xp.end()), high = *std::max_element(xp.begin(), xp.end());
+  if (!(avg_bits >= low - 1e-6 && avg_bits <= high + 1e-6)) {
+    char text[160];
+    std::snprintf(text, sizeof text, "average bits %g are out of this checkpoint's routed range [%.2f, %.2f]",
+                  avg_bits, low, high);
+    throw std::runtime_error(text);
+  }
+  if (avg_bits < xp[0]) return static_cast<float>(fp[0]);
+  if (avg_bits >= xp[n - 1]) return static_cast<float>(fp[n - 1]);
+  const int64_t j = std::upper_bound(xp.begin(), xp.end(), avg_bits) - xp.begin() - 1;
+  if (xp[j] == avg_bits) return static_cast<float>(fp[j]);
+  const double slope = (fp[j + 1] - fp[j]) / (xp[j + 1] - xp[j]);
+  double tau = slope * (avg_bits - xp[j]) + fp[j];
+  if (std::isnan(tau)) tau = slope * (avg_bits - xp[j + 1]) + fp[j + 1];
+  return static_cast<float>(tau);
 }

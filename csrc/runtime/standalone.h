@@ -24,6 +24,9 @@ const float* bq_cache(void* handle, int64_t layer, int which);
 const float* bq_rope(void* handle, int which);
 int64_t bq_vocab(void* handle);
 int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* logits);
+int bq_threshold(void* file, double avg_bits, float* tau);
+void bq_set_threshold(void* handle, float tau);
+double bq_routed_bits(void* handle);
 void* bq_tokenizer_open(void* file);
 void bq_tokenizer_free(void* tokenizer);
 int64_t bq_tokenize(void* tokenizer, const char* text, int64_t n, int64_t* ids, int64_t capacity);
@@ -34,3 +37,6 @@ int64_t bq_sample(const float* logits, int64_t n, double temperature, double uni
 
 // bq_open for C++ callers holding the mapped file themselves (the native runner, whose tokenizer reads it too).
 void* bq_open_mapped(const std::shared_ptr<const bitquilt_standalone::MappedFile>& file, int64_t max_len);
+
+// bq_threshold for them: the threshold, or std::runtime_error with the reason.
+float bq_threshold_mapped(const bitquilt_standalone::MappedFile& file, double avg_bits);

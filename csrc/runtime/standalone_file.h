@@ -29,7 +29,8 @@
 namespace bitquilt_standalone {
 
 constexpr const char* kMetadataKey = "bitquilt.runtime.standalone";
-constexpr int kFormatVersion = 3;  // bitquilt.runtime.standalone.model.FORMAT_VERSION
+// bitquilt.runtime.standalone.model.FORMAT_VERSIONS: 3 without routed linears, 4 with them (kind "slices")
+constexpr int kFormatVersion = 4, kOldestFormatVersion = 3;
 // bitquilt.runtime.loop.NON_FINITE: what a model whose activations or logits hold NaN or Inf is told.
 constexpr const char* kNonFinite =
     "the model's logits are NaN or infinite, so it has no next token: its weights or scales hold NaN/Inf (a diverged "
@@ -96,9 +97,10 @@ class MappedFile {
       throw std::runtime_error(path_ + ": its standalone metadata is not valid (" + e.what() + "); re-export the model");
     }
     const auto& version = config_["format_version"];
-    if (!version.is_integer() || version.integer() != kFormatVersion)
+    if (!version.is_integer(kOldestFormatVersion, kFormatVersion))
       throw std::runtime_error(path_ + " is standalone format " + version.describe() + "; this bitquilt reads " +
-                               std::to_string(kFormatVersion) + ": re-export the model");
+                               std::to_string(kOldestFormatVersion) + " to " + std::to_string(kFormatVersion) +
+                               ": re-export the model");
   }
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;

@@ -3,7 +3,8 @@
     bitquilt-run OUT_DIR --prompt "The capital of France is" --max-new-tokens 32 --threads 2
 
 prints the prompt and its continuation as it is generated, then (stderr) what ran (runtime, engine with its kernel
-path), the prompt and new token counts, prefill and decode tokens/s, the seconds from start to loaded, and the
+path), the prompt and new token counts, prefill and decode tokens/s, the average bits per weight a MoBiQuant
+export's tokens used (`--avg-bits B` routes them to B), the seconds from start to loaded, and the
 process's peak resident memory (`--json`: all of it at the end, as JSON). Errors are one line and exit 2
 (`bitquilt.errors.run_command`).
 """
@@ -32,6 +33,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above: sampled")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--avg-bits", type=float, metavar="B", help="a MoBiQuant export: route tokens to B bits per "
+                   "weight on average (default: the checkpoint's saved thresholds)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads (default: every core)")
     p.add_argument("--isa", choices=INT8_ISAS, help="kernel path (default: $BITQUILT_ISA, else the widest)")
     p.add_argument("--json", action="store_true", help="print the completion and figures as JSON")
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         check_flags(args)
         set_threads(args.threads)
         model = StandaloneModel(args.model)
+        model.set_avg_bits(args.avg_bits)
         if args.isa:
             set_isa(args.isa)
         loaded = time.perf_counter() - start

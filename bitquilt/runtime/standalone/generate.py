@@ -32,9 +32,10 @@ class Generation:
     text: str
     prompt_tokens: int
     run: DecodeRun
+    avg_bits: float | None = None  # a MoBiQuant export's: the bits per weight its tokens used on average
 
     def stats(self) -> dict[str, float | int | str | None]:
-        return {"engine": self.run.engine, **generation_stats(self.prompt_tokens, self.run)}
+        return {"engine": self.run.engine, **generation_stats(self.prompt_tokens, self.run), "avg_bits": self.avg_bits}
 
 
 def picker(temperature: float = 0.0, seed: int = 0) -> Callable[[array], int]:
@@ -89,7 +90,7 @@ def generate(model: StandaloneModel, prompt: str, max_new_tokens: int = 64, temp
     text = tokenizer.decode(run.new_ids, skip_special_tokens=True)
     if on_text is not None and len(text) > len(shown[0]) and text.startswith(shown[0]):
         on_text(text[len(shown[0]):])
-    return Generation(text, len(ids), run)
+    return Generation(text, len(ids), run, model.routed_bits())
 
 
 def measure_speed(model: StandaloneModel, prompt_tokens: int = 128, new_tokens: int = 32, repeats: int = 3,

@@ -6,7 +6,8 @@ metadata, loads the tokenizer and has the library open the file (`bq_file_open`:
 `begin(max_len)` builds the library's model of it for a sequence of up to `max_len` positions (`bq_open`: the same
 loader as the native runner's; its RoPE tables for those positions and zeroed key/value caches whose pages are
 touched only as positions fill), and `forward(ids)` appends ids at the current position and returns the last one's
-logits (`array.array` of fp32). The weights are never copied: the library's linears point into its mapping.
+logits (`array.array` of fp32). The weights are never copied: the library's linears point into its mapping. A
+MoBiQuant export routes each token at its routers' saved thresholds, or at the one `set_avg_bits` sets.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from bitquilt.runtime.tokenizer import FastTokenizer
 
 FILE = "standalone.safetensors"  # what bitquilt.export.standalone writes, and its metadata
 METADATA_KEY = "bitquilt.runtime.standalone"
-FORMAT_VERSION = 3  # 3: 4- and 2-bit linears in 32-row tiles (csrc/kernels/q4_int8.h)
+# 3: 4- and 2-bit linears in 32-row tiles (csrc/kernels/q4_int8.h); 4: also routed MoBiQuant slices (kind "slices",
+# written only for a model that has them, so that a model without them still reads where only 3 does)
+FORMAT_VERSIONS = (3, 4)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")  # a layer's linears, as csrc/runtime/standalone.cpp's loader reads them
 
@@ -78,6 +81,7 @@ class StandaloneModel:
 
     _handle: int | None = None
     _file: int | None = None
+    _threshold = math.nan  # the routers' threshold for every sequence (NaN: each router's saved one)
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
@@ -89,9 +93,9 @@ class StandaloneModel:
             self.config: dict[str, Any] = json.loads(self.tensors.metadata[METADATA_KEY])
         except (KeyError, ValueError):
             raise UserError(f"{self.directory / FILE} has no standalone metadata; re-export the model") from None
-        if self.config.get("format_version") != FORMAT_VERSION:
+        if self.config.get("format_version") not in FORMAT_VERSIONS:
             raise UserError(f"{self.directory / FILE} is standalone format {self.config.get('format_version')}; this "
-                            f"bitquilt reads {FORMAT_VERSION}: re-export the model")
+                            f"bitquilt reads {' and '.join(map(str, FORMAT_VERSIONS))}: re-export the model")
         _check_config(self.directory / FILE, self.config)
         self.tokenizer = FastTokenizer(self.directory) if FastTokenizer.available(self.directory) else None
         self.vocab_size: int = self.config["vocab_size"]
@@ -115,11 +119,33 @@ class StandaloneModel:
         if not handle:
             raise UserError(last_error())
         self._handle, self.max_len, self.pos = handle, max_len, 0
+        self._lib.bq_set_threshold(handle, self._threshold)
         rows = self._lib.bq_vocab(handle)
         if rows != self.vocab_size:  # the logits buffer is sized by the metadata
             self.close()
             raise UserError(f"{self.directory / FILE}: its metadata's vocab_size {self.vocab_size} is not its "
                             f"embedding's {rows} rows; the file is damaged or was edited; re-export the model")
+
+    def set_avg_bits(self, avg_bits: float | None) -> None:
+        """Route every token of the next sequences so that the model uses `avg_bits` bits per weight on average
+        (None: at each router's saved threshold); UserError for a model without routers or a value outside its
+        range."""
+        threshold = math.nan
+        if avg_bits is not None:
+            tau = ctypes.c_float()
+            if not isinstance(avg_bits, int | float) or \
+                    self._lib.bq_threshold(self._file, float(avg_bits), ctypes.byref(tau)) < 0:
+                raise UserError(last_error() if isinstance(avg_bits, int | float) else
+                                f"avg_bits must be a number, got {avg_bits!r:.40}")
+            threshold = tau.value
+        self._threshold = threshold
+        if self._handle is not None:
+            self._lib.bq_set_threshold(self._handle, threshold)
+
+    def routed_bits(self) -> float | None:
+        """The bits per weight the sequence's tokens used on average in the routed linears; None without any."""
+        bits = None if self._handle is None else self._lib.bq_routed_bits(self._handle)
+        return None if bits is None or math.isnan(bits) else bits
 
     def bits_per_weight(self) -> float:
         """Bits per weight as the export stores them, counted as `bitquilt.io.model_summary` counts: the decoder's
@@ -129,6 +155,8 @@ class StandaloneModel:
             if entry["kind"] == "dense" and not name.startswith("model.layers."):
                 continue
             tensors = [f"{name}.{t}" for t in ("codes", "scales", "scale", "scale_zero", "weight")]
+            slices = range(len(entry.get("slices", ())))
+            tensors += [f"{name}.slice{p}.{t}" for p in slices for t in ("planes", "coefs")]
             bits += sum(8 * self.tensors[t].nbytes for t in tensors if t in self.tensors)
             weights += entry["out"] * entry["in"]
         return bits / weights
