@@ -207,6 +207,8 @@ def test_models_health_and_metrics(server, client):
     ("/v1/completions", {"prompt": "hi", "stop": "x" * 257}, 400, "stop", "invalid_value"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "invalid_value"),
     ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed", "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "avg_bits": "4"}, 400, "avg_bits", "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "avg_bits": 4}, 400, "avg_bits", "invalid_value"),  # no routers
     ("/v1/completions", {"prompt": ["hi", "ho"]}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {"prompt": "word " * (MAX_PROMPT_TOKENS + 1)}, 400, "prompt", "prompt_too_long"),
     ("/v1/completions", {"prompt": "x" * MAX_BODY_BYTES}, 413, None, "body_too_large"),
@@ -418,3 +420,37 @@ def test_sigterm_ends_an_open_stream_with_its_last_chunk_and_the_server(server):
     lines = [line.strip() for line in response.read().splitlines() if line.strip()]
     assert lines[-1] == b"data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
     assert proc.wait(timeout=30) == -signal.SIGTERM
+
+
+def _stream_usage(port: int, body: dict) -> dict:
+    """The usage of the last chunk of a streamed completion."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                 {"Content-Type": "application/json"})
+    events = [line.removeprefix("data: ") for line in conn.getresponse().read().decode().splitlines() if line]
+    assert events[-1] == "[DONE]"
+    return json.loads(events[-2])["usage"]
+
+
+def test_a_request_routes_a_mobiquant_model_at_its_own_avg_bits(routed_tiny):
+    """avg_bits per request (two precisions in one batch): its usage reports the bits its tokens used, within the
+    checkpoint's range and fewer at the lower setting, streamed too; out of range a 400; /metrics the active
+    sequences' average; --avg-bits out of range at start-up one line and exit 2."""
+    from bitquilt.io import load_quantized
+    from bitquilt.nn.slice_router import precision_range
+
+    low, high = precision_range(load_quantized(routed_tiny / "saved", runtime="bitquilt")[0])
+    settings = (low + 0.2 * (high - low), high - 0.2 * (high - low))
+    with _serving(routed_tiny / "saved", "--max-batch", "2", "--avg-bits", repr(settings[1])) as (port, _):
+        bodies = [{"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "avg_bits": b} for b in settings]
+        answers, _ = _together(port, bodies, stagger=0.0)
+        used = [a[1]["usage"]["avg_bits"] for a in answers]
+        assert all(low - 1e-6 <= b <= high + 1e-6 for b in used) and used[0] < used[1]
+        assert _stream_usage(port, bodies[0])["avg_bits"] == pytest.approx(used[0])
+        plain = _post(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0})[1]
+        assert plain["usage"]["avg_bits"] == pytest.approx(used[1])  # the server's --avg-bits
+        status, answer = _post(port, "/v1/completions", {"prompt": PROMPT, "avg_bits": high + 1})
+        assert status == 400 and answer["error"]["param"] == "avg_bits" and answer["error"]["code"] == "invalid_value"
+        assert "routed range" in answer["error"]["message"]
+        assert "average_bits" in _metrics(port)
+    assert main(["serve", str(routed_tiny / "saved"), "--port", str(_free_port()), "--avg-bits", "99"]) == 2

@@ -13,7 +13,7 @@ from typing import Any
 
 from bitquilt.flag_checks import MAX_SEED, is_integer, is_number
 
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "n", "user"}
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "n", "user", "avg_bits"}
 FIELDS = {"completion": COMMON_FIELDS | {"prompt"}, "chat": COMMON_FIELDS | {"messages", "max_completion_tokens"}}
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4  # as OpenAI: up to four stop strings
@@ -55,6 +55,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     stream: bool = False
+    avg_bits: float | None = None  # a MoBiQuant model's precision for this request (None: the server's)
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -140,9 +141,12 @@ def parse_request(raw: bytes, kind: str, limits: Limits) -> Request:
     seed = body.get("seed")
     if seed is not None and (not is_integer(seed) or not 0 <= seed <= MAX_SEED):
         raise _bad("seed", f"seed must be an integer from 0 to {MAX_SEED}, got {json.dumps(seed)}")
+    avg_bits = body.get("avg_bits")
+    if avg_bits is not None and (not is_number(avg_bits) or not math.isfinite(avg_bits)):
+        raise _bad("avg_bits", f"avg_bits must be a number (average bits per weight), got {json.dumps(avg_bits)}")
     request = Request(kind, max_tokens=_max_tokens(body, limits), temperature=_number(body, "temperature", 0, 2, 1.0),
                       top_p=_number(body, "top_p", 0, 1, 1.0), stop=_stop(body.get("stop")), seed=seed,
-                      stream=bool(body.get("stream", False)))
+                      stream=bool(body.get("stream", False)), avg_bits=None if avg_bits is None else float(avg_bits))
     if request.top_p == 0:
         raise _bad("top_p", "top_p must be above 0")
     if kind == "chat":
@@ -167,7 +171,7 @@ class Answer:
         prefix, obj = ("chatcmpl-", "chat.completion") if self.kind == "chat" else ("cmpl-", "text_completion")
         return {"id": prefix + self.id, "object": obj + suffix, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
+    def whole(self, text: str, finish_reason: str, usage: dict[str, int | float]) -> dict[str, Any]:
         """The non-streamed answer."""
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}

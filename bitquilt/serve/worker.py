@@ -2,7 +2,9 @@
 decode steps up to `max_batch` of them run together in a `bitquilt.runtime.batch.Batch`, one step at a time in the
 decode thread while the event loop keeps answering, each with its own sampling, stop strings and token limit, and
 each request's text comes back as events on its own asyncio queue. A request whose client went away is cancelled:
-skipped if it waits, out of the batch before the next step if it runs, its place taken by the next waiting one."""
+skipped if it waits, out of the batch before the next step if it runs, its place taken by the next waiting one.
+On a MoBiQuant model a request may carry its own precision (avg_bits, within the checkpoint's range), and its usage
+reports the bits per weight its tokens used."""
 
 from __future__ import annotations
 
@@ -59,9 +61,11 @@ class Worker:
     `max_len` positions (prompt and new tokens)."""
 
     def __init__(self, model: Any, tokenizer: Any, engine: str, max_queue: int, max_len: int, max_batch: int):
+        from bitquilt.nn.slice_router import has_routers, precision_range
         from bitquilt.runtime.batch import Batch
 
         self.batch = Batch(model, max_len, engine)
+        self.precision = precision_range(model) if has_routers(model) else None  # the routed range, if routed
         self.tokenizer, self.max_queue, self.max_batch = tokenizer, max_queue, max_batch
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.counters = Counters()
@@ -73,7 +77,10 @@ class Worker:
         self.closing = False
 
     def submit(self, ids: list[int], request: Request, max_tokens: int) -> Job:
-        """Queue a request; ApiError 503 at once when `max_queue` requests wait already or the server is closing."""
+        """Queue a request; ApiError 400 for an avg_bits the model cannot route to, 503 at once when `max_queue`
+        requests wait already or the server is closing."""
+        if request.avg_bits is not None:
+            self.check_avg_bits(request.avg_bits)
         if self.closing:
             raise ApiError(503, "the server is shutting down", code="shutting_down", kind="server_busy")
         if self.queue.qsize() >= self.max_queue:
@@ -85,6 +92,16 @@ class Worker:
         self.counters.prompt_tokens += len(ids)
         self.queue.put_nowait(job)
         return job
+
+    def check_avg_bits(self, avg_bits: float) -> None:
+        """ApiError 400 unless the model routes and `avg_bits` is within its checkpoint's range."""
+        if self.precision is None:
+            raise ApiError(400, "avg_bits needs a MoBiQuant model; this model has no slice routers", "avg_bits",
+                           "invalid_value")
+        low, high = self.precision
+        if not low - 1e-6 <= avg_bits <= high + 1e-6:
+            raise ApiError(400, f"avg_bits {avg_bits:g} is outside this checkpoint's routed range [{low:.2f}, "
+                           f"{high:.2f}]", "avg_bits", "invalid_value")
 
     async def run(self) -> None:
         """Step the batch, waiting requests joining it between steps while it has room, for as long as the server
@@ -123,7 +140,14 @@ class Worker:
         return {"queue_depth": self.queue.qsize(), "active_sequences": c.active, "requests_total": c.requests,
                 "requests_rejected_total": c.rejected, "requests_cancelled_total": c.cancelled,
                 "prompt_tokens_total": c.prompt_tokens, "generated_tokens_total": c.generated_tokens,
-                "tokens_per_second": c.run_tokens / seconds if c.run_tokens and seconds > 0 else 0.0}
+                "tokens_per_second": c.run_tokens / seconds if c.run_tokens and seconds > 0 else 0.0,
+                **({} if self.precision is None else {"average_bits": self._average_bits()})}
+
+    def _average_bits(self) -> float:
+        """The mean of the bits per weight the active sequences' tokens used so far (0 when none has run a token)."""
+        seqs = [job.sequence for job in list(self.running) if job.sequence is not None]
+        bits = [s.avg_bits for s in seqs if s.avg_bits is not None]
+        return sum(bits) / len(bits) if bits else 0.0
 
     def _step(self, joining: list[Job]) -> None:
         """In the decode thread: `joining` into the batch, cancelled sequences out, then one step of the batch and
@@ -150,7 +174,8 @@ class Worker:
         r = job.request
         seed = r.seed if r.seed is not None else secrets.randbelow(MAX_SEED + 1)
         try:
-            job.sequence = self.batch.add(job.ids, len(job.ids) + job.max_tokens, sampler(r.temperature, r.top_p, seed))
+            job.sequence = self.batch.add(job.ids, len(job.ids) + job.max_tokens, sampler(r.temperature, r.top_p, seed),
+                                          r.avg_bits)
         except Exception as e:  # a cache that does not fit in memory: this request fails
             job.ended = True
             self._emit(job, "error", str(e) or type(e).__name__)
@@ -181,10 +206,10 @@ class Worker:
         rest = job.text.finish()
         if rest:
             self._emit(job, "text", rest)
-        n = len(job.sequence.new_ids)
+        n, bits = len(job.sequence.new_ids), job.sequence.avg_bits
         self._leave(job)
-        self._emit(job, "done", reason, {"prompt_tokens": len(job.ids), "completion_tokens": n,
-                                         "total_tokens": len(job.ids) + n})
+        usage = {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n}
+        self._emit(job, "done", reason, usage if bits is None else {**usage, "avg_bits": bits})
 
     def _fail(self, job: Job, message: str) -> None:
         self._leave(job)
