@@ -205,6 +205,10 @@ def test_standalone_export_refuses_what_the_runtime_cannot_run(tmp_path):
     saved = _saved(tmp_path / "g32", "llama", Recipe("rtn", w_bits=4, group_size=32))
     with pytest.raises(UserError, match="groups of 32 .multiples of 64 needed"):
         export(saved, tmp_path / "out", to="standalone")
+    sliced = _saved(tmp_path / "sliced", "llama", Recipe("mobislice", w_bits=4, group_size=32,
+                                                         options={"slices": (2, 1, 1)}))
+    with pytest.raises(UserError, match=r"q_proj .*sliced weights without a router \(a mobislice checkpoint\)"):
+        export(sliced, tmp_path / "out", to="standalone")
     with pytest.raises(UserError, match="applies to GGUF exports"):
         export(saved, tmp_path / "out", to="standalone", tokenizer_from="x.gguf")
     with pytest.raises(UserError, match="not a directory saved by bitquilt"):
