@@ -6,10 +6,13 @@ venv of its own, run in a subprocess of that venv's Python (llama-cpp-python has
 
 Bench side (the bench's own venv): `check_python` finds that venv's Python, `run_worker` runs a worker and returns
 what it printed. Worker side (.venv-llamacpp; this module imports only the standard library at the top, xllamacpp
-inside the functions): `server` starts llama.cpp on a GGUF in this process, `speed` measures prefill and decode:
+inside the functions): `server` starts llama.cpp on a GGUF in this process, `speed` measures prefill and decode,
+`serve` runs llama-server on HTTP until the process is killed (bench/serve.py):
 
     .venv-llamacpp/bin/python bench/llamacpp.py speed '{"gguf": "m.gguf", "prompt": [1, 2, 3], "new_tokens": 4,
                                                       "threads": 1}'
+    .venv-llamacpp/bin/python bench/llamacpp.py serve '{"gguf": "m.gguf", "threads": 1, "slots": 16,
+                                                      "slot_tokens": 512, "port": 8080}'
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import resource
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -104,7 +108,7 @@ def warmup_prompt(prompt: list[int], vocab_size: int) -> list[int]:
 def server(gguf_file: str | Path, threads: int, **fields: Any) -> Any:
     """An xllamacpp server (llama.cpp's, in this process; requests go through its `handle_*` methods, or HTTP at its
     `listening_address`) on `gguf_file`: one slot, `threads` threads for decode and for prompt batches, llama.cpp's
-    defaults otherwise; `fields` set further `CommonParams` attributes (n_ctx, embedding, ...)."""
+    defaults otherwise; `fields` set further `CommonParams` attributes (n_ctx, embedding, n_parallel, ...)."""
     import xllamacpp as xlc
 
     params = xlc.CommonParams()
@@ -169,7 +173,25 @@ def speed(gguf: str, prompt: list[int], new_tokens: int, threads: int, vocab_siz
             "versions": {"xllamacpp": xlc.__version__, "llama.cpp system": xlc.get_system_info().strip()}}
 
 
+def serve(gguf: str, threads: int, slots: int, slot_tokens: int, port: int) -> None:
+    """llama-server on `gguf` at 127.0.0.1:`port` until this process is killed: `slots` sequences decoding together
+    (continuous batching, llama-server's default), each with a KV cache of `slot_tokens` positions (n_ctx is shared
+    out among the slots), `threads` threads; prints {"address", "versions"} once it answers."""
+    import xllamacpp as xlc
+
+    srv = server(gguf, threads, n_parallel=slots, n_ctx=slots * slot_tokens, cont_batching=True, port=port)
+    print(json.dumps({"address": srv.listening_address,
+                      "versions": {"xllamacpp": xlc.__version__, "llama.cpp system": xlc.get_system_info().strip()}}),
+          flush=True)
+    threading.Event().wait()
+
+
+COMMANDS = {"speed": "gguf, prompt, new_tokens, threads, vocab_size",
+            "serve": "gguf, threads, slots, slot_tokens, port"}
+
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["speed"] or len(sys.argv) != 3:
-        sys.exit("usage: llamacpp.py speed JSON   (keys: gguf, prompt, new_tokens, threads, vocab_size)")
+    if sys.argv[1:2] not in [[c] for c in COMMANDS] or len(sys.argv) != 3:
+        sys.exit("usage: " + "; ".join(f"llamacpp.py {c} JSON (keys: {k})" for c, k in COMMANDS.items()))
+    if sys.argv[1] == "serve":
+        serve(**json.loads(sys.argv[2]))
     print(json.dumps(speed(**json.loads(sys.argv[2]))), flush=True)
