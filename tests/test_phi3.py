@@ -1,0 +1,138 @@
+"""Phi-3/Phi-4 (`model_type` phi3): fused q/k/v and gate/up projections split on load (`bitquilt.models.fused`),
+quantized like a llama block, saved and reloaded, run by bitquilt's runtime, and fused back for GGUF."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny, reload_bit_exact, save_tiny_with_tokenizer
+from safetensors import safe_open
+from transformers import Phi3Config, Phi3ForCausalLM
+
+from bitquilt.api import quantize, save
+from bitquilt.cli import main
+from bitquilt.errors import UserError
+from bitquilt.formats.base import concat_rows
+from bitquilt.io import load_quantized
+from bitquilt.models.adapters import architecture_of
+from bitquilt.models.fused import SplitLinear, fuse_parts, split_fused
+from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.recipes import Recipe
+from bitquilt.runtime.engines import decode
+from bitquilt.runtime.module_tree import ModuleTreeLM
+
+PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+         "mlp.up_proj", "mlp.down_proj")
+
+
+def _ids(n=4, seqlen=32, vocab=320, seed=0):
+    return torch.randint(0, vocab, (n, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def _phi3(partial: float = 1.0, **extra) -> Phi3ForCausalLM:
+    """A random Phi-3 as transformers builds it (fused projections), the issue's tiny shape."""
+    config = Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        partial_rotary_factor=partial, bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)
+    torch.manual_seed(0)
+    return Phi3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_split_model_computes_the_transformers_logits_and_fuses_back_bit_exact(partial):
+    model = _phi3(partial)
+    fused_state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = _ids(2, 16, vocab=256)
+    with torch.no_grad():
+        want = model(ids).logits
+        split_fused(model)
+        assert isinstance(model.model.layers[0].self_attn.qkv_proj, SplitLinear)
+        assert all(type(model.model.layers[1].get_submodule(p)) is torch.nn.Linear for p in PARTS)
+        assert torch.equal(model(ids).logits, want)
+        assert split_fused(model) is model and torch.equal(model(ids).logits, want)  # split once
+        fuse_parts(model)
+    assert model.state_dict().keys() == fused_state.keys()
+    assert all(torch.equal(v, fused_state[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("recipe", [Recipe("rtn", w_bits=4, group_size=32), Recipe("gptq", w_bits=4, group_size=32),
+                                    Recipe("awq", w_bits=4, group_size=32),
+                                    Recipe("smoothquant+rtn", w_bits=8, group_size=32, a_bits=8),
+                                    Recipe("quarot+rtn", w_bits=8, group_size=32)], ids=Recipe.label)
+def test_methods_quantize_every_linear_and_reload_bit_exact(tmp_path, recipe):
+    model = make_tiny("phi3")
+    assert architecture_of(model).name == "phi3"
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids[:2]).logits
+    quantize(model, recipe, ids, progress=False)
+    for block in model.model.layers:
+        assert all(isinstance(block.get_submodule(p), QuantLinear) for p in PARTS)
+    with torch.no_grad():
+        out = model(ids[:2]).logits
+    rel = (out - ref).pow(2).mean() / ref.pow(2).mean()
+    assert rel < (3e-2 if recipe.w_bits == 4 else 1e-3), rel
+    loaded = reload_bit_exact(model, ids[:2], tmp_path / "q")
+    assert isinstance(loaded.model.layers[0].self_attn.qkv_proj, SplitLinear)  # the transformers Phi3 skeleton
+
+
+def test_cli_quantizes_streams_evaluates_and_generates(tmp_path, capsys):
+    """`bitquilt quantize` on a Phi-3 checkpoint (fused tensors on disk), in memory and streamed (the parts read as
+    rows of the fused tensors) to the same model; then `eval` and `generate` on the result."""
+    fp = tmp_path / "fp"
+    save_tiny_with_tokenizer(fp, "phi3")
+    assert "model.layers.0.self_attn.qkv_proj.weight" in safe_open(fp / "model.safetensors", "pt").keys()
+    calib = ["--calib-samples", "4", "--calib-seqlen", "64"]
+    for stream in ([], ["--stream"]):
+        out = tmp_path / f"q{len(stream)}"
+        assert main(["quantize", str(fp), "--method", "gptq", "--w-bits", "4", "--group-size", "32", *calib, *stream,
+                     "-o", str(out)]) == 0
+    a, b = load_quantized(tmp_path / "q0")[0], load_quantized(tmp_path / "q1")[0]
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "q0"), "--ppl", "--seqlen", "64", "--ppl-windows", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["ppl_wiki"] > 1 and result["ppl_settings"]["wiki"]["n_windows"] == 2
+    assert main(["generate", str(tmp_path / "q0"), "--prompt", "The capital of France is", "--max-new-tokens", "4",
+                 "--runtime", "bitquilt", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["new_tokens"] >= 1
+
+
+@pytest.mark.parametrize("partial, engine", [(1.0, "fused"), (0.75, "lean")])
+def test_bitquilt_runtime_gives_the_transformers_tokens(tmp_path, partial, engine):
+    model = split_fused(_phi3(partial))
+    quantize(model, Recipe("rtn", w_bits=4, group_size=32), None, progress=False)
+    save(model, tmp_path / "q")
+    reference, _ = load_quantized(tmp_path / "q")
+    native, _ = load_quantized(tmp_path / "q", runtime="bitquilt")
+    assert isinstance(native, ModuleTreeLM) and native.state_dict().keys() == reference.state_dict().keys()
+    ids = _ids(2, 12, vocab=256, seed=1)
+    with torch.no_grad():
+        assert torch.allclose(native(ids), reference(ids, use_cache=False).logits, atol=1e-4)
+    prompt = _ids(1, 6, vocab=256, seed=3)
+    want = decode(reference, prompt, 10, engine="transformers")
+    got = decode(native, prompt, 10, engine=engine)
+    assert got.engine == engine and got.new_ids == want.new_ids
+
+
+def test_bitquilt_runtime_refuses_longrope_in_one_line(tmp_path):
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 64}
+    model = split_fused(_phi3(rope_parameters=rope))
+    quantize(model, Recipe("rtn", w_bits=4, group_size=32), None, progress=False)
+    save(model, tmp_path / "q")
+    with pytest.raises(UserError, match="bitquilt runtime cannot run .*RoPE type 'longrope'"):
+        load_quantized(tmp_path / "q", runtime="bitquilt")
+    assert not isinstance(load_quantized(tmp_path / "q", runtime="auto")[0], ModuleTreeLM)
+
+
+def test_fusing_parts_of_different_grids_is_refused():
+    model = make_tiny("phi3")
+    quantize(model, Recipe("rtn", w_bits=4, group_size=32, overrides={"*.v_proj": {"bits": 8}}), None,
+             progress=False)
+    with pytest.raises(UserError, match=r"cannot fuse model.layers.0.self_attn.qkv_proj exactly: its parts differ"):
+        fuse_parts(model)
+    q = model.model.layers[0].self_attn.q_proj.fmt
+    assert torch.equal(concat_rows([q, q]).dequantize(), torch.cat([q.dequantize()] * 2))
