@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_tiny, reload_bit_exact, save_tiny_with_tokenizer
@@ -136,3 +137,61 @@ def test_fusing_parts_of_different_grids_is_refused():
         fuse_parts(model)
     q = model.model.layers[0].self_attn.q_proj.fmt
     assert torch.equal(concat_rows([q, q]).dequantize(), torch.cat([q.dequantize()] * 2))
+
+
+@pytest.mark.parametrize("bits, sym, qtype", [(4, True, "Q4_0"), (8, True, "Q8_0"), (4, False, "Q4_1")])
+def test_gguf_export_fuses_qkv_and_gate_up_as_llama_cpp_reads_them(tmp_path, bits, sym, qtype):
+    import gguf
+
+    from bitquilt.export.gguf import export_gguf
+
+    model = make_tiny("phi3")  # partial rotary 0.75: 24 of each head's 32 dimensions rotate
+    quantize(model, Recipe("rtn", w_bits=bits, group_size=32, sym=sym), None, progress=False)
+    save(model, tmp_path / "q")
+    summary = export_gguf(tmp_path / "q", tmp_path / "m.gguf")
+    assert summary.arch == "phi3" and summary.tensors == {qtype: 2 * 4, "F32": 2 * 2 + 3}
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    tensors = {t.name: t for t in reader.tensors}
+    expected = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{n}.weight" for i in range(2)
+        for n in ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")}
+    assert set(tensors) == expected
+    assert set(tensors) <= {gguf.TENSOR_NAMES[t].format(bid=i) + ".weight" for i in range(2)
+                            for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.PHI3]} | {"token_embd.weight"}
+    c, block = model.config, model.model.layers[1]
+    for name, parts in (("attn_qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                        ("ffn_up", ("mlp.gate_proj", "mlp.up_proj"))):
+        t = tensors[f"blk.1.{name}.weight"]
+        assert t.tensor_type.name == qtype
+        got = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+        want = torch.cat([block.get_submodule(p).fmt.dequantize() for p in parts])
+        minimum = torch.cat([torch.mul(*block.get_submodule(p).fmt.column_params()) for p in parts])
+        assert got.shape == want.shape == (sum(block.get_submodule(p).out_features for p in parts), c.hidden_size)
+        assert ((got - want).abs() <= 2**-11 * minimum.abs()).all()  # Q4_1 rounds −s·z to fp16, else exact
+        if qtype != "Q4_1":
+            assert torch.equal(got, want)
+    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("phi3.")}
+    assert fields["phi3.rope.dimension_count"] == 24 and fields["phi3.attention.head_count_kv"] == 2
+    assert fields["phi3.rope.scaling.original_context_length"] == c.original_max_position_embeddings
+    assert fields["phi3.attention.sliding_window"] == 0 and fields["phi3.feed_forward_length"] == 256
+
+
+def test_compressed_tensors_export_writes_the_fused_phi3_layout(tmp_path):
+    from safetensors.torch import load_file
+
+    from bitquilt.export.compressed_tensors import export_compressed_tensors
+
+    model = make_tiny("phi3")
+    quantize(model, Recipe("rtn", w_bits=4, group_size=32), None, progress=False)
+    save(model, tmp_path / "q")
+    export_compressed_tensors(tmp_path / "q", tmp_path / "ct")
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    assert config["model_type"] == "phi3"
+    tensors = load_file(tmp_path / "ct" / "model.safetensors")
+    parts = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    assert not [k for k in tensors if any(f".{p}." in k for p in parts)]
+    assert tuple(tensors["model.layers.0.self_attn.qkv_proj.weight_shape"].tolist()) == (128 + 2 * 64, 128)
+    assert tuple(tensors["model.layers.0.mlp.gate_up_proj.weight_shape"].tolist()) == (2 * 256, 128)
+    q = model.model.layers[0].self_attn
+    fused = concat_rows([q.q_proj.fmt, q.k_proj.fmt, q.v_proj.fmt])
+    assert torch.equal(tensors["model.layers.0.self_attn.qkv_proj.weight_packed"], fused.qweight)
