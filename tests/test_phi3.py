@@ -195,3 +195,30 @@ def test_compressed_tensors_export_writes_the_fused_phi3_layout(tmp_path):
     q = model.model.layers[0].self_attn
     fused = concat_rows([q.q_proj.fmt, q.k_proj.fmt, q.v_proj.fmt])
     assert torch.equal(tensors["model.layers.0.self_attn.qkv_proj.weight_packed"], fused.qweight)
+
+
+def test_standalone_export_runs_a_full_rotary_phi3_and_refuses_a_partial_one(tmp_path, int8_on):
+    from bitquilt.api import export
+    from bitquilt.runtime.lean import LeanDecoder
+    from bitquilt.runtime.standalone.generate import generate_ids
+    from bitquilt.runtime.standalone.model import StandaloneModel
+
+    for partial in (1.0, 0.75):
+        model = split_fused(_phi3(partial))
+        quantize(model, Recipe("rtn", w_bits=4, group_size=64), None, progress=False)
+        save(model, tmp_path / f"q{partial}")
+    with pytest.raises(UserError, match=r"standalone runtime: a partial rotary factor of 0\.75 .*phi3 models\)$"):
+        export(tmp_path / "q0.75", tmp_path / "out", to="standalone")
+    export(tmp_path / "q1.0", tmp_path / "out", to="standalone")
+    standalone = StandaloneModel(tmp_path / "out")
+    reference = LeanDecoder(load_quantized(tmp_path / "q1.0", runtime="bitquilt")[0], 16)
+    ids = _ids(1, 8, vocab=256, seed=5)[0].tolist()
+    standalone.begin(16)
+    for token in ids:
+        expected = reference.forward(torch.tensor([[token]])).numpy()
+        np.testing.assert_allclose(standalone.forward([token]), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    reference.reset()
+    tokens = [int(reference.forward(torch.tensor([ids[:4]])).argmax())]
+    while len(tokens) < 6:
+        tokens.append(int(reference.forward(torch.tensor([[tokens[-1]]])).argmax()))
+    assert generate_ids(standalone, ids[:4], 6).new_ids == tokens

@@ -16,7 +16,8 @@ holds one copy of each weight (the file's pages). `standalone.safetensors` holds
 
 Both 4/2- and 8-bit weights run on int8-rounded activations (the bitquilt runtime's `--int8-activations` engine), so
 the standalone runtime computes what `bitquilt generate --int8-activations` does, in another fp32 order.
-Exportable: llama, mistral, qwen2 and qwen3 models whose linears are uniform 4- or 2-bit grids (width and groups
+Exportable: llama, mistral, qwen2, qwen3 and phi3 models (phi3 in its split layout, RoPE over whole heads: not a
+partial rotary factor) whose linears are uniform 4- or 2-bit grids (width and groups
 multiples of 64 columns, fp16 scales, no act-order g_idx), uniform 8-bit grids (multiples of 32) or full precision,
 with no online modules; the rest is refused with one line naming the first layer. The tokenizer and generation
 files are copied, and a byte-level BPE tokenizer is also written as tables for the native runner
@@ -46,7 +47,7 @@ from bitquilt.formats.uniform import UniformFormat, resolve_group_size
 from bitquilt.heap import HUGE_PAGE
 from bitquilt.io import CONFIG_NAME, check_output, companion_files, is_quantized_dir, load_quantized, saved_config
 from bitquilt.kernels import q4_int8, uniform8
-from bitquilt.runtime.module_tree import ModuleTreeConfig, ModuleTreeLM, inverse_frequencies
+from bitquilt.runtime.module_tree import ModuleTreeConfig, ModuleTreeLM, inverse_frequencies, rotary_dim
 from bitquilt.runtime.standalone.model import FILE, FORMAT_VERSION, METADATA_KEY, PROJECTIONS
 from bitquilt.runtime.tokenizer import TOKENIZER_FILE, FastTokenizer
 
@@ -152,7 +153,7 @@ def standalone_tensors(model: ModuleTreeLM) -> tuple[dict[str, torch.Tensor], di
     if embed != "lm_head":
         linears[embed] = _linear(tensors, embed, embedding)
     tensors["rope.inv_freq"] = inverse_frequencies(config).float().contiguous()
-    window = config.sliding_window if config.model_type == "mistral" or config.use_sliding_window else None
+    window = config.sliding_window if config.model_type in ("mistral", "phi3") or config.use_sliding_window else None
     metadata = {
         "format_version": FORMAT_VERSION, "model_type": config.model_type, "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
@@ -183,13 +184,16 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
     if not is_quantized_dir(directory):
         raise UserError(f"{directory} is not a directory saved by bitquilt (no {CONFIG_NAME}); quantize a model first")
     check_output(output, overwrite, source=directory)
-    try:  # what the standalone runtime covers is what bitquilt's module tree covers: asked before any weight loads
-        reason = ModuleTreeConfig.from_dict(saved_config(directory)).unsupported_reason()
+    try:  # what the standalone runtime covers is what bitquilt's module tree covers, heads rotated whole: asked
+        config = ModuleTreeConfig.from_dict(saved_config(directory))  # before any weight loads
+        reason = config.unsupported_reason()
+        if reason is None and rotary_dim(config) != config.head_dim:
+            reason = f"a partial rotary factor of {config.partial_rotary_factor} (it rotates whole heads)"
     except ValueError as e:
         reason = str(e)
     if reason is not None:
         raise UserError(f"cannot export {directory} to the standalone runtime: {reason} (it runs llama, mistral, "
-                        "qwen2 and qwen3 models)")
+                        "qwen2, qwen3 and phi3 models)")
     model, _ = load_quantized(directory, runtime="bitquilt")
     tensors, metadata = standalone_tensors(model)
     try:
