@@ -22,6 +22,7 @@ from bitquilt.models.fused import SplitLinear, fuse_parts, split_fused
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import Recipe
 from bitquilt.runtime.engines import decode
+from bitquilt.runtime.lean import unsupported_reason
 from bitquilt.runtime.module_tree import ModuleTreeLM
 
 PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -122,6 +123,7 @@ def test_bitquilt_runtime_refuses_longrope_in_one_line(tmp_path):
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
             "original_max_position_embeddings": 64}
     model = split_fused(_phi3(rope_parameters=rope))
+    assert "RoPE type 'longrope'" in unsupported_reason(model, 16)  # lean decoding leaves it to transformers
     quantize(model, Recipe("rtn", w_bits=4, group_size=32), None, progress=False)
     save(model, tmp_path / "q")
     with pytest.raises(UserError, match="bitquilt runtime cannot run .*RoPE type 'longrope'"):
@@ -129,10 +131,16 @@ def test_bitquilt_runtime_refuses_longrope_in_one_line(tmp_path):
     assert not isinstance(load_quantized(tmp_path / "q", runtime="auto")[0], ModuleTreeLM)
 
 
-def test_fusing_parts_of_different_grids_is_refused():
+def test_fusing_parts_of_different_grids_is_refused(tmp_path, capsys):
     model = make_tiny("phi3")
     quantize(model, Recipe("rtn", w_bits=4, group_size=32, overrides={"*.v_proj": {"bits": 8}}), None,
              progress=False)
+    save(model, tmp_path / "q")
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "q"), "--to", "gguf", "-o", str(tmp_path / "m.gguf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot fuse model.layers.0.self_attn.qkv_proj exactly: its parts differ" in err[0]
+    assert not (tmp_path / "m.gguf").exists()
     with pytest.raises(UserError, match=r"cannot fuse model.layers.0.self_attn.qkv_proj exactly: its parts differ"):
         fuse_parts(model)
     q = model.model.layers[0].self_attn.q_proj.fmt
@@ -207,7 +215,8 @@ def test_standalone_export_runs_a_full_rotary_phi3_and_refuses_a_partial_one(tmp
         model = split_fused(_phi3(partial))
         quantize(model, Recipe("rtn", w_bits=4, group_size=64), None, progress=False)
         save(model, tmp_path / f"q{partial}")
-    with pytest.raises(UserError, match=r"standalone runtime: a partial rotary factor of 0\.75 .*phi3 models\)$"):
+    refused = r"standalone runtime: a partial rotary factor of 0\.75, where it rotates whole heads .*phi3 models\)$"
+    with pytest.raises(UserError, match=refused):
         export(tmp_path / "q0.75", tmp_path / "out", to="standalone")
     export(tmp_path / "q1.0", tmp_path / "out", to="standalone")
     standalone = StandaloneModel(tmp_path / "out")
@@ -222,3 +231,29 @@ def test_standalone_export_runs_a_full_rotary_phi3_and_refuses_a_partial_one(tmp
     while len(tokens) < 6:
         tokens.append(int(reference.forward(torch.tensor([[tokens[-1]]])).argmax()))
     assert generate_ids(standalone, ids[:4], 6).new_ids == tokens
+
+
+def test_gguf_mix_gives_each_fused_tensors_parts_its_type_and_exports(tmp_path):
+    """llama.cpp's Q4_K_M gives phi3's attn_qkv Q5_K (not attn_q/k's Q4_K and attn_v's Q6_K): the parts take it, so
+    they fuse; gate and up take ffn_up's type."""
+    import gguf
+
+    from bitquilt.export.gguf import export_gguf
+    from bitquilt.formats.ggml_blocks import with_fallback
+    from bitquilt.policies.gguf_mix import linear_type
+
+    model = make_tiny("phi3")
+    types = {p: linear_type("Q4_K_M", f"model.layers.0.{p}", model.config) for p in PARTS}
+    assert [types[p] for p in PARTS[:3]] == ["Q5_K"] * 3 and types["mlp.gate_proj"] == types["mlp.up_proj"] == "Q4_K"
+    quantize(model, Recipe("rtn", gguf_type="Q4_K_M"), _ids(), progress=False)
+    save(model, tmp_path / "q")
+    export_gguf(tmp_path / "q", tmp_path / "m.gguf")
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    block = model.model.layers[0]
+    for name, parts in (("attn_qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                        ("ffn_up", ("mlp.gate_proj", "mlp.up_proj"))):
+        fmts = [block.get_submodule(p).fmt for p in parts]
+        assert {f.type.name for f in fmts} == {with_fallback(types[parts[0]], 128).name}  # rows of 128: fallback
+        t = tensors[f"blk.0.{name}.weight"]
+        assert t.tensor_type.name == fmts[0].type.name
+        assert np.array_equal(np.array(t.data).reshape(-1), torch.cat([f.blocks for f in fmts]).numpy().reshape(-1))

@@ -188,7 +188,7 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
         config = ModuleTreeConfig.from_dict(saved_config(directory))  # before any weight loads
         reason = config.unsupported_reason()
         if reason is None and rotary_dim(config) != config.head_dim:
-            reason = f"a partial rotary factor of {config.partial_rotary_factor} (it rotates whole heads)"
+            reason = f"a partial rotary factor of {config.partial_rotary_factor}, where it rotates whole heads"
     except ValueError as e:
         reason = str(e)
     if reason is not None:
