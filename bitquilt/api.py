@@ -32,6 +32,7 @@ from bitquilt.io import (  # noqa: F401  (API)
     set_quantization_record,
 )
 from bitquilt.models.adapters import architecture_for, architecture_of, supported_model_types
+from bitquilt.models.fused import split_fused
 from bitquilt.models.loading import config_model_type, resolve_path
 from bitquilt.models.streaming import StreamingCheckpoint
 from bitquilt.nn.finite import non_finite_parameter
@@ -139,6 +140,7 @@ def quantize(
     if resume_dir is not None and Path(resume_dir).exists() and not Path(resume_dir).is_dir():
         raise UserError(f"resume_dir {resume_dir} is a file; give a directory")
     check_finite_weights(model)
+    split_fused(model)  # a model built here rather than by `load` (a no-op for one it loaded)
     check_family(recipe, architecture_of(model))  # before calibration data is built
     ids, config = _calibration(recipe, calib, tokenizer, calib_config)
     if ids is not None:

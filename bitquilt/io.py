@@ -42,6 +42,7 @@ from bitquilt.errors import UserError, option
 from bitquilt.formats import format_class
 from bitquilt.formats.base import BUFFER_PREFIX, WeightFormat, split_buffers
 from bitquilt.mapped import release_after_calls
+from bitquilt.models.fused import split_fused
 from bitquilt.models.loading import SAVED_MODEL_TYPE, checked_config, empty_model, load_model, resolve_path
 from bitquilt.models.streaming import TensorFiles
 from bitquilt.nn import online
@@ -417,7 +418,7 @@ def _skeleton(directory: Path, runtime: str) -> tuple[nn.Module, Any]:
         if runtime == "bitquilt":
             raise UserError(f"the bitquilt runtime cannot run {directory}: {reason}; use runtime 'transformers'")
     config = base_config(directory, saved)
-    return empty_model(config, torch.float32), config
+    return split_fused(empty_model(config, torch.float32)), config
 
 
 def _saved_tokenizer(directory: Path, model: nn.Module, config: Any) -> Any:

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bitquilt.calib.capture import capture_block_inputs, collect_stats, run_block
 from bitquilt.models.adapters import architecture_of, decoder_layers
+from bitquilt.models.fused import fuse_parts, split_fused
 from bitquilt.models.registry import DEFAULT_MODEL  # noqa: E402
 
 # The suite is dominated by small tensor ops, where OpenMP synchronisation costs more than a
@@ -88,7 +89,7 @@ def real_linears(smollm, calib_ids):
 
 def make_tiny(model_type: str = "llama", seed: int = 0):
     """A random 2-layer model of the given family (fast engine/io tests for every adapter)."""
-    from transformers import Gemma3TextConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -97,9 +98,12 @@ def make_tiny(model_type: str = "llama", seed: int = 0):
         "qwen2": lambda: Qwen2Config(**common),
         "qwen3": lambda: Qwen3Config(**common, head_dim=32),
         "gemma3_text": lambda: Gemma3TextConfig(**common, head_dim=32, sliding_window=64),
+        # Phi-4-mini's partial rotary factor; ids inside the tiny vocabulary
+        "phi3": lambda: Phi3Config(**common, partial_rotary_factor=0.75, bos_token_id=1, eos_token_id=2,
+                                   pad_token_id=0),
     }[model_type]()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = split_fused(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())  # as `load` gives it
     with torch.no_grad():  # random norms so norm folding is actually exercised
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -114,7 +118,7 @@ def save_tiny_with_tokenizer(path, model_type: str = "llama"):
     from bitquilt.models.registry import fetched_dir
 
     tokenizer = AutoTokenizer.from_pretrained(fetched_dir(DEFAULT_MODEL))
-    model = make_tiny(model_type)
+    model = fuse_parts(make_tiny(model_type))  # the family's own checkpoint layout
     model.resize_token_embeddings(len(tokenizer))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

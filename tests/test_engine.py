@@ -12,7 +12,7 @@ def _ids(n=8, seqlen=64, vocab=320):
     return torch.randint(0, vocab, (n, seqlen), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma3_text", "phi3"])
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
 def test_every_adapter_quantizes_every_linear(model_type, method):
     model = make_tiny(model_type)
@@ -209,7 +209,8 @@ REUSE_RECIPES = [Recipe("gptq", w_bits=4, group_size=32),
 
 
 @pytest.mark.parametrize("model_type,recipe", [
-    pytest.param(m, r, id=f"{r.label()}-{m}") for m in ("llama", "qwen2", "gemma3_text") for r in REUSE_RECIPES
+    pytest.param(m, r, id=f"{r.label()}-{m}") for m in ("llama", "qwen2", "gemma3_text", "phi3")
+    for r in REUSE_RECIPES
     if not (m == "gemma3_text" and "quarot" in r.transforms)])  # QuaRot refuses Gemma 3 (its post-norms)
 def test_reusing_the_final_attention_is_bit_identical_and_skips_its_passes(model_type, recipe, monkeypatch):
     """Once a block's attention linears are solved, the MLP groups' passes and the block's final pass reuse its

@@ -134,7 +134,7 @@ def test_real_model_rtn_round_trip(smollm, tmp_path):
     assert model_nbytes(loaded) < 0.45 * model_nbytes(smollm[0])  # embeddings stay fp32
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text", "phi3"])
 def test_load_builds_no_full_precision_model(tmp_path, monkeypatch, model_type):
     """The skeleton holds no weight (parameters on the meta device), the saved tensors become the model's own, and
     the buffers no checkpoint holds (RoPE frequencies, Gemma's embedding scale) are computed as in a built model."""

@@ -31,7 +31,7 @@ def _ids(n: int = 14, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 320, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "phi3"])  # phi3: split, partial rotary
 def test_lean_steps_give_the_transformers_logits(model_type):
     model = make_tiny(model_type)
     ids = _ids()

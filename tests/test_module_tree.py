@@ -36,7 +36,8 @@ def _saved(tmp_path, model_type: str, recipe: Recipe):
     ("qwen2", Recipe("rtn", w_bits=4, group_size=64)),
     ("qwen3", Recipe("rtn", w_bits=2, group_size=32, head_bits=4)),
     ("llama", Recipe("quarot+rtn", w_bits=4, group_size=32, a_bits=4, kv_bits=4, a_clip=None)),
-], ids=["llama-w4-head8", "qwen2-w4", "qwen3-w2-head4", "llama-quarot-w4a4kv4"])
+    ("phi3", Recipe("rtn", w_bits=4, group_size=64, head_bits=8)),
+], ids=["llama-w4-head8", "qwen2-w4", "qwen3-w2-head4", "llama-quarot-w4a4kv4", "phi3-w4-head8"])
 def test_native_model_gives_the_transformers_logits_and_tokens(tmp_path, model_type, recipe):
     path = _saved(tmp_path, model_type, recipe)
     reference, _ = load_quantized(path)

@@ -11,6 +11,7 @@ from bitquilt.calib.stages import STAGES, register_stage
 from bitquilt.cli import main
 from bitquilt.errors import UserError
 from bitquilt.io import WEIGHTS_NAME, load_quantized, quantization_record
+from bitquilt.models.fused import fuse_parts
 from bitquilt.models.loading import load_model
 from bitquilt.models.streaming import fp_weights_held
 from bitquilt.policies import mx_sens
@@ -25,7 +26,7 @@ RECIPES = {
 
 
 def _checkpoint(tmp_path, model_type: str = "llama", tied: bool = False):
-    model = make_tiny(model_type)
+    model = fuse_parts(make_tiny(model_type))  # the family's own checkpoint layout
     if tied:
         model.config.tie_word_embeddings = True
         model.tie_weights()
@@ -177,7 +178,7 @@ def test_every_block_method_streams(tmp_path, fields):
         assert torch.equal(ref(ids).logits, model(ids).logits)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "phi3"])  # phi3: parts read from fused tensors
 def test_every_architecture_streams(tmp_path, model_type):
     path, recipe, ids = _checkpoint(tmp_path, model_type), Recipe("gptq", w_bits=4, group_size=32), _calib(2, 32)
     ref = _in_ram(path, recipe, ids)

@@ -24,6 +24,8 @@ Refused, never refitted, with one line naming the layer and what is exportable: 
   static groups export, recorded as actorder "weight"); 3-bit grids (compressed-tensors packs them differently
   from one version to the next, so a file could be misread); and models with online modules (rotations, activation
   or KV quantizers), which these runtimes do not run.
+Fused projections (Phi-3's qkv_proj, gate_up_proj) are written fused, as the family's checkpoints hold them: the parts'
+  codes, scales and zeros stacked by rows (`bitquilt.models.fused.fuse_parts`; parts of different grids are refused).
 Full-precision tensors (embeddings, norms, biases, linears kept in full precision, an untied LM head) are written in
   the saved config's dtype; casting fp32 to a narrower dtype rounds what AWQ folded into the norms, and the summary
   counts the tensors that changed. Every other file of the saved directory (tokenizer, generation config) is
@@ -60,6 +62,7 @@ from bitquilt.io import (
     quantization_record,
     stored_tensors,
 )
+from bitquilt.models.fused import fuse_parts
 from bitquilt.nn.quant_linear import QuantLinear
 
 FORMAT = "pack-quantized"
@@ -258,4 +261,5 @@ def export_compressed_tensors(directory: str | Path, output: str | Path, overwri
         raise UserError(f"{directory} is not a model saved by bitquilt (no {CONFIG_NAME}); export takes the output "
                         "directory of `bitquilt quantize`")
     model, _ = load_quantized(directory)
+    fuse_parts(model)  # the family's own checkpoint layout (phi3: qkv_proj, gate_up_proj)
     return write_compressed_tensors(model, directory, output, overwrite)

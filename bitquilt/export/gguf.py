@@ -23,8 +23,12 @@ Full-precision tensors (embeddings, norms, biases, linears kept in full precisio
 Layout and metadata are those of llama.cpp's `convert_hf_to_gguf.py` for the families in `FAMILIES`: tensor names
   from gguf's TensorNameMap; the q/k rows of LLaMA attention permuted from Hugging Face's rotate-half order to
   llama.cpp's interleaved RoPE pairs (whole rows move, so a per-row grouped format stays exact); hyperparameters
-  from the saved config. The tokenizer and the descriptive `general.*` keys are copied from a GGUF of the same
-  model (the one a fetched packaged model was converted from, or `tokenizer_from`) once its vocabulary is checked
+  from the saved config. phi3 (Phi-3, Phi-4-mini): q/k/v stacked into `attn_qkv` and gate/up into `ffn_up` (gate rows
+  first: llama.cpp's fused SwiGLU), each part's blocks kept as they are (`bitquilt.models.fused.fuse_parts`: parts of
+  different types are refused), NeoX-style RoPE over the first partial_rotary_factor·head_dim dimensions, and the
+  converter's original context and sliding-window keys; LongRoPE is refused like any RoPE scaling. The tokenizer and
+  the descriptive `general.*` keys are copied from a GGUF of the same model (the one a fetched packaged model was
+  converted from, or `tokenizer_from`) once its vocabulary is checked
   to be the saved tokenizer's; otherwise the tokenizer keys are built from the saved byte-level BPE tokenizer
   (what `convert_hf_to_gguf.py` writes) and `general.name` is the saved directory's name.
 The file is written to a temporary sibling and renamed into place: a failure never leaves a partial output.
@@ -55,6 +59,7 @@ from bitquilt.formats.ggml import GGMLFormat
 from bitquilt.formats.uniform import UniformFormat
 from bitquilt.io import check_writable, is_quantized_dir, load_quantized, quantization_record
 from bitquilt.models import registry
+from bitquilt.models.fused import fuse_parts
 from bitquilt.models.loading import TOKENIZER_FILES
 from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
@@ -91,7 +96,8 @@ class Family:
     rotary_rows: bool  # q/k rows permuted to llama.cpp's interleaved RoPE pairs (LLaMA; Qwen2 is NeoX-style)
 
 
-FAMILIES = {"llama": Family(gguf.MODEL_ARCH.LLAMA, True), "qwen2": Family(gguf.MODEL_ARCH.QWEN2, False)}
+FAMILIES = {"llama": Family(gguf.MODEL_ARCH.LLAMA, True), "qwen2": Family(gguf.MODEL_ARCH.QWEN2, False),
+            "phi3": Family(gguf.MODEL_ARCH.PHI3, False)}  # phi3: fused attn_qkv and ffn_up (`fuse_parts`)
 
 
 @dataclass
@@ -163,8 +169,12 @@ def gguf_blocks(fmt: UniformFormat, order: torch.Tensor | None = None) -> tuple[
 
 
 # ---------------------------------------------------------------- model
+def _rope(config: Any) -> dict[str, Any]:
+    return getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", 10000.0)}
+
+
 def _rope_theta(config: Any) -> float:
-    rope = getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", 10000.0)}
+    rope = _rope(config)
     if rope.get("rope_type", "default") != "default":
         raise UserError(f"cannot export to GGUF: RoPE scaling {rope['rope_type']!r} is not supported (plain RoPE only)")
     return float(rope["rope_theta"])
@@ -232,9 +242,13 @@ def model_fields(config: Any, family: Family) -> dict[str, Field]:
               (keys.Attention.HEAD_COUNT_KV, getattr(config, "num_key_value_heads", None) or heads, V.UINT32),
               (keys.Attention.LAYERNORM_RMS_EPS, config.rms_norm_eps, V.FLOAT32),
               (keys.Rope.FREQ_BASE, _rope_theta(config), V.FLOAT32),
-              (keys.Rope.DIMENSION_COUNT, head_dim, V.UINT32)]
+              (keys.Rope.DIMENSION_COUNT, int(head_dim * _rope(config).get("partial_rotary_factor", 1.0)),
+               V.UINT32)]
     if head_dim != config.hidden_size // heads:
         fields += [(keys.Attention.KEY_LENGTH, head_dim, V.UINT32), (keys.Attention.VALUE_LENGTH, head_dim, V.UINT32)]
+    if family.arch == gguf.MODEL_ARCH.PHI3:  # what convert_hf_to_gguf.py's Phi3MiniModel adds (0: no window)
+        fields += [(keys.Rope.SCALING_ORIG_CTX_LEN, config.original_max_position_embeddings, V.UINT32),
+                   (keys.Attention.SLIDING_WINDOW, config.sliding_window or 0, V.UINT32)]
     return {key.format(arch=arch): (value, vtype, None) for key, value, vtype in fields}
 
 
@@ -427,6 +441,7 @@ def export_gguf(directory: str | Path, output: str | Path, overwrite: bool = Fal
         raise UserError(f"{directory} is not a model saved by bitquilt (no quantization_config.json); export takes "
                         "the output directory of `bitquilt quantize`")
     model, tokenizer = load_quantized(directory)
+    fuse_parts(model)  # the family's fused tensors, where llama.cpp reads them so (phi3)
     if not any((directory / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = None  # transformers makes up an empty one for a folder without tokenizer files
     mix = ((quantization_record(model) or {}).get("recipe") or {}).get("gguf_type")

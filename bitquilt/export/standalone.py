@@ -25,11 +25,12 @@ holds one copy of each weight (the file's pages). `standalone.safetensors` holds
 Both 4/2- and 8-bit weights run on int8-rounded activations (the bitquilt runtime's `--int8-activations` engine), so
 the standalone runtime computes what `bitquilt generate --int8-activations` does, in another fp32 order; routed
 slices run on fp32 activations through the same kernel and routing code as the fused torch runtime.
-Exportable: llama, mistral, qwen2 and qwen3 models whose linears are uniform 4- or 2-bit grids (width and groups
-multiples of 64 columns, fp16 scales, no act-order g_idx), uniform 8-bit grids (multiples of 32), full precision,
-or (decoder layers) MoBiQuant slices with their routers, with no other online modules; the rest is refused with one
-line naming the first layer. The tokenizer and generation files are copied, and a byte-level BPE tokenizer is also
-written as tables for the native runner
+Exportable: llama, mistral, qwen2, qwen3 and phi3 models (phi3 in its split layout, RoPE over whole heads: not a
+partial rotary factor) whose linears are uniform 4- or 2-bit grids (width and groups multiples of 64 columns, fp16
+scales, no act-order g_idx), uniform 8-bit grids (multiples of 32), full precision, or (decoder layers) MoBiQuant
+slices with their routers, with no other online modules; the rest is refused with one line naming the first layer.
+The tokenizer and generation files are copied, and a byte-level BPE tokenizer is also written as tables for the
+native runner
 (`bitquilt.export.tokenizer_tables`; metadata "tokenizer", or why not); the directory is written beside the target
 and renamed into place.
 """
@@ -60,7 +61,7 @@ from bitquilt.io import CONFIG_NAME, check_output, companion_files, is_quantized
 from bitquilt.kernels import cpu, q4_int8, uniform8
 from bitquilt.nn import online
 from bitquilt.nn.slice_router import TAU_GRID, has_routers, model_curve
-from bitquilt.runtime.module_tree import ModuleTreeConfig, ModuleTreeLM, inverse_frequencies
+from bitquilt.runtime.module_tree import ModuleTreeConfig, ModuleTreeLM, inverse_frequencies, rotary_dim
 from bitquilt.runtime.standalone.model import FILE, FORMAT_VERSIONS, METADATA_KEY, PROJECTIONS
 from bitquilt.runtime.tokenizer import TOKENIZER_FILE, FastTokenizer
 
@@ -204,7 +205,7 @@ def standalone_tensors(model: ModuleTreeLM) -> tuple[dict[str, torch.Tensor], di
     if routed:
         tensors["routing.curve"] = model_curve(model).float().contiguous()
         tensors["routing.taus"] = TAU_GRID.float().contiguous()
-    window = config.sliding_window if config.model_type == "mistral" or config.use_sliding_window else None
+    window = config.sliding_window if config.model_type in ("mistral", "phi3") or config.use_sliding_window else None
     metadata = {
         "format_version": FORMAT_VERSIONS[-1] if routed else FORMAT_VERSIONS[0], "model_type": config.model_type,
         "hidden_size": config.hidden_size,
@@ -236,13 +237,16 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
     if not is_quantized_dir(directory):
         raise UserError(f"{directory} is not a directory saved by bitquilt (no {CONFIG_NAME}); quantize a model first")
     check_output(output, overwrite, source=directory)
-    try:  # what the standalone runtime covers is what bitquilt's module tree covers: asked before any weight loads
-        reason = ModuleTreeConfig.from_dict(saved_config(directory)).unsupported_reason()
+    try:  # what the standalone runtime covers is what bitquilt's module tree covers, heads rotated whole: asked
+        config = ModuleTreeConfig.from_dict(saved_config(directory))  # before any weight loads
+        reason = config.unsupported_reason()
+        if reason is None and rotary_dim(config) != config.head_dim:
+            reason = f"a partial rotary factor of {config.partial_rotary_factor}, where it rotates whole heads"
     except ValueError as e:
         reason = str(e)
     if reason is not None:
         raise UserError(f"cannot export {directory} to the standalone runtime: {reason} (it runs llama, mistral, "
-                        "qwen2 and qwen3 models)")
+                        "qwen2, qwen3 and phi3 models)")
     model, _ = load_quantized(directory, runtime="bitquilt")
     tensors, metadata = standalone_tensors(model)
     try:

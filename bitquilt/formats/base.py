@@ -153,6 +153,12 @@ class WeightFormat(ABC):
         this format cannot (rows packed together)."""
         return None
 
+    @property
+    def rows_apart(self) -> bool:
+        """Whether every stored tensor holds one entry per output row and nothing else ([out, ...]), so that the
+        weights of two such formats with the same meta stack by concatenating their tensors (`concat_rows`)."""
+        return False
+
     def nbytes(self) -> int:
         """Bytes of stored tensors: what the weight costs in memory and on disk."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
@@ -164,3 +170,17 @@ class WeightFormat(ABC):
     def describe(self) -> str:
         """Short human label, e.g. 'uniform w4 g128 asym'."""
         return self.name
+
+
+def concat_rows(fmts: list[WeightFormat]) -> WeightFormat:
+    """One weight whose rows are those of `fmts` in order (the parts of a fused projection), their tensors
+    concatenated: exact, nothing is re-quantized. ValueError saying why not unless they are of one class and meta
+    and store their rows apart (`WeightFormat.rows_apart`)."""
+    first = fmts[0]
+    for fmt in fmts:
+        if not fmt.rows_apart:
+            raise ValueError(f"a {fmt.describe()} weight does not store its rows apart")
+        if type(fmt) is not type(first) or fmt.meta() != first.meta() or fmt.tensors().keys() != first.tensors().keys():
+            raise ValueError(f"its parts differ ({first.describe()} and {fmt.describe()})")
+    stacked = {k: torch.cat([f.tensors()[k] for f in fmts]) for k in first.tensors()}
+    return type(first).from_tensors(stacked, first.meta())

@@ -56,6 +56,8 @@ class GGMLFormat(WeightFormat):
     def permute_rows(self, order: torch.Tensor) -> GGMLFormat:
         return GGMLFormat(self.blocks[order], self.type.name, self.in_features)
 
+    rows_apart = True
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"blocks": self.blocks}
 

@@ -199,6 +199,10 @@ class UniformFormat(WeightFormat):
                              self.bits, self.group_size, self.in_features, self.g_idx)
         return part.dequantize().reshape(*rows.shape, self.in_features)
 
+    @property
+    def rows_apart(self) -> bool:
+        return self.g_idx is None  # a g_idx is per column
+
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"qweight": self.qweight, "scales": self.scales}
         if self.zeros is not None:

@@ -9,11 +9,16 @@ groups: columns sharing a scale.)
 Rotations of the residual stream (QuaRot) also need to know who reads and writes it: shared
 inputs whose `prev` is a norm read it (and the LM head, after the final norm); `writers` add to it,
 through `post_norms` where the family normalises a branch's output first (Gemma 3).
+
+A family whose checkpoints fuse projections (Phi-3's `qkv_proj`, `gate_up_proj`) declares each `Fusion`: the model
+is split into the llama-like parts when it is loaded (`bitquilt.models.fused`), and every name here is a part's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -22,6 +27,30 @@ from torch import nn
 class SharedInput:
     linears: tuple[str, ...]  # names relative to a decoder block
     prev: str  # module whose output is the group's input
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """One linear of a checkpoint that holds several of the adapter's linears, their rows stacked in order."""
+
+    fused: str  # name relative to a decoder block, e.g. "self_attn.qkv_proj"
+    parts: tuple[str, ...]  # the adapter's linears it holds, in row order (same parent module)
+    rows: Callable[[Any], tuple[int, ...]]  # each part's row count, from the model config
+
+
+def _qkv_rows(config: Any) -> tuple[int, ...]:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    return heads * head_dim, kv, kv
+
+
+def _gate_up_rows(config: Any) -> tuple[int, ...]:
+    return config.intermediate_size, config.intermediate_size
+
+
+PHI3_FUSIONS = (Fusion("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), _qkv_rows),
+                Fusion("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), _gate_up_rows))
 
 
 @dataclass(frozen=True)
@@ -41,6 +70,7 @@ class Architecture:
     # (consumer, producers): the consumer's input is an elementwise function of the producers' outputs (the
     # gated MLP), so a permutation of its input columns folds into the producers' output rows
     elementwise_inputs: tuple[tuple[str, tuple[str, ...]], ...] = (("mlp.down_proj", ("mlp.gate_proj", "mlp.up_proj")),)
+    fusions: tuple[Fusion, ...] = ()  # linears the checkpoint stores fused (split on load: `bitquilt.models.fused`)
 
     def linear_names(self) -> tuple[str, ...]:
         return tuple(n for g in self.shared_inputs for n in g.linears)
@@ -72,6 +102,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     _llama_like("qwen3", ("qwen3",)),
     _llama_like("gemma3", ("gemma3_text",), mlp_norm="pre_feedforward_layernorm", norm_offset=1.0,
                 post_norms=("post_attention_layernorm", "post_feedforward_layernorm")),
+    _llama_like("phi3", ("phi3",), fusions=PHI3_FUSIONS),
 )
 
 

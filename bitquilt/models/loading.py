@@ -20,6 +20,7 @@ from torch import nn
 from bitquilt.cache import cache_dir
 from bitquilt.errors import UserError
 from bitquilt.models import registry
+from bitquilt.models.fused import split_fused
 from bitquilt.progress import route_transformers_bars
 from bitquilt.tensor_header import read_header
 
@@ -158,7 +159,8 @@ def resolve_path(spec: str | Path) -> Path:
 
 def load_model(spec: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
     """(model in eval mode, tokenizer or None) from a packaged name, HF folder or .gguf file (a folder
-    saved by `bitquilt.io.save` loads through `bitquilt.io.load_quantized`)."""
+    saved by `bitquilt.io.save` loads through `bitquilt.io.load_quantized`); fused projections split
+    (`bitquilt.models.fused`)."""
     path = resolve_path(spec)
     if path.is_dir() and (path / "config.json").is_file():
         model, tokenizer = _load_hf_dir(path, dtype)
@@ -167,4 +169,4 @@ def load_model(spec: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn
     else:
         raise UserError(f"{path} is not a model; accepted: {_accepted()}")
     model.eval()
-    return model, tokenizer
+    return split_fused(model), tokenizer

@@ -43,6 +43,7 @@ from bitquilt.errors import UserError
 from bitquilt.heap import return_free_memory
 from bitquilt.mapped import map_file, release, tensor_view
 from bitquilt.models.adapters import architecture_of, decoder_layers
+from bitquilt.models.fused import fused_source, split_fused
 from bitquilt.models.loading import TOKENIZER_FILES, _load_tokenizer, checked_config, empty_model
 from bitquilt.nn.finite import all_finite
 from bitquilt.nn.quant_linear import QuantLinear
@@ -163,7 +164,7 @@ class StreamingCheckpoint:
         config = checked_config(directory / "config.json",
                                 lambda: AutoConfig.from_pretrained(directory, local_files_only=True))
         try:
-            self.model = empty_model(config, dtype)
+            self.model = split_fused(empty_model(config, dtype))
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"cannot build the model in {directory}: {str(e).splitlines()[0]}") from None
         self.model.eval()
@@ -192,7 +193,11 @@ class StreamingCheckpoint:
 
     def _read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Tensor `name` from the folder, checked against the `shape` the config implies; floating point ones in
-        `self.dtype` and finite."""
+        `self.dtype` and finite; a part of a fused projection (`bitquilt.models.fused`) is its rows of the fused one."""
+        source = None if name in self.files else fused_source(self.model, name)
+        if source is not None:
+            fused, rows, total = source
+            return self._read(fused, (total, *shape[1:]))[rows].clone()
         if name not in self.files:
             raise UserError(f"{self.directory} has no tensor {name!r}; streaming reads checkpoints whose tensor "
                             "names match the model's modules; quantize without --stream")
@@ -229,7 +234,7 @@ class StreamingCheckpoint:
         replaces them)."""
         layer, prefix = self.layers[index], f"{self.arch.layers}.{index}."
         for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
-            if prefix + name in self.files:
+            if prefix + name in self.files or fused_source(self.model, prefix + name) is not None:
                 _put(layer, name, torch.empty(t.shape, dtype=t.dtype, device="meta"), t.requires_grad)
         layer.forward = _identity
         return_free_memory()

@@ -9,6 +9,8 @@ every tensor takes the mix's base type except
   ffn_down     Q2_K: Q3_K · Q3_K_M: Q5_K in the first n/16 layers, else Q4_K · Q4_K_M, Q5_K_M: Q6_K in the
                `more_bits` layers · Q4_K_S: Q5_K in the first n/8 layers
   attn_output  Q2_K: Q3_K · Q3_K_M: Q4_K
+  attn_qkv     Q3_K_M: Q4_K · Q4_K_M: Q5_K · Q5_K_M: Q6_K (phi3's q/k/v, which the GGUF holds as one tensor: its
+               parts take its type; its gate/up, llama.cpp's fused ffn_up, take ffn_up's)
 
 then, for rows that do not split into 256 values, llama.cpp's 32-value fallback (`formats.ggml_blocks.with_fallback`:
 smollm2's and qwen2.5-0.5b's hidden widths 576 and 896 put most of their tensors there). Norms and biases stay F32.
@@ -24,12 +26,14 @@ from typing import Any
 
 from bitquilt.calib.stages import ModelContext, register_stage
 from bitquilt.formats.ggml_blocks import block_type
+from bitquilt.models.adapters import architecture_for
 from bitquilt.registry import option
 
 MIXES = {"Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K",
          "Q6_K": "Q6_K"}  # mix -> its base block type
 ROLES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "gate_proj": "ffn_gate",
          "up_proj": "ffn_up", "down_proj": "ffn_down"}  # Hugging Face linear -> llama.cpp tensor role
+FUSED_ROLES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # a fusion's parts -> the fused role
 
 
 def check_mix(mix: str) -> str:
@@ -46,7 +50,7 @@ def more_bits(layer: int, n_layers: int) -> bool:
 def tensor_type(mix: str, role: str, layer: int = 0, n_layers: int = 1, n_gqa: int = 1) -> str:
     """The block type llama.cpp's mix `mix` gives a tensor of `role` in decoder layer `layer` of `n_layers`, before
     the fallback for narrow rows (module docstring). Roles: output, token_embd (untied), tied_embd, attn_q, attn_k,
-    attn_v, attn_output, ffn_gate, ffn_up, ffn_down."""
+    attn_v, attn_qkv, attn_output, ffn_gate, ffn_up, ffn_down."""
     if role in ("output", "tied_embd"):
         return "Q6_K"
     if role == "attn_v":
@@ -69,13 +73,18 @@ def tensor_type(mix: str, role: str, layer: int = 0, n_layers: int = 1, n_gqa: i
             return "Q5_K"
     elif role == "attn_output" and mix in ("Q2_K", "Q3_K_M"):
         return "Q3_K" if mix == "Q2_K" else "Q4_K"
+    elif role == "attn_qkv" and mix in ("Q3_K_M", "Q4_K_M", "Q5_K_M"):
+        return {"Q3_K_M": "Q4_K", "Q4_K_M": "Q5_K", "Q5_K_M": "Q6_K"}[mix]
     return MIXES[mix]
 
 
 def linear_type(mix: str, name: str, config: Any) -> str:
-    """`tensor_type` of the decoder linear `name` (e.g. model.layers.3.mlp.down_proj) of a model with `config`."""
+    """`tensor_type` of the decoder linear `name` (e.g. model.layers.3.mlp.down_proj) of a model with `config`; a part
+    of a fused projection (phi3's q_proj) takes the fused tensor's role."""
     found = re.search(r"\.(\d+)\.", name)
-    role = ROLES.get(name.rpartition(".")[2], "other")
+    arch = architecture_for(config.model_type)
+    fusion = next((f for f in arch.fusions if name.endswith(tuple(f".{p}" for p in f.parts))), None) if arch else None
+    role = FUSED_ROLES[fusion.fused] if fusion else ROLES.get(name.rpartition(".")[2], "other")
     n_gqa = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     return tensor_type(mix, role, int(found.group(1)) if found else 0, config.num_hidden_layers, n_gqa)
 

@@ -27,7 +27,8 @@ at its own position, every linear called once with all rows and attention per se
 tokens under a causal mask); `LeanDecoder` is it over one cache, `bitquilt.runtime.batch` over a running batch.
 
 Families: llama, mistral (without a sliding window shorter than the run), qwen2 (without sliding
-window), qwen3 (q/k norms); `unsupported_reason` says why another model stays on transformers.
+window), qwen3 (q/k norms), phi3 split (`bitquilt.models.fused`; a partial rotary factor runs module by module, not
+fused; no longrope); `unsupported_reason` says why another model stays on transformers.
 Tested against the transformers forward (logits and greedy tokens).
 """
 
@@ -51,7 +52,8 @@ from bitquilt.nn.quant_linear import QuantLinear
 if TYPE_CHECKING:  # importing the kernels builds the extension: done on first use instead
     from bitquilt.runtime.fused import FusedLayers
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # the tables change with the sequence length: computed once, never
 
 
 def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
@@ -68,6 +70,9 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
         return f"a sliding window of {window} positions shorter than the run ({max_len})"
     if not hasattr(getattr(model, "model", None), "rotary_emb"):
         return "no shared rotary embedding module"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope", None) or {}
+    if rope.get("rope_type") in LENGTH_DEPENDENT_ROPE:
+        return f"RoPE type {rope['rope_type']!r}, whose tables change with the sequence length"
     if max_len > config.max_position_embeddings:
         return f"{max_len} positions exceed the model's {config.max_position_embeddings}"
     return None
@@ -131,6 +136,8 @@ def fuse_layers(stack: LeanLayers) -> tuple[FusedLayers | None, str | None]:
         return None, f"dtype {stack.dtype} (fused layers run fp32)"
     if any(stack.has_site):
         return None, "modules at the attention site (KV quantizers or rotations)"
+    if stack.cos.shape[-1] != stack.head_dim:
+        return None, "a partial rotary embedding (fused layers rotate whole heads)"
     config, first = stack.model.config, stack.layers[0]
     norms = {_rms_eps(m) for layer in stack.layers for m in layer.modules() if type(m).__name__.endswith("Norm")}
     if None in norms or len(norms) != 1:

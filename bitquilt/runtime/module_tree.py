@@ -15,10 +15,12 @@ than a 4-bit small model; this module builds the same tree from `config.json` al
       lm_head                            (tied to embed_tokens when the config says so)
 
 Module names are transformers' so a checkpoint's tensor names, saved layer names and online-module hosts apply
-unchanged. Biases follow each family: qwen2's q/k/v carry one, mistral's nothing; llama and qwen3 follow
-`attention_bias` (and llama `mlp_bias`). RoPE: inverse frequencies θ^(-2i/d), optionally divided by a linear factor or
-rescaled by Llama 3's wavelength bands; `ModuleTreeConfig.unsupported_reason` names anything else (another family,
-activation or RoPE type), for which the transformers model stays the runtime.
+unchanged; phi3's are those of its split layout (`bitquilt.models.fused`: q/k/v and gate/up apart, as saved). Biases
+follow each family: qwen2's q/k/v carry one, mistral's and phi3's nothing; llama and qwen3 follow `attention_bias`
+(and llama `mlp_bias`). RoPE: inverse frequencies θ^(-2i/d), optionally divided by a linear factor or rescaled by
+Llama 3's wavelength bands, over the first d = partial_rotary_factor·head_dim dimensions of each head (phi3; the rest
+pass unrotated); `ModuleTreeConfig.unsupported_reason` names anything else (another family, activation or RoPE type),
+for which the transformers model stays the runtime.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class ModuleTreeConfig:
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
         rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
         pad = d.get("pad_token_id")
         return cls(model_type=d["model_type"], vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                    intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
@@ -81,7 +84,7 @@ class ModuleTreeConfig:
                    attention_bias=d.get("attention_bias", False),
                    mlp_bias=d.get("mlp_bias", False), rope=rope, sliding_window=d.get("sliding_window"),
                    use_sliding_window=d.get("use_sliding_window", False),
-                   partial_rotary_factor=d.get("partial_rotary_factor", 1.0),
+                   partial_rotary_factor=partial,
                    pad_token_id=pad if isinstance(pad, int) and 0 <= pad < d["vocab_size"] else None)
 
     def unsupported_reason(self) -> str | None:
@@ -92,9 +95,15 @@ class ModuleTreeConfig:
             return f"activation {self.hidden_act!r} (the bitquilt runtime runs SiLU-gated MLPs)"
         if self.rope["rope_type"] not in ROPE_TYPES:
             return f"RoPE type {self.rope['rope_type']!r} (the bitquilt runtime computes {', '.join(ROPE_TYPES)})"
-        if self.partial_rotary_factor != 1.0:
-            return f"a partial rotary factor of {self.partial_rotary_factor}"
+        if self.partial_rotary_factor != 1.0 and self.model_type != "phi3":
+            return f"a partial rotary factor of {self.partial_rotary_factor} (the bitquilt runtime rotates part of a "\
+                   "head on phi3 only)"
         return None
+
+
+def rotary_dim(config: ModuleTreeConfig) -> int:
+    """How many leading dimensions of each head RoPE rotates (transformers' int(head_dim · partial_rotary_factor))."""
+    return int(config.head_dim * config.partial_rotary_factor)
 
 
 def inverse_frequencies(config: ModuleTreeConfig) -> torch.Tensor:
@@ -105,7 +114,7 @@ def inverse_frequencies(config: ModuleTreeConfig) -> torch.Tensor:
       ω_i / factor, shorter than L/high_freq_factor keep ω_i, and those between interpolate
       (1 − s)·ω_i/factor + s·ω_i with s = (L/λ_i − low_freq_factor) / (high_freq_factor − low_freq_factor).
     """
-    rope, d = config.rope, config.head_dim
+    rope, d = config.rope, rotary_dim(config)
     omega = 1.0 / (rope["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if rope["rope_type"] == "linear":
         return omega / rope["factor"]
@@ -121,7 +130,7 @@ def inverse_frequencies(config: ModuleTreeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin of position·ω for every position asked, [B, T, head_dim] (the halves repeated)."""
+    """cos and sin of position·ω for every position asked, [B, T, rotary dim] (the halves repeated)."""
 
     def __init__(self, config: ModuleTreeConfig):
         super().__init__()
@@ -140,9 +149,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k [B, heads, T, d] rotated by cos, sin [B, T, d]: x·cos + rotate_half(x)·sin."""
+    """q, k [B, heads, T, d] rotated by cos, sin [B, T, r]: x·cos + rotate_half(x)·sin over the first r dimensions
+    of each head, the others unchanged (r < d: a partial rotary factor)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    r = cos.shape[-1]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        turned = x[..., :r] * cos + rotate_half(x[..., :r]) * sin
+        return turned if r == x.shape[-1] else torch.cat((turned, x[..., r:]), dim=-1)
+
+    return rotate(q), rotate(k)
 
 
 class Linear(nn.Linear):
@@ -173,11 +189,11 @@ class RMSNorm(nn.Module):
 
 
 def _attention_biases(config: ModuleTreeConfig) -> tuple[bool, bool]:
-    """(q/k/v, o) bias of each family: qwen2 always has q/k/v biases and no o bias, mistral none, llama and
+    """(q/k/v, o) bias of each family: qwen2 always has q/k/v biases and no o bias, mistral and phi3 none, llama and
     qwen3 follow attention_bias."""
     if config.model_type == "qwen2":
         return True, False
-    if config.model_type == "mistral":
+    if config.model_type in ("mistral", "phi3"):
         return False, False
     return config.attention_bias, config.attention_bias
 
