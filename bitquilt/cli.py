@@ -81,6 +81,20 @@ def _set_avg_bits(model, avg_bits: float | None) -> None:
     set_precision(model, avg_bits)
 
 
+def _elastic(model, target: float | None, avg_bits: float | None):
+    """serve's elastic controller for --elastic TARGET (None without it), starting at --avg-bits or the checkpoint's
+    highest routed bits, its ceiling; UserError for a model without routers."""
+    if target is None:
+        return None
+    from bitquilt.nn.slice_router import has_routers, precision_range
+    from bitquilt.serve.elastic import ElasticController
+
+    if not has_routers(model):
+        raise UserError("--elastic needs a MoBiQuant model (per-token slice routers); this model has none")
+    low, high = precision_range(model)
+    return ElasticController(target, low, high if avg_bits is None else avg_bits)
+
+
 def _is_standalone_export(model: str) -> bool:
     from bitquilt.runtime.standalone.model import FILE
 
@@ -183,6 +197,7 @@ def cmd_serve(args) -> int:
     if tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files; cannot serve text")
     _set_avg_bits(model, args.avg_bits)
+    elastic = _elastic(model, args.elastic, args.avg_bits)
     stepper(model, 2, args.engine)  # an engine that cannot run the model says so now, not at the first request
     positions = getattr(model.config, "max_position_embeddings", None)
     limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_body_bytes)
@@ -190,7 +205,7 @@ def cmd_serve(args) -> int:
     name = args.model if args.model in MODELS else Path(args.model).name
     longest = args.max_prompt_tokens + args.max_tokens  # a sequence's positions: prompt and new tokens
     worker = Worker(model, tokenizer, args.engine, args.max_queue, longest if positions is None else
-                    min(positions, longest), args.max_batch)
+                    min(positions, longest), args.max_batch, elastic)
     server = Server(worker, chat, name, limits, positions, api_key)
     if args.host not in LOOPBACK and api_key is None:
         print(f"bitquilt serve: warning: {args.host} is reachable from other machines and no --api-key is set",
@@ -262,6 +277,10 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-tokens", type=int, default=1024, help="most new tokens a request may ask (default 1024)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     _add_avg_bits(s, "requests without their own avg_bits")
+    s.add_argument("--elastic", type=float, metavar="TOK_S",
+                   help="a MoBiQuant model: lower the bits of requests without their own avg_bits while each stream "
+                   "decodes under TOK_S tokens/s, raise them again as load drops, up to --avg-bits (default: the "
+                   "checkpoint's highest); docs/serve.md")
     _add_engine(s)
     add_int8_activations(s)
     add_threads(s)

@@ -23,6 +23,7 @@ RANGES: dict[str, tuple[float, float | None]] = {
     "new_tokens": (2, INT32_MAX), "repeats": (1, INT32_MAX), "temperature": (0, None), "threads": (1, MAX_THREADS),
     "seed": (0, MAX_SEED), "port": (1, 65535), "max_queue": (0, INT32_MAX), "max_batch": (1, INT32_MAX),
     "max_prompt_tokens": (1, INT32_MAX), "max_tokens": (1, INT32_MAX), "max_body_bytes": (1, INT32_MAX),
+    "elastic": (0, None),
 }
 
 

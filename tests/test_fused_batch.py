@@ -180,3 +180,27 @@ def test_a_batch_mixing_precisions_gives_each_sequence_its_tokens_alone(routed_t
         Batch(model, 64).add([1, 2], 8, sampler(0.0), avg_bits=high + 1)
     with pytest.raises(ValueError, match="no slice routers"):
         Batch(make_tiny("llama"), 64).add([1, 2], 8, sampler(0.0), avg_bits=3.0)
+
+
+def test_a_running_sequence_routed_anew_uses_the_new_bits_from_its_next_step(routed_tiny):
+    """`Batch.route` mid-run (elastic mode): a sequence moved from the high setting to the low one after its prompt
+    used fewer bits than at the high setting throughout and more than at the low one; `prefilling` until every prompt
+    is read."""
+    model, _ = load_quantized(routed_tiny / "saved", runtime="bitquilt")
+    low, high = precision_range(model)
+    settings = (low + 0.1 * (high - low), high - 0.1 * (high - low))
+
+    def run(bits: float, then: float | None = None) -> float:
+        batch = Batch(model, 64, "auto", chunk=4)
+        seq = batch.add([7, 8, 9, 10, 11, 12], 24, sampler(0.0), bits)
+        batch.step()
+        assert batch.prefilling  # 4 of 6 prompt tokens read
+        batch.step()
+        assert not batch.prefilling
+        if then is not None:
+            batch.route([seq], then)
+        for _ in range(12):
+            batch.step()
+        return seq.avg_bits
+
+    assert run(settings[1]) > run(settings[1], then=settings[0]) > run(settings[0])

@@ -387,6 +387,7 @@ def test_a_request_cancelled_mid_batch_frees_its_place_and_the_others_go_on(batc
     (["--max-tokens", "0"], "--max-tokens must be ≥ 1, got 0"),
     (["--api-key", ""], "--api-key is empty"),
     (["--threads", "0"], "--threads must be ≥ 1, got 0"),
+    (["--elastic", "-1"], "--elastic must be ≥ 0, got -1.0"),
 ])
 def test_bad_serve_flags_are_one_line_and_exit_2(capsys, args, message):
     assert main(["serve", "smollm2-135m", *args]) == 2
@@ -454,3 +455,39 @@ def test_a_request_routes_a_mobiquant_model_at_its_own_avg_bits(routed_tiny):
         assert "routed range" in answer["error"]["message"]
         assert "average_bits" in _metrics(port)
     assert main(["serve", str(routed_tiny / "saved"), "--port", str(_free_port()), "--avg-bits", "99"]) == 2
+
+
+def _usage_bits(port: int, body: dict) -> float:
+    status, answer = _post(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, **body})
+    assert status == 200, answer
+    return answer["usage"]["avg_bits"]
+
+
+def test_elastic_mode_routes_requests_without_their_own_bits_at_the_controllers_level(routed_tiny):
+    """--elastic far above any speed: after a first request's decode steps the requests without avg_bits run at the
+    checkpoint's lowest bits (as a request asking for them), a request's own avg_bits beside them untouched; far
+    below: the highest bits (the default ceiling). /metrics reports the target and the level."""
+    from bitquilt.io import load_quantized
+    from bitquilt.nn.slice_router import precision_range
+
+    low, high = precision_range(load_quantized(routed_tiny / "saved", runtime="bitquilt")[0])
+    with _serving(routed_tiny / "saved", "--max-batch", "2", "--elastic", "1e9") as (port, _):
+        _usage_bits(port, {})  # its decode steps move the level
+        metrics = _metrics(port)
+        assert metrics["elastic_target_tokens_per_second"] == 1e9 and metrics["elastic_bits"] == pytest.approx(low)
+        answers, _ = _together(port, [{"prompt": PROMPT, "max_tokens": 12, "temperature": 0, **extra}
+                                      for extra in ({}, {"avg_bits": high})], stagger=0.0)
+        fast, own = (a[1]["usage"]["avg_bits"] for a in answers)
+        assert fast == pytest.approx(_usage_bits(port, {"avg_bits": low}))
+    with _serving(routed_tiny / "saved", "--elastic", "0.001") as (port, _):
+        full = _usage_bits(port, {})
+        assert full == pytest.approx(_usage_bits(port, {"avg_bits": high})) == pytest.approx(own)
+        assert _metrics(port)["elastic_bits"] == pytest.approx(high)
+    assert fast < full
+
+
+def test_elastic_mode_needs_a_mobiquant_model(capsys):
+    assert main(["serve", "smollm2-135m", "--port", str(_free_port()), "--elastic", "5"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line]  # (loading the model may draw a progress bar)
+    assert len(errors) == 1 and "--elastic needs a MoBiQuant model" in errors[0]

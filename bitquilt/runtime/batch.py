@@ -16,8 +16,9 @@ through their own `stepper`, the prompt whole.
 
 A MoBiQuant model's sequences may each carry their own precision (`add(..., avg_bits=B)`): the fused step routes
 each row at its sequence's threshold, the module-by-module layers run the sequences of one threshold together with
-the routers set to it (`bitquilt.nn.slice_router.routed_at`); the others route at the routers' own thresholds. Each
-sequence counts the bits per weight its tokens used (`Sequence.avg_bits`).
+the routers set to it (`bitquilt.nn.slice_router.routed_at`); the others route at the routers' own thresholds. A
+running sequence's precision may change between steps (`route`). Each sequence counts the bits per weight its tokens
+used (`Sequence.avg_bits`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,18 @@ class Batch:
             seq.fused = None if self.fused is None else fused_cache(self.fused, seq.cache)
         self.sequences.append(seq)
         return seq
+
+    def route(self, seqs: list[Sequence], avg_bits: float) -> None:
+        """A routed model's `seqs` at `avg_bits` bits per weight on average from their next step on (the bits they
+        used so far stay counted); ValueError outside the checkpoint's range."""
+        threshold = threshold_for(self.model, avg_bits)
+        for seq in seqs:
+            seq.threshold = threshold
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether the next step reads a prompt chunk (some sequence has not read all of its prompt)."""
+        return any(not s.new_ids for s in self.sequences)
 
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out of the batch (finished, stopped or cancelled); its cache is freed with it."""

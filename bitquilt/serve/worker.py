@@ -4,7 +4,8 @@ decode thread while the event loop keeps answering, each with its own sampling, 
 each request's text comes back as events on its own asyncio queue. A request whose client went away is cancelled:
 skipped if it waits, out of the batch before the next step if it runs, its place taken by the next waiting one.
 On a MoBiQuant model a request may carry its own precision (avg_bits, within the checkpoint's range), and its usage
-reports the bits per weight its tokens used."""
+reports the bits per weight its tokens used. In elastic mode (`bitquilt.serve.elastic`) the decode steps that read no
+prompt are timed, and the requests without their own avg_bits run at the controller's level, moved between steps."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from bitquilt.flag_checks import MAX_SEED
 from bitquilt.runtime.loop import NON_FINITE
+from bitquilt.serve.elastic import ElasticController
 from bitquilt.serve.protocol import ApiError, Request
 from bitquilt.serve.text import TextStream
 
@@ -58,15 +60,16 @@ class Counters:
 
 class Worker:
     """The queue, the running batch and the decode thread of a model (module docstring); each sequence has up to
-    `max_len` positions (prompt and new tokens)."""
+    `max_len` positions (prompt and new tokens); `elastic`: elastic mode's controller (a MoBiQuant model's)."""
 
-    def __init__(self, model: Any, tokenizer: Any, engine: str, max_queue: int, max_len: int, max_batch: int):
+    def __init__(self, model: Any, tokenizer: Any, engine: str, max_queue: int, max_len: int, max_batch: int,
+                 elastic: ElasticController | None = None):
         from bitquilt.nn.slice_router import has_routers, precision_range
         from bitquilt.runtime.batch import Batch
 
         self.batch = Batch(model, max_len, engine)
         self.precision = precision_range(model) if has_routers(model) else None  # the routed range, if routed
-        self.tokenizer, self.max_queue, self.max_batch = tokenizer, max_queue, max_batch
+        self.tokenizer, self.max_queue, self.max_batch, self.elastic = tokenizer, max_queue, max_batch, elastic
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.counters = Counters()
         self.stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -141,7 +144,10 @@ class Worker:
                 "requests_rejected_total": c.rejected, "requests_cancelled_total": c.cancelled,
                 "prompt_tokens_total": c.prompt_tokens, "generated_tokens_total": c.generated_tokens,
                 "tokens_per_second": c.run_tokens / seconds if c.run_tokens and seconds > 0 else 0.0,
-                **({} if self.precision is None else {"average_bits": self._average_bits()})}
+                **({} if self.precision is None else {"average_bits": self._average_bits()}),
+                **({} if self.elastic is None else {"elastic_target_tokens_per_second": self.elastic.target,
+                                                    "elastic_bits": self.elastic.level,
+                                                    "elastic_stream_tokens_per_second": self.elastic.speed})}
 
     def _average_bits(self) -> float:
         """The mean of the bits per weight the active sequences' tokens used so far (0 when none has run a token)."""
@@ -158,24 +164,36 @@ class Worker:
             self._finish(job, "length")
         if not self.running:
             return
+        timed = self.elastic is not None and not self.batch.prefilling
+        start = time.perf_counter()
         try:
             picked = self.batch.step()
         except Exception as e:  # a fault of the model: the running requests fail, the server goes on
             for job in list(self.running):
                 self._fail(job, str(e) or type(e).__name__)
             return
+        if timed:
+            self._elastic_step(time.perf_counter() - start)
         owner = {id(job.sequence): job for job in self.running}
         for seq, token in picked:
             self._token(owner[id(seq)], token)
+
+    def _elastic_step(self, seconds: float) -> None:
+        """A decode step took `seconds`: the controller's level to the running requests without their own avg_bits,
+        if it moved."""
+        level = self.elastic.level
+        if self.elastic.observe(seconds) != level:
+            self.batch.route([j.sequence for j in self.running if j.request.avg_bits is None], self.elastic.level)
 
     def _join(self, job: Job) -> None:
         from bitquilt.runtime.engines import sampler
 
         r = job.request
         seed = r.seed if r.seed is not None else secrets.randbelow(MAX_SEED + 1)
+        avg_bits = self.elastic.level if r.avg_bits is None and self.elastic is not None else r.avg_bits
         try:
             job.sequence = self.batch.add(job.ids, len(job.ids) + job.max_tokens, sampler(r.temperature, r.top_p, seed),
-                                          r.avg_bits)
+                                          avg_bits)
         except Exception as e:  # a cache that does not fit in memory: this request fails
             job.ended = True
             self._emit(job, "error", str(e) or type(e).__name__)
