@@ -103,11 +103,6 @@ class Batch:
         for seq in seqs:
             seq.threshold = threshold
 
-    @property
-    def prefilling(self) -> bool:
-        """Whether the next step reads a prompt chunk (some sequence has not read all of its prompt)."""
-        return any(not s.new_ids for s in self.sequences)
-
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out of the batch (finished, stopped or cancelled); its cache is freed with it."""
         self.sequences.remove(seq)

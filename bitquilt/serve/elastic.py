@@ -2,9 +2,10 @@
 a MoBiQuant model route at, moved so that each stream keeps about TARGET decode tokens per second as the batch grows
 and shrinks.
 
-Fed the seconds of each decode step (every running sequence one token; steps that read a prompt chunk are left out
-by the caller), it keeps an exponential moving average of the per-stream speed 1 / seconds, restarted whenever the
-level moves (steps at another level say nothing of this one). Once `settle` steps have been seen at the current
+Fed the seconds of each step that gave the running streams a token, end to end (a prompt chunk read in it and the
+time between steps included: the streams wait for them too), it keeps an exponential moving average of those seconds,
+restarted whenever the level moves (steps at another level say nothing of this one); the per-stream speed is
+1 / that average. Once `settle` steps have been seen at the current
 level, a speed below TARGET lowers the level and one above TARGET × (1 + `band`) raises it (the band between is the
 hysteresis: no move there); the new level assumes speed ∝ 1 / bits and aims at the middle of the band,
 level × speed / (TARGET × (1 + band / 2)), rounded down to a multiple of `quantum` bits, moves by at least `quantum`
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-SMOOTHING = 0.3  # the newest step's weight in the moving average
+SMOOTHING = 0.3  # the newest step's weight in the moving average of step seconds
 BAND = 0.2  # raise only above TARGET × (1 + BAND)
 SETTLE_STEPS = 4  # decode steps seen at a level before it may move again
 QUANTUM = 0.125  # bits: levels are multiples of this (or the range's ends)
@@ -34,13 +35,18 @@ class ElasticController:
                              f"{settle}, {quantum}")
         self.target, self.low, self.high, self.level = target, low, high, start
         self.smoothing, self.band, self.settle, self.quantum = smoothing, band, settle, quantum
-        self.speed = 0.0  # the moving average of per-stream tokens/s at this level (0 before any step)
+        self.seconds = 0.0  # the moving average of step seconds at this level
         self.seen = 0  # steps seen since the level last moved
 
+    @property
+    def speed(self) -> float:
+        """Tokens per second each stream gets, by the moving average (0 before any step)."""
+        return 1.0 / self.seconds if self.seconds > 0 else 0.0
+
     def observe(self, seconds: float) -> float:
-        """A decode step took `seconds`: the level after it."""
-        rate = 1.0 / max(seconds, 1e-9)
-        self.speed = rate if self.seen == 0 else self.speed + self.smoothing * (rate - self.speed)
+        """A step took `seconds`: the level after it."""
+        seconds = max(seconds, 1e-9)
+        self.seconds = seconds if self.seen == 0 else self.seconds + self.smoothing * (seconds - self.seconds)
         self.seen += 1
         if self.seen < self.settle:
             return self.level

@@ -4,8 +4,9 @@ decode thread while the event loop keeps answering, each with its own sampling, 
 each request's text comes back as events on its own asyncio queue. A request whose client went away is cancelled:
 skipped if it waits, out of the batch before the next step if it runs, its place taken by the next waiting one.
 On a MoBiQuant model a request may carry its own precision (avg_bits, within the checkpoint's range), and its usage
-reports the bits per weight its tokens used. In elastic mode (`bitquilt.serve.elastic`) the decode steps that read no
-prompt are timed, and the requests without their own avg_bits run at the controller's level, moved between steps."""
+reports the bits per weight its tokens used. In elastic mode (`bitquilt.serve.elastic`) the steps of the running
+streams are timed end to end, and the requests without their own avg_bits run at the controller's level, moved between
+steps."""
 
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ class Worker:
         self.context = contextvars.copy_context()  # the kernel options in force where the server started
         self.running: list[Job] = []  # changed by the decode thread only
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop `run` serves
+        self.step_ended: float | None = None  # when the last step of a busy stretch ended (elastic mode)
         self.closing = False
 
     def submit(self, ids: list[int], request: Request, max_tokens: int) -> Job:
@@ -163,26 +165,31 @@ class Worker:
         for job in [j for j in self.running if j.cancelled.is_set()]:
             self._finish(job, "length")
         if not self.running:
+            self.step_ended = None  # idle: the wait for the next request is no stream's
             return
-        timed = self.elastic is not None and not self.batch.prefilling
-        start = time.perf_counter()
+        decoding = any(job.sequence.new_ids for job in self.running)  # streams this step gives a token
         try:
             picked = self.batch.step()
         except Exception as e:  # a fault of the model: the running requests fail, the server goes on
             for job in list(self.running):
                 self._fail(job, str(e) or type(e).__name__)
             return
-        if timed:
-            self._elastic_step(time.perf_counter() - start)
+        if self.elastic is not None:
+            self._elastic_step(decoding)
         owner = {id(job.sequence): job for job in self.running}
         for seq, token in picked:
             self._token(owner[id(seq)], token)
 
-    def _elastic_step(self, seconds: float) -> None:
-        """A decode step took `seconds`: the controller's level to the running requests without their own avg_bits,
-        if it moved."""
+    def _elastic_step(self, decoding: bool) -> None:
+        """A step ended: the seconds since the last one ended to the controller if this one gave streams a token (the
+        time between steps and a prompt chunk read in it included), and its level to the running requests without
+        their own avg_bits if it moved."""
+        now = time.perf_counter()
+        last, self.step_ended = self.step_ended, now
+        if last is None or not decoding:
+            return
         level = self.elastic.level
-        if self.elastic.observe(seconds) != level:
+        if self.elastic.observe(now - last) != level:
             self.batch.route([j.sequence for j in self.running if j.request.avg_bits is None], self.elastic.level)
 
     def _join(self, job: Job) -> None:
