@@ -29,19 +29,31 @@ def _run(controller: ElasticController, streams: int, steps: int) -> list[float]
 def test_slow_steps_lower_the_level_and_fast_ones_raise_it_again():
     c = ElasticController(10.0, LOW, HIGH)
     assert c.level == HIGH
-    levels = [c.observe(0.2) for _ in range(4)]  # 5 tokens/s per stream, half the target
-    assert levels[:3] == [HIGH] * 3  # moves only once `settle` steps are seen at a level
-    assert levels[3] == 3.625  # 8 bits × 5 / (10 × 1.1), rounded down to 1/8 bit
-    levels = [c.observe(0.02) for _ in range(4)]  # 50 tokens/s: load dropped
-    assert levels[:3] == [3.625] * 3 and levels[3] == HIGH
+    levels = [c.observe(0.2) for _ in range(8)]  # 5 tokens/s per stream, half the target
+    assert levels[:7] == [HIGH] * 7 and levels[7] == 7.0  # once `settle` steps are seen; by at most 1 bit
+    assert [c.observe(0.2) for _ in range(8)][-1] == 6.0
+    levels = [c.observe(0.02) for _ in range(8)]  # 50 tokens/s: load dropped
+    assert levels[:7] == [6.0] * 7 and levels[7] == 7.0 and c.speed == pytest.approx(50.0)
+
+
+def test_a_move_aims_at_the_middle_of_the_band():
+    c = ElasticController(10.0, LOW, HIGH, max_move=HIGH)
+    assert [c.observe(0.2) for _ in range(8)][-1] == 3.625  # 8 bits × 5 / (10 × 1.1), rounded down to 1/8 bit
 
 
 def test_the_level_stays_within_the_checkpoints_range():
     fast, slow = ElasticController(1e9, LOW, HIGH), ElasticController(0.0, LOW, HIGH, start=3.0)
-    for _ in range(20):
+    for _ in range(100):
         fast.observe(0.01)
         slow.observe(10.0)
     assert fast.level == LOW and slow.level == HIGH  # target 0: never too slow, so the highest bits
+
+
+def test_a_prompt_chunk_now_and_then_counts_at_its_share():
+    """One step in 16 at 5 tokens/s (a prompt chunk read beside the streams), the others at 12.5: the mean of the last
+    16 steps decides (11.4 tokens/s, in the band), not the slow step alone: no move."""
+    c = ElasticController(10.0, LOW, HIGH)
+    assert {c.observe(0.2 if i % 16 == 0 else 0.08) for i in range(200)} == {HIGH}
 
 
 def test_a_speed_inside_the_band_moves_nothing():
@@ -64,8 +76,8 @@ def test_rising_then_falling_load_lowers_then_restores_the_bits():
     assert stages[2] < stages[3] < HIGH and _in_band(20.0, 4, stages[3]) and stages[4] == HIGH
 
 
-@pytest.mark.parametrize("kwargs", [{"target": -1.0}, {"start": 9.0}, {"smoothing": 0.0}, {"settle": 0},
-                                    {"quantum": 0.0}])
+@pytest.mark.parametrize("kwargs", [{"target": -1.0}, {"start": 9.0}, {"settle": 0}, {"settle": 17},
+                                    {"quantum": 0.0}, {"max_move": 0.1}])
 def test_bad_settings_are_refused(kwargs):
     settings = {"target": 10.0, "low": LOW, "high": HIGH, **kwargs}
     with pytest.raises(ValueError, match="elastic: needs"):

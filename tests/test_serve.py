@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import math
 import os
 import signal
 import socket
@@ -464,15 +465,17 @@ def _usage_bits(port: int, body: dict) -> float:
 
 
 def test_elastic_mode_routes_requests_without_their_own_bits_at_the_controllers_level(routed_tiny):
-    """--elastic far above any speed: after a first request's decode steps the requests without avg_bits run at the
+    """--elastic far above any speed: after a first request's steps the requests without avg_bits run at the
     checkpoint's lowest bits (as a request asking for them), a request's own avg_bits beside them untouched; far
     below: the highest bits (the default ceiling). /metrics reports the target and the level."""
     from bitquilt.io import load_quantized
     from bitquilt.nn.slice_router import precision_range
+    from bitquilt.serve.elastic import MAX_MOVE, SETTLE_STEPS
 
     low, high = precision_range(load_quantized(routed_tiny / "saved", runtime="bitquilt")[0])
     with _serving(routed_tiny / "saved", "--max-batch", "2", "--elastic", "1e9") as (port, _):
-        _usage_bits(port, {})  # its decode steps move the level
+        moves = math.ceil((high - low) / MAX_MOVE)  # a move every SETTLE_STEPS steps, down to the lowest
+        _usage_bits(port, {"max_tokens": moves * SETTLE_STEPS + 4})
         metrics = _metrics(port)
         assert metrics["elastic_target_tokens_per_second"] == 1e9 and metrics["elastic_bits"] == pytest.approx(low)
         answers, _ = _together(port, [{"prompt": PROMPT, "max_tokens": 12, "temperature": 0, **extra}

@@ -3,61 +3,58 @@ a MoBiQuant model route at, moved so that each stream keeps about TARGET decode 
 and shrinks.
 
 Fed the seconds of each step that gave the running streams a token, end to end (a prompt chunk read in it and the
-time between steps included: the streams wait for them too), it keeps an exponential moving average of those seconds,
-restarted whenever the level moves (steps at another level say nothing of this one); the per-stream speed is
-1 / that average. Once `settle` steps have been seen at the current
-level, a speed below TARGET lowers the level and one above TARGET × (1 + `band`) raises it (the band between is the
-hysteresis: no move there); the new level assumes speed ∝ 1 / bits and aims at the middle of the band,
-level × speed / (TARGET × (1 + band / 2)), rounded down to a multiple of `quantum` bits, moves by at least `quantum`
-and stays within [low, high]. Pure arithmetic: no clock, no model."""
+time between steps included: the streams wait for them too), it averages the last `window` of them seen at the
+current level (forgotten whenever the level moves: steps at another level say nothing of this one); the per-stream
+speed is 1 / that mean, and a prompt chunk now and then counts at its share. Once `settle` steps have been seen at a
+level, a speed below TARGET lowers it and one above TARGET × (1 + `band`) raises it (the band between is the
+hysteresis: no move there). The new level assumes speed ∝ 1 / bits and aims at the middle of the band,
+level × speed / (TARGET × (1 + band / 2)), rounded down to a multiple of `quantum` bits; it moves by at least
+`quantum`, at most `max_move`, and stays within [low, high]. Pure arithmetic: no clock, no model."""
 
 from __future__ import annotations
 
 import math
+from collections import deque
 
-SMOOTHING = 0.3  # the newest step's weight in the moving average of step seconds
+WINDOW = 16  # steps averaged
+SETTLE_STEPS = 8  # steps seen at a level before it may move again
 BAND = 0.2  # raise only above TARGET × (1 + BAND)
-SETTLE_STEPS = 4  # decode steps seen at a level before it may move again
 QUANTUM = 0.125  # bits: levels are multiples of this (or the range's ends)
+MAX_MOVE = 1.0  # bits: the most one move changes the level by
 
 
 class ElasticController:
     """The elastic level (module docstring): starts at `start` (default `high`), stays within [low, high]."""
 
     def __init__(self, target: float, low: float, high: float, start: float | None = None, *,
-                 smoothing: float = SMOOTHING, band: float = BAND, settle: int = SETTLE_STEPS,
-                 quantum: float = QUANTUM):
+                 window: int = WINDOW, settle: int = SETTLE_STEPS, band: float = BAND, quantum: float = QUANTUM,
+                 max_move: float = MAX_MOVE):
         start = high if start is None else start
-        if not (target >= 0 and low <= start <= high and 0 < smoothing <= 1 and band >= 0 and settle >= 1
-                and quantum > 0):
-            raise ValueError(f"elastic: needs target ≥ 0, low ≤ start ≤ high, 0 < smoothing ≤ 1, band ≥ 0, "
-                             f"settle ≥ 1, quantum > 0; got {target}, {low}, {start}, {high}, {smoothing}, {band}, "
-                             f"{settle}, {quantum}")
+        if not (target >= 0 and low <= start <= high and 1 <= settle <= window and band >= 0
+                and 0 < quantum <= max_move):
+            raise ValueError(f"elastic: needs target ≥ 0, low ≤ start ≤ high, 1 ≤ settle ≤ window, band ≥ 0, "
+                             f"0 < quantum ≤ max_move; got {target}, {low}, {start}, {high}, {settle}, {window}, "
+                             f"{band}, {quantum}, {max_move}")
         self.target, self.low, self.high, self.level = target, low, high, start
-        self.smoothing, self.band, self.settle, self.quantum = smoothing, band, settle, quantum
-        self.seconds = 0.0  # the moving average of step seconds at this level
-        self.seen = 0  # steps seen since the level last moved
-
-    @property
-    def speed(self) -> float:
-        """Tokens per second each stream gets, by the moving average (0 before any step)."""
-        return 1.0 / self.seconds if self.seconds > 0 else 0.0
+        self.settle, self.band, self.quantum, self.max_move = settle, band, quantum, max_move
+        self.steps: deque[float] = deque(maxlen=window)  # the last steps' seconds at this level
+        self.speed = 0.0  # tokens per second each stream gets, by the mean of `steps` (0 before any step)
 
     def observe(self, seconds: float) -> float:
         """A step took `seconds`: the level after it."""
-        seconds = max(seconds, 1e-9)
-        self.seconds = seconds if self.seen == 0 else self.seconds + self.smoothing * (seconds - self.seconds)
-        self.seen += 1
-        if self.seen < self.settle:
+        self.steps.append(max(seconds, 1e-9))
+        self.speed = len(self.steps) / sum(self.steps)
+        if len(self.steps) < self.settle:
             return self.level
         if self.speed < self.target:
-            level = max(self.low, min(self.level - self.quantum, self._aim()))
+            level = max(self.low, self.level - self.max_move, min(self.level - self.quantum, self._aim()))
         elif self.speed > self.target * (1 + self.band):
-            level = min(self.high, max(self.level + self.quantum, self._aim()))
+            level = min(self.high, self.level + self.max_move, max(self.level + self.quantum, self._aim()))
         else:
             return self.level
         if level != self.level:
-            self.level, self.seen = level, 0
+            self.level = level
+            self.steps.clear()
         return self.level
 
     def _aim(self) -> float:
