@@ -392,14 +392,15 @@ def render_bits(records: list[dict]) -> list[str]:
                   f"in this process (`set_precision`, as `bitquilt eval --avg-bits`), {s['ppl_windows']} windows × "
                   f"{s['seqlen']} tokens of `{s['ppl_data']}`; its bits are those the evaluation used.", "",
                   "| avg_bits asked | bits used (usage, mean) | decode tok/s | ITL p50 ms | TTFT p50 ms | completed "
-                  "| perplexity | bits used (perplexity) |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| load | perplexity | bits used (perplexity) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             ph = r["phases"][0]
             lines.append(f"| {r['asked']:g} | {fmt(ph['avg_bits'], 2)} | {fmt(ph['tok_s'])} "
                          f"| {fmt(ph['itl_p50_ms'])} | {fmt(ph['ttft_p50_ms'], 0)} "
-                         f"| {ph['completed']}/{ph['requests']} | {r['ppl']:.2f} | {r['ppl_bits']:.2f} |")
-        lines += ["", f"![decode tok/s and perplexity against bits]({name})", ""] + provenance(rows)
+                         f"| {ph['completed']}/{ph['requests']} | {ph['load_start']:.1f}–{ph['load_end']:.1f} "
+                         f"| {r['ppl']:.2f} | {r['ppl_bits']:.2f} |")
+        lines += ["", f"![decode tok/s and perplexity against bits]({name})"] + provenance(rows)
     return lines
 
 
@@ -415,16 +416,17 @@ def render_elastic(records: list[dict]) -> list[str]:
                   f"(max_tokens {s['max_tokens']}, no avg_bits of its own) as its last one ends, "
                   f"{prompts_line(s['prompt_tokens'])}; /metrics read every {SAMPLE_S:g} s. Per stage, the answers "
                   "sent in it: per-stream decode tok/s (first to last text chunk of an answer, p50 over answers) and "
-                  "the bits their usage reports (mean; prompt tokens included); the server's elastic level and its "
-                  "moving average of per-stream speed at the stage's end.", "",
+                  "the bits their usage reports (mean; prompt tokens included); over the stage's /metrics samples, "
+                  "the server's elastic level (lowest–highest) and the per-stream speed it acts on (p50).", "",
                   "| clients | answers | per-stream decode tok/s p50 | bits used (usage, mean) | elastic level "
-                  "| server's per-stream tok/s |",
+                  "| server's per-stream tok/s p50 |",
                   "|---:|---:|---:|---:|---:|---:|"]
         for row in stage_rows(r):
             lines.append(f"| {row['clients']} | {row['answers']} | {fmt(row['stream_tok_s'])} | {fmt(row['bits'], 2)} "
-                         f"| {fmt(row['level'], 3)} | {fmt(row['server_stream_tok_s'])} |")
+                         f"| {level_range(row['levels'])} | {fmt(row['server_stream_tok_s'])} |")
         errors = f" Errors: {r['errors']}." if r["errors"] else ""
-        lines += ["", f"![per-stream speed and bits over time]({name}){errors}", ""] + provenance([r])
+        lines += ["", f"Load average {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end.{errors}", "",
+                  f"![per-stream speed and bits over time]({name})"] + provenance([r])
     return lines
 
 
@@ -454,6 +456,7 @@ def plot_bits(model: str, rows: list[dict]) -> str:
     ppl = ax.twinx()
     ppl.plot([p[2] for p in pts], [p[3] for p in pts], "s--", color="tab:red", label="perplexity")
     ppl.set_ylabel(f"perplexity ({rows[0]['settings']['ppl_data']})", color="tab:red")
+    ppl.set_yscale("log")
     ax.set_title(f"{model}, one MoBiQuant checkpoint served at each avg_bits")
     ax.grid(alpha=0.3)
     return saved_figure(fig, f"serve_bits_{model}.png")
@@ -473,7 +476,7 @@ def plot_elastic(record: dict) -> str:
     speed.plot([a["ended"] for a in done], [a["stream_tok_s"] for a in done], ".", color="tab:blue",
                label="an answer's decode tok/s (at its end)")
     speed.plot([m["t"] for m in samples], [m["elastic_stream_tokens_per_second"] for m in samples], "-",
-               color="tab:cyan", label="server's moving average")
+               color="tab:cyan", label="server's per-stream speed (its last steps)")
     speed.axhline(s["target"], color="black", linestyle=":", label=f"target {s['target']:g}")
     speed.set_ylabel("per-stream tok/s")
     speed.legend(fontsize=7)
@@ -601,7 +604,8 @@ async def staged(url: str, prompts: list[str], stages: list[int], seconds: float
 
 def stage_rows(record: dict) -> list[dict]:
     """Per stage of an elastic record: its answers (those sent during it): their per-stream decode tok/s (p50) and
-    the bits their usage reports (mean); the server's level and stream speed (its /metrics) at the stage's end."""
+    the bits their usage reports (mean); the server's level (lowest, highest) and the per-stream speed it acts on
+    (p50) over the /metrics samples of the stage."""
     s = record["settings"]
     rows = []
     for i, n in enumerate(s["stages"]):
@@ -609,26 +613,33 @@ def stage_rows(record: dict) -> list[dict]:
         sent = [a for a in record["answers"] if start <= a["sent"] < stop]
         speeds = [a["stream_tok_s"] for a in sent if a["stream_tok_s"] is not None]
         bits = [a["bits"] for a in sent if a["bits"] is not None]
-        last = [m for m in record["samples"] if m["t"] < stop][-1:]
+        samples = [m for m in record["samples"] if start <= m["t"] < stop]
+        levels = [m["elastic_bits"] for m in samples]
         rows.append({"clients": n, "answers": len(sent), "stream_tok_s": percentile(speeds, 50),
                      "bits": statistics.mean(bits) if bits else None,
-                     "level": last[0]["elastic_bits"] if last else None,
-                     "server_stream_tok_s": last[0]["elastic_stream_tokens_per_second"] if last else None})
+                     "levels": (min(levels), max(levels)) if levels else None,
+                     "server_stream_tok_s": percentile([m["elastic_stream_tokens_per_second"] for m in samples], 50)})
     return rows
+
+
+def level_range(levels: tuple[float, float] | None) -> str:
+    return "" if levels is None else f"{levels[0]:.2f}–{levels[1]:.2f}"
 
 
 def elastic_part(args: Any, prompts: list[str], counts: list[int], bench: Bench) -> None:
     """`bitquilt serve --elastic --elastic-target` on --saved under clients rising in --elastic-stages."""
     stages = [int(n) for n in args.elastic_stages.split(",")]
     with bitquilt_alone(args, max(stages), ("--elastic", repr(args.elastic_target))) as served:
+        load = os.getloadavg()[0]
         trace = asyncio.run(staged(served.url, prompts, stages, args.stage_seconds, args.max_tokens))
+    trace["load"] = [load, os.getloadavg()[0]]
     settings = {**bits_settings(args, counts, "elastic"), "target": args.elastic_target, "stages": stages,
                 "stage_seconds": args.stage_seconds}
     record = {"model": args.model, "server": "bitquilt", "concurrency": max(stages), "settings": settings, **trace,
               "source": args.saved, "command": command_line(), "machine": machine()}
     for row in stage_rows(record):
         print(f"elastic ×{row['clients']}: {fmt(row['stream_tok_s'])} tok/s per stream, usage "
-              f"{fmt(row['bits'], 2)} bits, level {fmt(row['level'], 3)}", file=sys.stderr, flush=True)
+              f"{fmt(row['bits'], 2)} bits, level {level_range(row['levels'])}", file=sys.stderr, flush=True)
     bench.store(record)
 
 
