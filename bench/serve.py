@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -572,7 +573,7 @@ async def staged(url: str, prompts: list[str], stages: list[int], seconds: float
     client = new_client(url)
     t0 = time.perf_counter()
     end = t0 + seconds * len(stages)
-    turn = iter(range(1 << 30))
+    turn = itertools.count()
     answers: list[dict] = []
     samples: list[dict] = []
 

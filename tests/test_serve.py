@@ -467,7 +467,7 @@ def _usage_bits(port: int, body: dict) -> float:
 def test_elastic_mode_routes_requests_without_their_own_bits_at_the_controllers_level(routed_tiny):
     """--elastic far above any speed: after a first request's steps the requests without avg_bits run at the
     checkpoint's lowest bits (as a request asking for them), a request's own avg_bits beside them untouched; far
-    below: the highest bits (the default ceiling). /metrics reports the target and the level."""
+    below: the highest bits (the default ceiling), or --avg-bits. /metrics reports the target and the level."""
     from bitquilt.io import load_quantized
     from bitquilt.nn.slice_router import precision_range
     from bitquilt.serve.elastic import MAX_MOVE, SETTLE_STEPS
@@ -487,6 +487,11 @@ def test_elastic_mode_routes_requests_without_their_own_bits_at_the_controllers_
         assert full == pytest.approx(_usage_bits(port, {"avg_bits": high})) == pytest.approx(own)
         assert _metrics(port)["elastic_bits"] == pytest.approx(high)
     assert fast < full
+    ceiling = (low + high) / 2
+    with _serving(routed_tiny / "saved", "--elastic", "0.001", "--avg-bits", repr(ceiling)) as (port, _):
+        capped = _usage_bits(port, {})
+        assert capped == pytest.approx(_usage_bits(port, {"avg_bits": ceiling})) and capped < full
+        assert _metrics(port)["elastic_bits"] == pytest.approx(ceiling)  # --avg-bits: the ceiling
 
 
 def test_elastic_mode_needs_a_mobiquant_model(capsys):
