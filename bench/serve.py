@@ -69,6 +69,7 @@ START_TIMEOUT_S = 600  # loading (and bitquilt's first kernel build) may take mi
 WARMUP_TOKENS = 4
 LLAMA = {"cache_prompt": False}  # llama-server's own fields: no prompt reuse
 SAMPLE_S = 0.5  # elastic run: how often /metrics is read
+SAMPLED = ("active_sequences", "elastic_bits", "elastic_stream_tokens_per_second")  # what the elastic run keeps
 
 
 # ---------------------------------------------------------------- the servers
@@ -584,7 +585,7 @@ async def staged(url: str, prompts: list[str], stages: list[int], seconds: float
     async def sample() -> None:
         while True:
             m = await asyncio.to_thread(metrics, url.removesuffix("/v1"))
-            samples.append({"t": time.perf_counter() - t0, **m})
+            samples.append({"t": time.perf_counter() - t0, **{k: m[k] for k in SAMPLED}})
             await asyncio.sleep(SAMPLE_S)
 
     sampler = asyncio.create_task(sample())
