@@ -13,6 +13,7 @@ from bitquilt.calib.capture import collect_stats
 from bitquilt.calib.compute import compute_dtype
 from bitquilt.calib.report import LinearReport
 from bitquilt.calib.stages import BlockContext, ModelContext, register_stage
+from bitquilt.heap import return_free_memory
 from bitquilt.models.adapters import decoder_layers
 from bitquilt.nn.act_quant import input_quantizer
 from bitquilt.nn.kv_quant import KVQuantizer
@@ -107,6 +108,9 @@ def solve(ctx: BlockContext, opts: SolveOptions) -> None:
     wanted = (any(solver.wants_stats(o) for o in options.values())
               or (residual is not None and residual[1].needs_hessian))
     stats = collect_stats(ctx.block, names, ctx.inputs, ctx.kwargs) if wanted else {}
+    # the passes' per-window buffers (below glibc's mmap threshold) stay in the heap once freed: give them back
+    # before the solver makes its n × n copies of the Hessian (docs/memory.md)
+    return_free_memory()
     warn_if_underdetermined(stats, ctx.prefix, ctx.scratch.setdefault("underdetermined_widths", set()))
     for n in names:
         ctx.results.append(solve_linear(ctx, n, solver, options[n], stats.get(n), residual))
