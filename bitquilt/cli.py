@@ -174,6 +174,7 @@ def cmd_serve(args) -> int:
     """Serve a model over HTTP, OpenAI's API (`bitquilt.serve`), until Ctrl-C."""
     try:
         from bitquilt.serve.app import Server, bind, run
+        from bitquilt.serve.caller_thread import CallerThreadExecutor
     except ImportError as e:
         raise UserError(f"bitquilt serve needs the serve extra ({e.name} is missing): pip install "
                         "'bitquilt[serve]'") from None
@@ -204,14 +205,15 @@ def cmd_serve(args) -> int:
     chat = ChatTemplate(resolve_path(args.model), getattr(tokenizer, "bos_token", None), tokenizer.eos_token)
     name = args.model if args.model in MODELS else Path(args.model).name
     longest = args.max_prompt_tokens + args.max_tokens  # a sequence's positions: prompt and new tokens
+    steps = CallerThreadExecutor()  # the batch steps on this thread, which loaded the model (`run`)
     worker = Worker(model, tokenizer, args.engine, args.max_queue, longest if positions is None else
-                    min(positions, longest), args.max_batch, elastic)
+                    min(positions, longest), args.max_batch, elastic, steps)
     server = Server(worker, chat, name, limits, positions, api_key)
     if args.host not in LOOPBACK and api_key is None:
         print(f"bitquilt serve: warning: {args.host} is reachable from other machines and no --api-key is set",
               file=sys.stderr)
     print(f"bitquilt serve: {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    run(server, sock)
+    run(server, sock, steps)
     return 0
 
 

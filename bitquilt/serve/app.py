@@ -9,7 +9,9 @@ import asyncio
 import contextlib
 import hmac
 import json
+import signal
 import socket
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from bitquilt.errors import UserError
+from bitquilt.serve.caller_thread import CallerThreadExecutor
 from bitquilt.serve.chat import ChatTemplate
 from bitquilt.serve.protocol import COMPLETION_DEFAULT_MAX_TOKENS, Answer, ApiError, Limits, Request, parse_request
 from bitquilt.serve.worker import Job, Worker
@@ -233,7 +236,24 @@ class _Uvicorn(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run(server: Server, sock: socket.socket) -> None:
-    """Answer on `sock` with uvicorn until Ctrl-C or SIGTERM."""
+def run(server: Server, sock: socket.socket, steps: CallerThreadExecutor) -> None:
+    """Answer on `sock` with uvicorn until Ctrl-C or SIGTERM: its event loop in a thread, the batch's steps (`steps`,
+    the worker's executor) on this one, the main thread (`bitquilt.serve.caller_thread` says why)."""
     config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-    _Uvicorn(config, server.worker).run(sockets=[sock])
+    uv = _Uvicorn(config, server.worker)
+    loop = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="bitquilt-http")
+    caught: list[int] = []
+
+    def on_signal(sig: int, frame: Any) -> None:
+        caught.append(sig)
+        uv.handle_exit(sig, frame)
+
+    # uvicorn listens for them only on the main thread: here, as it does there, and the process then ends by the
+    # signal it got, as one that did not catch it
+    handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    loop.start()
+    steps.work(until=lambda: not loop.is_alive())
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    for sig in reversed(caught):
+        signal.raise_signal(sig)

@@ -15,7 +15,7 @@ import contextvars
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,10 +61,11 @@ class Counters:
 
 class Worker:
     """The queue, the running batch and the decode thread of a model (module docstring); each sequence has up to
-    `max_len` positions (prompt and new tokens); `elastic`: elastic mode's controller (a MoBiQuant model's)."""
+    `max_len` positions (prompt and new tokens); `elastic`: elastic mode's controller (a MoBiQuant model's); `steps`:
+    the executor the batch steps on."""
 
     def __init__(self, model: Any, tokenizer: Any, engine: str, max_queue: int, max_len: int, max_batch: int,
-                 elastic: ElasticController | None = None):
+                 elastic: ElasticController | None = None, steps: Executor | None = None):
         from bitquilt.nn.slice_router import has_routers, precision_range
         from bitquilt.runtime.batch import Batch
 
@@ -74,7 +75,8 @@ class Worker:
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.counters = Counters()
         self.stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="bitquilt-decode")
+        # where the steps run: a thread of their own unless given (`bitquilt serve`: its main thread)
+        self.thread = steps if steps is not None else ThreadPoolExecutor(1, thread_name_prefix="bitquilt-decode")
         self.context = contextvars.copy_context()  # the kernel options in force where the server started
         self.running: list[Job] = []  # changed by the decode thread only
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop `run` serves
