@@ -2,6 +2,7 @@
 fused int8 layers, bit for bit, from a mapped file, in a process that never imports torch."""
 
 import json
+import math
 import subprocess
 import sys
 from array import array
@@ -196,6 +197,10 @@ def test_standalone_sampling_follows_the_softmax():
     first, again, other = picker(1.0, 3), picker(1.0, 3), picker(1.0, 4)
     sequence = [first(logits) for _ in range(50)]
     assert sequence == [again(logits) for _ in range(50)] != [other(logits) for _ in range(50)]  # seeded
+    probs = array("f", [math.log(p) for p in (0.5, 0.3, 0.15, 0.05)])  # top_p: the fewest likely that reach it
+    assert {picker(1.0, seed, top_p=0.6)(probs) for seed in range(200)} == {0, 1}
+    assert {picker(1.0, seed, top_p=0.5)(probs) for seed in range(50)} == {0}
+    assert len({picker(1.0, seed)(probs) for seed in range(400)}) == 4
 
 
 def test_standalone_export_refuses_what_the_runtime_cannot_run(tmp_path):

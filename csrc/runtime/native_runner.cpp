@@ -347,7 +347,7 @@ int run(int argc, char** argv) {
     pos += n;
     const auto vocab = static_cast<int64_t>(logits.size());
     const int64_t token = o.temperature <= 0 ? bq_argmax(logits.data(), vocab)
-                                             : bq_sample(logits.data(), vocab, o.temperature, draws.random());
+                                             : bq_sample(logits.data(), vocab, o.temperature, 1.0, draws.random());
     if (token < 0) throw UserError(bitquilt_standalone::kNonFinite);
     return token;
   };

@@ -66,11 +66,13 @@ struct Linear {
   float tau = 0;                          // routed: the router's saved threshold
   int64_t N = 0, K = 0;
 
-  // y [T, N] = x [T, K] W^T (+ b); a routed linear routes at `threshold` (NaN: its own) and adds each row's bits
-  // times its weights to bits[t] (routed_parts.h).
-  void run(const float* x, int64_t T, float* y, float threshold = NAN, double* bits = nullptr) const {
+  // y [T, N] = x [T, K] W^T (+ b); a routed linear routes row t at thresholds[t] (NaN, or no thresholds: its own)
+  // and adds each row's bits times its weights to bits[t] (routed_parts.h).
+  void run(const float* x, int64_t T, float* y, const float* thresholds = nullptr, double* bits = nullptr) const {
     if (routed) {
-      std::vector<float> taus(T, std::isnan(threshold) ? tau : threshold);
+      std::vector<float> taus(T, tau);
+      for (int64_t t = 0; thresholds != nullptr && t < T; ++t)
+        if (!std::isnan(thresholds[t])) taus[t] = thresholds[t];
       routed->run(x, T, N, taus.data(), y, bits);
     } else if (q4)
       bitquilt_q4::matmul_into(x, T, *q4, y);
@@ -178,9 +180,39 @@ struct Model {
   double bits = 0;              // the bits times weights the tokens so far used in them
   int64_t routed_tokens = 0;    // those tokens
   std::vector<double> row_bits;  // a call's, per row
+  std::vector<float> row_taus;   // a call's thresholds, per row
 };
 
 Model* model(void* handle) { return static_cast<Model*>(handle); }
+
+// The ids [T] of `m`'s sequence as embedding rows x [T, D]; false (bq_error: why) for an id outside the vocabulary.
+bool embed_rows(Model* m, const int64_t* ids, int64_t T, float* x) {
+  const Linear& embed = m->linears[m->embed];
+  const int64_t D = m->core.dims().D;
+  for (int64_t t = 0; t < T; ++t) {
+    if (ids[t] < 0 || ids[t] >= embed.N) {
+      fail("token id " + std::to_string(ids[t]) + " outside the vocabulary of " + std::to_string(embed.N));
+      return false;
+    }
+    embed.row(ids[t], x + t * D);
+    if (m->embed != m->head) embed.unmap();  // a tied table is the head's, which every step reads whole
+  }
+  return true;
+}
+
+// The linears of `lead` for rows of several sequences of its file, row r `owner[r]`'s: a routed linear routes each
+// row at its owner's threshold and credits the bits it used to its owner (a call's rows are the first of `owner`).
+auto linear_runner(Model* lead, const std::vector<Model*>& owner) {
+  return [lead, &owner](int64_t i, const float* in, int64_t n, float* out) {
+    const Linear& lin = lead->linears[i];
+    if (!lin.routed) return lin.run(in, n, out);
+    lead->row_bits.assign(n, 0.0);
+    lead->row_taus.resize(n);
+    for (int64_t r = 0; r < n; ++r) lead->row_taus[r] = owner[r]->threshold;
+    lin.run(in, n, out, lead->row_taus.data(), lead->row_bits.data());
+    for (int64_t r = 0; r < n; ++r) owner[r]->bits += lead->row_bits[r];
+  };
+}
 
 using bitquilt_json::Value;
 using bitquilt_standalone::MappedFile;
@@ -394,23 +426,10 @@ int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* 
   if (T <= 0 || pos < 0 || pos + T > d.max_len)
     return static_cast<int>(fail("positions " + std::to_string(pos) + ".." + std::to_string(pos + T) +
                                  " outside the cache's " + std::to_string(d.max_len)));
-  const Linear& embed = m->linears[m->embed];
-  for (int64_t t = 0; t < T; ++t)
-    if (ids[t] < 0 || ids[t] >= embed.N)
-      return static_cast<int>(fail("token id " + std::to_string(ids[t]) + " outside the vocabulary of " +
-                                   std::to_string(embed.N)));
   m->x.resize(T * d.D);
-  for (int64_t t = 0; t < T; ++t) {
-    embed.row(ids[t], m->x.data() + t * d.D);
-    if (m->embed != m->head) embed.unmap();  // a tied table is the head's, which every step reads whole
-  }
-  m->core.forward(m->x.data(), m->kv, pos, T, [m](int64_t i, const float* in, int64_t n, float* out) {
-    const Linear& lin = m->linears[i];
-    if (!lin.routed) return lin.run(in, n, out);
-    m->row_bits.assign(n, 0.0);
-    lin.run(in, n, out, m->threshold, m->row_bits.data());
-    for (double b : m->row_bits) m->bits += b;
-  });
+  if (!embed_rows(m, ids, T, m->x.data())) return -1;
+  const std::vector<Model*> owner(T, m);
+  m->core.forward(m->x.data(), m->kv, pos, T, linear_runner(m, owner));
   if (m->routed_weights > 0) m->routed_tokens += T;
   m->last.resize(d.D);
   bitquilt_decoder::rms_norm(m->x.data() + (T - 1) * d.D, m->final_norm, d.D, d.eps, m->last.data());
@@ -419,6 +438,49 @@ int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* 
   if (!std::all_of(m->last.begin(), m->last.end(), [](float v) { return std::isfinite(v); }))
     return static_cast<int>(fail(bitquilt_standalone::kNonFinite));
   m->linears[m->head].run(m->last.data(), 1, logits);
+  return 0;
+}
+
+// n sequences (models of one file) a step further together: sequence i reads counts[i] ids (ids holds sequence 0's,
+// then 1's, ...) at positions pos[i].., logits[i] [vocab] of its last one (all NaN where that one's hidden state is
+// not finite). One kernel call per linear for all their rows, attention per sequence over its own cache, each row
+// routed at its own sequence's threshold: every row as it comes out alone (decoder_core.h), so each sequence gets
+// the logits bq_forward gives it. The tables and buffers are those of the model with the longest cache.
+int bq_step(void* const* handles, int64_t n, const int64_t* ids, const int64_t* counts, const int64_t* pos,
+            float* logits) {
+  if (n <= 0) return static_cast<int>(fail("a step needs at least one sequence"));
+  Model* lead = model(handles[0]);
+  for (int64_t i = 1; i < n; ++i) {
+    if (model(handles[i])->file != lead->file) return static_cast<int>(fail("the sequences are of different files"));
+    if (model(handles[i])->core.dims().max_len > lead->core.dims().max_len) lead = model(handles[i]);
+  }
+  const auto& d = lead->core.dims();
+  std::vector<bitquilt_decoder::Span> spans(n);
+  for (int64_t i = 0; i < n; ++i) spans[i] = {&model(handles[i])->kv, pos[i], counts[i]};
+  const std::string error = lead->core.spans_error(spans.data(), n);
+  if (!error.empty()) return static_cast<int>(fail(error));
+  std::vector<Model*> owner;
+  for (int64_t i = 0; i < n; ++i) owner.insert(owner.end(), counts[i], model(handles[i]));
+  const auto R = static_cast<int64_t>(owner.size());
+  lead->x.resize(R * d.D);
+  for (int64_t i = 0, r = 0; i < n; r += counts[i++])
+    if (!embed_rows(model(handles[i]), ids + r, counts[i], lead->x.data() + r * d.D)) return -1;
+  lead->core.forward_spans(lead->x.data(), spans.data(), n, linear_runner(lead, owner));
+  lead->last.resize(n * d.D);
+  std::vector<bool> finite(n);
+  for (int64_t i = 0, r = 0; i < n; ++i) {
+    Model* m = model(handles[i]);
+    if (m->routed_weights > 0) m->routed_tokens += counts[i];
+    r += counts[i];
+    float* last = lead->last.data() + i * d.D;
+    bitquilt_decoder::rms_norm(lead->x.data() + (r - 1) * d.D, lead->final_norm, d.D, d.eps, last);
+    finite[i] = std::all_of(last, last + d.D, [](float v) { return std::isfinite(v); });  // bq_forward refuses it
+    if (!finite[i]) std::fill_n(last, d.D, 0.0f);  // through the head as zeros, its logits NaN after it
+  }
+  const Linear& head = lead->linears[lead->head];
+  head.run(lead->last.data(), n, logits);
+  for (int64_t i = 0; i < n; ++i)
+    if (!finite[i]) std::fill_n(logits + i * head.N, head.N, NAN);
   return 0;
 }
 
@@ -485,16 +547,33 @@ int64_t bq_argmax(const float* logits, int64_t n) {
 }
 
 // A draw from softmax(logits / temperature) [n], `uniform` in [0, 1) the caller's random number: the first index
-// whose cumulative probability exceeds it (in double, so that no token's share is lost to rounding). Each weight's
-// exponential is computed once, kept as the running sum of the weights before it. -1 as bq_argmax.
-int64_t bq_sample(const float* logits, int64_t n, double temperature, double uniform) {
+// whose cumulative probability exceeds it (in double, so that no token's share is lost to rounding). With top_p < 1
+// only the fewest most likely tokens whose probability reaches top_p are drawn from (a token is kept while the mass
+// of those more likely than it is below top_p, as the torch runtimes' sampler keeps them). Each weight's
+// exponential is computed once. -1 as bq_argmax.
+int64_t bq_sample(const float* logits, int64_t n, double temperature, double top_p, double uniform) {
   const int64_t argmax = bq_argmax(logits, n);
   if (argmax < 0) return -1;
   const double top = logits[argmax];
-  thread_local std::vector<double> cumulative;
+  thread_local std::vector<double> weights, cumulative;
+  weights.resize(n);
   cumulative.resize(n);
   double total = 0;
-  for (int64_t i = 0; i < n; ++i) cumulative[i] = total += std::exp((logits[i] - top) / temperature);
+  for (int64_t i = 0; i < n; ++i) total += weights[i] = std::exp((logits[i] - top) / temperature);
+  if (top_p < 1) {
+    thread_local std::vector<int64_t> order;
+    order.resize(n);
+    for (int64_t i = 0; i < n; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [](int64_t a, int64_t b) { return weights[a] > weights[b]; });
+    double before = 0;
+    for (const int64_t i : order) {
+      const double w = weights[i];
+      if (before >= top_p * total) weights[i] = 0;
+      before += w;
+    }
+  }
+  total = 0;
+  for (int64_t i = 0; i < n; ++i) cumulative[i] = total += weights[i];
   const double target = uniform * total;
   return std::min<int64_t>(std::upper_bound(cumulative.begin(), cumulative.end(), target) - cumulative.begin(), n - 1);
 }

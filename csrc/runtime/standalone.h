@@ -24,6 +24,8 @@ const float* bq_cache(void* handle, int64_t layer, int which);
 const float* bq_rope(void* handle, int which);
 int64_t bq_vocab(void* handle);
 int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* logits);
+int bq_step(void* const* handles, int64_t n, const int64_t* ids, const int64_t* counts, const int64_t* pos,
+            float* logits);
 int bq_threshold(void* file, double avg_bits, float* tau);
 void bq_set_threshold(void* handle, float tau);
 double bq_routed_bits(void* handle);
@@ -32,7 +34,7 @@ void bq_tokenizer_free(void* tokenizer);
 int64_t bq_tokenize(void* tokenizer, const char* text, int64_t n, int64_t* ids, int64_t capacity);
 int64_t bq_detokenize(void* tokenizer, const int64_t* ids, int64_t n, int skip_special, char* out, int64_t capacity);
 int64_t bq_argmax(const float* logits, int64_t n);
-int64_t bq_sample(const float* logits, int64_t n, double temperature, double uniform);
+int64_t bq_sample(const float* logits, int64_t n, double temperature, double top_p, double uniform);
 }
 
 // bq_open for C++ callers holding the mapped file themselves (the native runner, whose tokenizer reads it too).

@@ -38,14 +38,15 @@ class Generation:
         return {"engine": self.run.engine, **generation_stats(self.prompt_tokens, self.run), "avg_bits": self.avg_bits}
 
 
-def picker(temperature: float = 0.0, seed: int = 0) -> Callable[[array], int]:
-    """logits (fp32 `array.array`) -> token: argmax at temperature 0, else a draw from softmax(logits / temperature);
-    -1 when the logits are not all finite (`run_decode` says so)."""
+def picker(temperature: float = 0.0, seed: int = 0, top_p: float = 1.0) -> Callable[[array], int]:
+    """logits (fp32 `array.array`) -> token: argmax at temperature 0, else a draw from softmax(logits / temperature)
+    (from the fewest most likely tokens whose probability reaches `top_p`); -1 when the logits are not all finite
+    (`run_decode` says so)."""
     lib = library()
     if temperature <= 0:
         return lambda logits: lib.bq_argmax(logits.buffer_info()[0], len(logits))
     draws = random.Random(seed)
-    return lambda logits: lib.bq_sample(logits.buffer_info()[0], len(logits), temperature, draws.random())
+    return lambda logits: lib.bq_sample(logits.buffer_info()[0], len(logits), temperature, top_p, draws.random())
 
 
 def generate_ids(model: StandaloneModel, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,

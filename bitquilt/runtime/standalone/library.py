@@ -36,6 +36,7 @@ SIGNATURES = {  # name: (result, arguments), as csrc/runtime/standalone.h declar
     "bq_rope": (_p, [_p, ctypes.c_int]),
     "bq_vocab": (_i64, [_p]),
     "bq_forward": (ctypes.c_int, [_p, _p, _i64, _i64, _p]),
+    "bq_step": (ctypes.c_int, [_p, _i64, _p, _p, _p, _p]),
     "bq_threshold": (ctypes.c_int, [_p, ctypes.c_double, ctypes.POINTER(ctypes.c_float)]),
     "bq_set_threshold": (None, [_p, ctypes.c_float]),
     "bq_routed_bits": (ctypes.c_double, [_p]),
@@ -44,7 +45,7 @@ SIGNATURES = {  # name: (result, arguments), as csrc/runtime/standalone.h declar
     "bq_tokenize": (_i64, [_p, ctypes.c_char_p, _i64, _p, _i64]),
     "bq_detokenize": (_i64, [_p, _p, _i64, ctypes.c_int, _p, _i64]),
     "bq_argmax": (_i64, [_p, _i64]),
-    "bq_sample": (_i64, [_p, _i64, ctypes.c_double, ctypes.c_double]),
+    "bq_sample": (_i64, [_p, _i64, ctypes.c_double, ctypes.c_double, ctypes.c_double]),
 }
 
 

@@ -81,7 +81,7 @@ class StandaloneModel:
 
     _handle: int | None = None
     _file: int | None = None
-    _threshold = math.nan  # the routers' threshold for every sequence (NaN: each router's saved one)
+    routing_threshold = math.nan  # the routers' threshold of new sequences (NaN: each router's saved one)
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
@@ -110,37 +110,52 @@ class StandaloneModel:
 
     def begin(self, max_len: int) -> None:
         """Start a sequence of up to `max_len` positions (the previous one, if any, is dropped)."""
+        self.close()
+        self._handle, self.max_len, self.pos = self.open_sequence(max_len), max_len, 0
+        self._lib.bq_set_threshold(self._handle, self.routing_threshold)
+
+    def open_sequence(self, max_len: int) -> int:
+        """The library's model of the file for a sequence of up to `max_len` positions, its own caches (`bq_open`: a
+        handle for `bq_forward` and `bq_step`, which the caller frees with `bq_free`); UserError if it cannot."""
         if not is_integer(max_len):
             raise UserError(f"max_len must be an integer number of positions, got {max_len!r}")
         if not 1 <= max_len <= INT32_MAX:  # the library takes an int64: a larger count would wrap
             raise UserError(f"a sequence of {max_len} positions does not fit the model's {self.max_positions}")
-        self.close()
         handle = self._lib.bq_open(self._file, max_len)
         if not handle:
             raise UserError(last_error())
-        self._handle, self.max_len, self.pos = handle, max_len, 0
-        self._lib.bq_set_threshold(handle, self._threshold)
         rows = self._lib.bq_vocab(handle)
-        if rows != self.vocab_size:  # the logits buffer is sized by the metadata
-            self.close()
+        if rows != self.vocab_size:  # the logits buffers are sized by the metadata
+            self._lib.bq_free(handle)
             raise UserError(f"{self.directory / FILE}: its metadata's vocab_size {self.vocab_size} is not its "
                             f"embedding's {rows} rows; the file is damaged or was edited; re-export the model")
+        return handle
+
+    def threshold(self, avg_bits: float) -> float:
+        """The routers' threshold at which the model uses `avg_bits` bits per weight on average (`bq_threshold`);
+        UserError for a model without routers or a value outside its range."""
+        tau = ctypes.c_float()
+        if not isinstance(avg_bits, int | float) or \
+                self._lib.bq_threshold(self._file, float(avg_bits), ctypes.byref(tau)) < 0:
+            raise UserError(last_error() if isinstance(avg_bits, int | float) else
+                            f"avg_bits must be a number, got {avg_bits!r:.40}")
+        return tau.value
+
+    def routed_range(self) -> tuple[float, float] | None:
+        """The lowest and highest average bits per weight the routers reach (the export's `routing.curve`); None
+        without routers."""
+        if "routing.curve" not in self.tensors:
+            return None
+        curve = self.tensors["routing.curve"].values()
+        return min(curve), max(curve)
 
     def set_avg_bits(self, avg_bits: float | None) -> None:
         """Route every token of the next sequences so that the model uses `avg_bits` bits per weight on average
         (None: at each router's saved threshold); UserError for a model without routers or a value outside its
         range."""
-        threshold = math.nan
-        if avg_bits is not None:
-            tau = ctypes.c_float()
-            if not isinstance(avg_bits, int | float) or \
-                    self._lib.bq_threshold(self._file, float(avg_bits), ctypes.byref(tau)) < 0:
-                raise UserError(last_error() if isinstance(avg_bits, int | float) else
-                                f"avg_bits must be a number, got {avg_bits!r:.40}")
-            threshold = tau.value
-        self._threshold = threshold
+        self.routing_threshold = math.nan if avg_bits is None else self.threshold(avg_bits)
         if self._handle is not None:
-            self._lib.bq_set_threshold(self._handle, threshold)
+            self._lib.bq_set_threshold(self._handle, self.routing_threshold)
 
     def routed_bits(self) -> float | None:
         """The bits per weight the sequence's tokens used on average in the routed linears; None without any."""
