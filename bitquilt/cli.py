@@ -24,7 +24,7 @@ from bitquilt.cli_common import (
     set_threads,
 )
 from bitquilt.errors import UserError, run_command
-from bitquilt.flag_checks import check_flags
+from bitquilt.flag_checks import check_flags, in_routed_range
 from bitquilt.io import model_summary
 from bitquilt.runtime.engines import ENGINES
 from bitquilt.runtime.loop import stats_line
@@ -76,22 +76,21 @@ def _set_avg_bits(model, avg_bits: float | None) -> None:
     if not has_routers(model):
         raise UserError("--avg-bits needs a MoBiQuant model (per-token slice routers); this model has none")
     low, high = precision_range(model)
-    if not low - 1e-6 <= avg_bits <= high + 1e-6:
+    if not in_routed_range(avg_bits, low, high):
         raise UserError(f"--avg-bits {avg_bits:g} is outside this checkpoint's routed range [{low:.2f}, {high:.2f}]")
     set_precision(model, avg_bits)
 
 
-def _elastic(model, target: float | None, avg_bits: float | None):
-    """serve's elastic controller for --elastic TARGET (None without it), starting at --avg-bits or the checkpoint's
-    highest routed bits, its ceiling; UserError for a model without routers."""
+def _elastic(routed_range: tuple[float, float] | None, target: float | None, avg_bits: float | None):
+    """serve's elastic controller for --elastic TARGET (None without it) within the model's routed range, starting at
+    --avg-bits or the checkpoint's highest routed bits, its ceiling; UserError for a model without routers."""
     if target is None:
         return None
-    from bitquilt.nn.slice_router import has_routers, precision_range
     from bitquilt.serve.elastic import ElasticController
 
-    if not has_routers(model):
+    if routed_range is None:
         raise UserError("--elastic needs a MoBiQuant model (per-token slice routers); this model has none")
-    low, high = precision_range(model)
+    low, high = routed_range
     return ElasticController(target, low, high if avg_bits is None else avg_bits)
 
 
@@ -102,8 +101,8 @@ def _is_standalone_export(model: str) -> bool:
 
 
 def _standalone(args, model: str):
-    """A standalone export (`bitquilt export --to standalone`) for `generate` or `bench`, in the standalone runtime
-    (int8 activations; no engine or runtime to choose) on --threads (default: every core)."""
+    """A standalone export (`bitquilt export --to standalone`) for `generate`, `bench` or `serve`, in the standalone
+    runtime (int8 activations; no engine or runtime to choose) on --threads (default: every core)."""
     if args.engine != "auto" or args.runtime != "auto":
         raise UserError(f"{model} is a standalone export, which runs in the standalone runtime only; drop "
                         "--engine and --runtime")
@@ -171,17 +170,14 @@ def cmd_bench(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    """Serve a model over HTTP, OpenAI's API (`bitquilt.serve`), until Ctrl-C."""
+    """Serve a model over HTTP, OpenAI's API (`bitquilt.serve`), until Ctrl-C: a saved model in its runtime's batch
+    (`bitquilt.runtime.batch`), a standalone export in the standalone runtime's (`runtime.standalone.batch`)."""
     try:
         from bitquilt.serve.app import Server, bind, run
         from bitquilt.serve.caller_thread import CallerThreadExecutor
     except ImportError as e:
         raise UserError(f"bitquilt serve needs the serve extra ({e.name} is missing): pip install "
                         "'bitquilt[serve]'") from None
-    from bitquilt.io import load
-    from bitquilt.models.loading import resolve_path
-    from bitquilt.models.registry import MODELS
-    from bitquilt.runtime.engines import stepper
     from bitquilt.serve.chat import ChatTemplate
     from bitquilt.serve.protocol import Limits
     from bitquilt.serve.worker import Worker
@@ -189,25 +185,17 @@ def cmd_serve(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("BITQUILT_API_KEY")
     if api_key == "":
         raise UserError("--api-key is empty; give the key clients must send, or leave it out")
-    if _is_standalone_export(args.model):
-        raise UserError(f"{args.model} is a standalone export, which serve does not run yet; serve the saved model "
-                        "it was exported from")
     sock = bind(args.host, args.port)
-    set_threads(args.threads)
-    model, tokenizer = load(args.model, _runtime(args))
+    longest = args.max_prompt_tokens + args.max_tokens  # a sequence's positions: prompt and new tokens
+    served = _served_standalone if _is_standalone_export(args.model) else _served_saved
+    batch, tokenizer, positions, directory, name = served(args, longest)
     if tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files; cannot serve text")
-    _set_avg_bits(model, args.avg_bits)
-    elastic = _elastic(model, args.elastic, args.avg_bits)
-    stepper(model, 2, args.engine)  # an engine that cannot run the model says so now, not at the first request
-    positions = getattr(model.config, "max_position_embeddings", None)
+    elastic = _elastic(batch.routed_range, args.elastic, args.avg_bits)
     limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_body_bytes)
-    chat = ChatTemplate(resolve_path(args.model), getattr(tokenizer, "bos_token", None), tokenizer.eos_token)
-    name = args.model if args.model in MODELS else Path(args.model).name
-    longest = args.max_prompt_tokens + args.max_tokens  # a sequence's positions: prompt and new tokens
+    chat = ChatTemplate(directory, getattr(tokenizer, "bos_token", None), tokenizer.eos_token)
     steps = CallerThreadExecutor()  # the batch steps on this thread, which loaded the model (`run`)
-    worker = Worker(model, tokenizer, args.engine, args.max_queue, longest if positions is None else
-                    min(positions, longest), args.max_batch, elastic, steps)
+    worker = Worker(batch, tokenizer, args.max_queue, args.max_batch, elastic, steps)
     server = Server(worker, chat, name, limits, positions, api_key)
     if args.host not in LOOPBACK and api_key is None:
         print(f"bitquilt serve: warning: {args.host} is reachable from other machines and no --api-key is set",
@@ -215,6 +203,34 @@ def cmd_serve(args) -> int:
     print(f"bitquilt serve: {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     run(server, sock, steps)
     return 0
+
+
+def _served_saved(args, longest: int):
+    """serve's batch of a saved or packaged model (sequences of up to `longest` positions, within the model's), its
+    tokenizer, positions, directory and name."""
+    from bitquilt.io import load
+    from bitquilt.models.loading import resolve_path
+    from bitquilt.models.registry import MODELS
+    from bitquilt.runtime.batch import Batch
+    from bitquilt.runtime.engines import stepper
+
+    set_threads(args.threads)
+    model, tokenizer = load(args.model, _runtime(args))
+    _set_avg_bits(model, args.avg_bits)
+    stepper(model, 2, args.engine)  # an engine that cannot run the model says so now, not at the first request
+    positions = getattr(model.config, "max_position_embeddings", None)
+    batch = Batch(model, longest if positions is None else min(positions, longest), args.engine)
+    name = args.model if args.model in MODELS else Path(args.model).name
+    return batch, tokenizer, positions, resolve_path(args.model), name
+
+
+def _served_standalone(args, longest: int):
+    """serve's batch of a standalone export in the standalone runtime, as `_served_saved`."""
+    from bitquilt.runtime.standalone.batch import StandaloneBatch
+
+    model = _standalone(args, args.model)
+    model.set_avg_bits(args.avg_bits)
+    return StandaloneBatch(model), model.tokenizer, model.max_positions, model.directory, Path(args.model).name
 
 
 def _add_engine(s: argparse.ArgumentParser) -> None:
@@ -265,7 +281,7 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(fn=cmd_bench)
 
     s = sub.add_parser("serve", help="serve a model over HTTP with OpenAI's API (needs the serve extra; docs/serve.md)")
-    s.add_argument("model", help=model_help)
+    s.add_argument("model", help=model_help + ", or a standalone export (run in the standalone runtime)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     s.add_argument("--api-key", default=None, help="the key clients must send as `Authorization: Bearer KEY` "

@@ -32,6 +32,7 @@ from bitquilt.cli_common import (
 )
 from bitquilt.errors import UserError
 from bitquilt.export import FORMATS as EXPORT_FORMATS
+from bitquilt.flag_checks import in_routed_range
 from bitquilt.io import model_summary
 from bitquilt.models.registry import DEFAULT_MODEL
 from bitquilt.policies.gguf_mix import MIXES
@@ -524,7 +525,7 @@ def _precision_settings(model, args) -> list[tuple[str, Any]]:
             raise UserError("--avg-bits needs per-token routers (quantize with --method mobiquant); this model has "
                             "slices only: use --static-bits")
         low, high = precision_range(model)
-        bad = [b for b in args.avg_bits if not low - 1e-6 <= b <= high + 1e-6]
+        bad = [b for b in args.avg_bits if not in_routed_range(b, low, high)]
         if bad:
             raise UserError(f"--avg-bits {bad}: this checkpoint routes between {low:.2f} and {high:.2f} average bits")
         settings += [(f"routed {b:g}", functools.partial(set_precision, avg_bits=b)) for b in args.avg_bits]

@@ -58,3 +58,11 @@ def check_flags(args: Any) -> None:
             raise UserError(f"{flag} must be ≥ {low}, got {value}")
         if high is not None and value > high:
             raise UserError(f"{flag} must be ≤ {high}, got {value}")
+
+
+ROUTED_SLACK = 1e-6  # bits: a routed range's ends as printed and read back still fall inside it
+
+
+def in_routed_range(avg_bits: float, low: float, high: float) -> bool:
+    """Whether `avg_bits` lies within a MoBiQuant checkpoint's routed range [low, high] (ROUTED_SLACK either side)."""
+    return low - ROUTED_SLACK <= avg_bits <= high + ROUTED_SLACK

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from bitquilt.flag_checks import in_routed_range
 from bitquilt.formats.base import MatmulContext
 from bitquilt.kernels import router as router_kernel
 from bitquilt.nn.online import get, register_online
@@ -132,7 +133,7 @@ def threshold_for(model: nn.Module, avg_bits: float) -> float:
     outside the checkpoint's range (csrc/runtime/standalone.cpp's threshold_for computes it alike)."""
     curve = model_curve(model)  # falls with τ
     low, high = float(curve.min()), float(curve.max())
-    if not low - 1e-6 <= avg_bits <= high + 1e-6:
+    if not in_routed_range(avg_bits, low, high):
         raise ValueError(f"average bits {avg_bits:g} are out of this checkpoint's routed range "
                          f"[{low:.2f}, {high:.2f}]; use set_slices / --slices-static for fixed widths")
     return float(np.interp(avg_bits, curve.flip(0).numpy(), TAU_GRID.flip(0).numpy()))  # bits rise as τ falls

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from bitquilt import kernels
-from bitquilt.nn.slice_router import has_routers, realised_bits, routed_at, threshold_for
-from bitquilt.runtime.engines import ENGINES, stepper
+from bitquilt.nn.slice_router import has_routers, precision_range, realised_bits, routed_at, threshold_for
+from bitquilt.runtime.engines import ENGINES, sampler, stepper
 from bitquilt.runtime.lean import KVCache, LeanLayers, fuse_layers, fused_cache, fused_logits, unsupported_reason
 
 PREFILL_CHUNK = 32  # prompt tokens a step reads for a joining sequence
@@ -67,7 +67,11 @@ class Sequence:
 
 
 class Batch:
-    """The running sequences of one model (module docstring); positions up to `max_len` per sequence."""
+    """The running sequences of one model (module docstring); positions up to `max_len` per sequence. `routed_range`:
+    a routed model's (low, high) average bits per weight, else None; `sampler`: a sequence's pick of its next token
+    (`bitquilt.runtime.engines.sampler`)."""
+
+    sampler = staticmethod(sampler)
 
     def __init__(self, model: nn.Module, max_len: int, engine: str = "auto", chunk: int = PREFILL_CHUNK):
         if engine not in ENGINES:
@@ -78,6 +82,7 @@ class Batch:
         fuse = lean and engine in ("auto", "fused")
         self.fused = fuse_layers(self.layers)[0] if fuse else None
         self.routed = has_routers(model)
+        self.routed_range = precision_range(model) if self.routed else None
         self.sequences: list[Sequence] = []
 
     def add(self, prompt: list[int], length: int, pick: Callable[[torch.Tensor], int],

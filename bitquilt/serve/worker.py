@@ -1,8 +1,10 @@
 """The running batch behind an asyncio queue: requests wait in the queue (a full one is refused at once); between
-decode steps up to `max_batch` of them run together in a `bitquilt.runtime.batch.Batch`, one step at a time in the
-decode thread while the event loop keeps answering, each with its own sampling, stop strings and token limit, and
-each request's text comes back as events on its own asyncio queue. A request whose client went away is cancelled:
-skipped if it waits, out of the batch before the next step if it runs, its place taken by the next waiting one.
+decode steps up to `max_batch` of them run together in the batch of the model's runtime (a saved model's
+`bitquilt.runtime.batch.Batch` or a standalone export's `bitquilt.runtime.standalone.batch.StandaloneBatch`: the same
+interface, and this module imports neither), one step at a time in the decode thread while the event loop keeps
+answering, each with its own sampling, stop strings and token limit, and each request's text comes back as events
+on its own asyncio queue. A request whose client went away is cancelled: skipped if it waits, out of the batch before
+the next step if it runs, its place taken by the next waiting one.
 On a MoBiQuant model a request may carry its own precision (avg_bits, within the checkpoint's range), and its usage
 reports the bits per weight its tokens used. In elastic mode (`bitquilt.serve.elastic`) the steps of the running
 streams are timed end to end, and the requests without their own avg_bits run at the controller's level, moved between
@@ -17,16 +19,13 @@ import threading
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from bitquilt.flag_checks import MAX_SEED
+from bitquilt.flag_checks import MAX_SEED, in_routed_range
 from bitquilt.runtime.loop import NON_FINITE
 from bitquilt.serve.elastic import ElasticController
 from bitquilt.serve.protocol import ApiError, Request
 from bitquilt.serve.text import TextStream
-
-if TYPE_CHECKING:  # torch: imported where used, so the package imports nothing heavy
-    from bitquilt.runtime.batch import Sequence
 
 
 @dataclass(eq=False)
@@ -40,7 +39,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     ended: bool = False  # its last event is sent: nothing left to cancel
-    sequence: Sequence | None = None
+    sequence: Any = None  # a Sequence of the batch's runtime
     text: TextStream | None = None
 
 
@@ -60,17 +59,14 @@ class Counters:
 
 
 class Worker:
-    """The queue, the running batch and the decode thread of a model (module docstring); each sequence has up to
-    `max_len` positions (prompt and new tokens); `elastic`: elastic mode's controller (a MoBiQuant model's); `steps`:
-    the executor the batch steps on."""
+    """The queue, the running batch and the decode thread of a model (module docstring): `batch`, either runtime's
+    (its add, route, remove and step, its `sampler` and `routed_range`); `elastic`: elastic mode's controller (a
+    MoBiQuant model's); `steps`: the executor the batch steps on."""
 
-    def __init__(self, model: Any, tokenizer: Any, engine: str, max_queue: int, max_len: int, max_batch: int,
+    def __init__(self, batch: Any, tokenizer: Any, max_queue: int, max_batch: int,
                  elastic: ElasticController | None = None, steps: Executor | None = None):
-        from bitquilt.nn.slice_router import has_routers, precision_range
-        from bitquilt.runtime.batch import Batch
-
-        self.batch = Batch(model, max_len, engine)
-        self.precision = precision_range(model) if has_routers(model) else None  # the routed range, if routed
+        self.batch = batch
+        self.precision = batch.routed_range  # (low, high) average bits of a routed model, else None
         self.tokenizer, self.max_queue, self.max_batch, self.elastic = tokenizer, max_queue, max_batch, elastic
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.counters = Counters()
@@ -106,7 +102,7 @@ class Worker:
             raise ApiError(400, "avg_bits needs a MoBiQuant model; this model has no slice routers", "avg_bits",
                            "invalid_value")
         low, high = self.precision
-        if not low - 1e-6 <= avg_bits <= high + 1e-6:
+        if not in_routed_range(avg_bits, low, high):
             raise ApiError(400, f"avg_bits {avg_bits:g} is outside this checkpoint's routed range [{low:.2f}, "
                            f"{high:.2f}]", "avg_bits", "invalid_value")
 
@@ -195,13 +191,12 @@ class Worker:
             self.batch.route([j.sequence for j in self.running if j.request.avg_bits is None], self.elastic.level)
 
     def _join(self, job: Job) -> None:
-        from bitquilt.runtime.engines import sampler
-
         r = job.request
         seed = r.seed if r.seed is not None else secrets.randbelow(MAX_SEED + 1)
         avg_bits = self.elastic.level if r.avg_bits is None and self.elastic is not None else r.avg_bits
         try:
-            job.sequence = self.batch.add(job.ids, len(job.ids) + job.max_tokens, sampler(r.temperature, r.top_p, seed),
+            job.sequence = self.batch.add(job.ids, len(job.ids) + job.max_tokens,
+                                          self.batch.sampler(r.temperature, r.top_p, seed),
                                           avg_bits)
         except Exception as e:  # a cache that does not fit in memory: this request fails
             job.ended = True

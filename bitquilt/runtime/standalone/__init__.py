@@ -5,6 +5,7 @@ kernel layouts themselves into one safetensors file; this package maps it and ru
 
     bitquilt-run OUT --prompt "The capital of France is"          # command line (bitquilt.runtime.standalone.cli)
     bitquilt-native OUT --prompt "The capital of France is"       # the same from a C++ program, no Python
+    bitquilt serve OUT                                             # over HTTP, continuously batched (batch.py)
 
     from bitquilt.runtime.standalone.model import StandaloneModel          # Python
     from bitquilt.runtime.standalone.generate import generate
