@@ -8,8 +8,8 @@ The ladder, slowest and most general first (docs/runtime.md says why each rung e
   same over several sequences' caches);
 - `batch`: continuous batching, sequences joining and leaving a running batch between steps (`bitquilt serve`);
 - `fused`: every decoder layer of a one-token step in one call of the C++ extension;
-- `standalone`: the torch-free runtime of a standalone export (`bitquilt-run`), and `bitquilt-native`, the same
-  model from a C++ program;
+- `standalone`: the torch-free runtime of a standalone export (`bitquilt-run`; its own continuous batch for
+  `bitquilt serve`), and `bitquilt-native`, the same model from a C++ program;
 - `loop`: the decode loop all of them share; `tokenizer`: a tokenizer.json run by the `tokenizers` library alone.
 
 This package imports nothing on import (the standalone runtime must run without torch), and no calibration or
