@@ -90,6 +90,18 @@ def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode():
         assert long.cache.pos == min(CHUNK * (step + 1), 3 * CHUNK + 4)
 
 
+@pytest.mark.parametrize("engine", ["lean", "auto"])
+def test_a_prompt_is_read_in_idle_chunks_while_no_sequence_decodes(engine):
+    model = _tiny_w4("llama")
+    batch = Batch(model, 256, engine, chunk=CHUNK, idle_chunk=4 * CHUNK)
+    long = batch.add(list(range(5, 5 + 5 * CHUNK)), 200, sampler(0.0))
+    assert batch.step() == [] and long.cache.pos == 4 * CHUNK  # alone: a larger chunk
+    waiting = batch.add([1, 2, 3], 100, sampler(0.0))
+    assert [s for s, _ in batch.step()] == [long] and long.cache.pos == 5 * CHUNK
+    batch.step()  # `waiting` reads its prompt beside the decoding `long`
+    assert waiting.cache.pos == 3 and len(long.new_ids) == 2
+
+
 def test_models_the_lean_layers_do_not_run_step_one_sequence_at_a_time():
     model = make_tiny("gemma3_text")
     prompts = _prompts()[:3]

@@ -93,18 +93,21 @@ def test_each_row_of_a_routed_model_runs_its_own_prefix_of_the_slices():
     _assert_rows_alone(model)
 
 
-def test_a_batch_steps_its_decoding_sequences_in_one_fused_call():
+def test_a_batch_steps_its_sequences_and_a_prompt_chunk_in_one_fused_call():
     model = _model("llama", Recipe("rtn", w_bits=4, group_size=64, head_bits=8))
     batch = Batch(model, 64, "auto", chunk=8)
     assert batch.fused is not None
     calls = []
     step = batch.fused.step
-    batch.fused.step = lambda x, positions, *rest: calls.append(len(positions)) or step(x, positions, *rest)
-    seqs = [batch.add([1, 2, 3][: n], 20, sampler(0.0)) for n in (1, 2, 3)]
+    batch.fused.step = lambda x, positions, caches, thresholds, counts: \
+        calls.append(counts) or step(x, positions, caches, thresholds, counts)
+    batch.layers.run = None  # nothing goes module by module
+    seqs = [batch.add(list(range(1, n + 1)), 40, sampler(0.0)) for n in (1, 2, 11)]
     while any(len(s.new_ids) < 4 for s in seqs):
         batch.step()
-    assert calls[:3] == [1, 2, 3]  # a sequence joins the fused step once it has read its prompt
-    assert set(calls[3:]) == {3}
+    # each step: the decoding sequences' tokens and the first reading sequence's next chunk (at most 8 ids)
+    assert calls[:4] == [[1], [1, 2], [1, 1, 8], [1, 1, 3]]
+    assert set(map(tuple, calls[4:])) == {(1, 1, 1)}
 
 
 @pytest.mark.parametrize("head_bits", [16, 8, 4], ids=["fp32-head", "head8", "head4"])
@@ -142,8 +145,12 @@ def test_the_fused_step_refuses_what_it_cannot_place():
         fused.step(x, [0, 1], [cache, cache])
     with pytest.raises(RuntimeError, match="positions 8..9 outside the cache's 8"):
         fused.step(x[:1], [8], [cache])
-    with pytest.raises(RuntimeError, match=r"fp32 \[B, 128\]"):
+    with pytest.raises(RuntimeError, match=r"x: fp32 \[1, 128\] for the sequences' rows"):
         fused.step(x, [0], [cache])
+    with pytest.raises(RuntimeError, match="no counts or one per sequence"):
+        fused.step(x, [0], [cache], counts=[1, 1])
+    with pytest.raises(RuntimeError, match="positions 7..9 outside the cache's 8"):
+        fused.step(x, [7], [cache], counts=[2])
     with pytest.raises(RuntimeError, match="each of the 2 layers"):
         fused.cache([k[0] for k in stack.new_cache(8).keys[:1]], [v[0] for v in stack.new_cache(8).values[:1]])
     with pytest.raises(RuntimeError, match="a cache of 32 positions; 1 to 16 fit"):

@@ -1,16 +1,16 @@
 """Continuous batching: sequences, each with its own KV cache, position and pick of the next token, advance together
 one step at a time, and join or leave the batch between steps.
 
-A step of `Batch` feeds every decoding sequence its last token and the first sequence still reading its prompt the
-next chunk of it (`chunk` tokens: a long prompt holds the running streams up for one chunk per step, not for the
-whole prompt). The module-by-module layers take all their rows through each linear in one call (`LeanLayers.run`),
-attention per sequence over its own cache; a sequence that has read all of its input gets its next token. Where the
-model allows the fused step (`bitquilt.runtime.fused`, engines auto and fused), the decoding sequences take it
-together instead: every decoder layer in one compiled call, each linear once for all their rows, attention per
-sequence over its own cache. Nothing a sequence computes depends on what else runs (its chunks, its ops, its pick:
-the kernels compute each row as alone, the LM head's too where the fused layers hold it), so it gets the same logits,
-and tokens, batched as alone. (On the lean layers, an fp32 head's GEMM over several sequences' last rows may round a
-logit otherwise than over one.)
+A step of `Batch` feeds every decoding sequence its last token and the first sequence still reading its prompt the next
+chunk of it (`chunk` tokens: a long prompt holds the running streams up for one chunk per step, not for the whole
+prompt; `idle_chunk` while no sequence decodes). The module-by-module layers take all their rows through each linear in
+one call (`LeanLayers.run`), attention per sequence over its own cache; a sequence that has read all of its input gets
+its next token. Where the model allows the fused step (`bitquilt.runtime.fused`, engines auto and fused), the decoding
+sequences and the reading one's chunk take it together instead: every decoder layer in one compiled call, each linear
+once for all their rows (a chunk shares the decoding rows' weight reads), attention per sequence over its own cache.
+Nothing a sequence computes depends on what else runs (its chunks, its ops, its pick: the kernels compute each row as
+alone, the LM head's too where the fused layers hold it), so it gets the same logits, and tokens, batched as alone. (On
+the lean layers, an fp32 head's GEMM over several sequences' last rows may round a logit otherwise than over one.)
 A model the lean layers do not run (engine "transformers", another family) steps its sequences one after another
 through their own `stepper`, the prompt whole.
 
@@ -37,7 +37,8 @@ from bitquilt.nn.slice_router import has_routers, precision_range, realised_bits
 from bitquilt.runtime.engines import ENGINES, sampler, stepper
 from bitquilt.runtime.lean import KVCache, LeanLayers, fuse_layers, fused_cache, fused_logits, unsupported_reason
 
-PREFILL_CHUNK = 32  # prompt tokens a step reads for a joining sequence
+PREFILL_CHUNK = 16  # prompt tokens a step reads for a joining sequence while others decode
+IDLE_CHUNK = 256  # ... while none does: a lone prompt waits for no stream, so it is read in few steps
 
 
 @dataclass(eq=False)
@@ -73,10 +74,11 @@ class Batch:
 
     sampler = staticmethod(sampler)
 
-    def __init__(self, model: nn.Module, max_len: int, engine: str = "auto", chunk: int = PREFILL_CHUNK):
+    def __init__(self, model: nn.Module, max_len: int, engine: str = "auto", chunk: int = PREFILL_CHUNK,
+                 idle_chunk: int = IDLE_CHUNK):
         if engine not in ENGINES:
             raise ValueError(f"unknown decode engine {engine!r}; engines: {', '.join(ENGINES)}")
-        self.model, self.engine, self.chunk = model, engine, chunk
+        self.model, self.engine, self.chunk, self.idle_chunk = model, engine, chunk, idle_chunk
         lean = engine != "transformers" and unsupported_reason(model, max_len) is None
         self.layers = LeanLayers(model, max_len) if lean else None
         fuse = lean and engine in ("auto", "fused")
@@ -122,13 +124,15 @@ class Batch:
                     for s in list(self.sequences)]
         decoding = [s for s in self.sequences if s.new_ids]
         reading = next((s for s in self.sequences if not s.new_ids), None)
-        fused = [s for s in decoding if s.fused is not None] if kernels.options().enabled else []
-        picked = self._fused_step(fused) if fused else []
-        batch = [s for s in decoding if s not in fused]
+        chunk = 0 if reading is None else min(self.chunk if decoding else self.idle_chunk, len(reading.pending))
+        together = [s for s in [*decoding, reading] if s is not None and s.fused is not None] \
+            if kernels.options().enabled else []
+        picked = self._fused_step(together, [chunk if s is reading else 1 for s in together]) if together else []
+        batch = [s for s in decoding if s not in together]
         counts = [1] * len(batch)
-        if reading is not None:
+        if reading is not None and reading not in together:
             batch.append(reading)
-            counts.append(min(self.chunk, len(reading.pending)))
+            counts.append(chunk)
         groups: dict[float | None, list[int]] = {}  # rows of one threshold run together
         for i, seq in enumerate(batch):
             groups.setdefault(seq.threshold, []).append(i)
@@ -141,13 +145,19 @@ class Batch:
         and the picks of those that read all of theirs."""
         ids = torch.tensor([[t for s, n in zip(batch, counts) for t in s.pending[:n]]])
         x = self._counted(batch, counts, lambda: self.layers.run(ids, [s.cache for s in batch], counts)[0])
+        return self._advanced(batch, counts, x, self.layers.logits)
+
+    def _advanced(self, seqs: list[Sequence], counts: list[int], x: torch.Tensor,
+                  logits_of: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[Sequence, int]]:
+        """`counts[i]` pending ids of each of `seqs` read (hidden states x, their rows in order): the picks of those
+        that read all of theirs (logits of their last rows), the rest of the others' prompts left pending."""
         ends = torch.tensor(counts).cumsum(0) - 1
-        done = [i for i, (s, n) in enumerate(zip(batch, counts)) if n == len(s.pending)]
-        for i, s in enumerate(batch):
+        done = [i for i, (s, n) in enumerate(zip(seqs, counts)) if n == len(s.pending)]
+        for i, s in enumerate(seqs):
             if i not in done:
                 del s.pending[:counts[i]]
-        logits = self.layers.logits(x[ends[done]]) if done else None
-        return [self._picked(batch[i], logits[j]) for j, i in enumerate(done)]
+        logits = logits_of(x[ends[done]]) if done else None
+        return [self._picked(seqs[i], logits[j]) for j, i in enumerate(done)]
 
     def _counted(self, seqs: list[Sequence], counts: list[int], run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """`run()` module by module with the routers at the threshold of `seqs` (one for all), the bits it used
@@ -160,18 +170,22 @@ class Batch:
             s.count_bits(used["avg_bits"], n)
         return out
 
-    def _fused_step(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
-        """One token of each of `seqs` through the fused layers together, and their picks; the head takes all their
-        rows in one call too (`fused_logits`)."""
-        ids = torch.tensor([[s.pending[0] for s in seqs]])
+    def _fused_step(self, seqs: list[Sequence], counts: list[int]) -> list[tuple[Sequence, int]]:
+        """`counts[i]` pending ids of each of `seqs` (a token, or a prompt chunk) through the fused layers together,
+        each weight read once for all their rows, and the picks of those that read all of theirs; the head takes their
+        last rows in one call too (`fused_logits`)."""
+        ids = torch.tensor([[t for s, n in zip(seqs, counts) for t in s.pending[:n]]])
         thresholds = [math.nan if s.threshold is None else s.threshold for s in seqs]
         x = self.fused.step(self.model.model.embed_tokens(ids)[0], [s.cache.pos for s in seqs], [s.fused for s in seqs],
-                            thresholds if any(s.threshold is not None for s in seqs) else None)
-        for s, bits in zip(seqs, self.fused.step_bits() or [math.nan] * len(seqs)):
-            s.cache.pos += 1
-            s.count_bits(bits, 1)
-        logits = fused_logits(self.layers, self.fused, x)
-        return [self._picked(s, row) for s, row in zip(seqs, logits)]
+                            thresholds if any(s.threshold is not None for s in seqs) else None, counts)
+        row_bits = self.fused.step_bits()
+        first = 0
+        for s, n in zip(seqs, counts):
+            s.cache.pos += n
+            if row_bits:
+                s.count_bits(sum(row_bits[first:first + n]) / n, n)
+            first += n
+        return self._advanced(seqs, counts, x, functools.partial(fused_logits, self.layers, self.fused))
 
     @staticmethod
     def _picked(seq: Sequence, logits: torch.Tensor) -> tuple[Sequence, int]:

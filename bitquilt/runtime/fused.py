@@ -2,22 +2,21 @@
 batch of them.
 
 `FusedLayers` holds, per layer, the norms' weights, the seven linears and optional q/k norms; a sequence's static KV
-cache joins as a handle (`cache`), and `step(x, positions, caches)` runs one token of each of B sequences through
-every layer: norms, projections, biases, RoPE, attention over each sequence's own cache, SiLU-gated MLP and
-residuals, without a Python call per op, each linear called once for all B rows (its weight read once per step);
-a routed MoBiQuant linear routes each row at the step's threshold for it where given (a batch mixing precisions),
-and `step_bits` says the bits per weight each row used.
-The LM head and the final norm may join too (`set_head`: `logits`). Every row comes out as it would alone (the
-kernels' rows are independent), so batching changes no sequence's result. A
-linear is bit-plane packed parts run by the lookup-table kernel (the slices of a MoBiQuant weight as a
-static prefix, or routed per token by its router; a MosaicQuant base with its sparse residual added inside the
-tables), an 8-bit uniform weight run by the 8-bit GEMV, or a dense fp32 matrix (a dot product per row and token,
-where module by module a BLAS GEMM runs, whose rows may round otherwise for other row counts): for the packed
-weights, the kernel each would run module by module. While `kernels.using(int8_activations=True)` is in force as the
-layers are built, 4- and 2-bit uniform weights run the low-bit × int8 kernel and 8-bit ones the GEMV's int8 path,
-as module by module too. The model side (which modules qualify) is `bitquilt.runtime.lean`; the
-math is the eager modules' in another fp32 order, tested against them, and csrc/runtime/decoder_core.h's, which the
-standalone runtime's library runs too (`bitquilt.runtime.standalone`).
+cache joins as a handle (`cache`), and `step(x, positions, caches)` runs one token of each of B sequences (or a prompt
+chunk of one) through every layer: norms, projections, biases, RoPE, attention over each sequence's own cache,
+SiLU-gated MLP and residuals, without a Python call per op, each linear called once for all B rows (its weight read once
+per step); a routed MoBiQuant linear routes each row at the step's threshold for it where given (a batch mixing
+precisions), and `step_bits` says the bits per weight each row used. The LM head and the final norm may join too
+(`set_head`: `logits`). Every row comes out as it would alone (the kernels' rows are independent), so batching changes
+no sequence's result. A linear is bit-plane packed parts run by the lookup-table kernel (the slices of a MoBiQuant
+weight as a static prefix, or routed per token by its router; a MosaicQuant base with its sparse residual added inside
+the tables), an 8-bit uniform weight run by the 8-bit GEMV, or a dense fp32 matrix (a dot product per row and token,
+where module by module a BLAS GEMM runs, whose rows may round otherwise for other row counts): for the packed weights,
+the kernel each would run module by module. While `kernels.using(int8_activations=True)` is in force as the layers are
+built, 4- and 2-bit uniform weights run the low-bit × int8 kernel and 8-bit ones the GEMV's int8 path, as module by
+module too. The model side (which modules qualify) is `bitquilt.runtime.lean`; the math is the eager modules' in another
+fp32 order, tested against them, and csrc/runtime/decoder_core.h's, which the standalone runtime's library runs too
+(`bitquilt.runtime.standalone`).
 """
 
 from __future__ import annotations
@@ -101,14 +100,16 @@ class FusedLayers:
         """The logits [B, vocab] of hidden states x [B, D] (`set_head` first), each row as it comes out alone."""
         return self._decoder.logits(x)
 
-    def step(self, x: torch.Tensor, positions: list[int], caches: list[object],
-             thresholds: list[float] | None = None) -> torch.Tensor:
-        """The hidden states [B, D] after every layer of B sequences' tokens x [B, D], token b at `positions[b]` of
-        `caches[b]` (its keys and values cached there). Routed linears route row b at `thresholds[b]` where given and
-        not NaN (a batch mixing precisions; `bitquilt.nn.slice_router.threshold_for`), else at their routers' own."""
-        return self._decoder.step(x, positions, caches, thresholds or [])
+    def step(self, x: torch.Tensor, positions: list[int], caches: list[object], thresholds: list[float] | None = None,
+             counts: list[int] | None = None) -> torch.Tensor:
+        """The hidden states [R, D] after every layer of B sequences' rows x [R, D]: sequence b's `counts[b]` tokens
+        (one each by default; x holds sequence 0's rows, then sequence 1's, ...) from `positions[b]` of `caches[b]`
+        on (their keys and values cached there), so a prompt chunk can share a decode step's weight reads. Routed
+        linears route sequence b's rows at `thresholds[b]` where given and not NaN (a batch mixing precisions;
+        `bitquilt.nn.slice_router.threshold_for`), else at their routers' own."""
+        return self._decoder.step(x, positions, caches, thresholds or [], counts or [])
 
     def step_bits(self) -> list[float]:
-        """The bits per weight each row of the last step used in the routed linears (weighted by their sizes); empty
-        without routed linears."""
+        """The bits per weight each row of the last step used in the routed linears (weighted by their sizes), a value
+        per row; empty without routed linears."""
         return self._decoder.step_bits()

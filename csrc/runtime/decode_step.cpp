@@ -244,27 +244,35 @@ class FusedDecoder {
     return y;
   }
 
-  // The hidden states [B, D] of B sequences' tokens after every layer, token b at position positions[b] of
-  // caches[b] (that row written): one call per linear for all B rows; each row as it comes out alone. Routed
-  // linears route row b at thresholds[b] where given and a number (else at their own threshold); step_bits()
-  // then holds the bits per weight each row used.
+  // The hidden states [R, D] of B sequences' rows after every layer: sequence b's counts[b] tokens (1 each when
+  // counts is empty; R their sum; x holds sequence 0's rows, then sequence 1's, ...) at positions[b].. of
+  // caches[b] (those rows written): one call per linear for all R rows, so a decode step that also reads a prompt
+  // chunk reads each weight once; each row as it comes out alone. Routed linears route sequence b's rows at
+  // thresholds[b] where given and a number (else at their own threshold); step_bits() then holds the bits per
+  // weight each row used.
   at::Tensor step(const at::Tensor& x, const std::vector<int64_t>& positions, const std::vector<FusedCache*>& caches,
-                  const std::vector<double>& thresholds) {
+                  const std::vector<double>& thresholds, const std::vector<int64_t>& counts) {
     const int64_t D = core_.dims().D, B = static_cast<int64_t>(positions.size());
-    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == B && x.size(1) == D &&
-                    static_cast<int64_t>(caches.size()) == B,
-                "x: fp32 [B, ", D, "] for B positions and caches");
-    TORCH_CHECK(thresholds.empty() || static_cast<int64_t>(thresholds.size()) == B, "no threshold or one per row");
+    TORCH_CHECK(static_cast<int64_t>(caches.size()) == B, "one cache per position");
+    TORCH_CHECK(counts.empty() || static_cast<int64_t>(counts.size()) == B, "no counts or one per sequence");
+    TORCH_CHECK(thresholds.empty() || static_cast<int64_t>(thresholds.size()) == B, "no threshold or one per sequence");
     std::vector<bitquilt_decoder::Span> spans(B);
+    int64_t R = 0;
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(caches[b] != nullptr, "a sequence without a cache");
-      spans[b] = {&caches[b]->cache, positions[b], 1};
+      spans[b] = {&caches[b]->cache, positions[b], counts.empty() ? 1 : counts[b]};
+      R += spans[b].T;
     }
     const std::string error = core_.spans_error(spans.data(), spans.size());
     TORCH_CHECK(error.empty(), error);
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == R && x.size(1) == D, "x: fp32 [", R,
+                ", ", D, "] for the sequences' rows");
+    std::vector<double> row_taus;  // the thresholds per row
+    if (!thresholds.empty())
+      for (int64_t b = 0; b < B; ++b) row_taus.insert(row_taus.end(), spans[b].T, thresholds[b]);
     at::Tensor y = x.contiguous().clone();
-    const double* taus = thresholds.empty() ? nullptr : thresholds.data();
-    bits_.assign(B, 0.0);
+    const double* taus = row_taus.empty() ? nullptr : row_taus.data();
+    bits_.assign(R, 0.0);
     core_.forward_spans(y.data_ptr<float>(), spans.data(), spans.size(),
                         [this, taus](int64_t i, const float* in, int64_t T, float* out) {
                           linears_[i].run(in, T, out, taus, bits_.data());
@@ -319,7 +327,7 @@ class FusedDecoder {
 void register_decode_step(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<FusedCache>(m, "FusedCache", "a sequence's KV cache as the fused step takes it");
-  py::class_<FusedDecoder>(m, "FusedDecoder", "every decoder layer of a decode step, one token per sequence, in one call")
+  py::class_<FusedDecoder>(m, "FusedDecoder", "every decoder layer of a decode step, a token or a prompt chunk per sequence, in one call")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, const at::Tensor&,
                     const at::Tensor&>(),
            py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
@@ -340,6 +348,6 @@ void register_decode_step(pybind11::module& m) {
       .def("set_head", &FusedDecoder::set_head, py::arg("index"), py::arg("norm"))
       .def("logits", &FusedDecoder::logits, py::arg("x"))
       .def("step", &FusedDecoder::step, py::arg("x"), py::arg("positions"), py::arg("caches"),
-           py::arg("thresholds") = std::vector<double>())
+           py::arg("thresholds") = std::vector<double>(), py::arg("counts") = std::vector<int64_t>())
       .def("step_bits", &FusedDecoder::step_bits);
 }

@@ -166,7 +166,7 @@ class Decoder {
 
   // The rows of n sequences (x: span 0's T rows, then span 1's, ...) through every layer together, in place: one
   // `run` per linear for all rows, attention per sequence over its own cache (written). The caller checks the spans
-  // (spans_error) and keeps the rows few (a decode step: one per sequence).
+  // (spans_error) and keeps the rows few (a decode step: one per sequence, and at most a prompt chunk).
   template <typename Run>
   void forward_spans(float* x, const Span* spans, size_t n, const Run& run) {
     int64_t R = 0;
