@@ -36,9 +36,7 @@ from bitquilt import kernels
 from bitquilt.nn.slice_router import has_routers, precision_range, realised_bits, routed_at, threshold_for
 from bitquilt.runtime.engines import ENGINES, sampler, stepper
 from bitquilt.runtime.lean import KVCache, LeanLayers, fuse_layers, fused_cache, fused_logits, unsupported_reason
-
-PREFILL_CHUNK = 16  # prompt tokens a step reads for a joining sequence while others decode
-IDLE_CHUNK = 256  # ... while none does: a lone prompt waits for no stream, so it is read in few steps
+from bitquilt.runtime.loop import IDLE_CHUNK, PREFILL_CHUNK, prompt_chunk
 
 
 @dataclass(eq=False)
@@ -124,7 +122,8 @@ class Batch:
                     for s in list(self.sequences)]
         decoding = [s for s in self.sequences if s.new_ids]
         reading = next((s for s in self.sequences if not s.new_ids), None)
-        chunk = 0 if reading is None else min(self.chunk if decoding else self.idle_chunk, len(reading.pending))
+        chunk = 0 if reading is None else \
+            prompt_chunk(len(reading.pending), bool(decoding), self.chunk, self.idle_chunk)
         together = [s for s in [*decoding, reading] if s is not None and s.fused is not None] \
             if kernels.options().enabled else []
         picked = self._fused_step(together, [chunk if s is reading else 1 for s in together]) if together else []

@@ -24,6 +24,16 @@ NON_FINITE = ("the model's logits are NaN or infinite, so it has no next token: 
               "(a diverged quantization, or a damaged or edited file); check them with `bitquilt eval`")
 
 
+PREFILL_CHUNK = 16  # prompt tokens a batch step reads for a joining sequence while others decode
+IDLE_CHUNK = 256  # ... while none does: a lone prompt holds no stream up, so it is read in few steps
+
+
+def prompt_chunk(pending: int, decoding: bool, chunk: int = PREFILL_CHUNK, idle_chunk: int = IDLE_CHUNK) -> int:
+    """How many of a joining sequence's `pending` prompt ids a batch step reads (both runtimes' batches): `chunk`
+    while other sequences decode in the same step (each waits for the chunk), `idle_chunk` while none does."""
+    return min(chunk if decoding else idle_chunk, pending)
+
+
 @dataclass
 class DecodeRun:
     new_ids: list[int]

@@ -2,10 +2,11 @@
 serve`'s worker uses) over the C library's batched step, `bq_step`, with no torch.
 
 Each sequence is a model of the export's one mapping with caches of its own (`StandaloneModel.open_sequence`). A step
-feeds every decoding sequence its last token and the first sequence still reading its prompt the next `chunk` tokens
-of it, all in one `bq_step`: each linear once for all their rows, attention per sequence over its own cache, each row
-of a MoBiQuant export routed at its own sequence's threshold. The kernels compute each row as alone, so a sequence
-gets the logits, and tokens, it gets alone. The library counts the bits per weight each sequence's tokens used.
+feeds every decoding sequence its last token and the first sequence still reading its prompt the next chunk of it
+(`bitquilt.runtime.loop.prompt_chunk`), all in one `bq_step`: each linear once for all their rows, attention per
+sequence over its own cache, each row of a MoBiQuant export routed at its own sequence's threshold. The kernels compute
+each row as alone, so a sequence gets the logits, and tokens, it gets alone. The library counts the bits per weight each
+sequence's tokens used.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bitquilt.errors import UserError
+from bitquilt.runtime.loop import IDLE_CHUNK, PREFILL_CHUNK, prompt_chunk
 from bitquilt.runtime.standalone.generate import picker
 from bitquilt.runtime.standalone.library import last_error, library
 from bitquilt.runtime.standalone.model import StandaloneModel
-
-PREFILL_CHUNK = 32  # prompt tokens a step reads for a joining sequence, as the torch runtime's batch
 
 
 @dataclass(eq=False)
@@ -50,8 +50,8 @@ class StandaloneBatch:
     """The running sequences of a standalone export (module docstring); `routed_range` is the export's (low, high)
     average bits per weight, None without routers."""
 
-    def __init__(self, model: StandaloneModel, chunk: int = PREFILL_CHUNK):
-        self.model, self.chunk = model, chunk
+    def __init__(self, model: StandaloneModel, chunk: int = PREFILL_CHUNK, idle_chunk: int = IDLE_CHUNK):
+        self.model, self.chunk, self.idle_chunk = model, chunk, idle_chunk
         self.routed_range = model.routed_range()
         self.sequences: list[Sequence] = []
         self._lib = library()
@@ -95,8 +95,8 @@ class StandaloneBatch:
         reading = next((s for s in self.sequences if not s.new_ids), None)
         counts = [1] * len(batch)
         if reading is not None:
+            counts.append(prompt_chunk(len(reading.pending), bool(batch), self.chunk, self.idle_chunk))
             batch.append(reading)
-            counts.append(min(self.chunk, len(reading.pending)))
         if not batch:
             return []
         vocab = self.model.vocab_size
