@@ -346,8 +346,11 @@ void register_decode_step(pybind11::module& m) {
            py::arg("k_norm"), py::arg("linears"))
       .def("cache", &FusedDecoder::cache, py::arg("keys"), py::arg("values"))
       .def("set_head", &FusedDecoder::set_head, py::arg("index"), py::arg("norm"))
-      .def("logits", &FusedDecoder::logits, py::arg("x"))
+      // the GIL is released while a step or the head runs (no Python object is touched there), so a server's event
+      // loop thread answers and streams meanwhile instead of waiting for the whole step
+      .def("logits", &FusedDecoder::logits, py::arg("x"), py::call_guard<py::gil_scoped_release>())
       .def("step", &FusedDecoder::step, py::arg("x"), py::arg("positions"), py::arg("caches"),
-           py::arg("thresholds") = std::vector<double>(), py::arg("counts") = std::vector<int64_t>())
+           py::arg("thresholds") = std::vector<double>(), py::arg("counts") = std::vector<int64_t>(),
+           py::call_guard<py::gil_scoped_release>())
       .def("step_bits", &FusedDecoder::step_bits);
 }
