@@ -15,7 +15,7 @@
 // MosaicQuant sparse residual, added inside the lookup-table kernel (sparse_residual.h). A routed MoBiQuant
 // linear first counts the token's slices with its router and runs that prefix of its parts (routed_parts.h), at
 // its own threshold or, per row, at the one the step is given (a batch mixing precisions).
-// The same math as the eager modules in another fp32 order; tested against them (tests/test_lean_decode.py).
+// The same math as the eager modules in another fp32 order; tested against them (tests/test_lean.py).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
