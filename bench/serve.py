@@ -513,6 +513,7 @@ def perplexities(saved: str, bits: list[float], args: Any) -> tuple[tuple[float,
 
     from bitquilt.api import load
     from bitquilt.eval import perplexity
+    from bitquilt.flag_checks import in_routed_range
     from bitquilt.nn.slice_router import has_routers, precision_range, realised_bits, set_precision
 
     torch.set_num_threads(args.threads)
@@ -521,7 +522,7 @@ def perplexities(saved: str, bits: list[float], args: Any) -> tuple[tuple[float,
         raise UserError(f"--parts bits and elastic need a MoBiQuant checkpoint (--saved); {saved} has no routers")
     low, high = precision_range(model)
     out = {}
-    for b in (b for b in bits if low - 1e-6 <= b <= high + 1e-6):
+    for b in (b for b in bits if in_routed_range(b, low, high)):
         set_precision(model, b)
         with realised_bits(model) as used:
             ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl

@@ -4,6 +4,7 @@
 
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -33,12 +34,30 @@ class RoutedParts {
 
   // y [T, N] = each row x_t [K] through its first count(x_t, taus[t]) slices, as it comes out alone; where `bits`
   // is given, bits[t] += N * K * the bits per weight that row used (summed over linears, weighted by their size).
+  // The rows that count the same slices run through them in one kernel call (its rows are independent), so a
+  // batched step reads each prefix it needs once, not once per row.
   void run(const float* x, int64_t T, int64_t N, const float* taus, float* y, double* bits) const {
     const int64_t K = router_.K;
+    counts_.resize(T);
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t k = bitquilt_router::count(x + t * K, router_, taus[t], hidden_.data());
-      bitquilt_lut::lut_parts_into(x + t * K, 1, prefixes_[k], N, {}, y + t * N);
-      if (bits != nullptr) bits[t] += static_cast<double>(N * K) * prefix_bits_[k];
+      counts_[t] = bitquilt_router::count(x + t * K, router_, taus[t], hidden_.data());
+      if (bits != nullptr) bits[t] += static_cast<double>(N * K) * prefix_bits_[counts_[t]];
+    }
+    for (size_t k = 0; k < prefixes_.size(); ++k) {
+      rows_.clear();
+      for (int64_t t = 0; t < T; ++t)
+        if (counts_[t] == static_cast<int64_t>(k)) rows_.push_back(t);
+      const int64_t R = static_cast<int64_t>(rows_.size());
+      if (R == T) {  // every row alike: in place
+        bitquilt_lut::lut_parts_into(x, T, prefixes_[k], N, {}, y);
+        return;
+      }
+      if (R == 0) continue;
+      xs_.resize(R * K);
+      ys_.resize(R * N);
+      for (int64_t r = 0; r < R; ++r) std::copy_n(x + rows_[r] * K, K, xs_.data() + r * K);
+      bitquilt_lut::lut_parts_into(xs_.data(), R, prefixes_[k], N, {}, ys_.data());
+      for (int64_t r = 0; r < R; ++r) std::copy_n(ys_.data() + r * N, N, y + rows_[r] * N);
     }
   }
 
@@ -47,6 +66,8 @@ class RoutedParts {
   std::vector<std::vector<bitquilt_lut::Part>> prefixes_;  // prefixes_[k]: the first k slices
   std::vector<double> prefix_bits_;                        // prefix_bits_[k]: their bits per weight
   mutable std::vector<float> hidden_;                      // the router's scratch
+  mutable std::vector<int64_t> counts_, rows_;             // a call's slice count per row; the rows of one count
+  mutable std::vector<float> xs_, ys_;                     // those rows' inputs and outputs, gathered
 };
 
 }  // namespace bitquilt_routed
