@@ -36,7 +36,7 @@ from bitquilt import kernels
 from bitquilt.nn.slice_router import has_routers, precision_range, realised_bits, routed_at, threshold_for
 from bitquilt.runtime.engines import ENGINES, sampler, stepper
 from bitquilt.runtime.lean import KVCache, LeanLayers, fuse_layers, fused_cache, fused_logits, unsupported_reason
-from bitquilt.runtime.loop import IDLE_CHUNK, PREFILL_CHUNK, prompt_chunk
+from bitquilt.runtime.loop import IDLE_CHUNK, PREFILL_CHUNK, picked, prompt_chunk
 
 
 @dataclass(eq=False)
@@ -117,8 +117,8 @@ class Batch:
         """One step (module docstring): (sequence, its new token) for each sequence that got one, -1 for logits
         that are not all finite."""
         if self.layers is None:
-            return [self._picked(s, self._counted([s], [len(s.pending)], functools.partial(s.step,
-                                                                                         torch.tensor([s.pending]))))
+            return [picked(s, self._counted([s], [len(s.pending)],
+                                            functools.partial(s.step, torch.tensor([s.pending]))))
                     for s in list(self.sequences)]
         decoding = [s for s in self.sequences if s.new_ids]
         reading = next((s for s in self.sequences if not s.new_ids), None)
@@ -126,7 +126,7 @@ class Batch:
             prompt_chunk(len(reading.pending), bool(decoding), self.chunk, self.idle_chunk)
         together = [s for s in [*decoding, reading] if s is not None and s.fused is not None] \
             if kernels.options().enabled else []
-        picked = self._fused_step(together, [chunk if s is reading else 1 for s in together]) if together else []
+        out = self._fused_step(together, [chunk if s is reading else 1 for s in together]) if together else []
         batch = [s for s in decoding if s not in together]
         counts = [1] * len(batch)
         if reading is not None and reading not in together:
@@ -136,8 +136,8 @@ class Batch:
         for i, seq in enumerate(batch):
             groups.setdefault(seq.threshold, []).append(i)
         for rows in groups.values():
-            picked += self._module_step([batch[i] for i in rows], [counts[i] for i in rows])
-        return picked
+            out += self._module_step([batch[i] for i in rows], [counts[i] for i in rows])
+        return out
 
     def _module_step(self, batch: list[Sequence], counts: list[int]) -> list[tuple[Sequence, int]]:
         """`counts[i]` pending ids of each of `batch` (sequences of one threshold) through the lean layers together,
@@ -156,7 +156,7 @@ class Batch:
             if i not in done:
                 del s.pending[:counts[i]]
         logits = logits_of(x[ends[done]]) if done else None
-        return [self._picked(seqs[i], logits[j]) for j, i in enumerate(done)]
+        return [picked(seqs[i], logits[j]) for j, i in enumerate(done)]
 
     def _counted(self, seqs: list[Sequence], counts: list[int], run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """`run()` module by module with the routers at the threshold of `seqs` (one for all), the bits it used
@@ -185,12 +185,3 @@ class Batch:
                 s.count_bits(sum(row_bits[first:first + n]) / n, n)
             first += n
         return self._advanced(seqs, counts, x, functools.partial(fused_logits, self.layers, self.fused))
-
-    @staticmethod
-    def _picked(seq: Sequence, logits: torch.Tensor) -> tuple[Sequence, int]:
-        """`seq`, its input all read, with its next token picked from `logits` (and pending: read next)."""
-        token = seq.pick(logits)
-        seq.pending = [token]
-        if token >= 0:
-            seq.new_ids.append(token)
-        return seq, token

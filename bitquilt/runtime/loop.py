@@ -34,6 +34,16 @@ def prompt_chunk(pending: int, decoding: bool, chunk: int = PREFILL_CHUNK, idle_
     return min(chunk if decoding else idle_chunk, pending)
 
 
+def picked(seq: Any, logits: Any) -> tuple[Any, int]:
+    """A batch's sequence (either runtime's: `pick`, `pending`, `new_ids`), its input all read, with its next token
+    picked from `logits`, and that token pending (read next); the token is -1 for logits that are not all finite."""
+    token = seq.pick(logits)
+    seq.pending = [token]
+    if token >= 0:
+        seq.new_ids.append(token)
+    return seq, token
+
+
 @dataclass
 class DecodeRun:
     new_ids: list[int]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bitquilt.errors import UserError
-from bitquilt.runtime.loop import IDLE_CHUNK, PREFILL_CHUNK, prompt_chunk
+from bitquilt.runtime.loop import IDLE_CHUNK, PREFILL_CHUNK, picked, prompt_chunk
 from bitquilt.runtime.standalone.generate import picker
 from bitquilt.runtime.standalone.library import last_error, library
 from bitquilt.runtime.standalone.model import StandaloneModel
@@ -107,15 +107,11 @@ class StandaloneBatch:
         if self._lib.bq_step(handles, len(batch), ids.buffer_info()[0], sizes.buffer_info()[0],
                              positions.buffer_info()[0], logits.buffer_info()[0]) < 0:
             raise UserError(f"{self.model.directory}: {last_error()}")
-        picked = []
+        out = []
         for i, (seq, n) in enumerate(zip(batch, counts)):
             seq.pos += n
             if n < len(seq.pending):  # a prompt chunk with more to read
                 del seq.pending[:n]
                 continue
-            token = seq.pick(logits[i * vocab:(i + 1) * vocab])
-            seq.pending = [token]
-            if token >= 0:
-                seq.new_ids.append(token)
-            picked.append((seq, token))
-        return picked
+            out.append(picked(seq, logits[i * vocab:(i + 1) * vocab]))
+        return out
