@@ -60,7 +60,8 @@ class Target:
 
 INT8_KERNELS = ("kernels/q4_int8.cpp", "kernels/avx512/q4_int8.cpp", "kernels/avxvnni/q4_int8.cpp",
                 "kernels/uniform8_gemv.cpp", "kernels/avx512/uniform8.cpp")
-SHARED_KERNELS = (*INT8_KERNELS, "kernels/lut_parts.cpp")  # torch-free: built into every target
+# torch-free: built into every target
+SHARED_KERNELS = (*INT8_KERNELS, "kernels/lut_parts.cpp", "kernels/plane_int8.cpp", "kernels/avx512/plane_int8.cpp")
 STANDALONE = ("runtime/standalone.cpp", "text/bpe_tokenizer.cpp", *SHARED_KERNELS)
 TORCH_EXTENSION = Target(
     "the CPU kernels' torch extension", "bitquilt_cpu.so",

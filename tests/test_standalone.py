@@ -123,10 +123,11 @@ def _routed_settings(routed_tiny) -> tuple[float, float, float, float]:
     return low, high, low + 0.2 * (high - low), high - 0.2 * (high - low)
 
 
-def test_a_routed_export_runs_the_fused_runtimes_routed_layers(routed_tiny, monkeypatch):
-    """MoBiQuant slices and routers: the standalone runtime runs the fused torch runtime's lookup-table kernel and
-    routing code, so, token by token, the same logits (but for the final norm's order) and greedy tokens at the
-    same avg_bits (the checkpoint's saved thresholds by default), and fewer bits used at a lower avg_bits."""
+def test_a_routed_export_runs_the_fused_runtimes_routed_layers(routed_tiny, monkeypatch, int8_on):
+    """MoBiQuant slices and routers: the standalone runtime runs the fused torch runtime's bit-plane x int8 kernel
+    (its int8 activations, as for every low-bit linear there) and routing code, so, token by token, the same logits
+    (but for the final norm's order) and greedy tokens at the same avg_bits (the checkpoint's saved thresholds by
+    default), and fewer bits used at a lower avg_bits."""
     low, high, lower, higher = _routed_settings(routed_tiny)
     model = StandaloneModel(routed_tiny / "out")
     assert model.config["format_version"] == 4

@@ -47,6 +47,7 @@ from bitquilt.formats.bitplane import BitplaneFormat
 from bitquilt.formats.uniform import UniformFormat, resolve_group_size
 from bitquilt.kernels.huge_pages import layout_empty
 from bitquilt.kernels.layouts import PACK_ROWS, LayoutCache, fp16_grid, grid_chunks
+from bitquilt.kernels.options import options
 from bitquilt.kernels.registry import fp32_rows, like, register_kernel, takes
 from bitquilt.mapped import release_chunk
 
@@ -309,7 +310,8 @@ def matmul_parts(fmts: list[WeightFormat], x: torch.Tensor) -> torch.Tensor | No
     """x [T, in] @ (Σ_p Ŵ_p)ᵀ for parts of one shape, block and group (MoBiQuant's slices up to a prefix) in one
     call: the lookup tables built once for every part (small batches), or each chunk of rows dequantized as the
     sum of the parts and multiplied once (from `sgemm_batch` of the parts' planes together): one product, not one
-    per part. None to decline (a part the kernel cannot pack, differing blocks or groups)."""
+    per part; with int8 activations enabled, each token rounded to int8 per block of 32 (`plane_int8_matmul_parts`,
+    csrc/kernels/plane_int8.h). None to decline (a part the kernel cannot pack, differing blocks or groups)."""
     if not fmts or not takes(x):
         return None
     layouts = packed_alike(fmts)
@@ -318,6 +320,8 @@ def matmul_parts(fmts: list[WeightFormat], x: torch.Tensor) -> torch.Tensor | No
     first = layouts[0]
     args = (fp32_rows(x), [p.planes for p in layouts], [p.coeffs for p in layouts], [p.bits for p in layouts],
             [p.uniform for p in layouts], first.out_features, first.block, first.group)
+    if options().int8_activations:
+        return like(_ext.plane_int8_matmul_parts(*args), x)
     if x.shape[0] >= sgemm_batch(sum(p.bits for p in layouts)):
         return like(_ext.dequant_matmul_parts(*args, _BYTE_OF_ROW), x)
     return like(_ext.lut_matmul_parts(*args), x)

@@ -76,10 +76,11 @@ class FusedLayers:
               fc2_bias: torch.Tensor, threshold: torch.Tensor, slice_bits: list[int]) -> None:
         """Give linear `index` (several parts, `slice_bits[p]` bits each) a MoBiRoute router: per token, its first k
         parts, k from the router's two layers and `threshold` (read at every step, so a later `set_precision`
-        applies) or the step's own threshold for the token's row."""
+        applies) or the step's own threshold for the token's row. The parts run on int8 activations while those are
+        enabled (`bitquilt.kernels.cpu.matmul_parts`, as module by module)."""
         self._decoder.set_router(index, fc1_weight.detach().contiguous(), fc1_bias.detach().contiguous(),
                                  fc2_weight.detach().contiguous(), fc2_bias.detach().contiguous(), threshold,
-                                 [float(b) for b in slice_bits])
+                                 [float(b) for b in slice_bits], options().int8_activations)
 
     def add_layer(self, in_norm: torch.Tensor, post_norm: torch.Tensor, q_norm: torch.Tensor | None,
                   k_norm: torch.Tensor | None, linears: list[int]) -> None:

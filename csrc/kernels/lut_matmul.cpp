@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "kernels/lut_parts.h"
+#include "kernels/plane_int8.h"
 #include "kernels/sparse_residual.h"
 
 namespace bitquilt_lut {
@@ -99,6 +100,18 @@ at::Tensor lut_matmul_parts(const at::Tensor& x, const std::vector<at::Tensor>& 
                             const std::vector<bool>& uniforms, int64_t N, int64_t block, int64_t group) {
   check_rows(x);
   return lut_parts(x, make_parts(x.size(1), ws, coefs, ks, uniforms, N, block, group), N, {});
+}
+
+// The same product with each token's activations rounded to int8 per block of 32 (plane_int8.h).
+at::Tensor plane_int8_matmul_parts(const at::Tensor& x, const std::vector<at::Tensor>& ws,
+                                   const std::vector<at::Tensor>& coefs, const std::vector<int64_t>& ks,
+                                   const std::vector<bool>& uniforms, int64_t N, int64_t block, int64_t group) {
+  check_rows(x);
+  auto y = at::empty({x.size(0), N}, x.options());
+  bitquilt_plane8::matmul_into(x.data_ptr<float>(), x.size(0),
+                               make_parts(x.size(1), ws, coefs, ks, uniforms, N, block, group), N,
+                               y.data_ptr<float>());
+  return y;
 }
 
 // Rows of one tile dequantized to fp32 row-major: out[r * K + c] = C0 + sum_i C_i B_i[r, c], added to what out
@@ -237,6 +250,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut_matmul_parts", &lut_matmul_parts, "y = x @ (sum_p W_p)^T for bit-plane packed parts of one shape",
         py::arg("x"), py::arg("ws"), py::arg("coefs"), py::arg("ks"), py::arg("uniforms"), py::arg("N"),
         py::arg("block"), py::arg("group"));
+  m.def("plane_int8_matmul_parts", &plane_int8_matmul_parts,
+        "y = x^ @ (sum_p W_p)^T for bit-plane packed parts of one shape, x^ x rounded to int8 per block of 32",
+        py::arg("x"), py::arg("ws"), py::arg("coefs"), py::arg("ks"), py::arg("uniforms"), py::arg("N"),
+        py::arg("block"), py::arg("group"));
+  m.def("plane_int8_vnni", &bitquilt_plane8::vnni_path,
+        "whether plane_int8_matmul_parts takes its AVX-512 VNNI path here (else the tables on rounded activations)");
   m.def("dequant_matmul", &dequant_matmul,
         "y = x @ (W + S)^T through dequantized fp32 row chunks and at::mm, S a residual", py::arg("x"), py::arg("w"),
         py::arg("coef"), py::arg("N"), py::arg("k"), py::arg("block"), py::arg("group"), py::arg("uniform"),

@@ -1,5 +1,6 @@
 // A MoBiQuant linear run per token (torch-free): its router (slice_router.h) counts the token's slices k at a
-// threshold, and the lookup-table kernel (lut_parts.h) sums the first k packed slices. One piece for the fused
+// threshold, and the lookup-table kernel (lut_parts.h) sums the first k packed slices, or with int8 activations the
+// bit-plane x int8 kernel (plane_int8.h). One piece for the fused
 // decode step (decode_step.cpp) and the standalone runtime (standalone.cpp), so both route alike.
 
 #pragma once
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "kernels/lut_parts.h"
+#include "kernels/plane_int8.h"
 #include "kernels/slice_router.h"
 
 namespace bitquilt_routed {
@@ -24,10 +26,11 @@ inline std::string router_error(int64_t K, int64_t parts, int64_t H, int64_t K1,
 
 class RoutedParts {
  public:
-  // The slices `parts` (each `slice_bits[p]` bits per weight) of an [N, K] weight, routed by `router`.
+  // The slices `parts` (each `slice_bits[p]` bits per weight) of an [N, K] weight, routed by `router`; with `int8`,
+  // each token's activations are rounded to int8 (per block of 32) for the slices (the router reads them as they are).
   RoutedParts(const bitquilt_router::Router& router, const std::vector<bitquilt_lut::Part>& parts,
-              const std::vector<double>& slice_bits)
-      : router_(router), prefix_bits_(1, 0.0), hidden_(router.H) {
+              const std::vector<double>& slice_bits, bool int8)
+      : router_(router), prefix_bits_(1, 0.0), int8_(int8), hidden_(router.H) {
     for (size_t k = 0; k <= parts.size(); ++k) prefixes_.emplace_back(parts.begin(), parts.begin() + k);
     for (double b : slice_bits) prefix_bits_.push_back(prefix_bits_.back() + b);
   }
@@ -49,22 +52,30 @@ class RoutedParts {
         if (counts_[t] == static_cast<int64_t>(k)) rows_.push_back(t);
       const int64_t R = static_cast<int64_t>(rows_.size());
       if (R == T) {  // every row alike: in place
-        bitquilt_lut::lut_parts_into(x, T, prefixes_[k], N, {}, y);
+        product(x, T, prefixes_[k], N, y);
         return;
       }
       if (R == 0) continue;
       xs_.resize(R * K);
       ys_.resize(R * N);
       for (int64_t r = 0; r < R; ++r) std::copy_n(x + rows_[r] * K, K, xs_.data() + r * K);
-      bitquilt_lut::lut_parts_into(xs_.data(), R, prefixes_[k], N, {}, ys_.data());
+      product(xs_.data(), R, prefixes_[k], N, ys_.data());
       for (int64_t r = 0; r < R; ++r) std::copy_n(ys_.data() + r * N, N, y + rows_[r] * N);
     }
   }
 
  private:
+  void product(const float* x, int64_t T, const std::vector<bitquilt_lut::Part>& parts, int64_t N, float* y) const {
+    if (int8_)
+      bitquilt_plane8::matmul_into(x, T, parts, N, y);
+    else
+      bitquilt_lut::lut_parts_into(x, T, parts, N, {}, y);
+  }
+
   bitquilt_router::Router router_;
   std::vector<std::vector<bitquilt_lut::Part>> prefixes_;  // prefixes_[k]: the first k slices
   std::vector<double> prefix_bits_;                        // prefix_bits_[k]: their bits per weight
+  bool int8_;                                              // the slices on int8-rounded activations
   mutable std::vector<float> hidden_;                      // the router's scratch
   mutable std::vector<int64_t> counts_, rows_;             // a call's slice count per row; the rows of one count
   mutable std::vector<float> xs_, ys_;                     // those rows' inputs and outputs, gathered

@@ -13,8 +13,9 @@
 // uniform weight run on int8-rounded activations (q4_int8.h, when int8 activations are enabled), an 8-bit
 // uniform weight run by the 8-bit GEMV (uniform8.h), or a dense fp32 matrix (dense_rows.h); packed parts may carry a
 // MosaicQuant sparse residual, added inside the lookup-table kernel (sparse_residual.h). A routed MoBiQuant
-// linear first counts the token's slices with its router and runs that prefix of its parts (routed_parts.h), at
-// its own threshold or, per row, at the one the step is given (a batch mixing precisions).
+// linear first counts the token's slices with its router and runs that prefix of its parts (routed_parts.h; on
+// int8-rounded activations when those are enabled), at its own threshold or, per row, at the one the step is given
+// (a batch mixing precisions).
 // The same math as the eager modules in another fp32 order; tested against them (tests/test_lean.py).
 
 #include <ATen/core/Tensor.h>
@@ -151,9 +152,9 @@ class FusedDecoder {
 
   // Route linear `index`'s tokens over its parts (each slice_bits[p] bits per weight): a MoBiRoute router's fc1
   // [H, K + 1] (+ [H]), fc2 [E - 1, H] (+ [E - 1]) and threshold (a one-value tensor, read at every step so
-  // set_precision applies at once).
+  // set_precision applies at once); with int8, the slices run on int8-rounded activations (plane_int8.h).
   void set_router(int64_t index, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
-                  const at::Tensor& tau, const std::vector<double>& slice_bits) {
+                  const at::Tensor& tau, const std::vector<double>& slice_bits, bool int8) {
     TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "unknown linear ", index);
     Linear& lin = linears_[index];
     const int64_t H = w1.size(0), E1 = w2.size(0);
@@ -168,7 +169,7 @@ class FusedDecoder {
     if (!lin.routed) routed_weights_ += static_cast<double>(lin.N * lin.K);
     lin.routed.emplace(bitquilt_router::Router{w1.data_ptr<float>(), b1.data_ptr<float>(), w2.data_ptr<float>(),
                                                b2.data_ptr<float>(), lin.K, H, E1},
-                       lin.parts, slice_bits);
+                       lin.parts, slice_bits, int8);
     lin.keep.insert(lin.keep.end(), {w1, b1, w2, b2});
     lin.tau = tau;
   }
@@ -341,7 +342,7 @@ void register_decode_step(pybind11::module& m) {
       .def("add_u8_linear", &FusedDecoder::add_u8_linear, py::arg("codes"), py::arg("scale"), py::arg("scale_zero"),
            py::arg("group"), py::arg("N"), py::arg("K"), py::arg("int8"), py::arg("bias") = py::none())
       .def("set_router", &FusedDecoder::set_router, py::arg("index"), py::arg("w1"), py::arg("b1"), py::arg("w2"),
-           py::arg("b2"), py::arg("tau"), py::arg("slice_bits"))
+           py::arg("b2"), py::arg("tau"), py::arg("slice_bits"), py::arg("int8"))
       .def("add_layer", &FusedDecoder::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("q_norm"),
            py::arg("k_norm"), py::arg("linears"))
       .def("cache", &FusedDecoder::cache, py::arg("keys"), py::arg("values"))

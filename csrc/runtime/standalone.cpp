@@ -2,8 +2,9 @@
 // layouts of a standalone export, with a C interface that ctypes calls, so that generating text needs neither
 // torch nor its extension. Built on its own (bitquilt/standalone/library.py) from this file and the torch-free
 // kernels: q4_int8.cpp (+ its VNNI twin) for 4- and 2-bit linears, uniform8_gemv.cpp for 8-bit ones, both on
-// int8-rounded activations, lut_parts.cpp for the bit-plane slices of a MoBiQuant checkpoint, routed per token by
-// their routers (routed_parts.h) on fp32 activations, and a plain fp32 product for linears kept in full precision;
+// int8-rounded activations, plane_int8.cpp for the bit-plane slices of a MoBiQuant checkpoint, routed per token by
+// their routers (routed_parts.h), also on int8-rounded activations, and a plain fp32 product for linears kept in
+// full precision;
 // the layer math is decoder_core.h's, as in the torch extension's fused decode step, and so is a routed linear's.
 // The routers' threshold is each router's saved one, or one for all set from an average of bits
 // (bq_threshold: SliceRouter.set_precision's interpolation on the checkpoint's curve).
@@ -277,7 +278,7 @@ void load_slices(const MappedFile& f, const std::string& name, const Value& entr
   const bitquilt_router::Router r{w1.as<float>(), floats(f, router + "fc1.bias", {H}), w2.as<float>(),
                                   floats(f, router + "fc2.bias", {E1}), K, H, E1};
   lin.tau = *floats(f, router + "threshold", {1});
-  lin.routed.emplace(r, parts, slice_bits);
+  lin.routed.emplace(r, parts, slice_bits, true);  // on int8 activations, as every low-bit linear here
 }
 
 // Linear `name` of the file, as its metadata entry describes it (kinds: bitquilt.export.standalone).
