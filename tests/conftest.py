@@ -87,21 +87,22 @@ def real_linears(smollm, calib_ids):
     return out
 
 
-def make_tiny(model_type: str = "llama", seed: int = 0):
-    """A random 2-layer model of the given family (fast engine/io tests for every adapter)."""
+def make_tiny(model_type: str = "llama", seed: int = 0, **overrides):
+    """A random 2-layer model of the given family (fast engine/io tests for every adapter); `overrides`: config
+    values that replace the tiny ones."""
     from transformers import Gemma3TextConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    config = {
-        "llama": lambda: LlamaConfig(**common),
-        "qwen2": lambda: Qwen2Config(**common),
-        "qwen3": lambda: Qwen3Config(**common, head_dim=32),
-        "gemma3_text": lambda: Gemma3TextConfig(**common, head_dim=32, sliding_window=64),
+    config_class, own = {
+        "llama": (LlamaConfig, {}),
+        "qwen2": (Qwen2Config, {}),
+        "qwen3": (Qwen3Config, dict(head_dim=32)),
+        "gemma3_text": (Gemma3TextConfig, dict(head_dim=32, sliding_window=64)),
         # Phi-4-mini's partial rotary factor; ids inside the tiny vocabulary
-        "phi3": lambda: Phi3Config(**common, partial_rotary_factor=0.75, bos_token_id=1, eos_token_id=2,
-                                   pad_token_id=0),
-    }[model_type]()
+        "phi3": (Phi3Config, dict(partial_rotary_factor=0.75, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    }[model_type]
+    config = config_class(**common | own | overrides)
     torch.manual_seed(seed)
     model = split_fused(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())  # as `load` gives it
     with torch.no_grad():  # random norms so norm folding is actually exercised

@@ -26,8 +26,12 @@ Layout and metadata are those of llama.cpp's `convert_hf_to_gguf.py` for the fam
   from the saved config. phi3 (Phi-3, Phi-4-mini): q/k/v stacked into `attn_qkv` and gate/up into `ffn_up` (gate rows
   first: llama.cpp's fused SwiGLU), each part's blocks kept as they are (`bitquilt.models.fused.fuse_parts`: parts of
   different types are refused), NeoX-style RoPE over the first partial_rotary_factor·head_dim dimensions, and the
-  converter's original context and sliding-window keys; LongRoPE is refused like any RoPE scaling. The tokenizer and
-  the descriptive `general.*` keys are copied from a GGUF of the same model (the one a fetched packaged model was
+  converter's original context and sliding-window keys; LongRoPE is refused like any RoPE scaling. gemma3 (Gemma 3
+  text): NeoX-style RoPE, every norm (the four per layer, q/k norms, final) stored as 1 + w since Gemma's RMSNorm
+  scales by (1 + w) and llama.cpp's by the stored weight (the adapter's `norm_offset`; the embedding's √hidden scale
+  llama.cpp applies itself), the sliding window and the RoPE base of its layers, and the final logit soft-cap; a
+  config llama.cpp's graph computes otherwise (query scale, layer pattern, attention soft-cap) is refused. The tokenizer
+  and the descriptive `general.*` keys are copied from a GGUF of the same model (the one a fetched packaged model was
   converted from, or `tokenizer_from`) once its vocabulary is checked
   to be the saved tokenizer's; otherwise the tokenizer keys are built from the saved byte-level BPE tokenizer
   (what `convert_hf_to_gguf.py` writes) and `general.name` is the saved directory's name.
@@ -40,6 +44,7 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +64,7 @@ from bitquilt.formats.ggml import GGMLFormat
 from bitquilt.formats.uniform import UniformFormat
 from bitquilt.io import check_writable, is_quantized_dir, load_quantized, quantization_record
 from bitquilt.models import registry
+from bitquilt.models.adapters import architecture_for
 from bitquilt.models.fused import fuse_parts
 from bitquilt.models.loading import TOKENIZER_FILES
 from bitquilt.nn.quant_embedding import QuantEmbedding
@@ -87,17 +93,68 @@ PRE_TOKENIZERS = {
 }
 
 Field = tuple[Any, V, V | None]  # value, GGUF type, element type of an array
+Key = tuple[str, Any, V]  # a hyperparameter key with {arch} unfilled, its value and type
 Planned = tuple[str, torch.Tensor | UniformFormat | GGMLFormat, torch.Tensor | None]  # GGUF name, value, row order
+
+
+def _rope(config: Any, layers: str = "full_attention") -> dict[str, Any]:
+    """The RoPE parameters of the `layers` attention layers (Gemma 3 has its own for full and sliding-window ones)."""
+    rope = getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", 10000.0)}
+    return rope.get(layers, rope)
+
+
+def _rope_theta(config: Any, layers: str = "full_attention") -> float:
+    rope = _rope(config, layers)
+    if rope.get("rope_type", "default") != "default":
+        raise UserError(f"cannot export to GGUF: RoPE scaling {rope['rope_type']!r} is not supported (plain RoPE only)")
+    return float(rope["rope_theta"])
+
+
+def _phi3_keys(config: Any) -> list[Key]:
+    """What convert_hf_to_gguf.py's Phi3MiniModel adds: the original context and the window (0: none)."""
+    return [(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN, config.original_max_position_embeddings, V.UINT32),
+            (gguf.Keys.Attention.SLIDING_WINDOW, config.sliding_window or 0, V.UINT32)]
+
+
+def _gemma3_keys(config: Any) -> list[Key]:
+    """What convert_hf_to_gguf.py's Gemma3Model adds: the window and RoPE base of the sliding-window layers, if any
+    (which layers they are llama.cpp knows: `_gemma3_refusal`), and the final logit soft-cap, if any."""
+    keys: list[Key] = []
+    if "sliding_attention" in config.layer_types:
+        keys += [(gguf.Keys.Attention.SLIDING_WINDOW, config.sliding_window, V.UINT32),
+                 (gguf.Keys.Rope.FREQ_BASE_SWA, _rope_theta(config, "sliding_attention"), V.FLOAT32)]
+    if config.final_logit_softcapping:
+        keys.append((gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING, config.final_logit_softcapping, V.FLOAT32))
+    return keys
+
+
+def _gemma3_refusal(config: Any) -> str | None:
+    """What of a Gemma 3 config llama.cpp's gemma3 graph does not compute, or None. That graph scales queries by
+    1/√head_dim (1/√(hidden/heads) for the 62-layer 27B), makes every sixth layer global when there is a window, and
+    has neither an attention logit soft-cap nor bidirectional attention."""
+    n, head_dim = config.num_hidden_layers, config.head_dim
+    scalar = config.hidden_size // config.num_attention_heads if n == 62 else head_dim
+    pattern = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(n)]
+    if config.query_pre_attn_scalar != scalar:
+        return f"queries scaled by 1/√{config.query_pre_attn_scalar} (llama.cpp scales them by 1/√{scalar})"
+    if config.layer_types not in (pattern, ["full_attention"] * n):
+        return "sliding-window layers other than llama.cpp's (every sixth layer global)"
+    if config.attn_logit_softcapping or getattr(config, "use_bidirectional_attention", False):
+        return "attention logit soft-capping or bidirectional attention"
+    return None
 
 
 @dataclass(frozen=True)
 class Family:
     arch: gguf.MODEL_ARCH
-    rotary_rows: bool  # q/k rows permuted to llama.cpp's interleaved RoPE pairs (LLaMA; Qwen2 is NeoX-style)
+    rotary_rows: bool  # q/k rows permuted to llama.cpp's interleaved RoPE pairs (LLaMA; the others are NeoX-style)
+    keys: Callable[[Any], list[Key]] = lambda config: []  # what the family's converter adds to the common keys
+    refusal: Callable[[Any], str | None] = lambda config: None  # what of a config llama.cpp's graph lacks
 
 
 FAMILIES = {"llama": Family(gguf.MODEL_ARCH.LLAMA, True), "qwen2": Family(gguf.MODEL_ARCH.QWEN2, False),
-            "phi3": Family(gguf.MODEL_ARCH.PHI3, False)}  # phi3: fused attn_qkv and ffn_up (`fuse_parts`)
+            "phi3": Family(gguf.MODEL_ARCH.PHI3, False, _phi3_keys),  # fused attn_qkv and ffn_up (`fuse_parts`)
+            "gemma3_text": Family(gguf.MODEL_ARCH.GEMMA3, False, _gemma3_keys, _gemma3_refusal)}
 
 
 @dataclass
@@ -169,17 +226,6 @@ def gguf_blocks(fmt: UniformFormat, order: torch.Tensor | None = None) -> tuple[
 
 
 # ---------------------------------------------------------------- model
-def _rope(config: Any) -> dict[str, Any]:
-    return getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", 10000.0)}
-
-
-def _rope_theta(config: Any) -> float:
-    rope = _rope(config)
-    if rope.get("rope_type", "default") != "default":
-        raise UserError(f"cannot export to GGUF: RoPE scaling {rope['rope_type']!r} is not supported (plain RoPE only)")
-    return float(rope["rope_theta"])
-
-
 def check_exportable(model: nn.Module) -> Family:
     """The model's GGUF family; a one-line UserError naming the first layer that cannot be exported exactly."""
     config = model.config
@@ -189,7 +235,11 @@ def check_exportable(model: nn.Module) -> Family:
                         f"{', '.join(FAMILIES)}")
     if getattr(config, "use_sliding_window", False):
         raise UserError("cannot export to GGUF: sliding-window attention is not supported")
-    _rope_theta(config)
+    for layers in dict.fromkeys(getattr(config, "layer_types", None) or ["full_attention"]):
+        _rope_theta(config, layers)
+    why = family.refusal(config)
+    if why is not None:
+        raise UserError(f"cannot export this {config.model_type!r} model to GGUF: {why}")
     table = next((n for n, m in model.named_modules() if isinstance(m, QuantEmbedding)
                   and not isinstance(m.fmt, GGMLFormat)), None)
     if table is not None:
@@ -201,8 +251,10 @@ def check_exportable(model: nn.Module) -> Family:
 
 def tensor_plan(model: nn.Module, family: Family) -> list[Planned]:
     """(GGUF name, fp tensor or packed format, row order or None) of every tensor llama.cpp loads, in model order.
-    A tied LM head is the embedding, stored once (llama.cpp then reuses `token_embd`)."""
+    A tied LM head is the embedding, stored once (llama.cpp then reuses `token_embd`). Norm weights are stored as
+    the scale llama.cpp's RMSNorm multiplies by: offset + w for a family whose RMSNorm scales by (offset + w)."""
     config = model.config
+    offset = architecture_for(config.model_type).norm_offset
     names = gguf.get_tensor_name_map(family.arch, config.num_hidden_layers)
     heads = {"self_attn.q_proj": config.num_attention_heads,
              "self_attn.k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
@@ -223,6 +275,8 @@ def tensor_plan(model: nn.Module, family: Family) -> list[Planned]:
                                 "architecture has no such tensor")
             rows = value.out_features if isinstance(value, WeightFormat) else value.shape[0]
             order = rotary_order(rows, n_head) if family.rotary_rows and n_head else None
+            if offset and name.endswith("norm.weight"):
+                value = value.detach() + offset
             plan.append((name, value, order))
     return plan
 
@@ -246,9 +300,7 @@ def model_fields(config: Any, family: Family) -> dict[str, Field]:
                V.UINT32)]
     if head_dim != config.hidden_size // heads:
         fields += [(keys.Attention.KEY_LENGTH, head_dim, V.UINT32), (keys.Attention.VALUE_LENGTH, head_dim, V.UINT32)]
-    if family.arch == gguf.MODEL_ARCH.PHI3:  # what convert_hf_to_gguf.py's Phi3MiniModel adds (0: no window)
-        fields += [(keys.Rope.SCALING_ORIG_CTX_LEN, config.original_max_position_embeddings, V.UINT32),
-                   (keys.Attention.SLIDING_WINDOW, config.sliding_window or 0, V.UINT32)]
+    fields += family.keys(config)
     return {key.format(arch=arch): (value, vtype, None) for key, value, vtype in fields}
 
 
