@@ -25,6 +25,11 @@ llama-cpp-python has no wheel on PyPI); the bench runs it in a subprocess of tha
     .venv-llamacpp/bin/pip install xllamacpp==2026.10.11549 numpy
 
     .venv/bin/python bench/export_gguf.py            # smollm2-135m, 4 windows × 512 tokens of wiki
+    .venv/bin/python bench/export_gguf.py --model DIR --tokenizer-from ORIGINAL.gguf   # a Hugging Face folder
+
+--model takes a packaged name or a Hugging Face folder (records are named by the folder's name); a model whose
+tokenizer the exporter cannot describe to llama.cpp (Gemma's SentencePiece) takes its vocabulary from
+--tokenizer-from, a GGUF of the same model.
 
 Results: bench/results/export_gguf.{json,md}, one record per model (a new run replaces the model's record);
 the saved models and GGUF files stay in --workdir.
@@ -89,7 +94,7 @@ def main() -> None:
     from bitquilt.api import export, load, quantize, save
     from bitquilt.data.windows import eval_windows
     from bitquilt.errors import UserError
-    from bitquilt.export.gguf import rotary_order
+    from bitquilt.export.gguf import FAMILIES, rotary_order
     from bitquilt.io import load_quantized
     from bitquilt.nn.act_quant import ActQuantConfig, ActQuantizer
     from bitquilt.nn.online import attach
@@ -101,7 +106,8 @@ def main() -> None:
                "rtn w4 g32 sym": Recipe("rtn", w_bits=4, group_size=32, sym=True),
                "rtn w8 g32 sym": Recipe("rtn", w_bits=8, group_size=32, sym=True)}
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help="packaged name or Hugging Face folder")
+    p.add_argument("--tokenizer-from", help="GGUF of the same model whose vocabulary the export copies")
     p.add_argument("--configs", default=",".join(configs), help=f"comma-separated subset of: {', '.join(configs)}")
     p.add_argument("--ppl-data", default="wiki")
     p.add_argument("--windows", type=int, default=4)
@@ -116,15 +122,15 @@ def main() -> None:
         import gguf
 
         tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if model.config.model_type == "llama"
-                                         else gguf.MODEL_ARCH.QWEN2, model.config.num_hidden_layers)
+        family = FAMILIES[model.config.model_type]
+        names = gguf.get_tensor_name_map(family.arch, model.config.num_hidden_layers)
         worst = 0.0
         for name, m in model.named_modules():
             if isinstance(m, QuantLinear):
                 t = tensors[names.get_name(f"{name}.weight", try_suffixes=(".weight",))]
                 ours = m.fmt.dequantize()
                 heads = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
-                if model.config.model_type == "llama" and name.rsplit(".", 1)[1] in heads:
+                if family.rotary_rows and name.rsplit(".", 1)[1] in heads:
                     ours = ours[rotary_order(ours.shape[0], heads[name.rsplit(".", 1)[1]])]
                 got = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
                 worst = max(worst, float((got - ours).abs().max()))
@@ -161,15 +167,15 @@ def main() -> None:
             raise UserError(f"unknown configs {unknown}; known: {', '.join(configs)}")
         work = Path(args.workdir)
         work.mkdir(parents=True, exist_ok=True)
-        rows = []
+        rows, name = [], Path(args.model).name
         for label in args.configs.split(","):
-            recipe, slug = configs[label], f"{args.model}-{label.replace(' ', '-')}"
+            recipe, slug = configs[label], f"{name}-{label.replace(' ', '-')}"
             saved, gguf_file = work / slug, work / f"{slug}.gguf"
             model, tokenizer = load(args.model)
             if recipe is not None:
                 quantize(model, recipe, progress=False)
             save(model, saved, tokenizer=tokenizer, overwrite=True)
-            summary = export(saved, gguf_file, overwrite=True)
+            summary = export(saved, gguf_file, overwrite=True, tokenizer_from=args.tokenizer_from)
             model, tokenizer = load_quantized(saved)
             windows = eval_windows(tokenizer, args.ppl_data, args.seqlen, args.windows)
             np.save(work / "ids.npy", windows.numpy().astype(np.int32))
@@ -204,7 +210,7 @@ def main() -> None:
             print(f"[{label}] " + ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)),
                   file=sys.stderr, flush=True)
         versions = {**machine(), "gguf": version("gguf"), "xllamacpp": str(ll["version"]), "loadavg": loadavg()}
-        record = {"model": args.model, "settings": {"ppl_data": args.ppl_data, "windows": args.windows,
+        record = {"model": name, "settings": {"ppl_data": args.ppl_data, "windows": args.windows,
                                                     "seqlen": args.seqlen},
                   "threads": args.threads, "machine": versions, "command": command_line(), "rows": rows}
         Bench("export_gguf", ("model",), render).store(record)

@@ -11,7 +11,15 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from bitquilt.api import quantize, save
 from bitquilt.errors import UserError
-from bitquilt.export.gguf import FAMILIES, check_exportable, export_gguf, model_fields, tensor_plan, write_gguf
+from bitquilt.export.gguf import (
+    FAMILIES,
+    check_exportable,
+    export_gguf,
+    model_fields,
+    tensor_plan,
+    tokenizer_metadata,
+    write_gguf,
+)
 from bitquilt.io import load_quantized
 from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
@@ -142,3 +150,29 @@ def test_what_llama_cpps_gemma3_graph_computes_otherwise_is_refused(config, why)
     with pytest.raises(UserError, match=why) as e:
         check_exportable(make_tiny("gemma3_text", **LLAMA_CPP_SHAPE | config))
     assert "\n" not in str(e.value) and "GGUF" in str(e.value)
+
+
+def test_a_sentencepiece_gguf_with_spaces_for_space_symbols_supplies_the_vocabulary(tmp_path):
+    """Gemma's GGUF stores its whitespace tokens as spaces, transformers' tokenizer read from it as runs of ▁: the
+    same vocabulary; another token is not."""
+    reference = tmp_path / "ref.gguf"
+    writer = gguf.GGUFWriter(reference, "gemma3")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<pad>", "▁a", "  "])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = make_tiny("gemma3_text", vocab_size=3).config
+
+    class Vocab:
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+        def get_vocab(self):
+            return {t: i for i, t in enumerate(self.tokens)}
+
+    fields, source = tokenizer_metadata(config, Vocab(["<pad>", "▁a", "▁▁"]), reference)
+    assert source == str(reference) and fields["tokenizer.ggml.tokens"][0] == ["<pad>", "▁a", "  "]
+    with pytest.raises(UserError, match="does not have the saved model's vocabulary"):
+        tokenizer_metadata(config, Vocab(["<pad>", "▁b", "▁▁"]), reference)

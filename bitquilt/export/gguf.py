@@ -376,6 +376,12 @@ def packaged_gguf(config: Any) -> Path | None:
     return None
 
 
+def same_tokens(a: list[str], b: list[str]) -> bool:
+    """Whether two vocabularies are the same, SentencePiece's space symbol ▁ taken as the space it stands for (a
+    Gemma GGUF stores its runs of spaces as spaces, transformers' tokenizer made from it as runs of ▁)."""
+    return a == b or [t.replace("▁", " ") for t in a] == [t.replace("▁", " ") for t in b]
+
+
 def tokenizer_metadata(config: Any, tokenizer: Any, tokenizer_from: str | Path | None) -> tuple[dict[str, Field], str]:
     """The tokenizer (and, from a reference GGUF, descriptive general.*) keys, and where they came from."""
     reference = Path(tokenizer_from) if tokenizer_from is not None else packaged_gguf(config)
@@ -383,7 +389,7 @@ def tokenizer_metadata(config: Any, tokenizer: Any, tokenizer_from: str | Path |
         fields = reference_fields(reference)
         tokens = fields.get(gguf.Keys.Tokenizer.LIST, (None,))[0]
         if tokens is not None and len(tokens) == config.vocab_size and (
-                tokenizer is None or tokens == hf_tokens(tokenizer, config.vocab_size)):
+                tokenizer is None or same_tokens(tokens, hf_tokens(tokenizer, config.vocab_size))):
             return fields, str(reference)
         if tokenizer_from is not None:
             raise UserError(f"{reference} does not have the saved model's vocabulary; pass a GGUF file of the same "
