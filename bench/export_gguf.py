@@ -1,7 +1,9 @@
 """GGUF export checked in llama.cpp: the same perplexity windows scored by bitquilt and by llama.cpp.
 
 Per configuration (the FP model as a control, then RTN W4 g32 asymmetric → Q4_1, symmetric → Q4_0 and W8 g32
-symmetric → Q8_0; RTN needs no calibration): quantize with bitquilt, save, `bitquilt.api.export` to GGUF, then
+symmetric → Q8_0; RTN needs no calibration; `rtn w4 g32 sym as f32`, not in the defaults: those W4 weights dequantized
+and saved as a full-precision model, which llama.cpp then multiplies in F32 without rounding activations): quantize
+with bitquilt, save, `bitquilt.api.export` to GGUF, then
   weights   every quantized GGUF tensor dequantized by gguf's reference (`gguf.quants.dequantize`) against
             bitquilt's dequantized weight (q/k rows put back in Hugging Face order): max |difference|
   bitquilt  the saved model loaded back (`load_quantized`), its logits on the first --windows × --seqlen windows
@@ -104,11 +106,14 @@ def main() -> None:
     configs = {"fp32": None,
                "rtn w4 g32 asym": Recipe("rtn", w_bits=4, group_size=32, sym=False),
                "rtn w4 g32 sym": Recipe("rtn", w_bits=4, group_size=32, sym=True),
-               "rtn w8 g32 sym": Recipe("rtn", w_bits=8, group_size=32, sym=True)}
+               "rtn w8 g32 sym": Recipe("rtn", w_bits=8, group_size=32, sym=True),
+               "rtn w4 g32 sym as f32": Recipe("rtn", w_bits=4, group_size=32, sym=True)}
+    as_f32 = {"rtn w4 g32 sym as f32"}  # saved with the quantized weights dequantized: F32 tensors in the GGUF
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="packaged name or Hugging Face folder")
     p.add_argument("--tokenizer-from", help="GGUF of the same model whose vocabulary the export copies")
-    p.add_argument("--configs", default=",".join(configs), help=f"comma-separated subset of: {', '.join(configs)}")
+    p.add_argument("--configs", default=",".join(c for c in configs if c not in as_f32),
+                   help=f"comma-separated subset of: {', '.join(configs)}")
     p.add_argument("--ppl-data", default="wiki")
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--seqlen", type=int, default=512)
@@ -135,6 +140,14 @@ def main() -> None:
                 got = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
                 worst = max(worst, float((got - ours).abs().max()))
         return worst
+
+    def dequantized(model: torch.nn.Module) -> None:
+        """Each quantized linear replaced by a full-precision one holding its dequantized weight."""
+        for name, m in list(model.named_modules()):
+            if isinstance(m, QuantLinear):
+                linear = torch.nn.Linear(m.fmt.in_features, m.fmt.out_features, bias=m.bias is not None)
+                linear.weight.data, linear.bias = m.fmt.dequantize(), m.bias
+                model.set_submodule(name, linear)
 
     def logits_of(model: torch.nn.Module, windows: torch.Tensor) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -174,6 +187,8 @@ def main() -> None:
             model, tokenizer = load(args.model)
             if recipe is not None:
                 quantize(model, recipe, progress=False)
+            if label in as_f32:
+                dequantized(model)
             save(model, saved, tokenizer=tokenizer, overwrite=True)
             summary = export(saved, gguf_file, overwrite=True, tokenizer_from=args.tokenizer_from)
             model, tokenizer = load_quantized(saved)
@@ -191,7 +206,8 @@ def main() -> None:
             ours = logits_of(model, windows)
             bq_seconds = time.perf_counter() - t0
             q8 = {}
-            if recipe is not None:  # llama.cpp rounds the input of each Q4/Q8 matmul to Q8 blocks: how much that moves
+            # llama.cpp rounds the input of each Q4/Q8 matmul to Q8 blocks: how much that moves
+            if recipe is not None and label not in as_f32:
                 for m in model.modules():
                     if isinstance(m, QuantLinear):
                         attach(m, "act_quant", ActQuantizer(ActQuantConfig(bits=8, sym=True, group_size=32)))

@@ -42,12 +42,12 @@ TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weigh
              "lm_head.weight": "output.weight"}
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, block_names: dict[str, str] = BLOCK_NAMES, top_names: dict[str, str] = TOP_NAMES) -> str:
     """llama.cpp's tensor name for a Hugging Face one (written out here, independently of the exporter)."""
-    if hf_name in TOP_NAMES:
-        return TOP_NAMES[hf_name]
+    if hf_name in top_names:
+        return top_names[hf_name]
     _, _, block, *rest = hf_name.split(".")
-    return f"blk.{block}.{BLOCK_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
+    return f"blk.{block}.{block_names['.'.join(rest[:-1])]}.{rest[-1]}"
 
 
 def converter_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:

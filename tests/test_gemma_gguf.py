@@ -25,7 +25,7 @@ from bitquilt.nn.quant_embedding import QuantEmbedding
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import Recipe
 from tests.conftest import make_tiny
-from tests.test_export import fields_of, read_back
+from tests.test_export import fields_of, gguf_name, read_back
 
 # llama.cpp's names for a Gemma 3 block's tensors (written out here, independently of the exporter)
 BLOCK_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -39,11 +39,8 @@ TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weigh
 LLAMA_CPP_SHAPE = dict(head_dim=256, query_pre_attn_scalar=256, num_hidden_layers=6)
 
 
-def gguf_name(hf_name: str) -> str:
-    if hf_name in TOP_NAMES:
-        return TOP_NAMES[hf_name]
-    _, _, block, *rest = hf_name.split(".")
-    return f"blk.{block}.{BLOCK_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
+def gemma_name(hf_name: str) -> str:
+    return gguf_name(hf_name, BLOCK_NAMES, TOP_NAMES)
 
 
 def saved_gemma(path, recipe: Recipe, **config):
@@ -61,13 +58,13 @@ def test_blocks_read_back_equal_bitquilt_weights_and_norms_are_one_plus_w(tmp_pa
     got = read_back(tmp_path / "m.gguf")
     params = {n: p.detach() for n, p in model.named_parameters()}  # the tied LM head appears once: the embedding
     formats = {f"{n}.weight": m.fmt for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    assert set(got) == {gguf_name(n) for n in params | formats}  # no output.weight: llama.cpp reuses token_embd
+    assert set(got) == {gemma_name(n) for n in params | formats}  # no output.weight: llama.cpp reuses token_embd
     for hf_name, fmt in formats.items():  # NeoX-style RoPE: q/k rows in Hugging Face's order
-        assert got[gguf_name(hf_name)][0] == qtype and torch.equal(got[gguf_name(hf_name)][1], fmt.dequantize())
+        assert got[gemma_name(hf_name)][0] == qtype and torch.equal(got[gemma_name(hf_name)][1], fmt.dequantize())
     norms = [n for n in params if "norm" in n]
     assert len(norms) == 6 * 6 + 1  # four per layer, q and k norms, the final norm
     for hf_name, w in params.items():
-        gguf_type, tensor = got[gguf_name(hf_name)]
+        gguf_type, tensor = got[gemma_name(hf_name)]
         assert gguf_type == Q.F32 and torch.equal(tensor, w + 1 if hf_name in norms else w), hf_name
     assert summary.arch == "gemma3" and summary.tensors == {qtype.name: len(formats), "F32": len(params)}
 
