@@ -29,11 +29,11 @@ bench/results/serve.{json,md}, one record per (model, server, concurrency) and s
 A MoBiQuant checkpoint (`--saved`, `--parts bits,elastic`), bitquilt serve alone. bits: at each --avg-bits within
 its routed range, its perplexity routed there in this process (--ppl-windows windows of --seqlen tokens of
 --ppl-data), then a phase of --requests requests from --bits-concurrency clients, each request with that `avg_bits`
-(its answers' `usage.avg_bits` averaged); plotted in serve_bits_<model>.png. elastic: `bitquilt serve --elastic
---elastic-target`, clients added in --elastic-stages every --stage-seconds, each sending its next request (no
-`avg_bits` of its own) as its last one ends until the last stage is over, /metrics read every 0.5 s; per answer its
-per-stream decode tok/s (first to last text chunk) and its `usage.avg_bits`; plotted over time in
-serve_elastic_<model>.png.
+(its answers' `usage.avg_bits` averaged); plotted in serve_bits_<model>[_int8].png (_int8: --int8-activations, the
+perplexity's too). elastic: `bitquilt serve --elastic --elastic-target`, clients added in --elastic-stages every
+--stage-seconds, each sending its next request (no `avg_bits` of its own) as its last one ends until the last stage
+is over, /metrics read every 0.5 s; per answer its per-stream decode tok/s (first to last text chunk) and its
+`usage.avg_bits`; plotted over time in serve_elastic_<model>[_int8].png.
 """
 
 from __future__ import annotations
@@ -386,7 +386,7 @@ def render_bits(records: list[dict]) -> list[str]:
     lines = []
     for model, s, rows in bits_groups(records):
         name = plot_bits(model, rows)
-        lines += [f"## {model}, MoBiQuant: decode speed and perplexity against average bits", "",
+        lines += [f"## {model}, MoBiQuant{int8_tag(s)[1]}: decode speed and perplexity against average bits", "",
                   f"{s['bitquilt']} (routed range {s['range'][0]:.2f}–{s['range'][1]:.2f} bits), {s['threads']} "
                   f"thread{'s' if s['threads'] > 1 else ''}; {s['requests']} requests per phase at "
                   f"{rows[0]['concurrency']} clients, each with its own `avg_bits`, max_tokens {s['max_tokens']}, "
@@ -411,7 +411,7 @@ def render_elastic(records: list[dict]) -> list[str]:
     for r in records:
         s = r["settings"]
         name = plot_elastic(r)
-        lines += [f"## {r['model']}, elastic mode: --elastic {s['target']:g} under clients "
+        lines += [f"## {r['model']}, elastic mode{int8_tag(s)[1]}: --elastic {s['target']:g} under clients "
                   f"{' → '.join(map(str, s['stages']))}", "",
                   f"{s['bitquilt']}, {s['threads']} thread{'s' if s['threads'] > 1 else ''}, `--max-batch "
                   f"{r['concurrency']}`; clients added every {s['stage_seconds']:g} s, each sending its next request "
@@ -443,8 +443,13 @@ def saved_figure(fig: Any, name: str) -> str:
     return name
 
 
+def int8_tag(settings: dict) -> tuple[str, str]:
+    """A MoBiQuant run's activations, as (a plot name's suffix, a heading's words)."""
+    return ("_int8", ", int8 activations") if settings.get("int8_activations") else ("", "")
+
+
 def plot_bits(model: str, rows: list[dict]) -> str:
-    """Aggregate decode tok/s and perplexity against the bits used: bench/results/serve_bits_<model>.png."""
+    """Aggregate decode tok/s and perplexity against the bits used: bench/results/serve_bits_<model>[_int8].png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -461,12 +466,12 @@ def plot_bits(model: str, rows: list[dict]) -> str:
     ppl.set_yscale("log")
     ax.set_title(f"{model}, one MoBiQuant checkpoint served at each avg_bits")
     ax.grid(alpha=0.3)
-    return saved_figure(fig, f"serve_bits_{model}.png")
+    return saved_figure(fig, f"serve_bits_{model}{int8_tag(rows[0]['settings'])[0]}.png")
 
 
 def plot_elastic(record: dict) -> str:
     """Per-stream speed (answers, and the server's average) and bits (level, answers' usage) over the elastic run:
-    bench/results/serve_elastic_<model>.png."""
+    bench/results/serve_elastic_<model>[_int8].png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -496,7 +501,7 @@ def plot_elastic(record: dict) -> str:
             ax.text(i * s["stage_seconds"], ax.get_ylim()[1], f" {n} clients", fontsize=7, va="top")
         ax.grid(alpha=0.3)
     speed.set_title(f"{record['model']}: bitquilt serve --elastic {s['target']:g}")
-    return saved_figure(fig, f"serve_elastic_{record['model']}.png")
+    return saved_figure(fig, f"serve_elastic_{record['model']}{int8_tag(record['settings'])[0]}.png")
 
 
 # ---------------------------------------------------------------- a MoBiQuant checkpoint: bits, elastic mode
@@ -511,6 +516,7 @@ def perplexities(saved: str, bits: list[float], args: Any) -> tuple[tuple[float,
     --seqlen, --ppl-windows) with the bits it really used (`bitquilt eval --avg-bits` alike); the model let go."""
     import torch
 
+    from bitquilt import kernels
     from bitquilt.api import load
     from bitquilt.eval import perplexity
     from bitquilt.flag_checks import in_routed_range
@@ -525,7 +531,8 @@ def perplexities(saved: str, bits: list[float], args: Any) -> tuple[tuple[float,
     for b in (b for b in bits if in_routed_range(b, low, high)):
         set_precision(model, b)
         with realised_bits(model) as used:
-            ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl
+            with kernels.using(int8_activations=args.int8_activations):  # as the server runs it
+                ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False).ppl
         out[b] = {"ppl": ppl, "ppl_bits": used["avg_bits"]}
         print(f"avg_bits {b:g}: perplexity {ppl:.2f} at {used['avg_bits']:.2f} bits", file=sys.stderr, flush=True)
     return (low, high), out
