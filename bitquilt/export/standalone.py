@@ -22,9 +22,9 @@ holds one copy of each weight (the file's pages). `standalone.safetensors` holds
   `routing.taus`, fp32), from which the runtimes set one threshold for an average of bits (`--avg-bits`), and is
   format 4 (`FORMAT_VERSIONS`); any other model is format 3, as before.
 
-Both 4/2- and 8-bit weights run on int8-rounded activations (the bitquilt runtime's `--int8-activations` engine), so
-the standalone runtime computes what `bitquilt generate --int8-activations` does, in another fp32 order; routed
-slices run on fp32 activations through the same kernel and routing code as the fused torch runtime.
+4/2- and 8-bit weights and routed slices run on int8-rounded activations (the bitquilt runtime's
+`--int8-activations` engine; the slices through the same kernel and routing code as the fused torch runtime), so the
+standalone runtime computes what `bitquilt generate --int8-activations` does, in another fp32 order.
 Exportable: llama, mistral, qwen2, qwen3 and phi3 models (phi3 in its split layout, RoPE over whole heads: not a
 partial rotary factor) whose linears are uniform 4- or 2-bit grids (width and groups multiples of 64 columns, fp16
 scales, no act-order g_idx), uniform 8-bit grids (multiples of 32), full precision, or (decoder layers) MoBiQuant
