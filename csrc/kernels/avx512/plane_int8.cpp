@@ -14,13 +14,15 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
+#include <cstring>  // before the target pragma: broadcast_word.h's includes are then no-ops
 #include <vector>
 
 #include "kernels/plane_int8.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,fma,avx2,f16c")
+
+#include "kernels/avx512/broadcast_word.h"  // built for this target (its header comment)
 
 namespace bitquilt_plane8 {
 
@@ -117,12 +119,6 @@ inline void spread(const Constants& k, const uint8_t* w, __m512i* v) {
   v[3] = _mm512_min_epu8(_mm512_and_si512(b, k.bits_hi), k.one);
 }
 
-inline __m512i word(const int8_t* x) {
-  int32_t w;
-  std::memcpy(&w, x, 4);
-  return _mm512_set1_epi32(w);
-}
-
 }  // namespace
 
 void tiles_vnni(const std::vector<Part>& parts, int64_t N, int64_t i0, int64_t i1, int64_t T, const int8_t* codes,
@@ -165,7 +161,8 @@ void tiles_vnni(const std::vector<Part>& parts, int64_t N, int64_t i0, int64_t i
                 const int8_t* xc = codes + (t0 + t) * K + col;
                 __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
                 for (int64_t c = 0; c < CHUNKS; ++c) {
-                  const __m512i lo = word(xc + 8 * c), hi = word(xc + 8 * c + 4);
+                  const __m512i lo = bitquilt_avx512::broadcast_word_512(xc + 8 * c),
+                                hi = bitquilt_avx512::broadcast_word_512(xc + 8 * c + 4);
                   a0 = _mm512_dpbusd_epi32(a0, v[4 * c], lo);
                   a1 = _mm512_dpbusd_epi32(a1, v[4 * c + 1], hi);
                   a2 = _mm512_dpbusd_epi32(a2, v[4 * c + 2], lo);

@@ -15,7 +15,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
+#include <cstring>  // before the target pragma: broadcast_word.h's includes are then no-ops
 
 #include "kernels/q4_int8.h"
 #include "kernels/vnni_dot.h"
@@ -23,6 +23,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,f16c")
 
+#include "kernels/avx512/broadcast_word.h"  // built for this target (its header comment)
 #include "kernels/q4_int8_ymm.h"  // built for this target (its header comment)
 
 namespace bitquilt_q4 {
@@ -34,12 +35,7 @@ namespace {
 // the 512-bit two-token loop (docs/kernels.md, "Int8-activation kernels").
 using bitquilt_vnni::DotEvex;
 
-// 4 activations (one 32-bit word) broadcast to every lane of a 512-bit vector.
-inline __m512i broadcast_word_512(const int8_t* x) {
-  int32_t word;
-  std::memcpy(&word, x, 4);
-  return _mm512_set1_epi32(word);
-}
+using bitquilt_avx512::broadcast_word_512;
 
 // The code vectors of one step: rows 0-15, then rows 16-31 (scaled), for each activation word they meet (at 2 bits
 // the step's columns 8c .. 8c + 3, then 8c + 4 .. 8c + 7; at 4 bits one word, columns 4c .. 4c + 3).
