@@ -59,8 +59,9 @@ def chosen_runtime(args, transformers_only: str | None) -> str:
 def add_int8_activations(s: argparse.ArgumentParser) -> None:
     """--int8-activations of the commands that run a model (eval, generate, bench)."""
     s.add_argument("--int8-activations", action="store_true",
-                   help="let 4- and 2-bit uniform linears round their input to int8 per block of 32 (faster on CPU, "
-                   "llama.cpp's Q8 activations; not exact: the perplexity cost is in docs/benchmarks.md)")
+                   help="let 4-, 2- and 8-bit uniform linears and MoBiQuant slices round their input to int8 per block "
+                   "of 32 (faster on CPU, llama.cpp's Q8 activations; not exact: the perplexity cost is in "
+                   "docs/speed.md)")
 
 
 def add_threads(s: argparse.ArgumentParser) -> None:
