@@ -84,13 +84,16 @@ def test_a_batched_step_gives_each_sequence_its_step_alone_bit_for_bit(model_typ
         _assert_rows_alone(model)
 
 
-def test_each_row_of_a_routed_model_runs_its_own_prefix_of_the_slices():
-    """MoBiQuant routing per token: every row's slice count from its own router, as alone."""
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32-act", "int8-act"])
+def test_each_row_of_a_routed_model_runs_its_own_prefix_of_the_slices(int8):
+    """MoBiQuant routing per token: every row's slice count from its own router, its slices on fp32 or int8
+    activations (the bit-plane x int8 kernel), as alone."""
     model = _model("llama", Recipe("mobiquant", w_bits=6, group_size=32,
                                    stage_options={"mobiroute": {"target_bits": 3.0, "steps": 2, "batch": 2}}))
     assert has_routers(model)
     set_precision(model, 3.0)
-    _assert_rows_alone(model)
+    with kernels.using(int8_activations=int8):
+        _assert_rows_alone(model)
 
 
 def test_a_batch_steps_its_sequences_and_a_prompt_chunk_in_one_fused_call():
