@@ -12,7 +12,7 @@ from conftest import make_tiny, reload_bit_exact, save_tiny_with_tokenizer
 from safetensors import safe_open
 from transformers import Phi3Config, Phi3ForCausalLM
 
-from bitquilt.api import quantize, save
+from bitquilt.api import export, quantize, save
 from bitquilt.cli import main
 from bitquilt.errors import UserError
 from bitquilt.formats.base import concat_rows
@@ -119,16 +119,34 @@ def test_bitquilt_runtime_gives_the_transformers_tokens(tmp_path, partial, engin
     assert got.engine == engine and got.new_ids == want.new_ids
 
 
-def test_bitquilt_runtime_refuses_longrope_in_one_line(tmp_path):
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-            "original_max_position_embeddings": 64}
-    model = split_fused(_phi3(rope_parameters=rope))
-    assert "RoPE type 'longrope'" in unsupported_reason(model, 16)  # lean decoding leaves it to transformers
+def test_longrope_runs_in_the_bitquilt_runtime_as_in_transformers(tmp_path):
+    """LongRoPE (Phi-3.5, Phi-4-mini) within its original context: the short factors and the attention factor, as
+    transformers computes them there, in the module tree and the lean and fused engines (whose tables are computed
+    once for a run); a longer run, where transformers switches to the long factors, is refused, and so are the
+    standalone and GGUF exports."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(8)],
+            "long_factor": [2.0 + i / 4 for i in range(8)], "original_max_position_embeddings": 64}
+    model = split_fused(_phi3(rope_parameters=rope, original_max_position_embeddings=64))
+    assert unsupported_reason(model, 64) is None
+    assert "RoPE type 'longrope' past its original context (65 positions > 64)" in unsupported_reason(model, 65)
     quantize(model, Recipe("rtn", w_bits=4, group_size=32), None, progress=False)
     save(model, tmp_path / "q")
-    with pytest.raises(UserError, match="bitquilt runtime cannot run .*RoPE type 'longrope'"):
-        load_quantized(tmp_path / "q", runtime="bitquilt")
-    assert not isinstance(load_quantized(tmp_path / "q", runtime="auto")[0], ModuleTreeLM)
+    reference, _ = load_quantized(tmp_path / "q")
+    native, _ = load_quantized(tmp_path / "q", runtime="bitquilt")
+    assert isinstance(native, ModuleTreeLM)
+    ids = _ids(2, 64, vocab=256, seed=1)
+    with torch.no_grad():
+        assert torch.allclose(native(ids), reference(ids, use_cache=False).logits, atol=1e-4)
+        with pytest.raises(ValueError, match="past its original context"):
+            native(_ids(1, 65, vocab=256))
+    prompt = _ids(1, 6, vocab=256, seed=3)
+    want = decode(reference, prompt, 10, engine="transformers")
+    got = decode(native, prompt, 10, engine="fused")
+    assert got.engine == "fused" and got.new_ids == want.new_ids
+    for to in ("standalone", "gguf"):  # neither file holds the attention factor or the switch of factors
+        with pytest.raises(UserError, match="LongRoPE|RoPE scaling 'longrope'"):
+            export(tmp_path / "q", tmp_path / f"out-{to}", to=to)
+        assert not (tmp_path / f"out-{to}").exists()
 
 
 def test_fusing_parts_of_different_grids_is_refused(tmp_path, capsys):

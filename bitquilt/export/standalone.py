@@ -242,6 +242,8 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
         reason = config.unsupported_reason()
         if reason is None and rotary_dim(config) != config.head_dim:
             reason = f"a partial rotary factor of {config.partial_rotary_factor}, where it rotates whole heads"
+        if reason is None and config.rope["rope_type"] == "longrope":
+            reason = "LongRoPE (its attention factor and its switch of factors past the original context)"
     except ValueError as e:
         reason = str(e)
     if reason is not None:

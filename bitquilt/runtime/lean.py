@@ -28,7 +28,7 @@ tokens under a causal mask); `LeanDecoder` is it over one cache, `bitquilt.runti
 
 Families: llama, mistral (without a sliding window shorter than the run), qwen2 (without sliding
 window), qwen3 (q/k norms), phi3 split (`bitquilt.models.fused`; a partial rotary factor runs module by module, not
-fused; no longrope); `unsupported_reason` says why another model stays on transformers.
+fused; LongRoPE within its original context); `unsupported_reason` says why another model stays on transformers.
 Tested against the transformers forward (logits and greedy tokens).
 """
 
@@ -53,7 +53,8 @@ if TYPE_CHECKING:  # importing the kernels builds the extension: done on first u
     from bitquilt.runtime.fused import FusedLayers
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # the tables change with the sequence length: computed once, never
+# tables that change once a sequence passes the original context: computed once for a run, so runs within it only
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
@@ -71,8 +72,11 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
     if not hasattr(getattr(model, "model", None), "rotary_emb"):
         return "no shared rotary embedding module"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope", None) or {}
-    if rope.get("rope_type") in LENGTH_DEPENDENT_ROPE:
-        return f"RoPE type {rope['rope_type']!r}, whose tables change with the sequence length"
+    original = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings",
+                                                                        None) or config.max_position_embeddings
+    if rope.get("rope_type") in LENGTH_DEPENDENT_ROPE and max_len > original:
+        return (f"RoPE type {rope['rope_type']!r} past its original context ({max_len} positions > {original}), "
+                "where its tables change with the sequence length")
     if max_len > config.max_position_embeddings:
         return f"{max_len} positions exceed the model's {config.max_position_embeddings}"
     return None

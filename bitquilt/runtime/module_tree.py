@@ -35,7 +35,7 @@ from torch.nn import functional as F
 
 from bitquilt.runtime.lean import FAMILIES, LeanDecoder
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -73,6 +73,7 @@ class ModuleTreeConfig:
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
         rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        rope.setdefault("original_max_position_embeddings", d.get("original_max_position_embeddings"))
         partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
         pad = d.get("pad_token_id")
         return cls(model_type=d["model_type"], vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
@@ -112,10 +113,15 @@ def inverse_frequencies(config: ModuleTreeConfig) -> torch.Tensor:
     - linear:  ω_i / factor;
     - llama3:  with λ_i = 2π/ω_i and the original context L, wavelengths longer than L/low_freq_factor get
       ω_i / factor, shorter than L/high_freq_factor keep ω_i, and those between interpolate
-      (1 − s)·ω_i/factor + s·ω_i with s = (L/λ_i − low_freq_factor) / (high_freq_factor − low_freq_factor).
+      (1 − s)·ω_i/factor + s·ω_i with s = (L/λ_i − low_freq_factor) / (high_freq_factor − low_freq_factor);
+    - longrope: 1 / (f_i · θ^(2i/d)), f the short factors: what transformers uses while a sequence stays within the
+      original context L (longer runs, where it switches to the long ones, are refused: `bitquilt.runtime.lean`).
     """
     rope, d = config.rope, rotary_dim(config)
-    omega = 1.0 / (rope["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
+    if rope["rope_type"] == "longrope":
+        return 1.0 / (torch.tensor(rope["short_factor"], dtype=torch.float32) * rope["rope_theta"] ** exponents)
+    omega = 1.0 / (rope["rope_theta"] ** exponents)
     if rope["rope_type"] == "linear":
         return omega / rope["factor"]
     if rope["rope_type"] == "llama3":
@@ -129,17 +135,31 @@ def inverse_frequencies(config: ModuleTreeConfig) -> torch.Tensor:
     return omega
 
 
+def attention_factor(config: ModuleTreeConfig) -> float:
+    """The scale of cos and sin: LongRoPE's `attention_factor`, by default √(1 + ln s / ln L) for the extension
+    s = max positions / L (its `factor` where given) over the original context L, 1 when s ≤ 1; 1 for other types."""
+    rope = config.rope
+    if rope["rope_type"] != "longrope":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    original = rope["original_max_position_embeddings"]
+    s = rope.get("factor") or config.max_position_embeddings / original
+    return 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(original))
+
+
 class RotaryEmbedding(nn.Module):
     """cos and sin of position·ω for every position asked, [B, T, rotary dim] (the halves repeated)."""
 
     def __init__(self, config: ModuleTreeConfig):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        self.scale = attention_factor(config)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
         angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        return (angles.cos() * self.scale).to(x.dtype), (angles.sin() * self.scale).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
