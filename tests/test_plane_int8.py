@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_q4_int8 import rounded
 
 from bitquilt import kernels
 from bitquilt.formats.base import MatmulContext
@@ -24,21 +25,10 @@ def _slices(rows: int, cols: int, bits: int, group: int) -> list:
     return list(_sliced(rows, cols, bits, group).parts.values())
 
 
-def rounded(x: torch.Tensor) -> torch.Tensor:
-    """x with each token rounded to int8 per block of 32 (scale max|x| / 127, round half to even), as the kernels
-    round it (csrc/kernels/int8_round.h)."""
-    blocks = x.view(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    return ((blocks * inv).round() * (amax / 127.0)).view_as(x)
-
-
 def _product(parts: list, x: torch.Tensor) -> torch.Tensor:
-    layouts = cpu.packed_alike(parts)
-    first = layouts[0]
-    return cpu.extension().plane_int8_matmul_parts(
-        x, [p.planes for p in layouts], [p.coeffs for p in layouts], [p.bits for p in layouts],
-        [p.uniform for p in layouts], first.out_features, first.block, first.group)
+    """The slices' sum times x through `cpu.matmul_parts` with int8 activations (`plane_int8_matmul_parts`)."""
+    with kernels.using(int8_activations=True):
+        return cpu.matmul_parts(parts, x)
 
 
 @pytest.fixture(params=["widest", "avx2"])
