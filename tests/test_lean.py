@@ -31,9 +31,15 @@ def _ids(n: int = 14, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 320, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "phi3"])  # phi3: split, partial rotary
+# gemma3: both layer types, a window shorter than the prompt, soft-capped logits
+GEMMA = dict(layer_types=["full_attention", "sliding_attention", "sliding_attention"], num_hidden_layers=3,
+             sliding_window=5, final_logit_softcapping=2.0)
+
+
+# phi3: split, partial rotary
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "phi3", "gemma3_text"])
 def test_lean_steps_give_the_transformers_logits(model_type):
-    model = make_tiny(model_type)
+    model = make_tiny(model_type, **GEMMA if model_type == "gemma3_text" else {})
     ids = _ids()
     ref = transformers_logits(model, ids)[8:]
     assert torch.allclose(lean_logits(model, ids, 9), ref, atol=1e-5)
@@ -63,11 +69,11 @@ def test_decode_engines_agree_and_auto_takes_the_lean_path():
 
 
 def test_unsupported_models_stay_on_transformers_or_are_refused():
-    gemma = make_tiny("gemma3_text")
-    assert "gemma3_text" in unsupported_reason(gemma, 16)
+    gemma = make_tiny("gemma3_text", attn_logit_softcapping=50.0)
+    assert "soft-capping" in unsupported_reason(gemma, 16)
     prompt = _ids(5)
     assert decode(gemma, prompt, 4).new_ids == decode(gemma, prompt, 4, engine="transformers").new_ids
-    with pytest.raises(ValueError, match="does not support this model.*gemma3_text"):
+    with pytest.raises(ValueError, match="does not support this model.*attention logit soft-capping"):
         decode(gemma, prompt, 4, engine="lean")
     with pytest.raises(ValueError, match="unknown decode engine"):
         decode(gemma, prompt, 4, engine="fast")

@@ -24,22 +24,28 @@ def _ids(n: int, seed: int = 0, vocab: int = 320) -> torch.Tensor:
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _saved(tmp_path, model_type: str, recipe: Recipe):
-    model = make_tiny(model_type)
+# two layer types, a window shorter than the test's sequences
+GEMMA_LAYERS = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+
+
+def _saved(tmp_path, model_type: str, recipe: Recipe, **overrides):
+    model = make_tiny(model_type, **overrides)
     quantize(model, recipe, _ids(64, seed=2).view(2, 32))
     save(model, tmp_path / model_type)
     return tmp_path / model_type
 
 
-@pytest.mark.parametrize("model_type, recipe", [
-    ("llama", Recipe("rtn", w_bits=4, group_size=64, head_bits=8)),
-    ("qwen2", Recipe("rtn", w_bits=4, group_size=64)),
-    ("qwen3", Recipe("rtn", w_bits=2, group_size=32, head_bits=4)),
-    ("llama", Recipe("quarot+rtn", w_bits=4, group_size=32, a_bits=4, kv_bits=4, a_clip=None)),
-    ("phi3", Recipe("rtn", w_bits=4, group_size=64, head_bits=8)),
-], ids=["llama-w4-head8", "qwen2-w4", "qwen3-w2-head4", "llama-quarot-w4a4kv4", "phi3-w4-head8"])
-def test_native_model_gives_the_transformers_logits_and_tokens(tmp_path, model_type, recipe):
-    path = _saved(tmp_path, model_type, recipe)
+@pytest.mark.parametrize("model_type, recipe, overrides", [
+    ("llama", Recipe("rtn", w_bits=4, group_size=64, head_bits=8), {}),
+    ("qwen2", Recipe("rtn", w_bits=4, group_size=64), {}),
+    ("qwen3", Recipe("rtn", w_bits=2, group_size=32, head_bits=4), {}),
+    ("llama", Recipe("quarot+rtn", w_bits=4, group_size=32, a_bits=4, kv_bits=4, a_clip=None), {}),
+    ("phi3", Recipe("rtn", w_bits=4, group_size=64, head_bits=8), {}),
+    ("gemma3_text", Recipe("rtn", w_bits=4, group_size=32, head_bits=8),
+     GEMMA_LAYERS | {"final_logit_softcapping": 3.0}),
+], ids=["llama-w4-head8", "qwen2-w4", "qwen3-w2-head4", "llama-quarot-w4a4kv4", "phi3-w4-head8", "gemma3-w4-head8"])
+def test_native_model_gives_the_transformers_logits_and_tokens(tmp_path, model_type, recipe, overrides):
+    path = _saved(tmp_path, model_type, recipe, **overrides)
     reference, _ = load_quantized(path)
     native, _ = load_quantized(path, runtime="bitquilt")
     assert isinstance(native, ModuleTreeLM) and not isinstance(reference, ModuleTreeLM)
@@ -81,8 +87,8 @@ def test_rope_scaling_matches_transformers(rope):
 
 
 def test_runtime_choice_and_bad_input(tmp_path):
-    gemma = _saved(tmp_path, "gemma3_text", Recipe("rtn", w_bits=4, group_size=32))
-    with pytest.raises(UserError, match="bitquilt runtime cannot run .*gemma3_text"):
+    gemma = _saved(tmp_path, "gemma3_text", Recipe("rtn", w_bits=4, group_size=32), attn_logit_softcapping=50.0)
+    with pytest.raises(UserError, match="bitquilt runtime cannot run .*attention logit soft-capping"):
         load(gemma, runtime="bitquilt")
     assert not isinstance(load(gemma, runtime="auto")[0], ModuleTreeLM)  # auto falls back to transformers
     llama = _saved(tmp_path, "llama", Recipe("rtn", w_bits=4, group_size=64))

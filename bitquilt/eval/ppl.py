@@ -95,7 +95,7 @@ def window_loss(model: nn.Module, ids: torch.Tensor) -> float:
     if not isinstance(model, ModuleTreeLM):
         return float(F.cross_entropy(model(ids, use_cache=False).logits[0, :-1].float(), targets))
     hidden = model.final_hidden(ids)[0, :-1]
-    total = sum(F.cross_entropy(model.lm_head(hidden[i:i + HEAD_POSITIONS]).float(),
+    total = sum(F.cross_entropy(model.head_logits(hidden[i:i + HEAD_POSITIONS]).float(),
                                 targets[i:i + HEAD_POSITIONS], reduction="sum")
                 for i in range(0, len(targets), HEAD_POSITIONS))
     return float(total / len(targets))

@@ -27,7 +27,9 @@ at its own position, every linear called once with all rows and attention per se
 tokens under a causal mask); `LeanDecoder` is it over one cache, `bitquilt.runtime.batch` over a running batch.
 
 Families: llama, mistral (without a sliding window shorter than the run), qwen2 (without sliding
-window), qwen3 (q/k norms), phi3 split (`bitquilt.models.fused`; a partial rotary factor runs module by module, not
+window), qwen3 (q/k norms), gemma3 ((1 + w) norms, post-norms, GELU-tanh, sliding-window layers with their own RoPE
+tables, soft-capped logits; `bitquilt.runtime.module_tree`),
+phi3 split (`bitquilt.models.fused`; a partial rotary factor runs module by module, not
 fused; LongRoPE within its original context); `unsupported_reason` says why another model stays on transformers.
 Tested against the transformers forward (logits and greedy tokens).
 """
@@ -46,15 +48,32 @@ from torch.nn import functional as F
 from bitquilt import kernels
 from bitquilt.formats.base import WeightFormat
 from bitquilt.formats.composite import CompositeFormat
+from bitquilt.models.adapters import architecture_for
 from bitquilt.nn.online import run_site, slots_at
 from bitquilt.nn.quant_linear import QuantLinear
 
 if TYPE_CHECKING:  # importing the kernels builds the extension: done on first use instead
     from bitquilt.runtime.fused import FusedLayers
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # tables that change once a sequence passes the original context: computed once for a run, so runs within it only
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def family_activation(model_type: str) -> str:
+    """The gated MLP's activation of a family: GELU (tanh approximation) on gemma3, SiLU elsewhere."""
+    return "gelu_pytorch_tanh" if model_type == "gemma3_text" else "silu"
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """c·tanh(z/c), or z when the cap c is None (gemma's `final_logit_softcapping`)."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _activation(config: object) -> str:
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
 
 
 def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
@@ -63,12 +82,17 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         return f"model type {model_type!r} (lean decoding covers {', '.join(FAMILIES)})"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r} (lean decoding runs SiLU-gated MLPs)"
+    if _activation(config) != family_activation(model_type):
+        return f"activation {_activation(config)!r} (lean decoding runs {family_activation(model_type)} on " \
+               f"{model_type})"
     window = getattr(config, "sliding_window", None)
-    if window is not None and (model_type != "qwen2" or getattr(config, "use_sliding_window", False)) \
-            and window < max_len:
+    if window is not None and model_type != "gemma3_text" \
+            and (model_type != "qwen2" or getattr(config, "use_sliding_window", False)) and window < max_len:
         return f"a sliding window of {window} positions shorter than the run ({max_len})"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
     if not hasattr(getattr(model, "model", None), "rotary_emb"):
         return "no shared rotary embedding module"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope", None) or {}
@@ -90,13 +114,18 @@ def _rms_eps(norm: nn.Module) -> float | None:
     return eps if plain else None
 
 
-def _norm_fn(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+def _norm_scale(norm: nn.Module, offset: float) -> torch.Tensor:
+    """The vector a norm multiplies by: its weight, plus the family's offset (gemma3's 1 + w)."""
+    return (norm.weight + offset).detach() if offset else norm.weight.detach()
+
+
+def _norm_fn(norm: nn.Module, offset: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """The norm as one fused call when it is a plain RMSNorm (no hooks, no online modules), else the module."""
     eps = _rms_eps(norm)
     if eps is None:
         return norm
-    weight = norm.weight
-    return lambda x: F.rms_norm(x, weight.shape, weight, eps)
+    scale = _norm_scale(norm, offset)
+    return lambda x: F.rms_norm(x, scale.shape, scale, eps)
 
 
 @dataclass(frozen=True)
@@ -138,6 +167,8 @@ def fuse_layers(stack: LeanLayers) -> tuple[FusedLayers | None, str | None]:
 
     if stack.dtype != torch.float32:
         return None, f"dtype {stack.dtype} (fused layers run fp32)"
+    if stack.model.config.model_type == "gemma3_text":
+        return None, "gemma3's layers (the fused step runs llama-like ones)"
     if any(stack.has_site):
         return None, "modules at the attention site (KV quantizers or rotations)"
     if stack.cos.shape[-1] != stack.head_dim:
@@ -232,14 +263,28 @@ class LeanLayers:
         self.head_dim = attn.head_dim
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.activation = ACTIVATIONS[_activation(config)]
         param = next(model.parameters(), None)
         self.dtype = torch.float32 if param is None or not param.is_floating_point() else param.dtype
         positions = torch.arange(max_len).unsqueeze(0)
         probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype)
-        self.cos, self.sin = body.rotary_emb(probe, positions)  # [1, max_len, head_dim]
-        self.input_norms = [_norm_fn(layer.input_layernorm) for layer in self.layers]
-        self.mlp_norms = [_norm_fn(layer.post_attention_layernorm) for layer in self.layers]
-        self.final_norm = _norm_fn(body.norm)
+        # per layer: the rotary tables [1, max_len, head_dim] of its type (gemma3 has two) and its window (or None)
+        gemma = config.model_type == "gemma3_text"
+        types = [layer.self_attn.layer_type if gemma else None for layer in self.layers]
+        tables = {t: body.rotary_emb(probe, positions, *[t] if t else []) for t in set(types)}
+        self.rope = [tables[t] for t in types]
+        self.cos, self.sin = self.rope[0]
+        self.windows = [layer.self_attn.sliding_window if gemma else None for layer in self.layers]
+        self.offset = getattr(architecture_for(config.model_type), "norm_offset", 0.0)
+        post = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
+        self.input_norms = [_norm_fn(layer.input_layernorm, self.offset) for layer in self.layers]
+        self.mlp_norms = [_norm_fn(getattr(layer, post), self.offset) for layer in self.layers]
+        # gemma3: each branch's output normalised before the residual add
+        self.branch_norms = [(_norm_fn(layer.post_attention_layernorm, self.offset),
+                              _norm_fn(layer.post_feedforward_layernorm, self.offset))
+                             if gemma else None for layer in self.layers]
+        self.final_norm = _norm_fn(body.norm, self.offset)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
         attention_slots = set(slots_at("attention"))
         self.has_site = [bool(layer.self_attn._modules.keys() & attention_slots) for layer in self.layers]
 
@@ -262,17 +307,20 @@ class LeanLayers:
                 raise ValueError(f"position {cache.pos + t} is past the cache's {cache.length} positions")
         x = self.model.model.embed_tokens(ids)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, self.input_norms[i](x), caches, counts)
+            attended = self._attention(i, layer, self.input_norms[i](x), caches, counts)
+            post = self.branch_norms[i]
+            x = x + (attended if post is None else post[0](attended))
             mlp = layer.mlp
             h = self.mlp_norms[i](x)
-            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+            out = mlp.down_proj(self.activation(mlp.gate_proj(h)) * mlp.up_proj(h))
+            x = x + (out if post is None else post[1](out))
         for cache, t in zip(caches, counts):
             cache.pos += t
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The LM head's logits [..., vocab] of residual-stream rows x [..., hidden]."""
-        return self.model.lm_head(self.final_norm(x))
+        """The logits [..., vocab] of residual-stream rows x [..., hidden] (soft-capped where the config says)."""
+        return soft_cap(self.model.lm_head(self.final_norm(x)), self.softcap)
 
     def _attention(self, index: int, layer: nn.Module, h: torch.Tensor, caches: list[KVCache],
                    counts: list[int]) -> torch.Tensor:
@@ -280,26 +328,41 @@ class LeanLayers:
         q = attn.q_proj(h).view(1, r, self.heads, self.head_dim)
         k = attn.k_proj(h).view(1, r, self.kv_heads, self.head_dim)
         v = attn.v_proj(h).view(1, r, self.kv_heads, self.head_dim)
-        if hasattr(attn, "q_norm"):  # qwen3: per-head norms before RoPE
+        if hasattr(attn, "q_norm"):  # qwen3, gemma3: per-head norms before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
+        (cos, sin), window = self.rope[index], self.windows[index]
         outs, row = [], 0
         for cache, t in zip(caches, counts):
             start, end = cache.pos, cache.pos + t
             rows = slice(row, row + t)
             q_s, k_s = self.apply_rope(q[:, rows].transpose(1, 2), k[:, rows].transpose(1, 2),
-                                       self.cos[:, start:end], self.sin[:, start:end])
+                                       cos[:, start:end], sin[:, start:end])
             cache.keys[index][:, :, start:end] = k_s
             cache.values[index][:, :, start:end] = v[:, rows].transpose(1, 2)
-            keys, values = cache.keys[index][:, :, :end], cache.values[index][:, :, :end]
+            # a sliding window: no row sees keys `window` or more positions before it
+            first = 0 if window is None else max(0, start + 1 - window)
+            keys, values = cache.keys[index][:, :, first:end], cache.values[index][:, :, first:end]
             if self.has_site[index]:
                 q_s, keys, values = run_site(attn, "attention", q_s, keys, values)
-            # a chunk after earlier tokens: each row sees the cache up to its own position
-            mask = torch.ones(t, end, dtype=torch.bool).tril(start) if t > 1 and start else None
-            out = F.scaled_dot_product_attention(q_s, keys, values, attn_mask=mask, is_causal=t > 1 and not start,
+            mask = _chunk_mask(t, start, first, end, window)
+            out = F.scaled_dot_product_attention(q_s, keys, values, attn_mask=mask,
+                                                 is_causal=mask is None and t > 1,
                                                  scale=attn.scaling, enable_gqa=self.heads != self.kv_heads)
             outs.append(out.transpose(1, 2).reshape(1, t, -1))
             row += t
         return attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs, 1))
+
+
+def _chunk_mask(t: int, start: int, first: int, end: int, window: int | None) -> torch.Tensor | None:
+    """Which of the keys at positions first..end-1 each of t rows at positions start..end-1 sees [t, end - first]:
+    those up to its own position and, with a window, after its position minus the window; None where a plain causal
+    mask (t > 1 from position 0, no key beyond the window) or no mask (one row) says the same."""
+    if t == 1 or (start == 0 and (window is None or window >= t)):
+        return None
+    rows = torch.arange(start, end)[:, None]
+    keys = torch.arange(first, end)[None, :]
+    seen = keys <= rows
+    return seen if window is None else seen & (keys > rows - window)
 
 
 class LeanDecoder(LeanLayers):

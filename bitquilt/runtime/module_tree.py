@@ -8,11 +8,17 @@ than a 4-bit small model; this module builds the same tree from `config.json` al
     ModuleTreeLM
       model.embed_tokens                 nn.Embedding [vocab, hidden]
       model.layers[i].input_layernorm    RMSNorm
-      model.layers[i].self_attn          {q,k,v,o}_proj (+ q_norm, k_norm on qwen3)
+      model.layers[i].self_attn          {q,k,v,o}_proj (+ q_norm, k_norm on qwen3 and gemma3)
       model.layers[i].post_attention_layernorm
-      model.layers[i].mlp                {gate,up,down}_proj, SiLU-gated
+      model.layers[i].mlp                {gate,up,down}_proj, SiLU-gated (GELU-tanh on gemma3)
       model.norm, model.rotary_emb
       lm_head                            (tied to embed_tokens when the config says so)
+
+Gemma 3 (`gemma3_text`) differs where transformers' Gemma3 modules do: its RMSNorms scale by (1 + w); the embedding
+output is multiplied by √hidden; attention scores by query_pre_attn_scalar^-½; `post_attention_layernorm` normalises
+the attention's output before the residual add, `pre_feedforward_layernorm` the MLP's input and
+`post_feedforward_layernorm` its output; each layer is "sliding_attention" (a window of `sliding_window` positions,
+RoPE θ of that layer type) or "full_attention" (`layer_types`), and the logits may be soft-capped (c·tanh(z/c)).
 
 Module names are transformers' so a checkpoint's tensor names, saved layer names and online-module hosts apply
 unchanged; phi3's are those of its split layout (`bitquilt.models.fused`: q/k/v and gate/up apart, as saved). Biases
@@ -33,7 +39,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from bitquilt.runtime.lean import FAMILIES, LeanDecoder
+from bitquilt.models.adapters import architecture_for
+from bitquilt.runtime.lean import FAMILIES, LeanDecoder, family_activation, soft_cap
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -62,6 +69,11 @@ class ModuleTreeConfig:
     use_sliding_window: bool = False
     partial_rotary_factor: float = 1.0
     pad_token_id: int | None = None
+    layer_types: tuple[str, ...] = ()  # gemma3: each layer's attention, "sliding_attention" or "full_attention"
+    rope_by_type: dict[str, dict[str, Any]] = field(default_factory=dict)  # gemma3: RoPE parameters per layer type
+    query_pre_attn_scalar: float | None = None  # gemma3: scores scale by its -1/2 power instead of head_dim's
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModuleTreeConfig:
@@ -70,10 +82,11 @@ class ModuleTreeConfig:
         if missing:
             raise ValueError(f"config.json has no valid {missing[0]!r}")
         heads = d["num_attention_heads"]
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
-        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-        rope.setdefault("original_max_position_embeddings", d.get("original_max_position_embeddings"))
+        parameters = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        layer_types = tuple(d.get("layer_types") or ()) if d["model_type"] == "gemma3_text" else ()
+        by_type = {t: _rope(parameters[t], d) for t in set(layer_types)} \
+            if layer_types and all(isinstance(parameters.get(t), dict) for t in layer_types) else {}
+        rope = by_type.get("full_attention") or next(iter(by_type.values()), None) or _rope(parameters, d)
         partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
         pad = d.get("pad_token_id")
         return cls(model_type=d["model_type"], vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
@@ -81,25 +94,47 @@ class ModuleTreeConfig:
                    num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
                    head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
                    max_position_embeddings=d.get("max_position_embeddings", 2048),
-                   tie_word_embeddings=d.get("tie_word_embeddings", False), hidden_act=d.get("hidden_act", "silu"),
+                   tie_word_embeddings=d.get("tie_word_embeddings", False),
+                   hidden_act=d.get("hidden_activation") or d.get("hidden_act", "silu"),
                    attention_bias=d.get("attention_bias", False),
                    mlp_bias=d.get("mlp_bias", False), rope=rope, sliding_window=d.get("sliding_window"),
                    use_sliding_window=d.get("use_sliding_window", False),
                    partial_rotary_factor=partial,
-                   pad_token_id=pad if isinstance(pad, int) and 0 <= pad < d["vocab_size"] else None)
+                   pad_token_id=pad if isinstance(pad, int) and 0 <= pad < d["vocab_size"] else None,
+                   layer_types=layer_types, rope_by_type=by_type,
+                   query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
+                   final_logit_softcapping=d.get("final_logit_softcapping"),
+                   attn_logit_softcapping=d.get("attn_logit_softcapping"))
 
     def unsupported_reason(self) -> str | None:
         """Why this module cannot build the model; None if it can."""
         if self.model_type not in FAMILIES:
             return f"model type {self.model_type!r} (the bitquilt runtime covers {', '.join(FAMILIES)})"
-        if self.hidden_act != "silu":
-            return f"activation {self.hidden_act!r} (the bitquilt runtime runs SiLU-gated MLPs)"
-        if self.rope["rope_type"] not in ROPE_TYPES:
-            return f"RoPE type {self.rope['rope_type']!r} (the bitquilt runtime computes {', '.join(ROPE_TYPES)})"
+        if self.hidden_act != family_activation(self.model_type):
+            return f"activation {self.hidden_act!r} (the bitquilt runtime runs {family_activation(self.model_type)} " \
+                   f"on {self.model_type})"
+        if self.model_type == "gemma3_text":
+            if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(self.rope_by_type) \
+                    or set(self.layer_types) - {"sliding_attention", "full_attention"}:
+                return "layer types without their RoPE parameters (gemma3 needs both per layer)"
+            if self.attn_logit_softcapping is not None:
+                return "attention logit soft-capping"
+        for rope in self.rope_by_type.values() or [self.rope]:
+            if rope["rope_type"] not in ROPE_TYPES:
+                return f"RoPE type {rope['rope_type']!r} (the bitquilt runtime computes {', '.join(ROPE_TYPES)})"
         if self.partial_rotary_factor != 1.0 and self.model_type != "phi3":
             return f"a partial rotary factor of {self.partial_rotary_factor} (the bitquilt runtime rotates part of a "\
                    "head on phi3 only)"
         return None
+
+
+def _rope(parameters: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
+    """One RoPE parameter set as the runtime reads it: rope_type and rope_theta always, defaults from the config."""
+    rope = dict(parameters)
+    rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    rope.setdefault("original_max_position_embeddings", d.get("original_max_position_embeddings"))
+    return rope
 
 
 def rotary_dim(config: ModuleTreeConfig) -> int:
@@ -107,7 +142,7 @@ def rotary_dim(config: ModuleTreeConfig) -> int:
     return int(config.head_dim * config.partial_rotary_factor)
 
 
-def inverse_frequencies(config: ModuleTreeConfig) -> torch.Tensor:
+def inverse_frequencies(config: ModuleTreeConfig, layer_type: str | None = None) -> torch.Tensor:
     """RoPE's ω_i = θ^(-2i/d), i < d/2, with the config's scaling:
 
     - linear:  ω_i / factor;
@@ -116,8 +151,10 @@ def inverse_frequencies(config: ModuleTreeConfig) -> torch.Tensor:
       (1 − s)·ω_i/factor + s·ω_i with s = (L/λ_i − low_freq_factor) / (high_freq_factor − low_freq_factor);
     - longrope: 1 / (f_i · θ^(2i/d)), f the short factors: what transformers uses while a sequence stays within the
       original context L (longer runs, where it switches to the long ones, are refused: `bitquilt.runtime.lean`).
+
+    `layer_type` picks gemma3's parameters of that layer type.
     """
-    rope, d = config.rope, rotary_dim(config)
+    rope, d = config.rope_by_type[layer_type] if layer_type else config.rope, rotary_dim(config)
     exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
     if rope["rope_type"] == "longrope":
         return 1.0 / (torch.tensor(rope["short_factor"], dtype=torch.float32) * rope["rope_theta"] ** exponents)
@@ -149,15 +186,20 @@ def attention_factor(config: ModuleTreeConfig) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin of position·ω for every position asked, [B, T, rotary dim] (the halves repeated)."""
+    """cos and sin of position·ω for every position asked, [B, T, rotary dim] (the halves repeated); gemma3's of the
+    layer type asked (as transformers' Gemma3RotaryEmbedding is called)."""
 
     def __init__(self, config: ModuleTreeConfig):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        for layer_type in config.rope_by_type:
+            self.register_buffer(f"{layer_type}_inv_freq", inverse_frequencies(config, layer_type), persistent=False)
         self.scale = attention_factor(config)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
+                layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = getattr(self, f"{layer_type}_inv_freq") if layer_type else self.inv_freq
+        angles = position_ids[:, :, None].float() * inv_freq[None, None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return (angles.cos() * self.scale).to(x.dtype), (angles.sin() * self.scale).to(x.dtype)
 
@@ -190,22 +232,37 @@ class Linear(nn.Linear):
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding whose table comes from a checkpoint (as `Linear`)."""
+    """nn.Embedding whose table comes from a checkpoint (as `Linear`); its rows times `embed_scale` where set (gemma3:
+    √hidden, a non-persistent buffer multiplied in the table's dtype, as transformers' and `QuantEmbedding`'s)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None):
+        super().__init__(num_embeddings, embedding_dim, padding_idx)
+        self.register_buffer("embed_scale", None, persistent=False)
 
     def reset_parameters(self) -> None:
         pass
 
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = super().forward(ids)
+        return rows if self.embed_scale is None else rows * self.embed_scale.to(rows.dtype)
+
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + ε) · w over the last dimension (w from the checkpoint)."""
+    """x / sqrt(mean(x²) + ε) · (offset + w) over the last dimension (w from the checkpoint; offset 1 on gemma3)."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
-        self.variance_epsilon = eps
+        self.variance_epsilon, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
+        return F.rms_norm(x, self.weight.shape, self.weight + self.offset if self.offset else self.weight,
+                          self.variance_epsilon)
+
+
+def _norm(config: ModuleTreeConfig, size: int) -> RMSNorm:
+    arch = architecture_for(config.model_type)
+    return RMSNorm(size, config.rms_norm_eps, arch.norm_offset if arch is not None else 0.0)
 
 
 def _attention_biases(config: ModuleTreeConfig) -> tuple[bool, bool]:
@@ -219,18 +276,20 @@ def _attention_biases(config: ModuleTreeConfig) -> tuple[bool, bool]:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModuleTreeConfig):
+    def __init__(self, config: ModuleTreeConfig, index: int):
         super().__init__()
         d, heads, kv_heads, hidden = config.head_dim, config.num_attention_heads, config.num_key_value_heads, \
             config.hidden_size
         qkv_bias, o_bias = _attention_biases(config)
-        self.head_dim, self.scaling = d, d ** -0.5
+        self.head_dim, self.scaling = d, (config.query_pre_attn_scalar or d) ** -0.5
+        self.layer_type = config.layer_types[index] if config.layer_types else None
+        self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
         self.q_proj = Linear(hidden, heads * d, bias=qkv_bias)
         self.k_proj = Linear(hidden, kv_heads * d, bias=qkv_bias)
         self.v_proj = Linear(hidden, kv_heads * d, bias=qkv_bias)
         self.o_proj = Linear(heads * d, hidden, bias=o_bias)
-        if config.model_type == "qwen3":
-            self.q_norm, self.k_norm = RMSNorm(d, config.rms_norm_eps), RMSNorm(d, config.rms_norm_eps)
+        if config.model_type in ("qwen3", "gemma3_text"):
+            self.q_norm, self.k_norm = _norm(config, d), _norm(config, d)
 
 
 class MLP(nn.Module):
@@ -244,19 +303,22 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModuleTreeConfig):
+    def __init__(self, config: ModuleTreeConfig, index: int):
         super().__init__()
-        self.self_attn, self.mlp = Attention(config), MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn, self.mlp = Attention(config, index), MLP(config)
+        self.input_layernorm = _norm(config, config.hidden_size)
+        self.post_attention_layernorm = _norm(config, config.hidden_size)
+        if config.model_type == "gemma3_text":
+            self.pre_feedforward_layernorm = _norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = _norm(config, config.hidden_size)
 
 
 class Body(nn.Module):
     def __init__(self, config: ModuleTreeConfig):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = _norm(config, config.hidden_size)
 
 
 class ModuleTreeLM(nn.Module):
@@ -275,6 +337,8 @@ class ModuleTreeLM(nn.Module):
             self.model = Body(config)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.model.rotary_emb = RotaryEmbedding(config)
+        if config.model_type == "gemma3_text":
+            self.model.embed_tokens.embed_scale = torch.tensor(config.hidden_size ** 0.5)
 
     def tie_weights(self) -> None:
         """The LM head reads the embedding table (configs with tie_word_embeddings)."""
@@ -283,7 +347,11 @@ class ModuleTreeLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, vocab] of every position of input_ids [B, T] (no padding, no cache)."""
-        return self.lm_head(self.final_hidden(input_ids))
+        return self.head_logits(self.final_hidden(input_ids))
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of final hidden states: the LM head's output, soft-capped where the config says so."""
+        return soft_cap(self.lm_head(hidden), self.config.final_logit_softcapping)
 
     @torch.no_grad()
     def final_hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
