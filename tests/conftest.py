@@ -87,6 +87,11 @@ def real_linears(smollm, calib_ids):
     return out
 
 
+# Gemma 3 with both layer types, a window shorter than the tests' sequences and soft-capped logits
+TINY_GEMMA = dict(layer_types=["full_attention", "sliding_attention", "sliding_attention"], num_hidden_layers=3,
+                  sliding_window=5, final_logit_softcapping=2.0)
+
+
 def make_tiny(model_type: str = "llama", seed: int = 0, **overrides):
     """A random 2-layer model of the given family (fast engine/io tests for every adapter); `overrides`: config
     values that replace the tiny ones."""

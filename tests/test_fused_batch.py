@@ -4,7 +4,7 @@ fused call."""
 
 import pytest
 import torch
-from conftest import make_tiny
+from conftest import TINY_GEMMA, make_tiny
 
 from bitquilt import kernels
 from bitquilt.api import quantize
@@ -13,7 +13,7 @@ from bitquilt.nn.quant_linear import set_slices
 from bitquilt.nn.slice_router import has_routers, precision_range, set_precision
 from bitquilt.recipes import Recipe
 from bitquilt.runtime.batch import Batch
-from bitquilt.runtime.engines import sampler
+from bitquilt.runtime.engines import decode, sampler
 from bitquilt.runtime.lean import KVCache, LeanLayers, fuse_layers, fused_cache
 
 PROMPTS = (5, 17, 1, 30)  # prompt lengths of the sequences stepped together
@@ -30,7 +30,7 @@ RECIPES = {
 
 
 def _model(model_type: str, recipe: Recipe | None):
-    model = make_tiny(model_type)
+    model = make_tiny(model_type, **TINY_GEMMA if model_type == "gemma3_text" else {})
     if recipe is not None:
         calib = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(2))
         quantize(model, recipe, calib, progress=False)
@@ -73,7 +73,7 @@ def _assert_rows_alone(model) -> None:
         x = y
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma3_text"])
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32-act", "int8-act"])
 @pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
 def test_a_batched_step_gives_each_sequence_its_step_alone_bit_for_bit(model_type, int8, recipe):
@@ -111,6 +111,20 @@ def test_a_batch_steps_its_sequences_and_a_prompt_chunk_in_one_fused_call():
     # each step: the decoding sequences' tokens and the first reading sequence's next chunk (at most 8 ids)
     assert calls[:4] == [[1], [1, 2], [1, 1, 8], [1, 1, 3]]
     assert set(map(tuple, calls[4:])) == {(1, 1, 1)}
+
+
+def test_fused_prompt_chunks_of_gemma_decode_as_module_by_module():
+    """Gemma 3's sliding windows over prompt chunks in the fused step: the tokens of module-by-module decoding."""
+    model = _model("gemma3_text", Recipe("rtn", w_bits=4, group_size=64, head_bits=8))
+    prompts = [list(range(3, 14)), list(range(40, 60))]
+    batch = Batch(model, 64, "auto", chunk=8)
+    assert batch.fused is not None
+    batch.layers.run = None  # prompts and steps all fused
+    seqs = [batch.add(p, 40, sampler(0.0)) for p in prompts]
+    while any(len(s.new_ids) < 6 for s in seqs):
+        batch.step()
+    for prompt, seq in zip(prompts, seqs):
+        assert seq.new_ids[:6] == decode(model, torch.tensor([prompt]), 6, engine="lean").new_ids
 
 
 @pytest.mark.parametrize("head_bits", [16, 8, 4], ids=["fp32-head", "head8", "head4"])

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import make_tiny
+from conftest import TINY_GEMMA, make_tiny
 
 from bitquilt import kernels
 from bitquilt.api import quantize
@@ -31,15 +31,10 @@ def _ids(n: int = 14, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 320, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-# gemma3: both layer types, a window shorter than the prompt, soft-capped logits
-GEMMA = dict(layer_types=["full_attention", "sliding_attention", "sliding_attention"], num_hidden_layers=3,
-             sliding_window=5, final_logit_softcapping=2.0)
-
-
 # phi3: split, partial rotary
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "phi3", "gemma3_text"])
 def test_lean_steps_give_the_transformers_logits(model_type):
-    model = make_tiny(model_type, **GEMMA if model_type == "gemma3_text" else {})
+    model = make_tiny(model_type, **TINY_GEMMA if model_type == "gemma3_text" else {})
     ids = _ids()
     ref = transformers_logits(model, ids)[8:]
     assert torch.allclose(lean_logits(model, ids, 9), ref, atol=1e-5)
@@ -101,13 +96,13 @@ FUSED_RECIPES = [None, Recipe("rtn", w_bits=4, group_size=64), Recipe("rtn", w_b
                         residual_options={"budget": 0.2, "score": "magnitude"})]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma3_text"])
 @pytest.mark.parametrize("recipe", FUSED_RECIPES, ids=["fp32", "w4", "w4-head8", "w8", "bpdq-w2", "slices", "mosaic"])
 def test_fused_layers_give_the_module_by_module_logits(model_type, recipe):
     """One compiled call per step (norms, biases, q/k norms, RoPE, GQA attention over the cache, MLP) equals the
     eager modules: dense fp32, uniform and bit-plane packed weights, a sliced weight's static prefix, and a
-    MosaicQuant base with its sparse residual."""
-    model = make_tiny(model_type)
+    MosaicQuant base with its sparse residual; Gemma 3's post-norms, GELU, windows and per-layer RoPE too."""
+    model = make_tiny(model_type, **TINY_GEMMA if model_type == "gemma3_text" else {})
     if recipe is not None:
         quantize(model, recipe, _ids(64, seed=2).view(2, 32), progress=False)
     if recipe is not None and recipe.method == "mobislice":

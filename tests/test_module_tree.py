@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import make_tiny
+from conftest import TINY_GEMMA, make_tiny
 
 from bitquilt.api import load, quantize, save
 from bitquilt.errors import UserError
@@ -22,10 +22,6 @@ from bitquilt.runtime.tokenizer import FastTokenizer
 
 def _ids(n: int, seed: int = 0, vocab: int = 320) -> torch.Tensor:
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-# two layer types, a window shorter than the test's sequences
-GEMMA_LAYERS = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4)
 
 
 def _saved(tmp_path, model_type: str, recipe: Recipe, **overrides):
@@ -42,7 +38,7 @@ def _saved(tmp_path, model_type: str, recipe: Recipe, **overrides):
     ("llama", Recipe("quarot+rtn", w_bits=4, group_size=32, a_bits=4, kv_bits=4, a_clip=None), {}),
     ("phi3", Recipe("rtn", w_bits=4, group_size=64, head_bits=8), {}),
     ("gemma3_text", Recipe("rtn", w_bits=4, group_size=32, head_bits=8),
-     GEMMA_LAYERS | {"final_logit_softcapping": 3.0}),
+     TINY_GEMMA),
 ], ids=["llama-w4-head8", "qwen2-w4", "qwen3-w2-head4", "llama-quarot-w4a4kv4", "phi3-w4-head8", "gemma3-w4-head8"])
 def test_native_model_gives_the_transformers_logits_and_tokens(tmp_path, model_type, recipe, overrides):
     path = _saved(tmp_path, model_type, recipe, **overrides)

@@ -1,10 +1,11 @@
 """Every decoder layer of a decode step in one compiled call (csrc/runtime/decode_step.cpp), for one sequence or a
 batch of them.
 
-`FusedLayers` holds, per layer, the norms' weights, the seven linears and optional q/k norms; a sequence's static KV
-cache joins as a handle (`cache`), and `step(x, positions, caches)` runs one token of each of B sequences (or a prompt
-chunk of one) through every layer: norms, projections, biases, RoPE, attention over each sequence's own cache,
-SiLU-gated MLP and residuals, without a Python call per op, each linear called once for all B rows (its weight read once
+`FusedLayers` holds, per layer, the norms' weights, the seven linears and optional q/k norms (Gemma 3's too: norms of
+the branches' outputs, a sliding window, the layer type's RoPE tables); a sequence's static KV cache joins as a handle
+(`cache`), and `step(x, positions, caches)` runs one token of each of B sequences (or a prompt chunk of one) through
+every layer: norms, projections, biases, RoPE, attention over each sequence's own cache, SiLU- (or GELU-tanh-) gated
+MLP and residuals, without a Python call per op, each linear called once for all B rows (its weight read once
 per step); a routed MoBiQuant linear routes each row at the step's threshold for it where given (a batch mixing
 precisions), and `step_bits` says the bits per weight each row used. The LM head and the final norm may join too
 (`set_head`: `logits`). Every row comes out as it would alone (the kernels' rows are independent), so batching changes
@@ -33,12 +34,12 @@ class FusedLayers:
     (module docstring)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
-                 scaling: float, cos: torch.Tensor, sin: torch.Tensor):
+                 scaling: float, cos: torch.Tensor, sin: torch.Tensor, gelu: bool = False):
         ext = cpu.extension()
         if ext is None:
             raise RuntimeError("the CPU kernels are unavailable")
         self._decoder = ext.FusedDecoder(hidden, heads, kv_heads, head_dim, intermediate, eps, scaling,
-                                         cos.float().contiguous(), sin.float().contiguous())
+                                         cos.float().contiguous(), sin.float().contiguous(), gelu)
         self.head: int | None = None  # the LM head's linear, once `set_head` names one
 
     def add_linear(self, fmts: list[WeightFormat] | None, dense: torch.Tensor | None, bias: torch.Tensor | None,
@@ -83,9 +84,15 @@ class FusedLayers:
                                  [float(b) for b in slice_bits], options().int8_activations)
 
     def add_layer(self, in_norm: torch.Tensor, post_norm: torch.Tensor, q_norm: torch.Tensor | None,
-                  k_norm: torch.Tensor | None, linears: list[int]) -> None:
-        """A layer: norm weights and the indices of its q, k, v, o, gate, up, down linears."""
-        self._decoder.add_layer(in_norm, post_norm, q_norm, k_norm, linears)
+                  k_norm: torch.Tensor | None, linears: list[int],
+                  branch_norms: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
+                  rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """A layer: the vectors its norms multiply by and the indices of its q, k, v, o, gate, up, down linears;
+        Gemma's norms of the attention's and the MLP's outputs, sliding window and RoPE tables [max_len, head_dim]
+        (else the constructor's)."""
+        attn_out, mlp_out = branch_norms or (None, None)
+        cos, sin = (None, None) if rope is None else (t.float().contiguous() for t in rope)
+        self._decoder.add_layer(in_norm, post_norm, q_norm, k_norm, linears, attn_out, mlp_out, window or 0, cos, sin)
 
     def cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> object:
         """A sequence's cache for `step`, over its per-layer keys and values [kv_heads, length, head_dim] (fp32,

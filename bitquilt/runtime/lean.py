@@ -167,8 +167,6 @@ def fuse_layers(stack: LeanLayers) -> tuple[FusedLayers | None, str | None]:
 
     if stack.dtype != torch.float32:
         return None, f"dtype {stack.dtype} (fused layers run fp32)"
-    if stack.model.config.model_type == "gemma3_text":
-        return None, "gemma3's layers (the fused step runs llama-like ones)"
     if any(stack.has_site):
         return None, "modules at the attention site (KV quantizers or rotations)"
     if stack.cos.shape[-1] != stack.head_dim:
@@ -177,12 +175,17 @@ def fuse_layers(stack: LeanLayers) -> tuple[FusedLayers | None, str | None]:
     norms = {_rms_eps(m) for layer in stack.layers for m in layer.modules() if type(m).__name__.endswith("Norm")}
     if None in norms or len(norms) != 1:
         return None, "norms that are not plain RMSNorms with one epsilon"
-    mlp, eps = first.mlp, norms.pop()
+    mlp, eps, gemma = first.mlp, norms.pop(), config.model_type == "gemma3_text"
     try:
         fused = FusedLayers(config.hidden_size, stack.heads, stack.kv_heads, stack.head_dim, mlp.gate_proj.out_features,
-                            eps, first.self_attn.scaling, stack.cos[0], stack.sin[0])
+                            eps, first.self_attn.scaling, stack.cos[0], stack.sin[0],
+                            gelu=stack.activation is not F.silu)
     except RuntimeError as e:
         return None, str(e)
+
+    def scale(norm: nn.Module | None) -> torch.Tensor | None:
+        return None if norm is None else _norm_scale(norm, stack.offset)
+
     for i, layer in enumerate(stack.layers):
         if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, layer.self_attn, layer.mlp)):
             return None, f"layer {i} has hooks"
@@ -202,10 +205,13 @@ def fuse_layers(stack: LeanLayers) -> tuple[FusedLayers | None, str | None]:
                 fused.route(index, r.fc1.weight, r.fc1.bias, r.fc2.weight, r.fc2.bias, r.threshold,
                             [f.bits for f in spec.fmts])
             indices.append(index)
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        fused.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                        indices)
+        mlp_norm = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+        branch_norms = (scale(layer.post_attention_layernorm), scale(layer.post_feedforward_layernorm)) if gemma \
+            else None
+        cos, sin = stack.rope[i]
+        fused.add_layer(scale(layer.input_layernorm), scale(mlp_norm), scale(getattr(attn, "q_norm", None)),
+                        scale(getattr(attn, "k_norm", None)), indices, branch_norms, stack.windows[i],
+                        (cos[0], sin[0]) if gemma else None)
     _fuse_head(stack, fused, eps)
     return fused, None
 
@@ -219,13 +225,13 @@ def _fuse_head(stack: LeanLayers, fused: FusedLayers, eps: float) -> None:
         return
     index = fused.add_linear(spec.fmts, spec.dense, spec.bias, head.out_features, head.in_features)
     if index is not None:
-        fused.set_head(index, norm.weight.detach())
+        fused.set_head(index, _norm_scale(norm, stack.offset))
 
 
 def fused_logits(stack: LeanLayers, fused: FusedLayers, x: torch.Tensor) -> torch.Tensor:
     """The logits [B, vocab] of the fused step's hidden states x [B, D]: its own head where it has one (each row as
     alone, however many), else the stack's."""
-    return stack.logits(x) if fused.head is None else fused.logits(x)
+    return stack.logits(x) if fused.head is None else soft_cap(fused.logits(x), stack.softcap)
 
 
 def fused_cache(fused: FusedLayers, cache: KVCache) -> object:

@@ -93,8 +93,10 @@ at::Tensor fp32_vector(const at::Tensor& t, int64_t n, const char* what) {
 class FusedDecoder {
  public:
   FusedDecoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-               double scaling, const at::Tensor& cos, const at::Tensor& sin)
-      : core_(dims(hidden, heads, kv_heads, head_dim, intermediate, eps, scaling, cos, sin)), cos_(cos), sin_(sin) {}
+               double scaling, const at::Tensor& cos, const at::Tensor& sin, bool gelu)
+      : core_(dims(hidden, heads, kv_heads, head_dim, intermediate, eps, scaling, cos, sin, gelu)),
+        cos_(cos),
+        sin_(sin) {}
 
   // A linear of N outputs and K inputs: packed parts (planes, coefficients, plane counts, uniform flags, one
   // block and group), optionally plus a sparse residual in sparse_residual.h's segments, or, with no parts, a
@@ -175,7 +177,9 @@ class FusedDecoder {
   }
 
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, const std::optional<at::Tensor>& q_norm,
-                 const std::optional<at::Tensor>& k_norm, const std::vector<int64_t>& linears) {
+                 const std::optional<at::Tensor>& k_norm, const std::vector<int64_t>& linears,
+                 const std::optional<at::Tensor>& attn_out_norm, const std::optional<at::Tensor>& mlp_out_norm,
+                 int64_t window, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin) {
     TORCH_CHECK(linears.size() == 7, "seven linears per layer: q, k, v, o, gate, up, down");
     int64_t N[7], K[7];
     for (int j = 0; j < 7; ++j) {
@@ -188,14 +192,30 @@ class FusedDecoder {
     TORCH_CHECK(error.empty(), error);
     const int64_t D = core_.dims().D, hd = core_.dims().hd;
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
-    const bitquilt_decoder::Layer layer{
+    TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(), "the branches' output norms come together");
+    TORCH_CHECK(cos.has_value() == sin.has_value(), "a layer's cos and sin tables come together");
+    TORCH_CHECK(window >= 0, "a window of ", window, " positions");
+    const auto optional_vector = [&](const std::optional<at::Tensor>& t, int64_t n, const char* what) -> float* {
+      if (!t) return nullptr;
+      keep_.push_back(fp32_vector(*t, n, what));
+      return keep_.back().data_ptr<float>();
+    };
+    bitquilt_decoder::Layer layer{
         fp32_vector(in_norm, D, "input norm").data_ptr<float>(),
         fp32_vector(post_norm, D, "post-attention norm").data_ptr<float>(),
-        q_norm ? fp32_vector(*q_norm, hd, "q norm").data_ptr<float>() : nullptr,
-        k_norm ? fp32_vector(*k_norm, hd, "k norm").data_ptr<float>() : nullptr,
+        optional_vector(q_norm, hd, "q norm"),
+        optional_vector(k_norm, hd, "k norm"),
         linears[0], linears[1], linears[2], linears[3], linears[4], linears[5], linears[6]};
+    layer.attn_out_norm = optional_vector(attn_out_norm, D, "attention output norm");
+    layer.mlp_out_norm = optional_vector(mlp_out_norm, D, "MLP output norm");
+    layer.window = window;
+    if (cos) {
+      check_tables(*cos, *sin, core_.dims().hd, core_.dims().max_len);
+      keep_.insert(keep_.end(), {*cos, *sin});
+      layer.cos = cos->data_ptr<float>();
+      layer.sin = sin->data_ptr<float>();
+    }
     keep_.insert(keep_.end(), {in_norm, post_norm});
-    if (q_norm) keep_.insert(keep_.end(), {*q_norm, *k_norm});
     core_.add_layer(layer);
   }
 
@@ -291,15 +311,21 @@ class FusedDecoder {
   }
 
  private:
+  // cos, sin: contiguous fp32 [max_len, head_dim] (max_len < 0: any length)
+  static void check_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim, int64_t max_len) {
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim && (max_len < 0 || cos.size(0) == max_len) &&
+                    cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
+                    sin.scalar_type() == at::kFloat && sin.is_contiguous(),
+                "cos, sin: contiguous fp32 [max_len, head_dim], every layer's as long");
+  }
+
   static bitquilt_decoder::Dims dims(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
                                      int64_t intermediate, double eps, double scaling, const at::Tensor& cos,
-                                     const at::Tensor& sin) {
-    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim && cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                    sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && sin.is_contiguous(),
-                "cos, sin: contiguous fp32 [max_len, head_dim]");
-    const bitquilt_decoder::Dims d{hidden, heads, kv_heads, head_dim, intermediate, cos.size(0),
+                                     const at::Tensor& sin, bool gelu) {
+    check_tables(cos, sin, head_dim, -1);
+    const bitquilt_decoder::Dims d{hidden,        heads,  kv_heads, head_dim, intermediate, cos.size(0),
                                    static_cast<float>(eps), static_cast<float>(scaling), cos.data_ptr<float>(),
-                                   sin.data_ptr<float>()};
+                                   sin.data_ptr<float>(), gelu};
     const std::string error = bitquilt_decoder::dims_error(d);
     TORCH_CHECK(error.empty(), error);
     return d;
@@ -330,9 +356,9 @@ void register_decode_step(pybind11::module& m) {
   py::class_<FusedCache>(m, "FusedCache", "a sequence's KV cache as the fused step takes it");
   py::class_<FusedDecoder>(m, "FusedDecoder", "every decoder layer of a decode step, a token or a prompt chunk per sequence, in one call")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, const at::Tensor&,
-                    const at::Tensor&>(),
+                    const at::Tensor&, bool>(),
            py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
-           py::arg("eps"), py::arg("scaling"), py::arg("cos"), py::arg("sin"))
+           py::arg("eps"), py::arg("scaling"), py::arg("cos"), py::arg("sin"), py::arg("gelu") = false)
       .def("add_linear", &FusedDecoder::add_linear, py::arg("planes"), py::arg("coefs"), py::arg("ks"),
            py::arg("uniforms"), py::arg("block"), py::arg("group"), py::arg("N"), py::arg("K"),
            py::arg("dense") = py::none(), py::arg("bias") = py::none(),
@@ -344,7 +370,9 @@ void register_decode_step(pybind11::module& m) {
       .def("set_router", &FusedDecoder::set_router, py::arg("index"), py::arg("w1"), py::arg("b1"), py::arg("w2"),
            py::arg("b2"), py::arg("tau"), py::arg("slice_bits"), py::arg("int8"))
       .def("add_layer", &FusedDecoder::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("q_norm"),
-           py::arg("k_norm"), py::arg("linears"))
+           py::arg("k_norm"), py::arg("linears"), py::arg("attn_out_norm") = py::none(),
+           py::arg("mlp_out_norm") = py::none(), py::arg("window") = 0, py::arg("cos") = py::none(),
+           py::arg("sin") = py::none())
       .def("cache", &FusedDecoder::cache, py::arg("keys"), py::arg("values"))
       .def("set_head", &FusedDecoder::set_head, py::arg("index"), py::arg("norm"))
       // the GIL is released while a step or the head runs (no Python object is touched there), so a server's event

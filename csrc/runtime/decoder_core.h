@@ -9,9 +9,15 @@
 //                  rotate_half(u) = [-u[d/2:], u[:d/2]]     (cos/sin tables [max_len, head_dim] from the caller)
 //   K[g, p] = k_g, V[g, p] = v_g                            (the sequence's cache, [kv_heads, length, head_dim])
 //   a_h = sum_{j <= p} softmax_j(scaling * <q_h, K[g(h), j]>) V[g(h), j],   g(h) = h / (heads / kv_heads)
-//   x = x + W_o a
+//                  (a layer with a window W: over p - W < j <= p only)
+//   x = x + W_o a                                           (Gemma: x + RMSNorm(W_o a) * w_attn_out)
 //   h = RMSNorm(x) * w_post
-//   x = x + W_down (silu(W_gate h) * (W_up h))
+//   x = x + W_down (act(W_gate h) * (W_up h))               (Gemma: the sum's second term RMSNorm'd by w_mlp_out)
+//
+// act is silu(u) = u / (1 + e^-u), or Gemma's GELU with the tanh approximation, 0.5 u (1 + tanh(z)) with
+// z = sqrt(2/pi) (u + 0.044715 u^3), computed as u / (1 + e^-2z) (the same function). Gemma's norms scale by
+// (1 + w): the caller passes the vectors they multiply by. Each layer may bring its own RoPE tables (Gemma's
+// sliding and global layers rotate by different bases).
 //
 // The linears are the caller's: `run(index, x, R, y)` computes y [R, N] = x [R, K] W_index^T (+ its bias), every
 // token's rows contiguous. Several sequences (spans, each its own cache and position) go through together: their
@@ -43,16 +49,24 @@ inline void rms_norm(const float* x, const float* w, int64_t n, float eps, float
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
-// out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + e^-gate[i]) * up[i], 8 at a time (exp8).
-inline void silu_times(const float* gate, const float* up, int64_t n, float* out) {
+// out[i] = act(gate[i]) * up[i] = gate[i] / (1 + e^-a(gate[i])) * up[i], 8 at a time (exp8), where a(u) = u for
+// SiLU and 2 sqrt(2/pi) (u + 0.044715 u^3) for GELU-tanh (`gelu`).
+inline void gated(const float* gate, const float* up, int64_t n, bool gelu, float* out) {
+  constexpr float c1 = 1.5957691216057308f, c3 = 0.0713548162726009f;  // 2 sqrt(2/pi), times 0.044715
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 a = gelu ? _mm256_mul_ps(g, _mm256_add_ps(_mm256_set1_ps(c1),
+                                                           _mm256_mul_ps(_mm256_set1_ps(c3), _mm256_mul_ps(g, g))))
+                          : g;
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
                                             _mm256_loadu_ps(up + i)));
   }
-  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  for (; i < n; ++i) {
+    const float g = gate[i], a = gelu ? g * (c1 + c3 * g * g) : g;
+    out[i] = g / (1.0f + std::exp(-a)) * up[i];
+  }
 }
 
 // s[j] = e^(s[j] - top) for j < n, 8 at a time (exp8); returns their sum (a softmax's denominator).
@@ -73,13 +87,18 @@ struct Dims {
   int64_t D, H, G, hd, F, max_len;  // hidden, heads, kv heads, head dim, intermediate, cache positions
   float eps, scaling;
   const float *cos, *sin;  // [max_len, hd]
+  bool gelu = false;       // the MLP's activation: GELU-tanh (Gemma), else SiLU
 };
 
 // A layer's norm weights (q_norm / k_norm null unless the family has them) and the indices of its q, k, v, o, gate,
-// up and down linears.
+// up and down linears; Gemma's norms of the attention's and the MLP's outputs (else null), its window (0: none) and
+// its own RoPE tables (null: the dims').
 struct Layer {
   const float *in_norm, *post_norm, *q_norm, *k_norm;
   int64_t q, k, v, o, gate, up, down;
+  const float *attn_out_norm = nullptr, *mlp_out_norm = nullptr;
+  int64_t window = 0;
+  const float *cos = nullptr, *sin = nullptr;
 };
 
 // One sequence's KV cache: per layer, its keys and values [G, length, hd], written in place.
@@ -188,14 +207,14 @@ class Decoder {
       run(layer.v, h_.data(), R, v_.data());
       attention(l, spans, n);
       run(layer.o, a_.data(), R, out_.data());
-      for (int64_t i = 0; i < R * D; ++i) x[i] += out_[i];
+      add_branch(x, R, layer.attn_out_norm);
       for (int64_t t = 0; t < R; ++t) rms_norm(x + t * D, layer.post_norm, D, d_.eps, h_.data() + t * D);
       run(layer.gate, h_.data(), R, gate_.data());
       run(layer.up, h_.data(), R, up_.data());
       for (int64_t t = 0; t < R; ++t)  // row by row: a row's 8-lane groups whatever rows come before it
-        silu_times(gate_.data() + t * F, up_.data() + t * F, F, h_.data() + t * F);
+        gated(gate_.data() + t * F, up_.data() + t * F, F, d_.gelu, h_.data() + t * F);
       run(layer.down, h_.data(), R, out_.data());
-      for (int64_t i = 0; i < R * D; ++i) x[i] += out_[i];
+      add_branch(x, R, layer.mlp_out_norm);
     }
   }
 
@@ -207,10 +226,18 @@ class Decoder {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
   }
 
-  // u [hd] rotated in place by the tables' row p
-  void rope(float* u, int64_t p) const {
-    const float* c = d_.cos + p * d_.hd;
-    const float* s = d_.sin + p * d_.hd;
+  // x [R, D] += out_ [R, D], each row of out_ RMSNorm'd by `norm` first where given (Gemma's post-norms)
+  void add_branch(float* x, int64_t R, const float* norm) {
+    const int64_t D = d_.D;
+    if (norm != nullptr)
+      for (int64_t t = 0; t < R; ++t) rms_norm(out_.data() + t * D, norm, D, d_.eps, out_.data() + t * D);
+    for (int64_t i = 0; i < R * D; ++i) x[i] += out_[i];
+  }
+
+  // u [hd] rotated in place by row p of the layer's tables
+  void rope(const Layer& layer, float* u, int64_t p) const {
+    const float* c = (layer.cos != nullptr ? layer.cos : d_.cos) + p * d_.hd;
+    const float* s = (layer.sin != nullptr ? layer.sin : d_.sin) + p * d_.hd;
     const int64_t half = d_.hd / 2;
     for (int64_t i = 0; i < half; ++i) {
       const float a = u[i], b = u[i + half];
@@ -222,7 +249,8 @@ class Decoder {
   // a_ = attention of every span's tokens over its own cache in layer l (q_, k_, v_ hold their projections, the
   // spans' rows in order). A span's queries go in blocks of kBlock tokens: a block's rows of one KV head (its tokens
   // times the query heads that share the head) read each key and value once for all of them (attention_tiles.h),
-  // their scores in one row each, soft-maxed over the row's own keys (causal).
+  // their scores in one row each, soft-maxed over the row's own keys (causal; with a window, from the block's first
+  // key in it on, a row's earlier keys weighted 0).
   void attention(size_t l, const Span* spans, size_t n) {
     const Layer& layer = layers_[l];
     const int64_t hd = d_.hd, G = d_.G, H = d_.H, group = H / G;
@@ -236,7 +264,7 @@ class Decoder {
           const int64_t i = (rows_before + t) * G + g, p = sp.pos + t;
           float* kg = k_.data() + i * hd;
           if (layer.k_norm != nullptr) rms_norm(kg, layer.k_norm, hd, d_.eps, kg);
-          rope(kg, p);
+          rope(layer, kg, p);
           std::copy_n(kg, hd, sp.cache->keys[l] + (g * L + p) * hd);
           std::copy_n(v_.data() + i * hd, hd, sp.cache->values[l] + (g * L + p) * hd);
         }
@@ -262,24 +290,29 @@ class Decoder {
         const int64_t blocks = (T + kBlock - 1) / kBlock, r = local / G, g = local % G;
         const int64_t b = r % 2 ? blocks - 1 - r / 2 : r / 2;
         const int64_t t0 = b * kBlock, t1 = std::min(T, t0 + kBlock), rows = (t1 - t0) * group;
+        const int64_t lo = layer.window > 0 ? std::max<int64_t>(0, pos + t0 + 1 - layer.window) : 0;  // first key
         for (int64_t t = t0; t < t1; ++t)
           for (int64_t h = g * group; h < (g + 1) * group; ++h) {
             const int64_t row = (t - t0) * group + h - g * group, i = (row0[sn] + t) * H + h;
             float* qh = q_.data() + i * hd;
             if (layer.q_norm != nullptr) rms_norm(qh, layer.q_norm, hd, d_.eps, qh);
-            rope(qh, pos + t);
+            rope(layer, qh, pos + t);
             q[row] = qh;
             s[row] = scores.data() + row * width;
             out[row] = a_.data() + i * hd;
-            count[row] = pos + t + 1;
+            count[row] = pos + t + 1 - lo;  // keys lo .. pos + t
           }
-        const float* kh = sp.cache->keys[l] + g * L * hd;
-        const float* vh = sp.cache->values[l] + g * L * hd;
-        bitquilt_attention::scores_rows(q.data(), rows, kh, pos + t1, hd, d_.scaling, s.data());
+        const float* kh = sp.cache->keys[l] + (g * L + lo) * hd;
+        const float* vh = sp.cache->values[l] + (g * L + lo) * hd;
+        bitquilt_attention::scores_rows(q.data(), rows, kh, pos + t1 - lo, hd, d_.scaling, s.data());
         for (int64_t row = 0; row < rows; ++row) {
-          float* sr = s[row];
-          const float inv = 1.0f / exp_shifted(sr, count[row], bitquilt_attention::max_of(sr, count[row]));
-          for (int64_t j = 0; j < count[row]; ++j) sr[j] *= inv;
+          // the row's own first key: `skip` past the block's (only with a window)
+          const int64_t skip = layer.window > 0 ? std::max<int64_t>(0, count[row] - layer.window) : 0;
+          float* sr = s[row] + skip;
+          const int64_t n_row = count[row] - skip;
+          const float inv = 1.0f / exp_shifted(sr, n_row, bitquilt_attention::max_of(sr, n_row));
+          for (int64_t j = 0; j < n_row; ++j) sr[j] *= inv;
+          std::fill_n(s[row], skip, 0.0f);
         }
         bitquilt_attention::mix_rows(s.data(), count.data(), rows, vh, hd, out.data());
       }
