@@ -95,7 +95,8 @@ TINY_GEMMA = dict(layer_types=["full_attention", "sliding_attention", "sliding_a
 def make_tiny(model_type: str = "llama", seed: int = 0, **overrides):
     """A random 2-layer model of the given family (fast engine/io tests for every adapter); `overrides`: config
     values that replace the tiny ones."""
-    from transformers import Gemma3TextConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config, Qwen3Config, \
+        Qwen3MoeConfig
 
     common = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -106,6 +107,12 @@ def make_tiny(model_type: str = "llama", seed: int = 0, **overrides):
         "gemma3_text": (Gemma3TextConfig, dict(head_dim=32, sliding_window=64)),
         # Phi-4-mini's partial rotary factor; ids inside the tiny vocabulary
         "phi3": (Phi3Config, dict(partial_rotary_factor=0.75, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+        # MoE: 4 experts, 2 per token (each expert sees about half the tokens)
+        "mixtral": (MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=128)),
+        "qwen3_moe": (Qwen3MoeConfig, dict(head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=128, norm_topk_prob=True)),
+        "olmoe": (OlmoeConfig, dict(num_experts=4, num_experts_per_tok=2, intermediate_size=128, bos_token_id=1,
+                                    eos_token_id=2, pad_token_id=0)),
     }[model_type]
     config = config_class(**common | own | overrides)
     torch.manual_seed(seed)

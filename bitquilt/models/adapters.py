@@ -12,21 +12,38 @@ through `post_norms` where the family normalises a branch's output first (Gemma 
 
 A family whose checkpoints fuse projections (Phi-3's `qkv_proj`, `gate_up_proj`) declares each `Fusion`: the model
 is split into the llama-like parts when it is loaded (`bitquilt.models.fused`), and every name here is a part's.
+
+A mixture-of-experts family declares its `Experts`: transformers holds them as 3D tensors, which loading splits into
+one module of linears per expert (`bitquilt.models.experts`). Its adapter names expert linears with an `{e}`
+placeholder; `architecture_of` expands it for the model's expert count (`Architecture.expanded`): a shared input whose
+producer is per expert becomes one per expert (down reads its own expert's product), one whose producer is shared
+(the norm before the MoE) holds every expert's linears, and the full-precision modules that read the same input (the
+router, `SharedInput.fp_readers`) take the scales folded into it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 from torch import nn
+
+
+EXPERT = "{e}"  # the expert index in the names of an MoE adapter's template (`Architecture.expanded`)
 
 
 @dataclass(frozen=True)
 class SharedInput:
     linears: tuple[str, ...]  # names relative to a decoder block
     prev: str  # module whose output is the group's input
+    fp_readers: tuple[str, ...] = ()  # full-precision modules with a `weight` reading that input too (MoE router)
+
+    def dense_reader(self) -> str:
+        """The module that reads every token of the input: the router where the linears are experts (each sees only
+        its tokens), else the first linear."""
+        return (self.fp_readers or self.linears)[0]
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,21 @@ def _qkv_rows(config: Any) -> tuple[int, ...]:
 
 def _gate_up_rows(config: Any) -> tuple[int, ...]:
     return config.intermediate_size, config.intermediate_size
+
+
+@dataclass(frozen=True)
+class Experts:
+    """Where an MoE block keeps its experts: `module` holds 3D tensors [experts, rows, in] (`gate_up_proj`: gate rows
+    then up rows; `down_proj`), split on load into `module.{e}.gate_proj`/`up_proj`/`down_proj`
+    (`bitquilt.models.experts`); `router` (its `weight` [experts, hidden]) picks each token's experts."""
+
+    count: Callable[[Any], int]  # experts per block, from the model config
+    width: Callable[[Any], int]  # an expert's intermediate size, from the model config
+    module: str = "mlp.experts"
+    router: str = "mlp.gate"
+    # the checkpoint's 3D tensor -> the per-expert linears it stacks, in row order
+    tensors: tuple[tuple[str, tuple[str, ...]], ...] = (("gate_up_proj", ("gate_proj", "up_proj")),
+                                                          ("down_proj", ("down_proj",)))
 
 
 PHI3_FUSIONS = (Fusion("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), _qkv_rows),
@@ -71,6 +103,7 @@ class Architecture:
     # gated MLP), so a permutation of its input columns folds into the producers' output rows
     elementwise_inputs: tuple[tuple[str, tuple[str, ...]], ...] = (("mlp.down_proj", ("mlp.gate_proj", "mlp.up_proj")),)
     fusions: tuple[Fusion, ...] = ()  # linears the checkpoint stores fused (split on load: `bitquilt.models.fused`)
+    experts: Experts | None = None  # an MoE family's experts (names hold `{e}` until `expanded`)
 
     def linear_names(self) -> tuple[str, ...]:
         return tuple(n for g in self.shared_inputs for n in g.linears)
@@ -79,6 +112,34 @@ class Architecture:
         """Shared inputs that read the (normalised) residual stream: their producer is a norm, not a linear."""
         linears = set(self.linear_names())
         return tuple(g for g in self.shared_inputs if g.prev not in linears)
+
+    def expanded(self, config: Any) -> Architecture:
+        """This adapter for a model of `config`: expert names (`{e}`) spelled out for each of its experts (module
+        docstring); the adapter itself for a dense family."""
+        return self if self.experts is None else _expanded(self, self.experts.count(config))
+
+
+def _at(names: tuple[str, ...], e: int) -> tuple[str, ...]:
+    return tuple(n.replace(EXPERT, str(e)) for n in names)
+
+
+def _each(names: tuple[str, ...], count: int) -> tuple[str, ...]:
+    """`names` with each name holding `{e}` repeated for experts 0..count−1, expert by expert."""
+    return tuple(n for e in range(count) for n in _at(names, e)) if any(EXPERT in n for n in names) else names
+
+
+@lru_cache(maxsize=32)
+def _expanded(arch: Architecture, count: int) -> Architecture:
+    groups: list[SharedInput] = []
+    for g in arch.shared_inputs:
+        if EXPERT in g.prev:  # each expert's own producer: one shared input per expert
+            groups += [replace(g, linears=_at(g.linears, e), prev=_at((g.prev,), e)[0]) for e in range(count)]
+        else:
+            groups.append(replace(g, linears=_each(g.linears, count)))
+    elementwise = tuple((_at((consumer,), e)[0], _at(producers, e)) for consumer, producers in arch.elementwise_inputs
+                        for e in (range(count) if EXPERT in consumer else (0,)))
+    return replace(arch, shared_inputs=tuple(groups), writers=_each(arch.writers, count),
+                   elementwise_inputs=elementwise)
 
 
 def _llama_like(name: str, model_types: tuple[str, ...], mlp_norm: str = "post_attention_layernorm", **kw):
@@ -95,6 +156,26 @@ def _llama_like(name: str, model_types: tuple[str, ...], mlp_norm: str = "post_a
     )
 
 
+def _moe(name: str, model_types: tuple[str, ...], experts: Experts) -> Architecture:
+    """A llama-like block whose MLP is a routed mixture of SiLU-gated experts (no shared expert)."""
+    gate, up, down = (f"{experts.module}.{EXPERT}.{n}" for n in ("gate_proj", "up_proj", "down_proj"))
+    return Architecture(
+        name=name,
+        model_types=model_types,
+        shared_inputs=(
+            SharedInput(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
+            SharedInput(("self_attn.o_proj",), "self_attn.v_proj"),
+            SharedInput((gate, up), "post_attention_layernorm", fp_readers=(experts.router,)),
+            SharedInput((down,), up),
+        ),
+        writers=("self_attn.o_proj", down),
+        elementwise_inputs=((down, (gate, up)),),
+        experts=experts,
+    )
+
+
+MIXTRAL_EXPERTS = Experts(count=lambda c: c.num_local_experts, width=lambda c: c.intermediate_size)
+
 ARCHITECTURES: tuple[Architecture, ...] = (
     _llama_like("llama", ("llama",)),
     _llama_like("mistral", ("mistral",)),
@@ -103,6 +184,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     _llama_like("gemma3", ("gemma3_text",), mlp_norm="pre_feedforward_layernorm", norm_offset=1.0,
                 post_norms=("post_attention_layernorm", "post_feedforward_layernorm")),
     _llama_like("phi3", ("phi3",), fusions=PHI3_FUSIONS),
+    _moe("mixtral", ("mixtral",), MIXTRAL_EXPERTS),
+    _moe("qwen3_moe", ("qwen3_moe",), Experts(count=lambda c: c.num_experts, width=lambda c: c.moe_intermediate_size)),
+    _moe("olmoe", ("olmoe",), MIXTRAL_EXPERTS),
 )
 
 
@@ -121,10 +205,11 @@ def architecture_for(model_type: str) -> Architecture | None:
 
 def architecture_of(model: nn.Module) -> Architecture:
     """The adapter for a transformers causal LM, or an error naming what is supported."""
-    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", type(model).__name__)
     arch = architecture_for(model_type)
     if arch is not None:
-        return arch
+        return arch.expanded(config)
     raise UnsupportedArchitecture(
         f"unsupported architecture {model_type!r}; supported model types: {', '.join(supported_model_types())}"
     )

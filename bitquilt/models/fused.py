@@ -8,6 +8,11 @@ names) and bitquilt's runtime then see a llama-like block. `fuse_parts` stacks t
 target reads the fused tensors (GGUF's phi3 `attn_qkv` and `ffn_up`, compressed-tensors' Phi-3 checkpoint): full-
 precision weights by row concatenation, packed formats by `concat_rows` (exact for formats that store rows apart, of
 one grid; anything else is refused).
+
+An MoE family's experts (3D tensors, `Architecture.experts`) are split the same way, each expert's rows of them
+becoming its own `gate_proj`/`up_proj`/`down_proj` inside a `bitquilt.models.experts.ExpertLinears`, which stands
+where the experts module was and computes what it computed. Both splits are row slices of a tensor viewed as
+[rows, in]; `fused_source` says which rows of which checkpoint tensor a part is, for streaming's reads.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from torch import nn
 
 from bitquilt.errors import UserError
 from bitquilt.formats.base import concat_rows
-from bitquilt.models.adapters import Architecture, Fusion, architecture_for, decoder_layers
+from bitquilt.models.adapters import Architecture, Experts, Fusion, architecture_for, decoder_layers
+from bitquilt.models.experts import Expert, ExpertLinears
 from bitquilt.nn.quant_linear import QuantLinear
 
 
@@ -44,6 +50,16 @@ def _fusions(model: nn.Module) -> tuple[Architecture | None, tuple[Fusion, ...]]
     return arch, arch.fusions if arch is not None else ()
 
 
+def _row_linear(weight: torch.Tensor, bias: torch.Tensor | None, requires_grad: bool) -> nn.Linear:
+    """An nn.Linear holding copies of `weight` [out, in] and `bias` (no initialisation run: built on meta)."""
+    with torch.device("meta"):
+        part = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
+    part.weight = nn.Parameter(weight.detach().clone(), requires_grad=requires_grad)
+    if bias is not None:
+        part.bias = nn.Parameter(bias.detach().clone(), requires_grad=requires_grad)
+    return part
+
+
 def _split(block: nn.Module, fusion: Fusion, config: Any) -> None:
     parent_name, _, fused_name = fusion.fused.rpartition(".")
     parent = block.get_submodule(parent_name)
@@ -56,22 +72,51 @@ def _split(block: nn.Module, fusion: Fusion, config: Any) -> None:
                         "is corrupt")
     biases = linear.bias.split(rows) if linear.bias is not None else [None] * len(rows)
     for name, weight, bias in zip(fusion.parts, linear.weight.split(rows), biases, strict=True):
-        with torch.device("meta"):
-            part = nn.Linear(linear.in_features, weight.shape[0], bias=bias is not None, dtype=weight.dtype)
-        part.weight = nn.Parameter(weight.detach().clone(), requires_grad=linear.weight.requires_grad)
-        if bias is not None:
-            part.bias = nn.Parameter(bias.detach().clone(), requires_grad=linear.bias.requires_grad)
-        setattr(parent, name.rpartition(".")[2], part)
+        setattr(parent, name.rpartition(".")[2], _row_linear(weight, bias, linear.weight.requires_grad))
     setattr(parent, fused_name, SplitLinear(parent, tuple(p.rpartition(".")[2] for p in fusion.parts)))
 
 
+def _expert_rows(experts: Experts, config: Any) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    """{an expert's linear: (the 3D tensor holding it, its index among that tensor's parts, each part's rows)}."""
+    width = experts.width(config)
+    rows = {"gate_up_proj": (width, width), "down_proj": (config.hidden_size,)}
+    return {part: (tensor, k, rows[tensor]) for tensor, parts in experts.tensors for k, part in enumerate(parts)}
+
+
+def _split_experts(block: nn.Module, experts: Experts, config: Any) -> None:
+    parent_name, _, name = experts.module.rpartition(".")
+    parent = block.get_submodule(parent_name)
+    stacked = getattr(parent, name)
+    if isinstance(stacked, ExpertLinears):
+        return
+    if not hasattr(stacked, "gate_up_proj"):
+        raise UserError(f"{type(block).__name__} has a dense MLP where its family has experts ({experts.module}: "
+                        f"{type(stacked).__name__}); MoE models whose blocks mix dense and routed MLPs (Qwen3-MoE's "
+                        "mlp_only_layers, decoder_sparse_step > 1) are not supported")
+    count = experts.count(config)
+    layout = _expert_rows(experts, config)
+    linears: list[dict[str, nn.Linear]] = [{} for _ in range(count)]
+    for part, (tensor, k, rows) in layout.items():
+        t = getattr(stacked, tensor)
+        if tuple(t.shape[:2]) != (count, sum(rows)):
+            raise UserError(f"{experts.module}.{tensor} has shape {tuple(t.shape)}, the config implies "
+                            f"({count}, {sum(rows)}, …); the model is corrupt")
+        for e in range(count):
+            linears[e][part] = _row_linear(t[e].split(rows)[k], None, t.requires_grad)
+    setattr(parent, name, ExpertLinears(Expert(**parts, act_fn=stacked.act_fn) for parts in linears))
+
+
 def split_fused(model: nn.Module) -> nn.Module:
-    """`model` with its fused projections split in place into the adapter's linears (module docstring); a model of
-    a family without fusions, or split already, is returned unchanged. Works on meta-device skeletons too."""
+    """`model` with its fused projections and its experts split in place into the adapter's linears (module
+    docstring); a model of a family without either, or split already, is returned unchanged. Works on meta-device
+    skeletons too."""
     arch, fusions = _fusions(model)
-    for block in decoder_layers(model, arch) if fusions else ():
+    experts = arch.experts if arch is not None else None
+    for block in decoder_layers(model, arch) if fusions or experts else ():
         for fusion in fusions:
             _split(block, fusion, model.config)
+        if experts is not None:
+            _split_experts(block, experts, model.config)
     return model
 
 
@@ -118,11 +163,12 @@ def fuse_parts(model: nn.Module) -> nn.Module:
     return model
 
 
-def fused_source(model: nn.Module, name: str) -> tuple[str, slice, int] | None:
-    """(the checkpoint's fused tensor, the rows of it that are the split tensor `name`, the rows it has in all) for a
-    part's weight or bias (`name`: its model-level name); None if `name` is no part of a fusion."""
+def fused_source(model: nn.Module, name: str) -> tuple[str, slice, tuple[int, ...]] | None:
+    """(the checkpoint tensor holding the split tensor `name` (a part's weight or bias, by its model-level name), the
+    rows of it, viewed as [rows, …the part's own trailing dims], that are `name`, its leading dims before those) for
+    a part of a fusion or an expert's linear; None if `name` is neither."""
     arch, fusions = _fusions(model)
-    prefix = f"{arch.layers}." if fusions else None
+    prefix = f"{arch.layers}." if arch is not None else None
     if prefix is None or not name.startswith(prefix):
         return None
     index, _, rest = name[len(prefix):].partition(".")
@@ -131,5 +177,15 @@ def fused_source(model: nn.Module, name: str) -> tuple[str, slice, int] | None:
         if module in fusion.parts:
             rows = fusion.rows(model.config)
             k = fusion.parts.index(module)
-            return f"{prefix}{index}.{fusion.fused}.{tensor}", slice(sum(rows[:k]), sum(rows[: k + 1])), sum(rows)
-    return None
+            return f"{prefix}{index}.{fusion.fused}.{tensor}", slice(sum(rows[:k]), sum(rows[: k + 1])), (sum(rows),)
+    experts = arch.experts
+    if experts is None or tensor != "weight" or not module.startswith(f"{experts.module}."):
+        return None
+    expert, _, part = module[len(experts.module) + 1:].partition(".")
+    layout = _expert_rows(experts, model.config)
+    if not expert.isdigit() or part not in layout:
+        return None
+    stacked, k, rows = layout[part]
+    first = int(expert) * sum(rows) + sum(rows[:k])
+    return (f"{prefix}{index}.{experts.module}.{stacked}", slice(first, first + rows[k]),
+            (experts.count(model.config), sum(rows)))

@@ -29,6 +29,7 @@ has, and nothing is left on disk.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from collections.abc import Callable
@@ -93,23 +94,28 @@ class TensorFiles:
             self._maps[e.path] = map_file(e.path)
         return tensor_view(self._maps[e.path], e.start, e.nbytes, e.dtype, e.shape)
 
-    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def read(self, name: str, dtype: torch.dtype | None = None, rows: slice | None = None,
+             row_shape: tuple[int, ...] = ()) -> torch.Tensor:
         """Tensor `name` in memory of its own, in its stored dtype or converted to `dtype` a chunk at a time (a bf16
-        LM head read as fp32 never holds both copies whole)."""
+        LM head read as fp32 never holds both copies whole); with `rows`, only those rows of it viewed as
+        [rows, *row_shape] (a fused part, an expert's slice of a 3D tensor), read alone from the file."""
         e = self.entries[name]
-        if dtype is None or dtype == e.dtype or not e.nbytes:
-            raw = torch.empty(e.nbytes, dtype=torch.uint8)
-            self._read_bytes(e, name, 0, raw)
-            return raw.view(e.dtype).reshape(e.shape).to(dtype or e.dtype)
-        out = torch.empty(e.shape, dtype=dtype).reshape(-1)
+        width = math.prod(row_shape)
+        first, shape = (0, e.shape) if rows is None else (rows.start * width, (rows.stop - rows.start, *row_shape))
+        numel = math.prod(shape)
         size = e.dtype.itemsize
+        if dtype is None or dtype == e.dtype or not numel:
+            raw = torch.empty(numel * size, dtype=torch.uint8)
+            self._read_bytes(e, name, first * size, raw)
+            return raw.view(e.dtype).reshape(shape).to(dtype or e.dtype)
+        out = torch.empty(numel, dtype=dtype)
         chunk = max(READ_CHUNK_BYTES // size, 1)
-        raw = torch.empty(min(chunk, out.numel()) * size, dtype=torch.uint8)
-        for first in range(0, out.numel(), chunk):
-            count = min(chunk, out.numel() - first)
-            self._read_bytes(e, name, first * size, raw[: count * size])
-            out[first: first + count] = raw[: count * size].view(e.dtype)
-        return out.reshape(e.shape)
+        raw = torch.empty(min(chunk, numel) * size, dtype=torch.uint8)
+        for start in range(0, numel, chunk):
+            count = min(chunk, numel - start)
+            self._read_bytes(e, name, (first + start) * size, raw[: count * size])
+            out[start: start + count] = raw[: count * size].view(e.dtype)
+        return out.reshape(shape)
 
     @staticmethod
     def _read_bytes(e: _Entry, name: str, offset: int, into: torch.Tensor) -> None:
@@ -193,19 +199,21 @@ class StreamingCheckpoint:
 
     def _read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Tensor `name` from the folder, checked against the `shape` the config implies; floating point ones in
-        `self.dtype` and finite; a part of a fused projection (`bitquilt.models.fused`) is its rows of the fused one."""
+        `self.dtype` and finite; a part of a fused projection or an expert's linear (`bitquilt.models.fused`) is its
+        rows of the checkpoint's tensor that holds it."""
         source = None if name in self.files else fused_source(self.model, name)
+        stored_name, stored_shape, rows = name, shape, None
         if source is not None:
-            fused, rows, total = source
-            return self._read(fused, (total, *shape[1:]))[rows].clone()
-        if name not in self.files:
-            raise UserError(f"{self.directory} has no tensor {name!r}; streaming reads checkpoints whose tensor "
+            stored_name, rows, lead = source
+            stored_shape = (*lead, *shape[1:])
+        if stored_name not in self.files:
+            raise UserError(f"{self.directory} has no tensor {stored_name!r}; streaming reads checkpoints whose tensor "
                             "names match the model's modules; quantize without --stream")
-        stored = self.files.entries[name]
-        if tuple(stored.shape) != tuple(shape):
-            raise UserError(f"{self.directory} is corrupt or was edited: tensor {name} has shape "
-                            f"{tuple(stored.shape)}, the config implies {tuple(shape)}")
-        t = self.files.read(name, self.dtype if stored.dtype.is_floating_point else None)
+        stored = self.files.entries[stored_name]
+        if tuple(stored.shape) != tuple(stored_shape):
+            raise UserError(f"{self.directory} is corrupt or was edited: tensor {stored_name} has shape "
+                            f"{tuple(stored.shape)}, the config implies {tuple(stored_shape)}")
+        t = self.files.read(stored_name, self.dtype if stored.dtype.is_floating_point else None, rows, shape[1:])
         if t.is_floating_point():
             if not all_finite(t):
                 raise UserError(f"parameter {name} contains NaN/Inf values; refusing to quantize a corrupted model")

@@ -112,7 +112,7 @@ def stratified_rows(errors: torch.Tensor, rows: int) -> tuple[torch.Tensor, torc
 def awq(ctx: BlockContext, opts: AWQOptions) -> dict[str, Any]:
     block = ctx.block
     foldable = [g for g in ctx.arch.shared_inputs if can_fold(block, g)]
-    first = {g.linears[0]: g for g in foldable}
+    first = {g.dense_reader(): g for g in foldable}  # an MoE's router: every token
     stats = collect_stats(block, list(first), ctx.inputs, ctx.kwargs)
     report = {}
     for name, shared in first.items():

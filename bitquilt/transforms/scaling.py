@@ -2,6 +2,8 @@
 
 For a shared input with producer `prev`, dividing prev's output channel c by s_c and
 multiplying column c of every consumer linear by s_c leaves the block's function unchanged.
+Full-precision readers of the same input (an MoE router, `SharedInput.fp_readers`) take the same
+column scale, so they still compute what they did (exactly, up to rounding) and stay unquantized.
 AWQ and SmoothQuant differ only in how they choose s.
 """
 
@@ -32,6 +34,6 @@ def fold_scales(block: nn.Module, arch: Architecture, shared: SharedInput, s: to
         w.copy_(((arch.norm_offset + w.float()) / s - arch.norm_offset).to(w.dtype))
         if getattr(prev, "bias", None) is not None:
             prev.bias.div_(s.to(prev.bias.dtype))
-    for name in shared.linears:
+    for name in (*shared.linears, *shared.fp_readers):
         lin = block.get_submodule(name)
         lin.weight.mul_(s.unsqueeze(0).to(lin.weight.dtype))

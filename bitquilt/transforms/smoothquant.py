@@ -73,7 +73,7 @@ def _crosses_online_transform(block: nn.Module, shared: SharedInput) -> bool:
 def smoothquant(ctx: BlockContext, opts: SmoothQuantOptions) -> dict[str, Any]:
     block, inputs, kwargs = ctx.block, ctx.inputs, ctx.kwargs
     foldable = [g for g in ctx.arch.shared_inputs if can_fold(block, g) and not _crosses_online_transform(block, g)]
-    first = {g.linears[0]: g for g in foldable}
+    first = {g.dense_reader(): g for g in foldable}  # an MoE's router: every token
     stats = collect_stats(block, list(first), inputs, kwargs, hessian=False)  # ranges only
     samples = sample_inputs(block, list(first), inputs, kwargs, opts.max_tokens) if opts.alpha is None else {}
     report = {}
