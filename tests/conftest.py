@@ -95,8 +95,15 @@ TINY_GEMMA = dict(layer_types=["full_attention", "sliding_attention", "sliding_a
 def make_tiny(model_type: str = "llama", seed: int = 0, **overrides):
     """A random 2-layer model of the given family (fast engine/io tests for every adapter); `overrides`: config
     values that replace the tiny ones."""
-    from transformers import Gemma3TextConfig, MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config, Qwen3Config, \
-        Qwen3MoeConfig
+    from transformers import (
+        Gemma3TextConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

@@ -30,7 +30,6 @@ from typing import Any
 
 from torch import nn
 
-
 EXPERT = "{e}"  # the expert index in the names of an MoE adapter's template (`Architecture.expanded`)
 
 

@@ -32,7 +32,7 @@ class Expert(nn.Module):
 
 class ExpertLinears(nn.ModuleList):
     """The experts of one MoE block, expert e at index e (`mlp.experts.{e}.gate_proj`, ...), called as transformers
-    calls its experts module: (hidden states [tokens, hidden], chosen experts [tokens, k], their weights [tokens, k])."""
+    calls its experts module: (hidden states [tokens, hidden], chosen experts [tokens, k], their weights)."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
