@@ -79,6 +79,11 @@ class Experts:
     tensors: tuple[tuple[str, tuple[str, ...]], ...] = (("gate_up_proj", ("gate_proj", "up_proj")),
                                                           ("down_proj", ("down_proj",)))
 
+    def rows(self, config: Any) -> dict[str, tuple[int, ...]]:
+        """{3D tensor: the rows of each linear it stacks, per expert}."""
+        width = self.width(config)
+        return {"gate_up_proj": (width, width), "down_proj": (config.hidden_size,)}
+
 
 PHI3_FUSIONS = (Fusion("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), _qkv_rows),
                 Fusion("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), _gate_up_rows))
@@ -141,36 +146,28 @@ def _expanded(arch: Architecture, count: int) -> Architecture:
                    elementwise_inputs=elementwise)
 
 
-def _llama_like(name: str, model_types: tuple[str, ...], mlp_norm: str = "post_attention_layernorm", **kw):
-    return Architecture(
-        name=name,
-        model_types=model_types,
-        shared_inputs=(
-            SharedInput(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
-            SharedInput(("self_attn.o_proj",), "self_attn.v_proj"),
-            SharedInput(("mlp.gate_proj", "mlp.up_proj"), mlp_norm),
-            SharedInput(("mlp.down_proj",), "mlp.up_proj"),
-        ),
-        **kw,
+def _llama_inputs(mlp_norm: str, mlp: str = "mlp", expert: str = "", router: tuple[str, ...] = ()):
+    """q/k/v, o, gate/up and down, llama's four shared inputs; `expert`: the gated MLP's linears are those of each
+    expert of `mlp` (`mlp.{e}.gate_proj`, ...), whose full-precision `router` reads the norm too."""
+    gate, up, down = (f"{mlp}{expert}.{n}" for n in ("gate_proj", "up_proj", "down_proj"))
+    shared_inputs = (
+        SharedInput(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
+        SharedInput(("self_attn.o_proj",), "self_attn.v_proj"),
+        SharedInput((gate, up), mlp_norm, fp_readers=router),
+        SharedInput((down,), up),
     )
+    return dict(shared_inputs=shared_inputs, writers=("self_attn.o_proj", down),
+                elementwise_inputs=((down, (gate, up)),))
+
+
+def _llama_like(name: str, model_types: tuple[str, ...], mlp_norm: str = "post_attention_layernorm", **kw):
+    return Architecture(name=name, model_types=model_types, **_llama_inputs(mlp_norm), **kw)
 
 
 def _moe(name: str, model_types: tuple[str, ...], experts: Experts) -> Architecture:
-    """A llama-like block whose MLP is a routed mixture of SiLU-gated experts (no shared expert)."""
-    gate, up, down = (f"{experts.module}.{EXPERT}.{n}" for n in ("gate_proj", "up_proj", "down_proj"))
-    return Architecture(
-        name=name,
-        model_types=model_types,
-        shared_inputs=(
-            SharedInput(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
-            SharedInput(("self_attn.o_proj",), "self_attn.v_proj"),
-            SharedInput((gate, up), "post_attention_layernorm", fp_readers=(experts.router,)),
-            SharedInput((down,), up),
-        ),
-        writers=("self_attn.o_proj", down),
-        elementwise_inputs=((down, (gate, up)),),
-        experts=experts,
-    )
+    """A llama-like block whose MLP is a routed mixture of gated experts (no shared expert)."""
+    return Architecture(name=name, model_types=model_types, experts=experts,
+                        **_llama_inputs("post_attention_layernorm", experts.module, f".{EXPERT}", (experts.router,)))
 
 
 MIXTRAL_EXPERTS = Experts(count=lambda c: c.num_local_experts, width=lambda c: c.intermediate_size)

@@ -60,10 +60,15 @@ def _row_linear(weight: torch.Tensor, bias: torch.Tensor | None, requires_grad: 
     return part
 
 
-def _split(block: nn.Module, fusion: Fusion, config: Any) -> None:
-    parent_name, _, fused_name = fusion.fused.rpartition(".")
+def _held(block: nn.Module, name: str) -> tuple[nn.Module, str, nn.Module]:
+    """(the parent of module `name` of `block`, the module's own name, the module)."""
+    parent_name, _, own = name.rpartition(".")
     parent = block.get_submodule(parent_name)
-    linear = getattr(parent, fused_name)
+    return parent, own, getattr(parent, own)
+
+
+def _split(block: nn.Module, fusion: Fusion, config: Any) -> None:
+    parent, fused_name, linear = _held(block, fusion.fused)
     if isinstance(linear, SplitLinear):
         return
     rows = fusion.rows(config)
@@ -78,15 +83,12 @@ def _split(block: nn.Module, fusion: Fusion, config: Any) -> None:
 
 def _expert_rows(experts: Experts, config: Any) -> dict[str, tuple[str, int, tuple[int, ...]]]:
     """{an expert's linear: (the 3D tensor holding it, its index among that tensor's parts, each part's rows)}."""
-    width = experts.width(config)
-    rows = {"gate_up_proj": (width, width), "down_proj": (config.hidden_size,)}
+    rows = experts.rows(config)
     return {part: (tensor, k, rows[tensor]) for tensor, parts in experts.tensors for k, part in enumerate(parts)}
 
 
 def _split_experts(block: nn.Module, experts: Experts, config: Any) -> None:
-    parent_name, _, name = experts.module.rpartition(".")
-    parent = block.get_submodule(parent_name)
-    stacked = getattr(parent, name)
+    parent, name, stacked = _held(block, experts.module)
     if isinstance(stacked, ExpertLinears):
         return
     if not hasattr(stacked, "gate_up_proj"):
