@@ -453,7 +453,8 @@ def cmd_quantize(args) -> int:
                "head_bits": recipe.head_bits, **({"gguf_type": recipe.gguf_type} if recipe.gguf_type else {}),
                **model_summary(model),
                "quant_time_s": report.total_seconds, "peak_rss_mb": report.peak_rss_mb,
-               **({"calibration": compute_summary(report.compute)} if recipe.needs_calibration else {})}
+               **({"calibration": compute_summary(report.compute)} if recipe.needs_calibration else {}),
+               **rare_expert_summary(report)}
     if args.json:
         print_json(summary)
     else:
@@ -467,6 +468,13 @@ def method_summary(recipe: Recipe, report: Any) -> str:
     method = recipe.method + (f"+{recipe.residual}" if recipe.residual else "")
     layers = (report.stages.get("dynamic_a8") or {}).get("layers")
     return method + (f" (a8 layers {','.join(map(str, layers))})" if layers else "")
+
+
+def rare_expert_summary(report: Any) -> dict[str, int]:
+    """{"rare_expert_linears": n} when the solver blended the statistics of n MoE expert linears that saw too few
+    calibration tokens (`bitquilt.calib.experts`), else nothing."""
+    count = sum(len(rare) for rare in (report.stages.get("solve") or {}).values())
+    return {"rare_expert_linears": count} if count else {}
 
 
 def compute_summary(compute: dict[str, str]) -> str:

@@ -11,6 +11,7 @@ import torch
 
 from bitquilt.calib.capture import collect_stats
 from bitquilt.calib.compute import compute_dtype
+from bitquilt.calib.experts import fill_rare
 from bitquilt.calib.report import LinearReport
 from bitquilt.calib.stages import BlockContext, ModelContext, register_stage
 from bitquilt.heap import return_free_memory
@@ -96,9 +97,11 @@ def solve_linear(ctx: BlockContext, name: str, solver, options, stats: LinearSta
 
 @register_stage("solve", scope="inputs", kind="solve", options=SolveOptions, needs_calibration=False)
 @torch.no_grad()
-def solve(ctx: BlockContext, opts: SolveOptions) -> None:
+def solve(ctx: BlockContext, opts: SolveOptions) -> dict[str, Any] | None:
     """Collect the shared input's statistics once (if any linear's solver options need them) and solve
-    each planned linear reading it, with the recipe's solver options updated by the linear's plan params."""
+    each planned linear reading it, with the recipe's solver options updated by the linear's plan params. MoE
+    expert linears that saw fewer tokens than their inputs get blended statistics (`bitquilt.calib.experts`),
+    reported as {name: tokens it saw} (the report's stages["solve"][block])."""
     names = [n for n in ctx.linears if ctx.plan.weight(ctx.full(n)) is not None]
     if not names:
         return
@@ -107,10 +110,30 @@ def solve(ctx: BlockContext, opts: SolveOptions) -> None:
     residual = opts.residual_method()
     wanted = (any(solver.wants_stats(o) for o in options.values())
               or (residual is not None and residual[1].needs_hessian))
-    stats = collect_stats(ctx.block, names, ctx.inputs, ctx.kwargs) if wanted else {}
+    experts = expert_linears(ctx, names) if wanted else {}
+    dense = next((g.dense_reader() for g in ctx.arch.shared_inputs if g.linears == ctx.linears and g.fp_readers),
+                 None) if experts else None
+    stats = collect_stats(ctx.block, names + [dense] * (dense is not None), ctx.inputs, ctx.kwargs) if wanted else {}
     # the passes' per-window buffers (below glibc's mmap threshold) stay in the heap once freed: give them back
     # before the solver makes its n × n copies of the Hessian (docs/memory.md)
     return_free_memory()
-    warn_if_underdetermined(stats, ctx.prefix, ctx.scratch.setdefault("underdetermined_widths", set()))
+    rare = fill_rare(stats, experts, stats.pop(dense, None)) if experts else {}
+    warn_if_underdetermined({n: s for n, s in stats.items() if n not in rare}, ctx.prefix,
+                            ctx.scratch.setdefault("underdetermined_widths", set()))
+    if rare and not ctx.scratch.get("rare_experts_warned"):
+        ctx.scratch["rare_experts_warned"] = True
+        name, tokens = next(iter(rare.items()))
+        log.warning("%s.%s saw %d calibration tokens, fewer than its inputs: its statistics, and those of every expert "
+                    "linear that saw too few, are blended with a prior (docs/families.md#mixture-of-experts); the "
+                    "run's summary counts them", ctx.prefix, name, tokens)
     for n in names:
         ctx.results.append(solve_linear(ctx, n, solver, options[n], stats.get(n), residual))
+    return rare or None
+
+
+def expert_linears(ctx: BlockContext, names: list[str]) -> dict[str, int]:
+    """{name: in_features} of the linears of `names` that belong to an MoE expert (`Architecture.experts`)."""
+    if ctx.arch.experts is None:
+        return {}
+    inside = f"{ctx.arch.experts.module}."
+    return {n: ctx.block.get_submodule(n).in_features for n in names if n.startswith(inside)}
