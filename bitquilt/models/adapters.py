@@ -128,8 +128,9 @@ def _at(names: tuple[str, ...], e: int) -> tuple[str, ...]:
 
 
 def _each(names: tuple[str, ...], count: int) -> tuple[str, ...]:
-    """`names` with each name holding `{e}` repeated for experts 0..count−1, expert by expert."""
-    return tuple(n for e in range(count) for n in _at(names, e)) if any(EXPERT in n for n in names) else names
+    """The names of `names` without `{e}`, then those with it for experts 0..count−1, expert by expert."""
+    per_expert = tuple(n for n in names if EXPERT in n)
+    return tuple(n for n in names if EXPERT not in n) + tuple(n for e in range(count) for n in _at(per_expert, e))
 
 
 @lru_cache(maxsize=32)

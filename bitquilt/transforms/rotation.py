@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from bitquilt.calib.stages import ModelContext, register_stage
-from bitquilt.models.adapters import Architecture, decoder_layers
+from bitquilt.models.adapters import Architecture, SharedInput, decoder_layers
 from bitquilt.nn.hadamard import hadamard_transform, random_signs
 from bitquilt.nn.online import attach, enable_attention_site
 from bitquilt.nn.rotation import HadamardRotation, QKRotation, RotatedScale
@@ -80,6 +80,11 @@ def _linear(root: nn.Module, name: str) -> nn.Linear:
     if type(lin) is not nn.Linear:
         raise ValueError(f"{name} is a {type(lin).__name__}; rotations must run on the full-precision model")
     return lin
+
+
+def _readers(block: nn.Module, shared: SharedInput) -> list[nn.Module]:
+    """The linears of `shared` and its full-precision readers (an MoE router: its `weight` [experts, hidden])."""
+    return [_linear(block, n) for n in shared.linears] + [block.get_submodule(n) for n in shared.fp_readers]
 
 
 def is_tied(model: nn.Module, arch: Architecture) -> bool:
@@ -123,8 +128,8 @@ def fuse_block_norms(block: nn.Module, arch: Architecture) -> None:
     """Fold the scale of every norm of `block` that feeds linears into them."""
     for g in arch.residual_readers():
         scale = take_norm_scale(block.get_submodule(g.prev), arch.norm_offset)
-        for n in g.linears:
-            scale_columns(_linear(block, n), scale)
+        for lin in _readers(block, g):
+            scale_columns(lin, scale)
 
 
 @torch.no_grad()
@@ -141,8 +146,7 @@ def rotate_block_residual(block: nn.Module, arch: Architecture, signs: torch.Ten
     """x → x Q on `block`'s readers and writers of the residual stream (its norms fused first); `signs` =
     random_signs(d, seed)."""
     for g in arch.residual_readers():
-        for n in g.linears:
-            lin = _linear(block, n)
+        for lin in _readers(block, g):
             _set(lin.weight, _times(lin.weight, signs))
     for i, n in enumerate(arch.writers):
         if arch.post_norms:
