@@ -307,6 +307,7 @@ def export(saved: str | Path, output: str | Path, to: str = "gguf", overwrite: b
     if to != "gguf" and tokenizer_from is not None:
         raise UserError(f"--tokenizer-from (tokenizer_from) applies to GGUF exports; a {to} export copies the saved "
                         "tokenizer files")
+    refuse_moe_export(Path(saved).expanduser(), to)
     if to == "compressed-tensors":
         from bitquilt.export.compressed_tensors import export_compressed_tensors
 
@@ -318,6 +319,21 @@ def export(saved: str | Path, output: str | Path, to: str = "gguf", overwrite: b
     from bitquilt.export.gguf import export_gguf
 
     return export_gguf(saved, output, overwrite=overwrite, tokenizer_from=tokenizer_from, progress=progress)
+
+
+def refuse_moe_export(saved: Path, to: str) -> None:
+    """UserError if `saved` holds a mixture-of-experts model: no export writes routed experts yet (GGUF's and
+    compressed-tensors' expert tensors, the standalone runtime's routing)."""
+    if not is_quantized_dir(saved):
+        return  # the exporter names what it reads
+    from bitquilt.io import saved_config
+
+    model_type = saved_config(saved).get("model_type")
+    arch = architecture_for(model_type)
+    if arch is not None and arch.experts is not None:
+        raise UserError(f"cannot export {saved} to {to}: it is a mixture-of-experts model ({model_type}) and no "
+                        "bitquilt export writes routed experts yet; run it with `bitquilt eval` / `generate` "
+                        "(transformers runtime) instead")
 
 
 def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, overwrite: bool = False) -> Path:

@@ -79,6 +79,10 @@ class Experts:
     tensors: tuple[tuple[str, tuple[str, ...]], ...] = (("gate_up_proj", ("gate_proj", "up_proj")),
                                                           ("down_proj", ("down_proj",)))
 
+    # (ours, the checkpoint's): renames taking a name inside the MoE block to the family's per-expert checkpoint
+    # layout (what its Hub checkpoints and transformers' save_pretrained write), applied in order
+    renames: tuple[tuple[str, str], ...] = ()
+
     def rows(self, config: Any) -> dict[str, tuple[int, ...]]:
         """{3D tensor: the rows of each linear it stacks, per expert}."""
         width = self.width(config)
@@ -171,7 +175,10 @@ def _moe(name: str, model_types: tuple[str, ...], experts: Experts) -> Architect
                         **_llama_inputs("post_attention_layernorm", experts.module, f".{EXPERT}", (experts.router,)))
 
 
-MIXTRAL_EXPERTS = Experts(count=lambda c: c.num_local_experts, width=lambda c: c.intermediate_size)
+MIXTRAL_EXPERTS = Experts(count=lambda c: c.num_local_experts, width=lambda c: c.intermediate_size,
+                          renames=((".mlp.", ".block_sparse_moe."), (".gate_proj.", ".w1."), (".up_proj.", ".w3."),
+                                   (".down_proj.", ".w2.")))
+OLMOE_EXPERTS = Experts(count=lambda c: c.num_experts, width=lambda c: c.intermediate_size)
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     _llama_like("llama", ("llama",)),
@@ -183,7 +190,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     _llama_like("phi3", ("phi3",), fusions=PHI3_FUSIONS),
     _moe("mixtral", ("mixtral",), MIXTRAL_EXPERTS),
     _moe("qwen3_moe", ("qwen3_moe",), Experts(count=lambda c: c.num_experts, width=lambda c: c.moe_intermediate_size)),
-    _moe("olmoe", ("olmoe",), MIXTRAL_EXPERTS),
+    _moe("olmoe", ("olmoe",), OLMOE_EXPERTS),
 )
 
 

@@ -165,6 +165,18 @@ def fuse_parts(model: nn.Module) -> nn.Module:
     return model
 
 
+def checkpoint_name(model: nn.Module, name: str) -> str | None:
+    """The name tensor `name` (model-level) has in its family's per-expert checkpoint layout (Mixtral's
+    `block_sparse_moe.experts.{e}.w1`, ...; `Experts.renames`), None outside an MoE block or where it is the same."""
+    arch = architecture_for(getattr(getattr(model, "config", None), "model_type", None))
+    if arch is None or arch.experts is None or f".{arch.experts.module.split('.')[0]}." not in name:
+        return None
+    renamed = name
+    for ours, theirs in arch.experts.renames:
+        renamed = renamed.replace(ours, theirs)
+    return renamed if renamed != name else None
+
+
 def fused_source(model: nn.Module, name: str) -> tuple[str, slice, tuple[int, ...]] | None:
     """(the checkpoint tensor holding the split tensor `name` (a part's weight or bias, by its model-level name), the
     rows of it, viewed as [rows, …the part's own trailing dims], that are `name`, its leading dims before those) for

@@ -44,7 +44,7 @@ from bitquilt.errors import UserError
 from bitquilt.heap import return_free_memory
 from bitquilt.mapped import map_file, release, tensor_view
 from bitquilt.models.adapters import architecture_of, decoder_layers
-from bitquilt.models.fused import fused_source, split_fused
+from bitquilt.models.fused import checkpoint_name, fused_source, split_fused
 from bitquilt.models.loading import TOKENIZER_FILES, _load_tokenizer, checked_config, empty_model
 from bitquilt.nn.finite import all_finite
 from bitquilt.nn.quant_linear import QuantLinear
@@ -201,11 +201,12 @@ class StreamingCheckpoint:
         """Tensor `name` from the folder, checked against the `shape` the config implies; floating point ones in
         `self.dtype` and finite; a part of a fused projection or an expert's linear (`bitquilt.models.fused`) is its
         rows of the checkpoint's tensor that holds it."""
-        source = None if name in self.files else fused_source(self.model, name)
         stored_name, stored_shape, rows = name, shape, None
+        source = None if self._stored(name) else fused_source(self.model, name)
         if source is not None:
             stored_name, rows, lead = source
             stored_shape = (*lead, *shape[1:])
+        stored_name = self._stored(stored_name) or stored_name
         if stored_name not in self.files:
             raise UserError(f"{self.directory} has no tensor {stored_name!r}; streaming reads checkpoints whose tensor "
                             "names match the model's modules; quantize without --stream")
@@ -218,6 +219,11 @@ class StreamingCheckpoint:
             if not all_finite(t):
                 raise UserError(f"parameter {name} contains NaN/Inf values; refusing to quantize a corrupted model")
         return t
+
+    def _stored(self, name: str) -> str | None:
+        """The folder's name for tensor `name`: its own, or its name in the family's per-expert checkpoint layout
+        (`bitquilt.models.fused.checkpoint_name`); None if the folder has neither."""
+        return next((n for n in (name, checkpoint_name(self.model, name)) if n is not None and n in self.files), None)
 
     def _materialize(self, root: nn.Module, prefix: str, skip: tuple[str, ...] = ()) -> None:
         """Read every tensor of `root` still on the meta device (its model-level name is `prefix` + its own),
@@ -242,7 +248,7 @@ class StreamingCheckpoint:
         replaces them)."""
         layer, prefix = self.layers[index], f"{self.arch.layers}.{index}."
         for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
-            if prefix + name in self.files or fused_source(self.model, prefix + name) is not None:
+            if self._stored(prefix + name) or fused_source(self.model, prefix + name) is not None:
                 _put(layer, name, torch.empty(t.shape, dtype=t.dtype, device="meta"), t.requires_grad)
         layer.forward = _identity
         return_free_memory()
