@@ -60,11 +60,11 @@ def _row_linear(weight: torch.Tensor, bias: torch.Tensor | None, requires_grad: 
     return part
 
 
-def _held(block: nn.Module, name: str) -> tuple[nn.Module, str, nn.Module]:
-    """(the parent of module `name` of `block`, the module's own name, the module)."""
+def _held(block: nn.Module, name: str) -> tuple[nn.Module, str, nn.Module | None]:
+    """(the parent of module `name` of `block`, the module's own name, the module or None if it has none)."""
     parent_name, _, own = name.rpartition(".")
     parent = block.get_submodule(parent_name)
-    return parent, own, getattr(parent, own)
+    return parent, own, getattr(parent, own, None)
 
 
 def _split(block: nn.Module, fusion: Fusion, config: Any) -> None:
@@ -93,7 +93,7 @@ def _split_experts(block: nn.Module, experts: Experts, config: Any) -> None:
         return
     if not hasattr(stacked, "gate_up_proj"):
         raise UserError(f"{type(block).__name__} has a dense MLP where its family has experts ({experts.module}: "
-                        f"{type(stacked).__name__}); MoE models whose blocks mix dense and routed MLPs (Qwen3-MoE's "
+                        f"{type(parent).__name__}); MoE models whose blocks mix dense and routed MLPs (Qwen3-MoE's "
                         "mlp_only_layers, decoder_sparse_step > 1) are not supported")
     count = experts.count(config)
     layout = _expert_rows(experts, config)
