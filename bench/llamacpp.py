@@ -144,7 +144,9 @@ def speed(gguf: str, prompt: list[int], new_tokens: int, threads: int, vocab_siz
     n = len(prompt)
     t0 = time.perf_counter()
     batch = max(n, 512)  # the whole prompt in one batch (llama.cpp's default is 2048 / ubatch 512)
-    srv = server(gguf, threads, n_ctx=n + new_tokens + 8, n_batch=batch, n_ubatch=batch)
+    # swa_full: a sliding-window model (Gemma 3) keeps every position's keys, as bitquilt does, so that request 2
+    # reuses the prompt's cache (a window-sized cache cannot be reused there); no change for other models
+    srv = server(gguf, threads, n_ctx=n + new_tokens + 8, n_batch=batch, n_ubatch=batch, swa_full=True)
     load_s = time.perf_counter() - t0
     greedy = {"temperature": 0, "ignore_eos": True, "cache_prompt": True}
     complete(srv, {**greedy, "prompt": warmup_prompt(prompt, vocab_size), "n_predict": 2})

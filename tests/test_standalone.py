@@ -10,7 +10,7 @@ from array import array
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny
+from conftest import TINY_GEMMA, make_tiny
 
 from bitquilt.api import export, quantize, save
 from bitquilt.errors import UserError
@@ -25,7 +25,7 @@ from bitquilt.runtime.standalone.model import FILE, StandaloneModel, set_isa, se
 
 
 def _saved(tmp_path, model_type: str, recipe: Recipe):
-    model = make_tiny(model_type)
+    model = make_tiny(model_type, **TINY_GEMMA if model_type == "gemma3_text" else {})
     ids = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(2))
     quantize(model, recipe, ids)
     save(model, tmp_path / "saved")
@@ -46,12 +46,18 @@ def _reference(saved, monkeypatch, standalone: StandaloneModel, avg_bits: float 
     model, _ = load_quantized(saved, runtime="bitquilt")
     if avg_bits is not None:
         set_precision(model, avg_bits)
+    def tables(name: str) -> tuple[torch.Tensor, torch.Tensor]:  # the C tables: fp32 angles, cos and sin in double
+        angles = torch.arange(standalone.max_len, dtype=torch.float32)[:, None] * \
+            torch.tensor(np.asarray(standalone.tensors[name].values()))[None]
+        angles = torch.cat([angles, angles], 1).double()
+        return angles.cos().float()[None], angles.sin().float()[None]
+
     cos, sin = (torch.tensor(np.asarray(t))[None] for t in standalone.rope())
-    angles = torch.arange(standalone.max_len, dtype=torch.float32)[:, None] * \
-        torch.tensor(np.asarray(standalone.tensors["rope.inv_freq"].values()))[None]
-    angles = torch.cat([angles, angles], 1).double()  # the C tables: fp32 angles, cos and sin in double
-    assert torch.equal(cos[0], angles.cos().float()) and torch.equal(sin[0], angles.sin().float())
-    monkeypatch.setattr(model.model.rotary_emb, "forward", lambda x, positions: (cos, sin))
+    by_type = {None: tables("rope.inv_freq"), "full_attention": tables("rope.inv_freq")}
+    assert torch.equal(cos, by_type[None][0]) and torch.equal(sin, by_type[None][1])
+    if "rope.sliding_attention.inv_freq" in standalone.tensors:  # gemma3's sliding layers
+        by_type["sliding_attention"] = tables("rope.sliding_attention.inv_freq")
+    monkeypatch.setattr(model.model.rotary_emb, "forward", lambda x, positions, layer_type=None: by_type[layer_type])
     decoder = LeanDecoder(model, standalone.max_len)
     assert decoder.fused is not None, decoder.fused_reason
     return decoder
@@ -62,7 +68,8 @@ def _reference(saved, monkeypatch, standalone: StandaloneModel, avg_bits: float 
     ("llama", Recipe("rtn", w_bits=4, group_size=64, head_bits=8), {"q4", "u8"}),
     ("qwen2", Recipe("rtn", w_bits=4, group_size=64), {"q4", "dense"}),
     ("qwen3", Recipe("rtn", w_bits=2, group_size=64, head_bits=4), {"q4"}),
-], ids=["llama-w4-head8", "qwen2-w4-biases", "qwen3-w2-head4-qknorms"])
+    ("gemma3_text", Recipe("rtn", w_bits=4, group_size=64, head_bits=8), {"q4", "u8"}),
+], ids=["llama-w4-head8", "qwen2-w4-biases", "qwen3-w2-head4-qknorms", "gemma3-w4-head8"])
 def test_standalone_runs_the_fused_int8_runtimes_layers_bit_for_bit(tmp_path, monkeypatch, widest_path, int8_on,
                                                                     model_type, recipe, kinds, isa):
     if isa not in ("widest", *q4_int8.supported_isas()):
@@ -93,7 +100,8 @@ def test_standalone_runs_the_fused_int8_runtimes_layers_bit_for_bit(tmp_path, mo
     assert greedy.new_ids == tokens
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # 2 query heads per KV head; qwen3: q/k norms too
+# 2 query heads per KV head; qwen3: q/k norms too; gemma3: windows of 5 across the prompt's blocks
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text"])
 def test_a_long_prompt_in_blocks_gives_the_token_by_token_results(tmp_path, monkeypatch, int8_on, model_type):
     """A 500-token prompt crosses the runner's prompt passes (256 tokens) and many attention blocks (16 queries):
     in one call, or in two at a position that is no block boundary, it leaves the caches and logits of the torch

@@ -20,12 +20,15 @@ holds one copy of each weight (the file's pages). `standalone.safetensors` holds
   "bitquilt.runtime.standalone" is JSON: the dimensions, each linear's kind and shape, what the embedding reads.
   A routed model also holds its routers' curve, `routing.curve` (mean bits per weight at each threshold of
   `routing.taus`, fp32), from which the runtimes set one threshold for an average of bits (`--avg-bits`), and is
-  format 4 (`FORMAT_VERSIONS`); any other model is format 3, as before.
+  format 4 (`FORMAT_VERSIONS`); a Gemma 3 model is format 5: its metadata adds the layer types, sliding window,
+  activation, embedding scale and logit cap, its file the sliding layers' `rope.sliding_attention.inv_freq` and the
+  pre- and post-feedforward norms; any other model is format 3, as before. Every norm is written as the vector it
+  multiplies by (Gemma's 1 + w).
 
 4/2- and 8-bit weights and routed slices run on int8-rounded activations (the bitquilt runtime's
 `--int8-activations` engine; the slices through the same kernel and routing code as the fused torch runtime), so the
 standalone runtime computes what `bitquilt generate --int8-activations` does, in another fp32 order.
-Exportable: llama, mistral, qwen2, qwen3 and phi3 models (phi3 in its split layout, RoPE over whole heads: not a
+Exportable: llama, mistral, qwen2, qwen3, gemma3 and phi3 models (phi3 in its split layout, RoPE over whole heads: not a
 partial rotary factor) whose linears are uniform 4- or 2-bit grids (width and groups multiples of 64 columns, fp16
 scales, no act-order g_idx), uniform 8-bit grids (multiples of 32), full precision, or (decoder layers) MoBiQuant
 slices with their routers, with no other online modules; the rest is refused with one line naming the first layer.
@@ -62,11 +65,14 @@ from bitquilt.kernels import cpu, q4_int8, uniform8
 from bitquilt.nn import online
 from bitquilt.nn.slice_router import TAU_GRID, has_routers, model_curve
 from bitquilt.runtime.module_tree import ModuleTreeConfig, ModuleTreeLM, inverse_frequencies, rotary_dim
-from bitquilt.runtime.standalone.model import FILE, FORMAT_VERSIONS, METADATA_KEY, PROJECTIONS
+from bitquilt.runtime.standalone.model import FILE, METADATA_KEY, PROJECTIONS
 from bitquilt.runtime.tokenizer import TOKENIZER_FILE, FastTokenizer
 
 log = logging.getLogger(__name__)
 
+# a layer's norms, those it has written as the vectors they multiply by
+NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
+         "self_attn.q_norm", "self_attn.k_norm")
 EXPORTABLE = ("uniform 4- and 2-bit grids (width and groups multiples of 64 columns, no act-order), uniform 8-bit "
               "grids (multiples of 32), linears in full precision and routed MoBiQuant slices")
 SLICE_FORMATS = (BitplaneFormat, UniformFormat)  # what a slice may be: the lookup-table kernel packs both
@@ -168,6 +174,11 @@ def _linear(tensors: dict[str, torch.Tensor], name: str, module: nn.Module) -> d
     return {**entry, "out": shape[0], "in": shape[1], "bias": bias is not None}
 
 
+def _norm_vector(norm: nn.Module) -> torch.Tensor:
+    """What an RMSNorm multiplies by: its weight plus the family's offset (Gemma's 1 + w), fp32."""
+    return (norm.weight.detach().float() + norm.offset).contiguous()
+
+
 def _same_table(embedding: nn.Module, head: nn.Module) -> bool:
     """Whether the embedding reads the head's own weight (tied): the same format or the same tensor."""
     fmt = getattr(embedding, "fmt", None)
@@ -183,31 +194,31 @@ def standalone_tensors(model: ModuleTreeLM) -> tuple[dict[str, torch.Tensor], di
     config = model.config
     tensors: dict[str, torch.Tensor] = {}
     linears: dict[str, Any] = {}
-    layers = []
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}"
         for proj in PROJECTIONS:
             linears[f"{prefix}.{proj}"] = _linear(tensors, f"{prefix}.{proj}", layer.get_submodule(proj))
-        norms = {"input_layernorm": layer.input_layernorm, "post_attention_layernorm": layer.post_attention_layernorm}
-        if hasattr(layer.self_attn, "q_norm"):
-            norms.update({"self_attn.q_norm": layer.self_attn.q_norm, "self_attn.k_norm": layer.self_attn.k_norm})
-        for norm_name, norm in norms.items():
-            tensors[f"{prefix}.{norm_name}.weight"] = norm.weight.detach().float().contiguous()
-        layers.append(sorted(norms))
-    tensors["model.norm.weight"] = model.model.norm.weight.detach().float().contiguous()
+        modules = dict(layer.named_modules())
+        for name in NORMS:
+            if name in modules:
+                tensors[f"{prefix}.{name}.weight"] = _norm_vector(modules[name])
+    tensors["model.norm.weight"] = _norm_vector(model.model.norm)
     linears["lm_head"] = _linear(tensors, "lm_head", model.lm_head)
     embedding = model.model.embed_tokens
     embed = "lm_head" if _same_table(embedding, model.lm_head) else "model.embed_tokens"
     if embed != "lm_head":
         linears[embed] = _linear(tensors, embed, embedding)
     tensors["rope.inv_freq"] = inverse_frequencies(config).float().contiguous()
+    gemma = config.model_type == "gemma3_text"
+    if gemma:
+        tensors["rope.sliding_attention.inv_freq"] = inverse_frequencies(config, "sliding_attention").float()
     routed = has_routers(model)
     if routed:
         tensors["routing.curve"] = model_curve(model).float().contiguous()
         tensors["routing.taus"] = TAU_GRID.float().contiguous()
     window = config.sliding_window if config.model_type in ("mistral", "phi3") or config.use_sliding_window else None
     metadata = {
-        "format_version": FORMAT_VERSIONS[-1] if routed else FORMAT_VERSIONS[0], "model_type": config.model_type,
+        "format_version": 5 if gemma else 4 if routed else 3, "model_type": config.model_type,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
@@ -216,6 +227,10 @@ def standalone_tensors(model: ModuleTreeLM) -> tuple[dict[str, torch.Tensor], di
         "max_positions": min(config.max_position_embeddings, window or config.max_position_embeddings),
         "qk_norms": hasattr(model.model.layers[0].self_attn, "q_norm"), "embed": embed, "linears": linears,
     }
+    if gemma:
+        metadata.update({"layer_types": list(config.layer_types), "sliding_window": config.sliding_window,
+                         "activation": config.hidden_act, "embed_scale": config.hidden_size ** 0.5,
+                         "final_logit_softcapping": config.final_logit_softcapping})
     return tensors, metadata
 
 
@@ -248,7 +263,7 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
         reason = str(e)
     if reason is not None:
         raise UserError(f"cannot export {directory} to the standalone runtime: {reason} (it runs llama, mistral, "
-                        "qwen2, qwen3 and phi3 models)")
+                        "qwen2, qwen3, gemma3 and phi3 models)")
     model, _ = load_quantized(directory, runtime="bitquilt")
     tensors, metadata = standalone_tensors(model)
     try:

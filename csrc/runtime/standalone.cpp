@@ -150,9 +150,12 @@ struct Rope {
 };
 
 struct Model {
-  Model(const bitquilt_decoder::Dims& d, const float* inv_freq, int64_t layers,
+  Model(const bitquilt_decoder::Dims& d, const float* inv_freq, const float* local_inv_freq, int64_t layers,
         std::shared_ptr<const bitquilt_standalone::MappedFile> file)
-      : file(std::move(file)), rope(inv_freq, d.hd, d.max_len), core(with_tables(d)),
+      : file(std::move(file)),
+        rope(inv_freq, d.hd, d.max_len),
+        local_rope(local_inv_freq != nullptr ? local_inv_freq : inv_freq, d.hd, local_inv_freq != nullptr ? d.max_len : 0),
+        core(with_tables(d)),
         cache_floats(d.G * d.max_len * d.hd), caches(2 * layers * cache_floats), layers(layers) {}
   bitquilt_decoder::Dims with_tables(bitquilt_decoder::Dims d) const {
     d.cos = rope.cos.data();
@@ -167,6 +170,7 @@ struct Model {
 
   std::shared_ptr<const bitquilt_standalone::MappedFile> file;  // the weights the linears point into
   Rope rope;
+  Rope local_rope;  // Gemma's sliding-window layers' tables (empty for other families)
   bitquilt_decoder::Decoder core;
   int64_t cache_floats;  // one layer's keys (or values), [kv_heads, max_len, head_dim]
   ZeroPages caches;      // per layer, keys then values
@@ -175,6 +179,8 @@ struct Model {
   std::vector<Linear> linears;
   int64_t embed = -1, head = -1;
   const float* final_norm = nullptr;
+  float embed_scale = 1.0f;  // the embedding rows' factor (Gemma: sqrt(hidden))
+  float softcap = 0.0f;      // logits soft-capped to c tanh(z / c) where c > 0 (Gemma)
   std::vector<float> x, last;
   float threshold = NAN;        // the routers' threshold for every routed linear (NaN: each its saved one)
   double routed_weights = 0;    // the routed linears' weights, N * K summed
@@ -186,6 +192,12 @@ struct Model {
 
 Model* model(void* handle) { return static_cast<Model*>(handle); }
 
+// The logits [rows, vocab] of the LM head's output, in place: soft-capped where the model says so.
+void cap_logits(const Model* m, float* logits, int64_t n) {
+  if (m->softcap > 0.0f)
+    for (int64_t i = 0; i < n; ++i) logits[i] = std::tanh(logits[i] / m->softcap) * m->softcap;
+}
+
 // The ids [T] of `m`'s sequence as embedding rows x [T, D]; false (bq_error: why) for an id outside the vocabulary.
 bool embed_rows(Model* m, const int64_t* ids, int64_t T, float* x) {
   const Linear& embed = m->linears[m->embed];
@@ -196,6 +208,8 @@ bool embed_rows(Model* m, const int64_t* ids, int64_t T, float* x) {
       return false;
     }
     embed.row(ids[t], x + t * D);
+    if (m->embed_scale != 1.0f)
+      for (int64_t i = 0; i < D; ++i) x[t * D + i] *= m->embed_scale;
     if (m->embed != m->head) embed.unmap();  // a tied table is the head's, which every step reads whole
   }
   return true;
@@ -326,13 +340,23 @@ std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file,
     refuse(f, "a sequence of " + std::to_string(max_len) + " positions does not fit the model's " +
                   std::to_string(dim("max_positions")));
   const float* inv_freq = floats(f, "rope.inv_freq", {hd / 2});
-  const bitquilt_decoder::Dims d{D, dim("num_attention_heads"), dim("num_key_value_heads"), hd,
-                                 dim("intermediate_size"), max_len, static_cast<float>(c["rms_norm_eps"].number),
-                                 static_cast<float>(c["attention_scaling"].number), inv_freq, inv_freq};
+  // Gemma 3 (format 5): each layer's type, its window, the sliding layers' own RoPE base, GELU-tanh, post-norms
+  const Value& types = c["layer_types"];
+  const bool gemma = types.kind == Value::Array;
+  if (gemma && static_cast<int64_t>(types.array.size()) != layers) refuse(f, "layer_types must name every layer");
+  const float* local_inv_freq = gemma ? floats(f, "rope.sliding_attention.inv_freq", {hd / 2}) : nullptr;
+  const std::string& activation = c["activation"].kind == Value::String ? c["activation"].string : "silu";
+  if (activation != "silu" && activation != "gelu_pytorch_tanh")
+    refuse(f, "activation '" + activation + "' (this bitquilt runs silu and gelu_pytorch_tanh)");
+  bitquilt_decoder::Dims d{D, dim("num_attention_heads"), dim("num_key_value_heads"), hd,
+                           dim("intermediate_size"), max_len, static_cast<float>(c["rms_norm_eps"].number),
+                           static_cast<float>(c["attention_scaling"].number), inv_freq, inv_freq};
+  d.gelu = activation == "gelu_pytorch_tanh";
   std::string error = bitquilt_decoder::dims_error(d);
   if (error.empty() && (layers <= 0 || hd % 2)) error = "layers must be positive and the head dim even";
   if (!error.empty()) refuse(f, error);
-  auto m = std::make_unique<Model>(d, inv_freq, layers, file);
+  const int64_t window = gemma ? integer(f, c["sliding_window"], "sliding_window") : 0;
+  auto m = std::make_unique<Model>(d, inv_freq, local_inv_freq, layers, file);
   if (m->caches.data() == nullptr) refuse(f, "no memory for the key/value caches");
   static const char* const projections[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                              "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
@@ -350,11 +374,26 @@ std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file,
     }
     error = bitquilt_decoder::linears_error(d, N, K);
     if (!error.empty()) refuse(f, "layer " + std::to_string(layer) + ": " + error);
-    m->core.add_layer({floats(f, prefix + "input_layernorm.weight", {D}),
-                       floats(f, prefix + "post_attention_layernorm.weight", {D}),
-                       qk_norms ? floats(f, prefix + "self_attn.q_norm.weight", {hd}) : nullptr,
-                       qk_norms ? floats(f, prefix + "self_attn.k_norm.weight", {hd}) : nullptr, index[0], index[1],
-                       index[2], index[3], index[4], index[5], index[6]});
+    bitquilt_decoder::Layer l{floats(f, prefix + "input_layernorm.weight", {D}),
+                              floats(f, prefix + (gemma ? "pre_feedforward_layernorm.weight"
+                                                        : "post_attention_layernorm.weight"), {D}),
+                              qk_norms ? floats(f, prefix + "self_attn.q_norm.weight", {hd}) : nullptr,
+                              qk_norms ? floats(f, prefix + "self_attn.k_norm.weight", {hd}) : nullptr,
+                              index[0], index[1], index[2], index[3], index[4], index[5], index[6]};
+    if (gemma) {
+      l.attn_out_norm = floats(f, prefix + "post_attention_layernorm.weight", {D});
+      l.mlp_out_norm = floats(f, prefix + "post_feedforward_layernorm.weight", {D});
+      const std::string& type = types.array[layer].string;
+      if (type != "sliding_attention" && type != "full_attention")
+        refuse(f, "layer " + std::to_string(layer) + " is of type '" + type + "', not sliding_attention or "
+                  "full_attention");
+      if (type == "sliding_attention") {
+        l.window = window;
+        l.cos = m->local_rope.cos.data();
+        l.sin = m->local_rope.sin.data();
+      }
+    }
+    m->core.add_layer(l);
     m->kv.keys.push_back(m->cache(layer, 0));
     m->kv.values.push_back(m->cache(layer, 1));
   }
@@ -367,6 +406,11 @@ std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file,
   if (e.routed || h.routed) refuse(f, "the embedding and the head are not routed");
   if (e.q4 && e.q4->bits != 4) refuse(f, "the embedding table must be fp32, 8- or 4-bit, not 2-bit");
   m->final_norm = floats(f, "model.norm.weight", {D});
+  if (c["embed_scale"].kind == Value::Number) m->embed_scale = static_cast<float>(c["embed_scale"].number);
+  if (c["final_logit_softcapping"].kind == Value::Number)
+    m->softcap = static_cast<float>(c["final_logit_softcapping"].number);
+  if (!(m->embed_scale > 0.0f && std::isfinite(m->embed_scale)) || !(m->softcap >= 0.0f && std::isfinite(m->softcap)))
+    refuse(f, "embed_scale must be positive and final_logit_softcapping non-negative, both finite");
   return m;
 }
 
@@ -439,6 +483,7 @@ int bq_forward(void* handle, const int64_t* ids, int64_t T, int64_t pos, float* 
   if (!std::all_of(m->last.begin(), m->last.end(), [](float v) { return std::isfinite(v); }))
     return static_cast<int>(fail(bitquilt_standalone::kNonFinite));
   m->linears[m->head].run(m->last.data(), 1, logits);
+  cap_logits(m, logits, m->linears[m->head].N);
   return 0;
 }
 
@@ -480,6 +525,7 @@ int bq_step(void* const* handles, int64_t n, const int64_t* ids, const int64_t* 
   }
   const Linear& head = lead->linears[lead->head];
   head.run(lead->last.data(), n, logits);
+  cap_logits(lead, logits, n * head.N);
   for (int64_t i = 0; i < n; ++i)
     if (!finite[i]) std::fill_n(logits + i * head.N, head.N, NAN);
   return 0;
