@@ -126,3 +126,44 @@ def test_native_tokenizer_refuses_what_it_cannot_reproduce(tmp_path):
     data = b"caf\xe9"  # Latin-1, not UTF-8
     assert native.lib.bq_tokenize(native.handle, data, len(data), None, 0) == -1
     assert "not UTF-8" in last_error()
+
+
+def _sentencepiece_spec() -> dict:
+    """A SentencePiece-style tokenizer.json as Gemma's is built (spaces as "▁", one piece, BPE over characters with
+    `<0xNN>` byte fallback in the vocabulary, <bos> before a text), trained on a little wiki text with a small
+    alphabet so that many characters fall back to their bytes."""
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    trainer = trainers.BpeTrainer(vocab_size=1500, limit_alphabet=120, show_progress=False,
+                                  special_tokens=["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>"])
+    tokenizer.train_from_iterator(load_documents("wiki")[:300], trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    spec = json.loads(tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):  # the byte tokens are ordinary vocabulary entries, as in Gemma's
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    return spec
+
+
+def test_native_tokenizer_runs_sentencepiece_style_bpe_as_the_tokenizers_library(tmp_path):
+    spec = _sentencepiece_spec()
+    reference = Tokenizer.from_str(json.dumps(spec))
+    native = NativeTokenizer(spec, tmp_path)
+    assert native.metadata["pre_tokenizer"] == "sentencepiece" and native.metadata["prefix"] == [2]
+    texts = EDGE_CASES + ["<start_of_turn>user\nHi <start_of_turn> there"] + [_soup(seed) for seed in range(30)] + \
+        load_documents("wiki")[300:400]
+    fallback = 0
+    for text in texts:
+        ids = reference.encode(text).ids
+        assert native.encode(text) == ids, text
+        fallback += sum(reference.id_to_token(i).startswith("<0x") for i in ids)
+    assert fallback > 100  # characters outside the small alphabet went through byte fallback
+    draws = random.Random(0)
+    for _ in range(200):
+        ids = [draws.randrange(reference.get_vocab_size() + 40) for _ in range(draws.randrange(1, 12))]
+        for skip in (True, False):
+            assert native.decode(ids, skip) == reference.decode(ids, skip_special_tokens=skip), ids

@@ -1,5 +1,5 @@
-"""A byte-level BPE tokenizer.json as tables in the standalone file, for the native runner's tokenizer
-(csrc/text/bpe_tokenizer.h), which then needs neither Python nor a JSON tokenizer library.
+"""A byte-level or SentencePiece-style BPE tokenizer.json as tables in the standalone file, for the native runner's
+tokenizer (csrc/text/bpe_tokenizer.h), which then needs neither Python nor a JSON tokenizer library.
 
 Tensors (`tokenizer.*`):
   token_bytes  uint8   every token's bytes, concatenated by id (byte-level characters mapped back to bytes; an added
@@ -16,8 +16,15 @@ syllables are computed, not listed):
   nfc_classes         int32  [n, 2]: code point, canonical combining class (nonzero ones only)
   nfc_compositions    int32  [n, 3]: first, second, their primary composite (sorted by the pair)
 and in the metadata: the normalizer ("nfc" or none), the pre-tokenizer ("gpt2": GPT-2's split; "gpt2-digits": every
-digit alone first, then GPT-2's split; "qwen2": Qwen2's Split regex), the ids the post-processor puts before and
-after a text, and the end-of-sequence id. What the native tokenizer does not reproduce (another model type,
+digit alone first, then GPT-2's split; "qwen2": Qwen2's Split regex; "sentencepiece", below), the ids the
+post-processor puts before and after a text, and the end-of-sequence id.
+
+A SentencePiece-style tokenizer (Gemma's: spaces normalized to "▁", the text between added tokens one piece, BPE over
+its characters, a character without a token as its UTF-8 bytes' `<0xNN>` tokens, decoding "▁" as a space and
+`<0xNN>` as its byte) is pre-tokenizer "sentencepiece": `token_bytes` holds the decoded bytes, `byte_ids` the
+`<0xNN>` tokens, and one more table where BPE starts:
+  chars        int32   [n, 2]: (code point, id) of every one-character token (its text as in the vocabulary, "▁" for
+                       a space), sorted by code point What the native tokenizer does not reproduce (another model type,
 normalizer, pre-tokenizer or decoder, merges that can be skipped, added tokens that strip spaces or are matched in
 normalized text) is refused with the reason: the export still runs with `bitquilt-run`, whose `tokenizers` library
 reads tokenizer.json.
@@ -114,17 +121,34 @@ def _template_ends(post: dict[str, Any] | None, ids_of: dict[str, int]) -> tuple
     return ends
 
 
-def _check_model(spec: dict[str, Any]) -> None:
+SPACE = "▁"  # SentencePiece's space
+SENTENCEPIECE = {  # the steps of a SentencePiece-style tokenizer.json (Gemma's), as the native tokenizer runs them
+    "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": SPACE},
+    # after the normalizer no space is left to split at: the text stays one piece
+    "pre_tokenizer": {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False},
+    "decoder": {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
+                                                 {"type": "ByteFallback"}, {"type": "Fuse"}]},
+}
+
+
+def _sentencepiece(spec: dict[str, Any]) -> bool:
+    """Whether `spec` is SentencePiece-style (module docstring); False for anything else."""
+    return spec.get("normalizer") == SENTENCEPIECE["normalizer"] and spec.get("decoder") == SENTENCEPIECE["decoder"] \
+        and spec.get("pre_tokenizer") in (None, SENTENCEPIECE["pre_tokenizer"])
+
+
+def _check_model(spec: dict[str, Any], sentencepiece: bool) -> None:
     model = spec.get("model", {})
     if model.get("type") != "BPE":
-        raise Unsupported(f"model type {model.get('type')} (the native tokenizer runs byte-level BPE)")
-    if model.get("dropout") or model.get("byte_fallback") or model.get("ignore_merges") or \
+        raise Unsupported(f"model type {model.get('type')} (the native tokenizer runs BPE)")
+    if model.get("dropout") or model.get("byte_fallback") != sentencepiece or model.get("ignore_merges") or \
             model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
-        raise Unsupported("BPE with dropout, byte fallback, skipped merges or subword affixes")
+        raise Unsupported("BPE with dropout, skipped merges, subword affixes, or byte fallback other than "
+                          "SentencePiece's")
     normalizer = spec.get("normalizer")
-    if normalizer is not None and normalizer.get("type") != "NFC":
+    if not sentencepiece and normalizer is not None and normalizer.get("type") != "NFC":
         raise Unsupported(f"normalizer {normalizer.get('type')}")
-    if (spec.get("decoder") or {}).get("type") != "ByteLevel":
+    if not sentencepiece and (spec.get("decoder") or {}).get("type") != "ByteLevel":
         raise Unsupported(f"decoder {(spec.get('decoder') or {}).get('type')}")
     for token in spec.get("added_tokens", []):
         if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
@@ -139,17 +163,13 @@ def tokenizer_tables(directory: str | Path) -> tuple[dict[str, torch.Tensor], di
     if not path.is_file():
         raise Unsupported(f"no {TOKENIZER_FILE}")
     spec = json.loads(path.read_text())
-    _check_model(spec)
+    sentencepiece = _sentencepiece(spec)
+    _check_model(spec, sentencepiece)
     steps = pre_tokenizer_steps(spec.get("pre_tokenizer"))
-    if steps not in PRE_TOKENIZERS:
+    if not sentencepiece and steps not in PRE_TOKENIZERS:
         raise Unsupported(f"pre-tokenizer {' + '.join(steps) or 'none'}")
-    alphabet = byte_level_alphabet()
     vocab: dict[str, int] = spec["model"]["vocab"]
-    tokens: dict[int, bytes] = {}
-    for text, i in vocab.items():
-        if any(c not in alphabet for c in text):
-            raise Unsupported(f"token {text!r} has characters outside the byte-level alphabet")
-        tokens[i] = bytes(alphabet[c] for c in text)
+    tokens, byte_ids = _sentencepiece_bytes(vocab) if sentencepiece else _byte_level_bytes(vocab)
     added = sorted((t["id"], bool(t["special"])) for t in spec.get("added_tokens", []))
     for t in spec.get("added_tokens", []):
         tokens[t["id"]] = t["content"].encode()
@@ -163,7 +183,6 @@ def tokenizer_tables(directory: str | Path) -> tuple[dict[str, torch.Tensor], di
             raise Unsupported(f"merge {left!r} + {right!r} of tokens not in the vocabulary")
         merges.append((vocab[left], vocab[right], rank, vocab[left + right]))
     merges.sort()
-    byte_of = {b: c for c, b in alphabet.items()}
     ids_of = {**vocab, **{t["content"]: t["id"] for t in spec.get("added_tokens", [])}}
     prefix, suffix = _template_ends(spec.get("post_processor"), ids_of)
 
@@ -174,15 +193,41 @@ def tokenizer_tables(directory: str | Path) -> tuple[dict[str, torch.Tensor], di
         "tokenizer.token_bytes": torch.frombuffer(bytearray(b"".join(tokens.get(i, b"") for i in range(len(ends) - 1))),
                                                   dtype=torch.uint8).clone(),
         "tokenizer.token_ends": table(ends, torch.int64),
-        "tokenizer.byte_ids": table([vocab.get(byte_of[b], -1) for b in range(256)]),
+        "tokenizer.byte_ids": table(byte_ids),
         "tokenizer.merges": table(merges).reshape(-1, 4),
         "tokenizer.added": table(added).reshape(-1, 2),
         "tokenizer.letters": table(category_ranges("L")),
         "tokenizer.numbers": table(category_ranges("N")),
     }
-    normalizer = "nfc" if spec.get("normalizer") is not None else None
+    normalizer = "nfc" if spec.get("normalizer") is not None and not sentencepiece else None
     if normalizer:
         tensors.update(nfc_tables())
+    if sentencepiece:
+        fallback = set(byte_ids)
+        chars = sorted((ord(text), i) for text, i in vocab.items() if len(text) == 1 and i not in fallback)
+        tensors["tokenizer.chars"] = table(chars).reshape(-1, 2)
     eos = FastTokenizer(directory).eos_token_id
-    return tensors, {"normalizer": normalizer, "pre_tokenizer": PRE_TOKENIZERS[steps], "prefix": prefix,
+    return tensors, {"normalizer": normalizer,
+                     "pre_tokenizer": "sentencepiece" if sentencepiece else PRE_TOKENIZERS[steps], "prefix": prefix,
                      "suffix": suffix, "eos": eos}
+
+
+def _byte_level_bytes(vocab: dict[str, int]) -> tuple[dict[int, bytes], list[int]]:
+    """Each token's bytes (its byte-level characters mapped back) and the token of each single byte (-1: none)."""
+    alphabet = byte_level_alphabet()
+    tokens: dict[int, bytes] = {}
+    for text, i in vocab.items():
+        if any(c not in alphabet for c in text):
+            raise Unsupported(f"token {text!r} has characters outside the byte-level alphabet")
+        tokens[i] = bytes(alphabet[c] for c in text)
+    byte_of = {b: c for c, b in alphabet.items()}
+    return tokens, [vocab.get(byte_of[b], -1) for b in range(256)]
+
+
+def _sentencepiece_bytes(vocab: dict[str, int]) -> tuple[dict[int, bytes], list[int]]:
+    """Each token's decoded bytes ("▁" a space, `<0xNN>` its byte) and the `<0xNN>` token of each byte (-1: none)."""
+    byte_ids = [vocab.get(f"<0x{b:02X}>", -1) for b in range(256)]
+    byte_of = {i: b for b, i in enumerate(byte_ids) if i >= 0}
+    tokens = {i: bytes([byte_of[i]]) if i in byte_of else text.replace(SPACE, " ").encode()
+              for text, i in vocab.items()}
+    return tokens, byte_ids

@@ -63,6 +63,18 @@ int utf8_sequence(const std::string& s, size_t i, uint32_t& cp, int& bad) {
   return need + 1;
 }
 
+// Whether `s` is well-formed UTF-8 throughout.
+bool valid_utf8(const std::string& s) {
+  uint32_t cp = 0;
+  int bad = 0;
+  for (size_t i = 0; i < s.size();) {
+    const int length = utf8_sequence(s, i, cp, bad);
+    if (length == 0) return false;
+    i += length;
+  }
+  return true;
+}
+
 // The first of `n` rows of `width` int32s, sorted by their first `keys` columns, whose key is not below `key`
 // (`n` rows on: none).
 const int32_t* lower_row(const int32_t* rows, int64_t n, int width, const int32_t* key, int keys) {
@@ -236,8 +248,16 @@ Tokenizer::Tokenizer(std::shared_ptr<const MappedFile> file) : file_(std::move(f
     split_ = Split::Gpt2Digits;
   else if (split == "qwen2")
     split_ = Split::Qwen2;
+  else if (split == "sentencepiece")
+    split_ = Split::Sentencepiece;
   else
     throw std::runtime_error(f.path() + ": pre-tokenizer '" + split + "' is not one this bitquilt knows");
+  if (split_ == Split::Sentencepiece) {
+    const Tensor chars = f.tensor("tokenizer.chars", "I32");
+    if (!pairs(chars, 2)) throw std::runtime_error(f.path() + ": its character table is not [n, 2]; re-export it");
+    chars_ = chars.as<int32_t>();
+    chars_n_ = chars.shape[0];
+  }
   prefix_ = ids_of(meta["prefix"]);
   suffix_ = ids_of(meta["suffix"]);
   eos_ = meta["eos"].kind == Value::Number ? meta["eos"].integer() : -1;
@@ -324,15 +344,39 @@ void Tokenizer::pre_tokenized(const std::string& text, const std::vector<uint32_
 }
 
 void Tokenizer::bpe(const uint8_t* bytes, int64_t n, std::vector<int64_t>& ids) const {
+  std::vector<int32_t> start;
+  for (int64_t i = 0; i < n; ++i)
+    if (byte_ids_[bytes[i]] >= 0) start.push_back(byte_ids_[bytes[i]]);
+  merge(std::move(start), ids);
+}
+
+void Tokenizer::sentencepiece(const std::vector<uint32_t>& cps, std::vector<int64_t>& ids) const {
+  std::vector<int32_t> start;
+  std::string bytes;
+  for (uint32_t cp : cps) {
+    if (cp == ' ') cp = 0x2581;  // the normalizer: a space is "▁"
+    const int32_t key = static_cast<int32_t>(cp);
+    if (const int32_t* row = find_row(chars_, chars_n_, 2, &key, 1)) {
+      start.push_back(row[1]);
+      continue;
+    }
+    bytes.clear();
+    bitquilt_json::append_utf8(bytes, cp);
+    for (const char c : bytes)  // byte fallback (a byte without a token is dropped, as BPE drops it)
+      if (byte_ids_[static_cast<uint8_t>(c)] >= 0) start.push_back(byte_ids_[static_cast<uint8_t>(c)]);
+  }
+  merge(std::move(start), ids);
+}
+
+void Tokenizer::merge(std::vector<int32_t> start, std::vector<int64_t>& ids) const {
   struct Symbol {
     int32_t id, prev, next;  // a doubly linked list over the piece's symbols; id -1 once merged into its left
   };
   std::vector<Symbol> symbols;
-  for (int64_t i = 0; i < n; ++i)
-    if (byte_ids_[bytes[i]] >= 0) {
-      const auto k = static_cast<int32_t>(symbols.size());
-      symbols.push_back({byte_ids_[bytes[i]], k - 1, k + 1});
-    }
+  for (const int32_t id : start) {
+    const auto k = static_cast<int32_t>(symbols.size());
+    symbols.push_back({id, k - 1, k + 1});
+  }
   if (symbols.empty()) return;
   symbols.back().next = -1;
   // candidate merges (rank, left symbol, left id, right id, merged id), lowest rank first, then leftmost; an entry
@@ -366,6 +410,7 @@ void Tokenizer::plain(const std::string& text, std::vector<int64_t>& ids) const 
   std::vector<uint32_t> cps;
   std::vector<int64_t> at;
   code_points(text, cps, at);
+  if (split_ == Split::Sentencepiece) return sentencepiece(cps, ids);
   if (!nfc_.enabled()) return pre_tokenized(text, cps, at, ids);
   std::string normalized;
   for (const uint32_t cp : nfc_.apply(cps)) bitquilt_json::append_utf8(normalized, cp);
@@ -410,14 +455,30 @@ bool Tokenizer::special(int64_t id) const {
 }
 
 std::string Tokenizer::decode(const int64_t* ids, int64_t n, bool skip_special) const {
-  std::string out;
+  std::string out, run;
+  int64_t run_tokens = 0;
+  // SentencePiece's byte fallback: a run of `<0xNN>` tokens is its bytes where they are UTF-8, else U+FFFD per token
+  const auto end_run = [&] {
+    if (valid_utf8(run))
+      out += run;
+    else
+      for (int64_t k = 0; k < run_tokens; ++k) out += "\xEF\xBF\xBD";
+    run.clear();
+    run_tokens = 0;
+  };
   for (int64_t i = 0; i < n; ++i) {
     const int64_t id = ids[i];
     if (id < 0 || id >= tokens_ || (skip_special && special(id))) continue;
-    out.append(reinterpret_cast<const char*>(token_bytes_ + token_ends_[id]), token_ends_[id + 1] - token_ends_[id]);
+    std::string& to = split_ == Split::Sentencepiece && byte_token(id) ? run : out;
+    if (&to == &out && run_tokens > 0) end_run();
+    run_tokens += &to == &run;
+    to.append(reinterpret_cast<const char*>(token_bytes_ + token_ends_[id]), token_ends_[id + 1] - token_ends_[id]);
   }
+  if (run_tokens > 0) end_run();
   return out;
 }
+
+bool Tokenizer::byte_token(int64_t id) const { return std::find(byte_ids_, byte_ids_ + 256, id) != byte_ids_ + 256; }
 
 std::string utf8_lossy(const std::string& bytes) {
   std::string out;

@@ -7,6 +7,11 @@
 // points (\p{L} and \p{N} from the file's tables, \s the Unicode White_Space set); each piece's bytes start as
 // their byte tokens and the adjacent pair of lowest merge rank (the leftmost of equals) is merged until none is
 // left; the post-processor's ids go around. Decoding concatenates the tokens' bytes.
+//
+// A SentencePiece-style tokenizer (Gemma's) instead normalizes spaces to U+2581 and takes each stretch between added
+// tokens as one piece, whose characters start as their one-character tokens (the file's `chars`), or as the
+// `<0xNN>` tokens of their UTF-8 bytes where they have none (byte fallback); the merges then run as above, and
+// the tokens' bytes are their decoded text ("▁" a space, `<0xNN>` the byte).
 #pragma once
 
 #include <cstdint>
@@ -30,7 +35,7 @@ class Tokenizer {
   int64_t eos() const { return eos_; }  // the end-of-sequence id, -1 if none
 
  private:
-  enum class Split { Gpt2, Gpt2Digits, Qwen2 };
+  enum class Split { Gpt2, Gpt2Digits, Qwen2, Sentencepiece };
   struct Range {
     const int32_t* rows = nullptr;  // [n, 2] inclusive code point ranges, ascending
     int64_t n = 0;
@@ -60,14 +65,19 @@ class Tokenizer {
   void plain(const std::string& text, std::vector<int64_t>& ids) const;  // text between added tokens
   void pre_tokenized(const std::string& text, const std::vector<uint32_t>& cps, const std::vector<int64_t>& at,
                      std::vector<int64_t>& ids) const;
-  void bpe(const uint8_t* bytes, int64_t n, std::vector<int64_t>& ids) const;
+  void bpe(const uint8_t* bytes, int64_t n, std::vector<int64_t>& ids) const;  // a piece's bytes
+  void sentencepiece(const std::vector<uint32_t>& cps, std::vector<int64_t>& ids) const;  // a piece's code points
+  void merge(std::vector<int32_t> start, std::vector<int64_t>& ids) const;  // BPE from the start symbols
   bool special(int64_t id) const;
+  bool byte_token(int64_t id) const;  // one of byte_ids_
 
   std::shared_ptr<const bitquilt_standalone::MappedFile> file_;
   const uint8_t* token_bytes_;
   const int64_t* token_ends_;
   int64_t tokens_;  // ids 0 .. tokens_ - 1 have entries (empty where the id is unused)
   const int32_t* byte_ids_;
+  const int32_t* chars_ = nullptr;  // [chars_n_, 2]: code point, its one-character token; sorted (SentencePiece)
+  int64_t chars_n_ = 0;
   const int32_t* merges_;  // [merges_n_, 4]: left, right, rank, merged; sorted by (left, right)
   int64_t merges_n_;
   const int32_t* added_;  // [added_n_, 2]: id, special; sorted by id
