@@ -87,15 +87,18 @@ def real_linears(smollm, calib_ids):
     return out
 
 
-# Gemma 3 with both layer types, a window shorter than the tests' sequences and soft-capped logits
-TINY_GEMMA = dict(layer_types=["full_attention", "sliding_attention", "sliding_attention"], num_hidden_layers=3,
-                  sliding_window=5, final_logit_softcapping=2.0)
+# Gemma with both layer types, a window shorter than the tests' sequences and soft-capped logits (and, Gemma 2,
+# attention scores capped low enough to matter): `make_tiny(t, **WINDOWED.get(t, {}))`
+_GEMMA = dict(layer_types=["full_attention", "sliding_attention", "sliding_attention"], num_hidden_layers=3,
+              sliding_window=5, final_logit_softcapping=2.0)
+WINDOWED = {"gemma3_text": _GEMMA, "gemma2": _GEMMA | {"attn_logit_softcapping": 1.0}}
 
 
 def make_tiny(model_type: str = "llama", seed: int = 0, **overrides):
     """A random 2-layer model of the given family (fast engine/io tests for every adapter); `overrides`: config
     values that replace the tiny ones."""
     from transformers import (
+        Gemma2Config,
         Gemma3TextConfig,
         MixtralConfig,
         OlmoeConfig,
@@ -111,6 +114,7 @@ def make_tiny(model_type: str = "llama", seed: int = 0, **overrides):
         "llama": (LlamaConfig, {}),
         "qwen2": (Qwen2Config, {}),
         "qwen3": (Qwen3Config, dict(head_dim=32)),
+        "gemma2": (Gemma2Config, dict(head_dim=32, sliding_window=64)),
         "gemma3_text": (Gemma3TextConfig, dict(head_dim=32, sliding_window=64)),
         # Phi-4-mini's partial rotary factor; ids inside the tiny vocabulary
         "phi3": (Phi3Config, dict(partial_rotary_factor=0.75, bos_token_id=1, eos_token_id=2, pad_token_id=0)),

@@ -12,7 +12,7 @@ def _ids(n=8, seqlen=64, vocab=320):
     return torch.randint(0, vocab, (n, seqlen), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"])
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
 def test_every_adapter_quantizes_every_linear(model_type, method):
     model = make_tiny(model_type)
@@ -142,7 +142,7 @@ def test_unsupported_architecture_is_named():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(UnsupportedArchitecture, match="'gpt2'.*supported model types: gemma3_text, llama"):
+    with pytest.raises(UnsupportedArchitecture, match="'gpt2'.*supported model types: gemma2, gemma3_text, llama"):
         architecture_of(model)
 
 

@@ -4,7 +4,7 @@ fused call."""
 
 import pytest
 import torch
-from conftest import TINY_GEMMA, make_tiny
+from conftest import WINDOWED, make_tiny
 
 from bitquilt import kernels
 from bitquilt.api import quantize
@@ -30,7 +30,7 @@ RECIPES = {
 
 
 def _model(model_type: str, recipe: Recipe | None):
-    model = make_tiny(model_type, **TINY_GEMMA if model_type == "gemma3_text" else {})
+    model = make_tiny(model_type, **WINDOWED.get(model_type, {}))
     if recipe is not None:
         calib = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(2))
         quantize(model, recipe, calib, progress=False)
@@ -73,7 +73,7 @@ def _assert_rows_alone(model) -> None:
         x = y
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text"])
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32-act", "int8-act"])
 @pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
 def test_a_batched_step_gives_each_sequence_its_step_alone_bit_for_bit(model_type, int8, recipe):

@@ -173,3 +173,25 @@ def test_a_sentencepiece_gguf_with_spaces_for_space_symbols_supplies_the_vocabul
     assert source == str(reference) and fields["tokenizer.ggml.tokens"][0] == ["<pad>", "▁a", "  "]
     with pytest.raises(UserError, match="does not have the saved model's vocabulary"):
         tokenizer_metadata(config, Vocab(["<pad>", "▁b", "▁▁"]), reference)
+
+
+def test_a_gemma2_gguf_read_back_by_transformers_gives_the_saved_models_logits(tmp_path):
+    """Gemma 2 (llama.cpp's gemma2 graph: every second layer global, scores and logits soft-capped, no q/k norms)."""
+    model = make_tiny("gemma2", **LLAMA_CPP_SHAPE, num_key_value_heads=4)  # the reader's default soft-caps
+    calib = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(2))
+    quantize(model, Recipe("rtn", w_bits=4, group_size=32, sym=True), calib, progress=False)
+    save(model, tmp_path / "q")
+    summary = export_gguf(tmp_path / "q", tmp_path / "m.gguf")
+    fields = fields_of(tmp_path / "m.gguf")
+    assert summary.arch == "gemma2" and not any(".attn_q_norm" in n for n in read_back(tmp_path / "m.gguf"))
+    assert (fields["gemma2.attn_logit_softcapping"], fields["gemma2.final_logit_softcapping"]) == (50.0, 30.0)
+    assert fields["gemma2.attention.sliding_window"] == 64
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    saved, _ = load_quantized(tmp_path / "q")
+    assert back.config.layer_types == saved.config.layer_types
+    ids = torch.randint(0, 320, (1, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, saved(ids).logits, rtol=0, atol=1e-5)
+    with pytest.raises(UserError, match="every second layer global"):
+        check_exportable(make_tiny("gemma2", **LLAMA_CPP_SHAPE,
+                                   layer_types=["full_attention", "sliding_attention"] * 3))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY_GEMMA, make_tiny
+from conftest import WINDOWED, make_tiny
 
 from bitquilt.api import load, quantize, save
 from bitquilt.errors import UserError
@@ -37,9 +37,10 @@ def _saved(tmp_path, model_type: str, recipe: Recipe, **overrides):
     ("qwen3", Recipe("rtn", w_bits=2, group_size=32, head_bits=4), {}),
     ("llama", Recipe("quarot+rtn", w_bits=4, group_size=32, a_bits=4, kv_bits=4, a_clip=None), {}),
     ("phi3", Recipe("rtn", w_bits=4, group_size=64, head_bits=8), {}),
-    ("gemma3_text", Recipe("rtn", w_bits=4, group_size=32, head_bits=8),
-     TINY_GEMMA),
-], ids=["llama-w4-head8", "qwen2-w4", "qwen3-w2-head4", "llama-quarot-w4a4kv4", "phi3-w4-head8", "gemma3-w4-head8"])
+    ("gemma3_text", Recipe("rtn", w_bits=4, group_size=32, head_bits=8), WINDOWED["gemma3_text"]),
+    ("gemma2", Recipe("rtn", w_bits=4, group_size=32), WINDOWED["gemma2"]),
+], ids=["llama-w4-head8", "qwen2-w4", "qwen3-w2-head4", "llama-quarot-w4a4kv4", "phi3-w4-head8", "gemma3-w4-head8",
+        "gemma2-w4"])
 def test_native_model_gives_the_transformers_logits_and_tokens(tmp_path, model_type, recipe, overrides):
     path = _saved(tmp_path, model_type, recipe, **overrides)
     reference, _ = load_quantized(path)

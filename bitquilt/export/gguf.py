@@ -30,7 +30,9 @@ Layout and metadata are those of llama.cpp's `convert_hf_to_gguf.py` for the fam
   text): NeoX-style RoPE, every norm (the four per layer, q/k norms, final) stored as 1 + w since Gemma's RMSNorm
   scales by (1 + w) and llama.cpp's by the stored weight (the adapter's `norm_offset`; the embedding's √hidden scale
   llama.cpp applies itself), the sliding window and the RoPE base of its layers, and the final logit soft-cap; a
-  config llama.cpp's graph computes otherwise (query scale, layer pattern, attention soft-cap) is refused. The tokenizer
+  config llama.cpp's graph computes otherwise (query scale, layer pattern, attention soft-cap) is refused. gemma2
+  (Gemma 2) as gemma3 without q/k norms and with a single RoPE base, every second layer global, and both soft-caps
+  (attention scores and logits) in its keys. The tokenizer
   and the descriptive `general.*` keys are copied from a GGUF of the same model (the one a fetched packaged model was
   converted from, or `tokenizer_from`) once its vocabulary is checked
   to be the saved tokenizer's; otherwise the tokenizer keys are built from the saved byte-level BPE tokenizer
@@ -128,20 +130,44 @@ def _gemma3_keys(config: Any) -> list[Key]:
     return keys
 
 
-def _gemma3_refusal(config: Any) -> str | None:
-    """What of a Gemma 3 config llama.cpp's gemma3 graph does not compute, or None. That graph scales queries by
-    1/√head_dim (1/√(hidden/heads) for the 62-layer 27B), makes every sixth layer global when there is a window, and
-    has neither an attention logit soft-cap nor bidirectional attention."""
+def _gemma2_keys(config: Any) -> list[Key]:
+    """What convert_hf_to_gguf.py's Gemma2Model adds: the window and both soft-caps."""
+    return [(gguf.Keys.Attention.SLIDING_WINDOW, config.sliding_window, V.UINT32),
+            (gguf.Keys.LLM.ATTN_LOGIT_SOFTCAPPING, config.attn_logit_softcapping, V.FLOAT32),
+            (gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING, config.final_logit_softcapping, V.FLOAT32)]
+
+
+ORDINALS = {2: "second", 6: "sixth"}
+
+
+def _gemma_refusal(config: Any, large_layers: int, period: int, caps: bool) -> str | None:
+    """What of a Gemma config llama.cpp's graph does not compute, or None. The graph scales queries by 1/√head_dim
+    (1/√(hidden/heads) for the largest model, of `large_layers` layers), makes every `period`-th layer global when
+    there is a window, has no bidirectional attention, and soft-caps the scores and logits only where `caps`."""
     n, head_dim = config.num_hidden_layers, config.head_dim
-    scalar = config.hidden_size // config.num_attention_heads if n == 62 else head_dim
-    pattern = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(n)]
+    scalar = config.hidden_size // config.num_attention_heads if n == large_layers else head_dim
+    pattern = ["full_attention" if i % period == period - 1 else "sliding_attention" for i in range(n)]
     if config.query_pre_attn_scalar != scalar:
         return f"queries scaled by 1/√{config.query_pre_attn_scalar} (llama.cpp scales them by 1/√{scalar})"
     if config.layer_types not in (pattern, ["full_attention"] * n):
-        return "sliding-window layers other than llama.cpp's (every sixth layer global)"
-    if config.attn_logit_softcapping or getattr(config, "use_bidirectional_attention", False):
-        return "attention logit soft-capping or bidirectional attention"
+        return f"sliding-window layers other than llama.cpp's (every {ORDINALS[period]} layer global)"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    if not caps and config.attn_logit_softcapping:
+        return "attention logit soft-capping"
+    if caps and not (config.attn_logit_softcapping and config.final_logit_softcapping):
+        return "no soft-caps (llama.cpp's gemma2 graph caps scores and logits)"
     return None
+
+
+def _gemma3_refusal(config: Any) -> str | None:
+    """llama.cpp's gemma3 graph: the 62-layer 27B scales by hidden/heads, every sixth layer is global, no score cap."""
+    return _gemma_refusal(config, 62, 6, caps=False)
+
+
+def _gemma2_refusal(config: Any) -> str | None:
+    """llama.cpp's gemma2 graph: the 46-layer 27B scales by hidden/heads, every second layer is global, both caps."""
+    return _gemma_refusal(config, 46, 2, caps=True)
 
 
 @dataclass(frozen=True)
@@ -154,6 +180,7 @@ class Family:
 
 FAMILIES = {"llama": Family(gguf.MODEL_ARCH.LLAMA, True), "qwen2": Family(gguf.MODEL_ARCH.QWEN2, False),
             "phi3": Family(gguf.MODEL_ARCH.PHI3, False, _phi3_keys),  # fused attn_qkv and ffn_up (`fuse_parts`)
+            "gemma2": Family(gguf.MODEL_ARCH.GEMMA2, False, _gemma2_keys, _gemma2_refusal),
             "gemma3_text": Family(gguf.MODEL_ARCH.GEMMA3, False, _gemma3_keys, _gemma3_refusal)}
 
 

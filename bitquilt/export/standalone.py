@@ -20,18 +20,19 @@ holds one copy of each weight (the file's pages). `standalone.safetensors` holds
   "bitquilt.runtime.standalone" is JSON: the dimensions, each linear's kind and shape, what the embedding reads.
   A routed model also holds its routers' curve, `routing.curve` (mean bits per weight at each threshold of
   `routing.taus`, fp32), from which the runtimes set one threshold for an average of bits (`--avg-bits`), and is
-  format 4 (`FORMAT_VERSIONS`); a Gemma 3 model is format 5: its metadata adds the layer types, sliding window,
-  activation, embedding scale and logit cap, its file the sliding layers' `rope.sliding_attention.inv_freq` and the
-  pre- and post-feedforward norms; any other model is format 3, as before. Every norm is written as the vector it
-  multiplies by (Gemma's 1 + w).
+  format 4 (`FORMAT_VERSIONS`); a Gemma 2 or 3 model is format 5: its metadata adds the layer types, sliding window,
+  activation, embedding scale and logit caps, its file the pre- and post-feedforward norms (and Gemma 3's sliding
+  layers' `rope.sliding_attention.inv_freq`); any other model is format 3, as before. Every norm is written as the
+  vector it multiplies by (Gemma's 1 + w).
 
 4/2- and 8-bit weights and routed slices run on int8-rounded activations (the bitquilt runtime's
 `--int8-activations` engine; the slices through the same kernel and routing code as the fused torch runtime), so the
 standalone runtime computes what `bitquilt generate --int8-activations` does, in another fp32 order.
-Exportable: llama, mistral, qwen2, qwen3, gemma3 and phi3 models (phi3 in its split layout, RoPE over whole heads: not a
-partial rotary factor) whose linears are uniform 4- or 2-bit grids (width and groups multiples of 64 columns, fp16
-scales, no act-order g_idx), uniform 8-bit grids (multiples of 32), full precision, or (decoder layers) MoBiQuant
-slices with their routers, with no other online modules; the rest is refused with one line naming the first layer.
+Exportable: llama, mistral, qwen2, qwen3, gemma2, gemma3 and phi3 models (phi3 in its split layout, RoPE over whole
+heads: not a partial rotary factor) whose linears are uniform 4- or 2-bit grids (width and groups multiples of 64
+columns, fp16 scales, no act-order g_idx), uniform 8-bit grids (multiples of 32), full precision, or (decoder layers)
+MoBiQuant slices with their routers, with no other online modules; the rest is refused with one line naming the first
+layer.
 The tokenizer and generation files are copied, and a byte-level BPE tokenizer is also written as tables for the
 native runner
 (`bitquilt.export.tokenizer_tables`; metadata "tokenizer", or why not); the directory is written beside the target
@@ -64,6 +65,7 @@ from bitquilt.io import CONFIG_NAME, check_output, companion_files, is_quantized
 from bitquilt.kernels import cpu, q4_int8, uniform8
 from bitquilt.nn import online
 from bitquilt.nn.slice_router import TAU_GRID, has_routers, model_curve
+from bitquilt.runtime.lean import GEMMA
 from bitquilt.runtime.module_tree import ModuleTreeConfig, ModuleTreeLM, inverse_frequencies, rotary_dim
 from bitquilt.runtime.standalone.model import FILE, METADATA_KEY, PROJECTIONS
 from bitquilt.runtime.tokenizer import TOKENIZER_FILE, FastTokenizer
@@ -209,8 +211,8 @@ def standalone_tensors(model: ModuleTreeLM) -> tuple[dict[str, torch.Tensor], di
     if embed != "lm_head":
         linears[embed] = _linear(tensors, embed, embedding)
     tensors["rope.inv_freq"] = inverse_frequencies(config).float().contiguous()
-    gemma = config.model_type == "gemma3_text"
-    if gemma:
+    gemma = config.model_type in GEMMA
+    if config.rope_by_type:  # gemma3's sliding layers rotate by their own base
         tensors["rope.sliding_attention.inv_freq"] = inverse_frequencies(config, "sliding_attention").float()
     routed = has_routers(model)
     if routed:
@@ -230,7 +232,8 @@ def standalone_tensors(model: ModuleTreeLM) -> tuple[dict[str, torch.Tensor], di
     if gemma:
         metadata.update({"layer_types": list(config.layer_types), "sliding_window": config.sliding_window,
                          "activation": config.hidden_act, "embed_scale": config.hidden_size ** 0.5,
-                         "final_logit_softcapping": config.final_logit_softcapping})
+                         "final_logit_softcapping": config.final_logit_softcapping,
+                         "attn_logit_softcapping": config.attn_logit_softcapping})
     return tensors, metadata
 
 
@@ -263,7 +266,7 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
         reason = str(e)
     if reason is not None:
         raise UserError(f"cannot export {directory} to the standalone runtime: {reason} (it runs llama, mistral, "
-                        "qwen2, qwen3, gemma3 and phi3 models)")
+                        "qwen2, qwen3, gemma2, gemma3 and phi3 models)")
     model, _ = load_quantized(directory, runtime="bitquilt")
     tensors, metadata = standalone_tensors(model)
     try:

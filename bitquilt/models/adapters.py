@@ -185,8 +185,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     _llama_like("mistral", ("mistral",)),
     _llama_like("qwen2", ("qwen2",)),
     _llama_like("qwen3", ("qwen3",)),
-    _llama_like("gemma3", ("gemma3_text",), mlp_norm="pre_feedforward_layernorm", norm_offset=1.0,
-                post_norms=("post_attention_layernorm", "post_feedforward_layernorm")),
+    *(_llama_like(name, (model_type,), mlp_norm="pre_feedforward_layernorm", norm_offset=1.0,
+                  post_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
+      for name, model_type in (("gemma2", "gemma2"), ("gemma3", "gemma3_text"))),
     _llama_like("phi3", ("phi3",), fusions=PHI3_FUSIONS),
     _moe("mixtral", ("mixtral",), MIXTRAL_EXPERTS),
     _moe("qwen3_moe", ("qwen3_moe",), Experts(count=lambda c: c.num_experts, width=lambda c: c.moe_intermediate_size)),

@@ -4,20 +4,20 @@ batch of them.
 `FusedLayers` holds, per layer, the norms' weights, the seven linears and optional q/k norms (Gemma 3's too: norms of
 the branches' outputs, a sliding window, the layer type's RoPE tables); a sequence's static KV cache joins as a handle
 (`cache`), and `step(x, positions, caches)` runs one token of each of B sequences (or a prompt chunk of one) through
-every layer: norms, projections, biases, RoPE, attention over each sequence's own cache, SiLU- (or GELU-tanh-) gated
-MLP and residuals, without a Python call per op, each linear called once for all B rows (its weight read once
-per step); a routed MoBiQuant linear routes each row at the step's threshold for it where given (a batch mixing
-precisions), and `step_bits` says the bits per weight each row used. The LM head and the final norm may join too
-(`set_head`: `logits`). Every row comes out as it would alone (the kernels' rows are independent), so batching changes
-no sequence's result. A linear is bit-plane packed parts run by the lookup-table kernel (the slices of a MoBiQuant
-weight as a static prefix, or routed per token by its router; a MosaicQuant base with its sparse residual added inside
-the tables), an 8-bit uniform weight run by the 8-bit GEMV, or a dense fp32 matrix (a dot product per row and token,
-where module by module a BLAS GEMM runs, whose rows may round otherwise for other row counts): for the packed weights,
-the kernel each would run module by module. While `kernels.using(int8_activations=True)` is in force as the layers are
-built, 4- and 2-bit uniform weights run the low-bit × int8 kernel and 8-bit ones the GEMV's int8 path, as module by
-module too. The model side (which modules qualify) is `bitquilt.runtime.lean`; the math is the eager modules' in another
-fp32 order, tested against them, and csrc/runtime/decoder_core.h's, which the standalone runtime's library runs too
-(`bitquilt.runtime.standalone`).
+every layer: norms, projections, biases, RoPE, attention over each sequence's own cache (Gemma 2's scores soft-capped),
+SiLU- (or GELU-tanh-) gated MLP and residuals, without a Python call per op, each linear called once for all B rows (its
+weight read once per step); a routed MoBiQuant linear routes each row at the step's threshold for it where given (a
+batch mixing precisions), and `step_bits` says the bits per weight each row used. The LM head and the final norm may
+join too (`set_head`: `logits`). Every row comes out as it would alone (the kernels' rows are independent), so batching
+changes no sequence's result. A linear is bit-plane packed parts run by the lookup-table kernel (the slices of a
+MoBiQuant weight as a static prefix, or routed per token by its router; a MosaicQuant base with its sparse residual
+added inside the tables), an 8-bit uniform weight run by the 8-bit GEMV, or a dense fp32 matrix (a dot product per row
+and token, where module by module a BLAS GEMM runs, whose rows may round otherwise for other row counts): for the packed
+weights, the kernel each would run module by module. While `kernels.using(int8_activations=True)` is in force as the
+layers are built, 4- and 2-bit uniform weights run the low-bit × int8 kernel and 8-bit ones the GEMV's int8 path, as
+module by module too. The model side (which modules qualify) is `bitquilt.runtime.lean`; the math is the eager modules'
+in another fp32 order, tested against them, and csrc/runtime/decoder_core.h's, which the standalone runtime's library
+runs too (`bitquilt.runtime.standalone`).
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ class FusedLayers:
     (module docstring)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
-                 scaling: float, cos: torch.Tensor, sin: torch.Tensor, gelu: bool = False):
+                 scaling: float, cos: torch.Tensor, sin: torch.Tensor, gelu: bool = False,
+                 score_cap: float | None = None):
         ext = cpu.extension()
         if ext is None:
             raise RuntimeError("the CPU kernels are unavailable")
         self._decoder = ext.FusedDecoder(hidden, heads, kv_heads, head_dim, intermediate, eps, scaling,
-                                         cos.float().contiguous(), sin.float().contiguous(), gelu)
+                                         cos.float().contiguous(), sin.float().contiguous(), gelu, score_cap or 0.0)
         self.head: int | None = None  # the LM head's linear, once `set_head` names one
 
     def add_linear(self, fmts: list[WeightFormat] | None, dense: torch.Tensor | None, bias: torch.Tensor | None,

@@ -27,8 +27,9 @@ at its own position, every linear called once with all rows and attention per se
 tokens under a causal mask); `LeanDecoder` is it over one cache, `bitquilt.runtime.batch` over a running batch.
 
 Families: llama, mistral (without a sliding window shorter than the run), qwen2 (without sliding
-window), qwen3 (q/k norms), gemma3 ((1 + w) norms, post-norms, GELU-tanh, sliding-window layers with their own RoPE
-tables, soft-capped logits; `bitquilt.runtime.module_tree`),
+window), qwen3 (q/k norms), gemma2 and gemma3 ((1 + w) norms, post-norms, GELU-tanh, sliding-window layers, soft-capped
+logits; gemma2's soft-capped attention scores, gemma3's q/k norms and RoPE tables per layer type;
+`bitquilt.runtime.module_tree`),
 phi3 split (`bitquilt.models.fused`; a partial rotary factor runs module by module, not
 fused; LongRoPE within its original context); `unsupported_reason` says why another model stays on transformers.
 Tested against the transformers forward (logits and greedy tokens).
@@ -55,7 +56,8 @@ from bitquilt.nn.quant_linear import QuantLinear
 if TYPE_CHECKING:  # importing the kernels builds the extension: done on first use instead
     from bitquilt.runtime.fused import FusedLayers
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+GEMMA = ("gemma2", "gemma3_text")  # Gemma's layer: post-norms, GELU-tanh, scaled embeddings, sliding windows
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # tables that change once a sequence passes the original context: computed once for a run, so runs within it only
@@ -63,8 +65,8 @@ LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def family_activation(model_type: str) -> str:
-    """The gated MLP's activation of a family: GELU (tanh approximation) on gemma3, SiLU elsewhere."""
-    return "gelu_pytorch_tanh" if model_type == "gemma3_text" else "silu"
+    """The gated MLP's activation of a family: GELU (tanh approximation) on Gemma, SiLU elsewhere."""
+    return "gelu_pytorch_tanh" if model_type in GEMMA else "silu"
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -86,10 +88,10 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
         return f"activation {_activation(config)!r} (lean decoding runs {family_activation(model_type)} on " \
                f"{model_type})"
     window = getattr(config, "sliding_window", None)
-    if window is not None and model_type != "gemma3_text" \
+    if window is not None and model_type not in GEMMA \
             and (model_type != "qwen2" or getattr(config, "use_sliding_window", False)) and window < max_len:
         return f"a sliding window of {window} positions shorter than the run ({max_len})"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
+    if getattr(config, "attn_logit_softcapping", None) is not None and model_type != "gemma2":
         return "attention logit soft-capping"
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention"
@@ -115,7 +117,7 @@ def _rms_eps(norm: nn.Module) -> float | None:
 
 
 def _norm_scale(norm: nn.Module, offset: float) -> torch.Tensor:
-    """The vector a norm multiplies by: its weight, plus the family's offset (gemma3's 1 + w)."""
+    """The vector a norm multiplies by: its weight, plus the family's offset (Gemma's 1 + w)."""
     return (norm.weight + offset).detach() if offset else norm.weight.detach()
 
 
@@ -175,11 +177,11 @@ def fuse_layers(stack: LeanLayers) -> tuple[FusedLayers | None, str | None]:
     norms = {_rms_eps(m) for layer in stack.layers for m in layer.modules() if type(m).__name__.endswith("Norm")}
     if None in norms or len(norms) != 1:
         return None, "norms that are not plain RMSNorms with one epsilon"
-    mlp, eps, gemma = first.mlp, norms.pop(), config.model_type == "gemma3_text"
+    mlp, eps, gemma = first.mlp, norms.pop(), config.model_type in GEMMA
     try:
         fused = FusedLayers(config.hidden_size, stack.heads, stack.kv_heads, stack.head_dim, mlp.gate_proj.out_features,
                             eps, first.self_attn.scaling, stack.cos[0], stack.sin[0],
-                            gelu=stack.activation is not F.silu)
+                            gelu=stack.activation is not F.silu, score_cap=stack.score_cap)
     except RuntimeError as e:
         return None, str(e)
 
@@ -275,8 +277,8 @@ class LeanLayers:
         positions = torch.arange(max_len).unsqueeze(0)
         probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype)
         # per layer: the rotary tables [1, max_len, head_dim] of its type (gemma3 has two) and its window (or None)
-        gemma = config.model_type == "gemma3_text"
-        types = [layer.self_attn.layer_type if gemma else None for layer in self.layers]
+        gemma = config.model_type in GEMMA
+        types = [layer.self_attn.layer_type if config.model_type == "gemma3_text" else None for layer in self.layers]
         tables = {t: body.rotary_emb(probe, positions, *[t] if t else []) for t in set(types)}
         self.rope = [tables[t] for t in types]
         self.cos, self.sin = self.rope[0]
@@ -285,12 +287,13 @@ class LeanLayers:
         post = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
         self.input_norms = [_norm_fn(layer.input_layernorm, self.offset) for layer in self.layers]
         self.mlp_norms = [_norm_fn(getattr(layer, post), self.offset) for layer in self.layers]
-        # gemma3: each branch's output normalised before the residual add
+        # Gemma: each branch's output normalised before the residual add
         self.branch_norms = [(_norm_fn(layer.post_attention_layernorm, self.offset),
                               _norm_fn(layer.post_feedforward_layernorm, self.offset))
                              if gemma else None for layer in self.layers]
         self.final_norm = _norm_fn(body.norm, self.offset)
         self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.score_cap = getattr(config, "attn_logit_softcapping", None)  # gemma2
         attention_slots = set(slots_at("attention"))
         self.has_site = [bool(layer.self_attn._modules.keys() & attention_slots) for layer in self.layers]
 
@@ -351,12 +354,28 @@ class LeanLayers:
             if self.has_site[index]:
                 q_s, keys, values = run_site(attn, "attention", q_s, keys, values)
             mask = _chunk_mask(t, start, first, end, window)
-            out = F.scaled_dot_product_attention(q_s, keys, values, attn_mask=mask,
-                                                 is_causal=mask is None and t > 1,
-                                                 scale=attn.scaling, enable_gqa=self.heads != self.kv_heads)
+            if self.score_cap is None:
+                out = F.scaled_dot_product_attention(q_s, keys, values, attn_mask=mask,
+                                                     is_causal=mask is None and t > 1,
+                                                     scale=attn.scaling, enable_gqa=self.heads != self.kv_heads)
+            else:
+                out = _capped_attention(q_s, keys, values, mask if mask is not None or t == 1
+                                        else torch.ones(t, t, dtype=torch.bool).tril(), attn.scaling, self.score_cap)
             outs.append(out.transpose(1, 2).reshape(1, t, -1))
             row += t
         return attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs, 1))
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                      cap: float) -> torch.Tensor:
+    """softmax(c·tanh(scale·q kᵀ / c), over the keys `mask` [T, keys] allows) v, as Gemma 2's eager attention: q
+    [1, heads, T, d], k and v [1, kv_heads, keys, d] (each shared by heads / kv_heads query heads)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = soft_cap(torch.matmul(q, k.transpose(2, 3)) * scale, cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _chunk_mask(t: int, start: int, first: int, end: int, window: int | None) -> torch.Tensor | None:

@@ -14,11 +14,12 @@ than a 4-bit small model; this module builds the same tree from `config.json` al
       model.norm, model.rotary_emb
       lm_head                            (tied to embed_tokens when the config says so)
 
-Gemma 3 (`gemma3_text`) differs where transformers' Gemma3 modules do: its RMSNorms scale by (1 + w); the embedding
-output is multiplied by √hidden; attention scores by query_pre_attn_scalar^-½; `post_attention_layernorm` normalises
-the attention's output before the residual add, `pre_feedforward_layernorm` the MLP's input and
-`post_feedforward_layernorm` its output; each layer is "sliding_attention" (a window of `sliding_window` positions,
-RoPE θ of that layer type) or "full_attention" (`layer_types`), and the logits may be soft-capped (c·tanh(z/c)).
+Gemma 2 and 3 (`gemma2`, `gemma3_text`) differ where transformers' Gemma modules do: their RMSNorms scale by (1 + w);
+the embedding output is multiplied by √hidden; attention scores by query_pre_attn_scalar^-½; `post_attention_layernorm`
+normalises the attention's output before the residual add, `pre_feedforward_layernorm` the MLP's input and
+`post_feedforward_layernorm` its output; each layer is "sliding_attention" (a window of `sliding_window` positions;
+on gemma3 with the RoPE θ of that layer type) or "full_attention" (`layer_types`), and the logits may be soft-capped
+(c·tanh(z/c)); gemma2 soft-caps the attention scores too, gemma3 has q/k norms.
 
 Module names are transformers' so a checkpoint's tensor names, saved layer names and online-module hosts apply
 unchanged; phi3's are those of its split layout (`bitquilt.models.fused`: q/k/v and gate/up apart, as saved). Biases
@@ -40,7 +41,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from bitquilt.models.adapters import architecture_for
-from bitquilt.runtime.lean import FAMILIES, LeanDecoder, family_activation, soft_cap
+from bitquilt.runtime.lean import FAMILIES, GEMMA, LeanDecoder, family_activation, soft_cap
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -83,7 +84,7 @@ class ModuleTreeConfig:
             raise ValueError(f"config.json has no valid {missing[0]!r}")
         heads = d["num_attention_heads"]
         parameters = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        layer_types = tuple(d.get("layer_types") or ()) if d["model_type"] == "gemma3_text" else ()
+        layer_types = tuple(d.get("layer_types") or ()) if d["model_type"] in GEMMA else ()
         by_type = {t: _rope(parameters[t], d) for t in set(layer_types)} \
             if layer_types and all(isinstance(parameters.get(t), dict) for t in layer_types) else {}
         rope = by_type.get("full_attention") or next(iter(by_type.values()), None) or _rope(parameters, d)
@@ -113,12 +114,13 @@ class ModuleTreeConfig:
         if self.hidden_act != family_activation(self.model_type):
             return f"activation {self.hidden_act!r} (the bitquilt runtime runs {family_activation(self.model_type)} " \
                    f"on {self.model_type})"
-        if self.model_type == "gemma3_text":
-            if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(self.rope_by_type) \
-                    or set(self.layer_types) - {"sliding_attention", "full_attention"}:
-                return "layer types without their RoPE parameters (gemma3 needs both per layer)"
-            if self.attn_logit_softcapping is not None:
-                return "attention logit soft-capping"
+        if self.model_type in GEMMA and (len(self.layer_types) != self.num_hidden_layers
+                                         or set(self.layer_types) - {"sliding_attention", "full_attention"}):
+            return "layer types other than one sliding_attention or full_attention per layer"
+        if self.model_type == "gemma3_text" and set(self.layer_types) - set(self.rope_by_type):
+            return "layer types without their RoPE parameters (gemma3 needs them per layer type)"
+        if self.attn_logit_softcapping is not None and self.model_type != "gemma2":
+            return "attention logit soft-capping"
         for rope in self.rope_by_type.values() or [self.rope]:
             if rope["rope_type"] not in ROPE_TYPES:
                 return f"RoPE type {rope['rope_type']!r} (the bitquilt runtime computes {', '.join(ROPE_TYPES)})"
@@ -308,7 +310,7 @@ class DecoderLayer(nn.Module):
         self.self_attn, self.mlp = Attention(config, index), MLP(config)
         self.input_layernorm = _norm(config, config.hidden_size)
         self.post_attention_layernorm = _norm(config, config.hidden_size)
-        if config.model_type == "gemma3_text":
+        if config.model_type in GEMMA:
             self.pre_feedforward_layernorm = _norm(config, config.hidden_size)
             self.post_feedforward_layernorm = _norm(config, config.hidden_size)
 
@@ -337,7 +339,7 @@ class ModuleTreeLM(nn.Module):
             self.model = Body(config)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.model.rotary_emb = RotaryEmbedding(config)
-        if config.model_type == "gemma3_text":
+        if config.model_type in GEMMA:
             self.model.embed_tokens.embed_scale = torch.tensor(config.hidden_size ** 0.5)
 
     def tie_weights(self) -> None:

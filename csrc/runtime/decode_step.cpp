@@ -93,8 +93,8 @@ at::Tensor fp32_vector(const at::Tensor& t, int64_t n, const char* what) {
 class FusedDecoder {
  public:
   FusedDecoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-               double scaling, const at::Tensor& cos, const at::Tensor& sin, bool gelu)
-      : core_(dims(hidden, heads, kv_heads, head_dim, intermediate, eps, scaling, cos, sin, gelu)),
+               double scaling, const at::Tensor& cos, const at::Tensor& sin, bool gelu, double score_cap)
+      : core_(dims(hidden, heads, kv_heads, head_dim, intermediate, eps, scaling, cos, sin, gelu, score_cap)),
         cos_(cos),
         sin_(sin) {}
 
@@ -321,11 +321,11 @@ class FusedDecoder {
 
   static bitquilt_decoder::Dims dims(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
                                      int64_t intermediate, double eps, double scaling, const at::Tensor& cos,
-                                     const at::Tensor& sin, bool gelu) {
+                                     const at::Tensor& sin, bool gelu, double score_cap) {
     check_tables(cos, sin, head_dim, -1);
     const bitquilt_decoder::Dims d{hidden,        heads,  kv_heads, head_dim, intermediate, cos.size(0),
                                    static_cast<float>(eps), static_cast<float>(scaling), cos.data_ptr<float>(),
-                                   sin.data_ptr<float>(), gelu};
+                                   sin.data_ptr<float>(), gelu, static_cast<float>(score_cap)};
     const std::string error = bitquilt_decoder::dims_error(d);
     TORCH_CHECK(error.empty(), error);
     return d;
@@ -356,9 +356,10 @@ void register_decode_step(pybind11::module& m) {
   py::class_<FusedCache>(m, "FusedCache", "a sequence's KV cache as the fused step takes it");
   py::class_<FusedDecoder>(m, "FusedDecoder", "every decoder layer of a decode step, a token or a prompt chunk per sequence, in one call")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, const at::Tensor&,
-                    const at::Tensor&, bool>(),
+                    const at::Tensor&, bool, double>(),
            py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
-           py::arg("eps"), py::arg("scaling"), py::arg("cos"), py::arg("sin"), py::arg("gelu") = false)
+           py::arg("eps"), py::arg("scaling"), py::arg("cos"), py::arg("sin"), py::arg("gelu") = false,
+           py::arg("score_cap") = 0.0)
       .def("add_linear", &FusedDecoder::add_linear, py::arg("planes"), py::arg("coefs"), py::arg("ks"),
            py::arg("uniforms"), py::arg("block"), py::arg("group"), py::arg("N"), py::arg("K"),
            py::arg("dense") = py::none(), py::arg("bias") = py::none(),

@@ -9,7 +9,7 @@
 //                  rotate_half(u) = [-u[d/2:], u[:d/2]]     (cos/sin tables [max_len, head_dim] from the caller)
 //   K[g, p] = k_g, V[g, p] = v_g                            (the sequence's cache, [kv_heads, length, head_dim])
 //   a_h = sum_{j <= p} softmax_j(scaling * <q_h, K[g(h), j]>) V[g(h), j],   g(h) = h / (heads / kv_heads)
-//                  (a layer with a window W: over p - W < j <= p only)
+//                  (a layer with a window W: over p - W < j <= p only; Gemma 2: each score s as c tanh(s / c))
 //   x = x + W_o a                                           (Gemma: x + RMSNorm(W_o a) * w_attn_out)
 //   h = RMSNorm(x) * w_post
 //   x = x + W_down (act(W_gate h) * (W_up h))               (Gemma: the sum's second term RMSNorm'd by w_mlp_out)
@@ -88,6 +88,7 @@ struct Dims {
   float eps, scaling;
   const float *cos, *sin;  // [max_len, hd]
   bool gelu = false;       // the MLP's activation: GELU-tanh (Gemma), else SiLU
+  float score_cap = 0.0f;  // attention scores soft-capped to c tanh(s / c) where c > 0 (Gemma 2)
 };
 
 // A layer's norm weights (q_norm / k_norm null unless the family has them) and the indices of its q, k, v, o, gate,
@@ -310,6 +311,8 @@ class Decoder {
           const int64_t skip = layer.window > 0 ? std::max<int64_t>(0, count[row] - layer.window) : 0;
           float* sr = s[row] + skip;
           const int64_t n_row = count[row] - skip;
+          if (d_.score_cap > 0.0f)
+            for (int64_t j = 0; j < n_row; ++j) sr[j] = std::tanh(sr[j] / d_.score_cap) * d_.score_cap;
           const float inv = 1.0f / exp_shifted(sr, n_row, bitquilt_attention::max_of(sr, n_row));
           for (int64_t j = 0; j < n_row; ++j) sr[j] *= inv;
           std::fill_n(s[row], skip, 0.0f);

@@ -340,11 +340,13 @@ std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file,
     refuse(f, "a sequence of " + std::to_string(max_len) + " positions does not fit the model's " +
                   std::to_string(dim("max_positions")));
   const float* inv_freq = floats(f, "rope.inv_freq", {hd / 2});
-  // Gemma 3 (format 5): each layer's type, its window, the sliding layers' own RoPE base, GELU-tanh, post-norms
+  // Gemma (format 5): each layer's type, its window, GELU-tanh, post-norms; Gemma 3's sliding layers' own RoPE base,
+  // Gemma 2's capped attention scores
   const Value& types = c["layer_types"];
   const bool gemma = types.kind == Value::Array;
   if (gemma && static_cast<int64_t>(types.array.size()) != layers) refuse(f, "layer_types must name every layer");
-  const float* local_inv_freq = gemma ? floats(f, "rope.sliding_attention.inv_freq", {hd / 2}) : nullptr;
+  const float* local_inv_freq =
+      f.has("rope.sliding_attention.inv_freq") ? floats(f, "rope.sliding_attention.inv_freq", {hd / 2}) : nullptr;
   const std::string& activation = c["activation"].kind == Value::String ? c["activation"].string : "silu";
   if (activation != "silu" && activation != "gelu_pytorch_tanh")
     refuse(f, "activation '" + activation + "' (this bitquilt runs silu and gelu_pytorch_tanh)");
@@ -352,6 +354,10 @@ std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file,
                            dim("intermediate_size"), max_len, static_cast<float>(c["rms_norm_eps"].number),
                            static_cast<float>(c["attention_scaling"].number), inv_freq, inv_freq};
   d.gelu = activation == "gelu_pytorch_tanh";
+  if (c["attn_logit_softcapping"].kind == Value::Number)
+    d.score_cap = static_cast<float>(c["attn_logit_softcapping"].number);
+  if (!(d.score_cap >= 0.0f && std::isfinite(d.score_cap)))
+    refuse(f, "attn_logit_softcapping must be non-negative and finite");
   std::string error = bitquilt_decoder::dims_error(d);
   if (error.empty() && (layers <= 0 || hd % 2)) error = "layers must be positive and the head dim even";
   if (!error.empty()) refuse(f, error);
@@ -389,8 +395,10 @@ std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file,
                   "full_attention");
       if (type == "sliding_attention") {
         l.window = window;
-        l.cos = m->local_rope.cos.data();
-        l.sin = m->local_rope.sin.data();
+        if (local_inv_freq != nullptr) {
+          l.cos = m->local_rope.cos.data();
+          l.sin = m->local_rope.sin.data();
+        }
       }
     }
     m->core.add_layer(l);
