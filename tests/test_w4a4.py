@@ -33,7 +33,8 @@ from bitquilt.transforms.rotation import QuaRotOptions, _rowwise_float64, fuse_n
 from tests.conftest import attach_kv_quantizers, block_context, make_tiny
 from tests.test_kernels import needs_ext
 
-FAMILIES = ["llama", "qwen2", "qwen3", "gemma3_text", "phi3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
+GEMMA = ("gemma2", "gemma3_text")
 PACKAGED_SIZES = [64, 128, 576, 896, 1536, 4864, 8960]  # head_dim, hidden and FFN widths of the packaged models
 
 
@@ -135,7 +136,7 @@ def test_norm_fusion_and_quarot_are_function_preserving_on_tiny_models(model_typ
     assert torch.allclose(_logits(fused, ids), ref, atol=1e-5)
     report = quarot(ModelContext(model, architecture_of(model), None, None), QuaRotOptions())
     assert torch.allclose(_logits(model, ids), ref, atol=1e-5), (_logits(model, ids) - ref).abs().max()
-    assert report["tied_lm_head"] == tied and tied == (model_type in ("llama", "gemma3_text"))
+    assert report["tied_lm_head"] == tied and tied == (model_type in ("llama", *GEMMA))
     assert (model.lm_head.weight is model.get_input_embeddings().weight) == tied  # a tied head stays one table
 
 
@@ -295,7 +296,7 @@ def test_smoothquant_scaling_is_function_preserving_before_quantization():
     assert torch.allclose(_logits(model, ids[:2]), ref, atol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", [f for f in FAMILIES if f != "gemma3_text"])  # QuaRot refuses post-norms
+@pytest.mark.parametrize("model_type", [f for f in FAMILIES if f not in GEMMA])  # QuaRot refuses post-norms
 def test_w4a4kv4_save_load_gives_identical_logits(tmp_path, model_type):
     model = make_tiny(model_type)
     recipe = Recipe("quarot+gptq", w_bits=4, group_size=32, a_bits=4, kv_bits=4, a_clip=None)
