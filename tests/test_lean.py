@@ -53,6 +53,22 @@ def test_lean_steps_run_quantized_linears_and_online_modules_as_transformers_doe
     assert torch.allclose(lean_logits(model, ids, 9), ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("recipe", [None, Recipe("rtn", w_bits=4, group_size=64)], ids=["fp32", "w4"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "olmoe"])
+def test_lean_steps_route_moe_rows_to_their_experts_as_transformers_does(model_type, recipe):
+    """MoE blocks run as modules (router, then each expert's linears, quantized or not, on its rows), never fused;
+    olmoe's whole-projection q/k norms and q/k/v clipping as in transformers."""
+    model = make_tiny(model_type, **{"clip_qkv": 0.5} if model_type == "olmoe" else {})
+    if recipe is not None:
+        quantize(model, recipe, _ids(64, seed=2).view(2, 32), progress=False)
+    assert "mixture-of-experts" in LeanDecoder(model, 4).fused_reason
+    ids = _ids()
+    ref = transformers_logits(model, ids)[8:]
+    assert torch.allclose(lean_logits(model, ids, 9), ref, atol=1e-4)
+    prompt = _ids(7)
+    assert decode(model, prompt, 8, engine="lean").new_ids == decode(model, prompt, 8, engine="transformers").new_ids
+
+
 def test_decode_engines_agree_and_auto_takes_the_lean_path():
     model = make_tiny("qwen2")
     prompt = _ids(7)

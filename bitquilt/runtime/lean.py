@@ -31,7 +31,11 @@ window), qwen3 (q/k norms), gemma2 and gemma3 ((1 + w) norms, post-norms, GELU-t
 logits; gemma2's soft-capped attention scores, gemma3's q/k norms and RoPE tables per layer type;
 `bitquilt.runtime.module_tree`),
 phi3 split (`bitquilt.models.fused`; a partial rotary factor runs module by module, not
-fused; LongRoPE within its original context); `unsupported_reason` says why another model stays on transformers.
+fused; LongRoPE within its original context); the mixture-of-experts families mixtral, qwen3_moe and olmoe (q/k norms
+over the whole projection, optional q/k/v clipping): a layer whose MLP is an MoE block calls the block itself on the
+normed rows (its router picks each row's experts; `bitquilt.models.experts.ExpertLinears` runs each expert's linears,
+quantized or not, on its rows), module by module (the fused step runs no MoE block); `unsupported_reason` says why
+another model stays on transformers.
 Tested against the transformers forward (logits and greedy tokens).
 """
 
@@ -58,6 +62,8 @@ if TYPE_CHECKING:  # importing the kernels builds the extension: done on first u
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 GEMMA = ("gemma2", "gemma3_text")  # Gemma's layer: post-norms, GELU-tanh, scaled embeddings, sliding windows
+# lean decoding runs these too, on transformers' modules; bitquilt's own module tree (which imports FAMILIES) does not
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # tables that change once a sequence passes the original context: computed once for a run, so runs within it only
@@ -82,8 +88,8 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
     """Why `LeanDecoder` cannot run `model` for `max_len` positions; None if it can."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
-        return f"model type {model_type!r} (lean decoding covers {', '.join(FAMILIES)})"
+    if model_type not in FAMILIES + MOE_FAMILIES:
+        return f"model type {model_type!r} (lean decoding covers {', '.join(FAMILIES + MOE_FAMILIES)})"
     if _activation(config) != family_activation(model_type):
         return f"activation {_activation(config)!r} (lean decoding runs {family_activation(model_type)} on " \
                f"{model_type})"
@@ -174,6 +180,8 @@ def fuse_layers(stack: LeanLayers) -> tuple[FusedLayers | None, str | None]:
     if stack.cos.shape[-1] != stack.head_dim:
         return None, "a partial rotary embedding (fused layers rotate whole heads)"
     config, first = stack.model.config, stack.layers[0]
+    if any(not hasattr(layer.mlp, "gate_proj") for layer in stack.layers):
+        return None, "mixture-of-experts blocks (fused layers run a dense gated MLP)"  # olmoe's q/k norms too
     norms = {_rms_eps(m) for layer in stack.layers for m in layer.modules() if type(m).__name__.endswith("Norm")}
     if None in norms or len(norms) != 1:
         return None, "norms that are not plain RMSNorms with one epsilon"
@@ -296,6 +304,9 @@ class LeanLayers:
         self.score_cap = getattr(config, "attn_logit_softcapping", None)  # gemma2
         attention_slots = set(slots_at("attention"))
         self.has_site = [bool(layer.self_attn._modules.keys() & attention_slots) for layer in self.layers]
+        # olmoe: q/k norms over the whole projection (before the split into heads) and optional clipping of q, k, v
+        self.whole_qk_norm = config.model_type == "olmoe"
+        self.clip = getattr(config, "clip_qkv", None)
 
     def new_cache(self, length: int) -> KVCache:
         """An empty cache for a sequence of up to `length` (≤ max_len) positions."""
@@ -321,7 +332,10 @@ class LeanLayers:
             x = x + (attended if post is None else post[0](attended))
             mlp = layer.mlp
             h = self.mlp_norms[i](x)
-            out = mlp.down_proj(self.activation(mlp.gate_proj(h)) * mlp.up_proj(h))
+            if hasattr(mlp, "gate_proj"):
+                out = mlp.down_proj(self.activation(mlp.gate_proj(h)) * mlp.up_proj(h))
+            else:  # an MoE block: [1, R, hidden] in and out, routed per row
+                out = mlp(h)
             x = x + (out if post is None else post[1](out))
         for cache, t in zip(caches, counts):
             cache.pos += t
@@ -334,10 +348,15 @@ class LeanLayers:
     def _attention(self, index: int, layer: nn.Module, h: torch.Tensor, caches: list[KVCache],
                    counts: list[int]) -> torch.Tensor:
         attn, r = layer.self_attn, h.shape[1]
-        q = attn.q_proj(h).view(1, r, self.heads, self.head_dim)
-        k = attn.k_proj(h).view(1, r, self.kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(1, r, self.kv_heads, self.head_dim)
-        if hasattr(attn, "q_norm"):  # qwen3, gemma3: per-head norms before RoPE
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        if self.whole_qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q = q.view(1, r, self.heads, self.head_dim)
+        k = k.view(1, r, self.kv_heads, self.head_dim)
+        v = v.view(1, r, self.kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm") and not self.whole_qk_norm:  # qwen3, gemma3: per-head norms before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         (cos, sin), window = self.rope[index], self.windows[index]
         outs, row = [], 0
