@@ -292,6 +292,9 @@ def residual_recovery(model: nn.Module | str | Path) -> list:
         raise UserError(f"{model if not isinstance(model, nn.Module) else 'the model'}: {e}") from None
 
 
+MOE_EXPORTS = ("gguf",)  # the export formats that write a mixture-of-experts model's experts and router
+
+
 def export(saved: str | Path, output: str | Path, to: str = "gguf", overwrite: bool = False,
            tokenizer_from: str | Path | None = None, progress: bool = False
            ) -> GGUFExport | CompressedTensorsExport | StandaloneExport:
@@ -322,18 +325,18 @@ def export(saved: str | Path, output: str | Path, to: str = "gguf", overwrite: b
 
 
 def refuse_moe_export(saved: Path, to: str) -> None:
-    """UserError if `saved` holds a mixture-of-experts model: no export writes routed experts yet (GGUF's and
-    compressed-tensors' expert tensors, the standalone runtime's routing)."""
-    if not is_quantized_dir(saved):
+    """UserError if `saved` holds a mixture-of-experts model and `to` is not one of `MOE_EXPORTS` (the standalone
+    runtime does not route experts)."""
+    if to in MOE_EXPORTS or not is_quantized_dir(saved):
         return  # the exporter names what it reads
     from bitquilt.io import saved_config
 
     model_type = saved_config(saved).get("model_type")
     arch = architecture_for(model_type)
     if arch is not None and arch.experts is not None:
-        raise UserError(f"cannot export {saved} to {to}: it is a mixture-of-experts model ({model_type}) and no "
-                        "bitquilt export writes routed experts yet; run it with `bitquilt eval` / `generate` "
-                        "(transformers runtime) instead")
+        raise UserError(f"cannot export {saved} to {to}: it is a mixture-of-experts model ({model_type}) and the "
+                        f"{to} runtime does not route experts; export it with --to {' or '.join(MOE_EXPORTS)}, or run "
+                        "it with `bitquilt eval` / `generate`")
 
 
 def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, overwrite: bool = False) -> Path:

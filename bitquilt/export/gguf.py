@@ -61,6 +61,7 @@ from torch import nn
 from bitquilt.cache import atomic_file, claim_output
 from bitquilt.errors import UserError, option
 from bitquilt.export.checks import check_layers, check_space, no_space
+from bitquilt.export.gguf_experts import expert_stack, moe_keys, moe_refusal
 from bitquilt.formats.base import WeightFormat
 from bitquilt.formats.ggml import GGMLFormat
 from bitquilt.formats.uniform import UniformFormat
@@ -96,7 +97,18 @@ PRE_TOKENIZERS = {
 
 Field = tuple[Any, V, V | None]  # value, GGUF type, element type of an array
 Key = tuple[str, Any, V]  # a hyperparameter key with {arch} unfilled, its value and type
-Planned = tuple[str, torch.Tensor | UniformFormat | GGMLFormat, torch.Tensor | None]  # GGUF name, value, row order
+Weight = torch.Tensor | UniformFormat | GGMLFormat
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """One MoE tensor of llama.cpp (`ffn_gate_exps`, ...): the same linear of every expert, expert 0 first, stored
+    as one 3D tensor [experts, rows, columns] of one type."""
+
+    parts: list[Weight]
+
+
+Planned = tuple[str, Weight | Stacked, torch.Tensor | None]  # GGUF name, value, row order
 
 
 def _rope(config: Any, layers: str = "full_attention") -> dict[str, Any]:
@@ -181,7 +193,11 @@ class Family:
 FAMILIES = {"llama": Family(gguf.MODEL_ARCH.LLAMA, True), "qwen2": Family(gguf.MODEL_ARCH.QWEN2, False),
             "phi3": Family(gguf.MODEL_ARCH.PHI3, False, _phi3_keys),  # fused attn_qkv and ffn_up (`fuse_parts`)
             "gemma2": Family(gguf.MODEL_ARCH.GEMMA2, False, _gemma2_keys, _gemma2_refusal),
-            "gemma3_text": Family(gguf.MODEL_ARCH.GEMMA3, False, _gemma3_keys, _gemma3_refusal)}
+            "gemma3_text": Family(gguf.MODEL_ARCH.GEMMA3, False, _gemma3_keys, _gemma3_refusal),
+            # mixture of experts (`bitquilt.export.gguf_experts`): Mixtral is llama.cpp's llama with experts
+            "mixtral": Family(gguf.MODEL_ARCH.LLAMA, True, moe_keys, moe_refusal),
+            "qwen3_moe": Family(gguf.MODEL_ARCH.QWEN3MOE, False, moe_keys, moe_refusal),
+            "olmoe": Family(gguf.MODEL_ARCH.OLMOE, False, moe_keys, moe_refusal)}
 
 
 @dataclass
@@ -285,7 +301,8 @@ def tensor_plan(model: nn.Module, family: Family) -> list[Planned]:
     names = gguf.get_tensor_name_map(family.arch, config.num_hidden_layers)
     heads = {"self_attn.q_proj": config.num_attention_heads,
              "self_attn.k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
-    plan, seen = [], set()
+    experts = architecture_for(config.model_type).experts
+    plan, seen, stacks = [], set(), {}
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         packed = isinstance(module, QuantLinear | QuantEmbedding)
@@ -296,7 +313,11 @@ def tensor_plan(model: nn.Module, family: Family) -> list[Planned]:
             if id(value) in seen:
                 continue
             seen.add(id(value))
-            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            stacked = expert_stack(hf_name, experts)
+            if stacked in stacks:
+                stacks[stacked].parts.append(value)
+                continue
+            name = names.get_name(stacked or hf_name, try_suffixes=(".weight", ".bias"))
             if name is None:
                 raise UserError(f"cannot export {hf_name} to GGUF: llama.cpp's {gguf.MODEL_ARCH_NAMES[family.arch]} "
                                 "architecture has no such tensor")
@@ -304,8 +325,20 @@ def tensor_plan(model: nn.Module, family: Family) -> list[Planned]:
             order = rotary_order(rows, n_head) if family.rotary_rows and n_head else None
             if offset and name.endswith("norm.weight"):
                 value = value.detach() + offset
+            if stacked is not None:
+                value = stacks[stacked] = Stacked([value])
             plan.append((name, value, order))
+    for name, value in stacks.items():
+        types = sorted({_type_name(v) for v in value.parts})
+        if len(types) > 1:
+            raise UserError(f"cannot export {name} to GGUF: its experts are of different types ({', '.join(types)}) "
+                            "and llama.cpp stores them as one tensor of one type; quantize every expert alike")
     return plan
+
+
+def _type_name(value: Weight) -> str:
+    """The GGUF type `value` is written as."""
+    return block_type(value).name if isinstance(value, WeightFormat) else "F32"
 
 
 def model_fields(config: Any, family: Family) -> dict[str, Field]:
@@ -451,11 +484,26 @@ def file_type(plan: list[Planned], mix: str | None) -> gguf.LlamaFileType:
     """general.file_type: the GGUF mix the model was quantized for, else the type most weights have."""
     if mix is not None:
         return gguf.LlamaFileType[f"MOSTLY_{mix}"]
-    weights = Counter({block_type(v): v.out_features * v.in_features for _, v, _ in plan
-                       if isinstance(v, WeightFormat)})
+    weights: Counter[Q] = Counter()
+    for _, value, _ in plan:
+        for v in value.parts if isinstance(value, Stacked) else [value]:
+            if isinstance(v, WeightFormat):
+                weights[block_type(v)] += v.out_features * v.in_features
     name = mix or (weights.most_common(1)[0][0].name if weights else "F32")
     members = gguf.LlamaFileType.__members__  # a K-quant type names its _M mix
     return members.get(f"MOSTLY_{name}", members.get(f"MOSTLY_{name}_M", gguf.LlamaFileType.ALL_F32))
+
+
+def tensor_data(value: Weight, order: torch.Tensor | None) -> tuple[np.ndarray, torch.Tensor | None]:
+    """`value` as the array GGUF stores (its blocks, or F32 values), rows in `order`; and for Q4_1 the fp16 shift of
+    each block's minimum in steps (`gguf_blocks`), else None."""
+    if isinstance(value, GGMLFormat):
+        return (value.blocks if order is None else value.blocks[order]).numpy(), None
+    if isinstance(value, UniformFormat):
+        blocks, shift = gguf_blocks(value, order)
+        return blocks, shift if block_type(value) == Q.Q4_1 else None
+    t = value.detach().float()
+    return (t if order is None else t[order]).contiguous().numpy(), None
 
 
 def write_gguf(model: nn.Module, tokenizer: Any, output: str | Path, name: str,
@@ -485,20 +533,13 @@ def write_gguf(model: nn.Module, tokenizer: Any, output: str | Path, name: str,
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
             for tensor_name, value, order in plan:
                 bar.update()
-                if isinstance(value, GGMLFormat):
-                    blocks = value.blocks if order is None else value.blocks[order]
-                    writer.add_tensor(tensor_name, blocks.numpy(), raw_dtype=block_type(value))
-                    types[value.type.name] += 1
-                elif isinstance(value, UniformFormat):
-                    blocks, shift = gguf_blocks(value, order)
-                    writer.add_tensor(tensor_name, blocks, raw_dtype=block_type(value))
-                    types[block_type(value).name] += 1
-                    if block_type(value) == Q.Q4_1:
-                        shifts.append(shift.flatten())
-                else:
-                    t = value.detach().float()
-                    writer.add_tensor(tensor_name, (t if order is None else t[order]).contiguous().numpy())
-                    types["F32"] += 1
+                parts = [tensor_data(v, order) for v in (value.parts if isinstance(value, Stacked) else [value])]
+                data = parts[0][0] if len(parts) == 1 else np.stack([p[0] for p in parts])
+                first = value.parts[0] if isinstance(value, Stacked) else value
+                writer.add_tensor(tensor_name, data,
+                                  raw_dtype=block_type(first) if isinstance(first, WeightFormat) else None)
+                types[_type_name(first)] += 1
+                shifts += [p[1].flatten() for p in parts if p[1] is not None]
             bar.close()  # its last line drawn before anything the write may say
             need = sum(ti.nbytes for shard in writer.tensors for ti in shard.values()) + 2**20  # + header, metadata
             free = check_space(output, need)

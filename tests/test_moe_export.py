@@ -1,0 +1,102 @@
+"""Exports of mixture-of-experts models: GGUF's stacked expert tensors and router (read back equal to bitquilt's
+weights; llama.cpp's hidden states when its optional venv is there) and what llama.cpp's graphs would compute
+otherwise, refused in one line."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from bitquilt.api import export, quantize, save
+from bitquilt.errors import UserError
+from bitquilt.io import load_quantized
+from bitquilt.nn.quant_linear import QuantLinear
+from bitquilt.recipes import Recipe
+from tests.conftest import make_tiny
+from tests.test_export import converter_permute, fields_of, read_back
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMACPP_PYTHON = Path(os.environ.get("BITQUILT_LLAMACPP_PYTHON", ROOT / ".venv-llamacpp" / "bin" / "python"))
+# configs llama.cpp's graphs compute as transformers does (olmoe: no GQA, no renormalised top-k)
+FAMILIES = {"mixtral": ("llama", {}), "qwen3_moe": ("qwen3moe", {}),
+            "olmoe": ("olmoe", dict(num_key_value_heads=4, norm_topk_prob=False))}
+STACKS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+W4 = Recipe("rtn", w_bits=4, group_size=32, sym=True)
+
+
+def saved_moe(tmp_path, model_type, recipe=W4, **config):
+    model = make_tiny(model_type, **FAMILIES[model_type][1] | config)
+    quantize(model, recipe, progress=False)
+    save(model, tmp_path / model_type)
+    return model, tmp_path / model_type
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("bits, qtype", [(4, Q.Q4_0), (8, Q.Q8_0)])
+def test_gguf_stacks_each_blocks_experts_and_keeps_the_router_in_f32(tmp_path, model_type, bits, qtype):
+    model, saved = saved_moe(tmp_path, model_type, Recipe("rtn", w_bits=bits, group_size=32, sym=True))
+    summary = export(saved, tmp_path / "m.gguf")
+    got, fields = read_back(tmp_path / "m.gguf"), fields_of(tmp_path / "m.gguf")
+    arch, config = FAMILIES[model_type][0], model.config
+    assert fields["general.architecture"] == arch
+    assert fields[f"{arch}.expert_count"] == 4 and fields[f"{arch}.expert_used_count"] == 2
+    assert fields.get(f"{arch}.expert_feed_forward_length") == (128 if model_type == "qwen3_moe" else None)
+    for i, layer in enumerate(model.model.layers):
+        router_type, router = got[f"blk.{i}.ffn_gate_inp.weight"]
+        assert router_type == Q.F32 and torch.equal(router, layer.mlp.gate.weight)
+        for linear, name in STACKS.items():
+            gguf_type, stacked = got[f"blk.{i}.{name}.weight"]
+            want = torch.stack([getattr(e, linear).fmt.dequantize() for e in layer.mlp.experts])
+            assert gguf_type == qtype and stacked.shape == want.shape == (4, *want.shape[1:])
+            assert torch.equal(stacked, want), (i, name)
+        q = layer.self_attn.q_proj.fmt.dequantize()  # llama (Mixtral) permutes q/k rows; the NeoX families do not
+        want_q = converter_permute(q, config.num_attention_heads) if arch == "llama" else q
+        assert torch.equal(got[f"blk.{i}.attn_q.weight"][1], want_q)
+    assert summary.tensors[qtype.name] == 2 * (4 + 3)  # per layer: q, k, v, o and three expert stacks
+
+
+def test_experts_of_different_types_are_refused(tmp_path):
+    _, saved = saved_moe(tmp_path, "mixtral", Recipe("rtn", w_bits=4, group_size=32, sym=True,
+                                                     skip=("*.experts.1.up_proj",)))
+    with pytest.raises(UserError, match=r"cannot export model.layers.0.mlp.experts.up_proj.weight to GGUF: its experts "
+                                        r"are of different types \(F32, Q4_0\)"):
+        export(saved, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("model_type, config, why", [
+    ("olmoe", dict(num_key_value_heads=2), "grouped-query attention"),
+    ("olmoe", dict(norm_topk_prob=True), r"norm_topk_prob=True \(llama.cpp never renormalises"),
+    ("olmoe", dict(clip_qkv=4.0), r"q/k/v clipping \(clip_qkv\)"),
+    ("qwen3_moe", dict(norm_topk_prob=False), r"norm_topk_prob=False \(llama.cpp always renormalises"),
+    ("mixtral", dict(sliding_window=64), "a sliding window"),
+])
+def test_what_llama_cpps_moe_graphs_compute_otherwise_is_refused(tmp_path, model_type, config, why):
+    _, saved = saved_moe(tmp_path, model_type, **config)
+    with pytest.raises(UserError, match=f"cannot export this '{model_type}' model to GGUF: {why}"):
+        export(saved, tmp_path / "m.gguf")
+
+
+@pytest.mark.skipif(not LLAMACPP_PYTHON.is_file(), reason="llama.cpp's optional venv (bench/llamacpp.py) not installed")
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_llama_cpp_runs_the_exported_experts_as_bitquilt_does(tmp_path, model_type):
+    """llama.cpp's final-norm hidden states equal bitquilt's to within what a dense llama's export gives (llama.cpp
+    rounds activations to 8 bits for the Q4_0 matmuls and keeps an F16 KV cache): same routing, same experts."""
+    _, saved = saved_moe(tmp_path, model_type)
+    export(saved, tmp_path / "m.gguf")
+    model = load_quantized(saved)[0]
+    ids = [5, 17, 200, 33, 91, 7, 150, 250, 3, 44]
+    run = subprocess.run([str(LLAMACPP_PYTHON), str(ROOT / "tests" / "llamacpp_hidden.py"), str(tmp_path / "m.gguf"),
+                          json.dumps(ids)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = torch.tensor(json.loads(run.stdout.strip().splitlines()[-1]))
+    with torch.no_grad():
+        want = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+    assert isinstance(model.model.layers[0].mlp.experts[0].up_proj, QuantLinear)
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
