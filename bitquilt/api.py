@@ -292,7 +292,8 @@ def residual_recovery(model: nn.Module | str | Path) -> list:
         raise UserError(f"{model if not isinstance(model, nn.Module) else 'the model'}: {e}") from None
 
 
-MOE_EXPORTS = ("gguf",)  # the export formats that write a mixture-of-experts model's experts and router
+# the export formats that write a mixture-of-experts model's experts and router
+MOE_EXPORTS = ("gguf", "compressed-tensors")
 
 
 def export(saved: str | Path, output: str | Path, to: str = "gguf", overwrite: bool = False,

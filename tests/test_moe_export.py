@@ -1,6 +1,6 @@
 """Exports of mixture-of-experts models: GGUF's stacked expert tensors and router (read back equal to bitquilt's
-weights; llama.cpp's hidden states when its optional venv is there) and what llama.cpp's graphs would compute
-otherwise, refused in one line."""
+weights; llama.cpp's hidden states when its optional venv is there), compressed-tensors' per-expert linears (loaded by
+transformers into its 3D experts exactly), and what either runtime would compute otherwise, refused in one line."""
 
 import json
 import os
@@ -100,3 +100,38 @@ def test_llama_cpp_runs_the_exported_experts_as_bitquilt_does(tmp_path, model_ty
         want = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
     assert isinstance(model.model.layers[0].mlp.experts[0].up_proj, QuantLinear)
     assert (got - want).abs().max() < 0.02 * want.abs().max()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_compressed_tensors_writes_per_expert_linears_that_transformers_loads_exactly(tmp_path, model_type):
+    pytest.importorskip("compressed_tensors")
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model, saved = saved_moe(tmp_path, model_type)
+    export(saved, tmp_path / "ct", to="compressed-tensors")
+    with safe_open(tmp_path / "ct" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    block = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+    gate = "w1" if model_type == "mixtral" else "gate_proj"
+    assert f"model.layers.1.{block}.experts.3.{gate}.weight_packed" in names  # the family's per-expert names
+    assert f"model.layers.1.{block}.gate.weight" in names
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32)
+    for ours, theirs in zip(model.model.layers, loaded.model.layers, strict=True):
+        assert torch.equal(theirs.mlp.gate.weight, ours.mlp.gate.weight)
+        for e, expert in enumerate(ours.mlp.experts):
+            gate_up = torch.cat([expert.gate_proj.fmt.dequantize(), expert.up_proj.fmt.dequantize()])
+            assert torch.equal(theirs.mlp.experts.gate_up_proj[e], gate_up)
+            assert torch.equal(theirs.mlp.experts.down_proj[e], expert.down_proj.fmt.dequantize())
+    ids = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-4)
+
+
+def test_asymmetric_experts_are_refused_for_compressed_tensors(tmp_path):
+    _, saved = saved_moe(tmp_path, "qwen3_moe", Recipe("rtn", w_bits=4, group_size=32, sym=False))
+    with pytest.raises(UserError, match=r"cannot export model.layers.0.mlp.experts.0.gate_proj \(.*\) to "
+                                        "compressed-tensors: transformers decompresses expert weights without zero "
+                                        "points.*--sym"):
+        export(saved, tmp_path / "ct", to="compressed-tensors")
+    assert not (tmp_path / "ct").exists()

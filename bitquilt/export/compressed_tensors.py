@@ -24,6 +24,11 @@ Refused, never refitted, with one line naming the layer and what is exportable: 
   static groups export, recorded as actorder "weight"); 3-bit grids (compressed-tensors packs them differently
   from one version to the next, so a file could be misread); and models with online modules (rotations, activation
   or KV quantizers), which these runtimes do not run.
+Mixture-of-experts models (Mixtral, Qwen3-MoE, OLMoE): every expert's linears under their per-expert names, as the
+  family's Hub checkpoints, vLLM and llm-compressor spell them (`mlp.experts.{e}.gate_proj`; Mixtral's
+  `block_sparse_moe.experts.{e}.w1`/`w3`/`w2` and `block_sparse_moe.gate`), the router in full precision.
+  transformers merges them into its 3D expert tensors as it loads, decompressing each expert without a zero point:
+  asymmetric expert grids are refused (quantize with --sym).
 Fused projections (Phi-3's qkv_proj, gate_up_proj) are written fused, as the family's checkpoints hold them: the parts'
   codes, scales and zeros stacked by rows (`bitquilt.models.fused.fuse_parts`; parts of different grids are refused).
 Full-precision tensors (embeddings, norms, biases, linears kept in full precision, an untied LM head) are written in
@@ -62,7 +67,8 @@ from bitquilt.io import (
     quantization_record,
     stored_tensors,
 )
-from bitquilt.models.fused import fuse_parts
+from bitquilt.models.adapters import architecture_for
+from bitquilt.models.fused import checkpoint_name, fuse_parts
 from bitquilt.nn.quant_linear import QuantLinear
 
 FORMAT = "pack-quantized"
@@ -154,6 +160,14 @@ def packed_tensors(fmt: UniformFormat, group: int | None, dtype: torch.dtype) ->
 def check_exportable(model: nn.Module) -> None:
     """A one-line UserError naming the first thing in `model` that compressed-tensors cannot hold exactly."""
     check_layers(model, "compressed-tensors", "which vLLM and transformers do not run", refusal, EXPORTABLE)
+    arch = architecture_for(model.config.model_type)
+    inside = None if arch is None or arch.experts is None else f".{arch.experts.module}."
+    asymmetric = next((name for name, m in model.named_modules() if inside and inside in name
+                       and isinstance(m, QuantLinear) and not m.fmt.sym), None)
+    if asymmetric is not None:
+        raise UserError(f"cannot export {asymmetric} ({model.get_submodule(asymmetric).fmt.describe()}) to "
+                        "compressed-tensors: transformers decompresses expert weights without zero points, so an "
+                        "MoE model's experts must be symmetric grids; quantize with --sym")
     if not any(isinstance(m, QuantLinear) for m in model.modules()):
         raise UserError("cannot export to compressed-tensors: the model has no quantized linears (a full-precision "
                         "model needs no export)")
@@ -183,13 +197,18 @@ def quantization_config(model: nn.Module, schemes: dict[str, Scheme]) -> dict[st
     ordered = by_scheme(schemes)
     options = ((quantization_record(model) or {}).get("recipe") or {}).get("options") or {}
     act_order = options.get("act_order") is True
-    groups = {f"group_{i}": {"targets": ["Linear"] if len(ordered) == 1 else names,
+    groups = {f"group_{i}": {"targets": ["Linear"] if len(ordered) == 1 else _checkpoint_names(model, names),
                              "weights": weight_args(scheme, act_order), "input_activations": None,
                              "output_activations": None, "format": FORMAT}
               for i, (scheme, names) in enumerate(ordered)}
-    ignore = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    ignore = _checkpoint_names(model, [name for name, m in model.named_modules() if type(m) is nn.Linear])
     return {"quant_method": "compressed-tensors", "format": FORMAT, "quantization_status": "compressed",
             "config_groups": groups, "ignore": ignore, "kv_cache_scheme": None, "global_compression_ratio": None}
+
+
+def _checkpoint_names(model: nn.Module, names: list[str]) -> list[str]:
+    """Module names as the family's checkpoints spell them (Mixtral's experts: `block_sparse_moe.experts.{e}.w1`)."""
+    return [(checkpoint_name(model, f"{n}.weight") or f"{n}.weight").removesuffix(".weight") for n in names]
 
 
 def describe(scheme: Scheme, count: int) -> str:
@@ -221,7 +240,7 @@ def model_tensors(model: nn.Module, dtype: torch.dtype) -> tuple[dict[str, torch
             rounded += not torch.equal(cast.to(t.dtype), t)
             t = cast
         out[name] = t.contiguous()
-    return out, schemes, rounded
+    return {checkpoint_name(model, n) or n: t for n, t in out.items()}, schemes, rounded
 
 
 def write_compressed_tensors(model: nn.Module, source: Path, output: Path, overwrite: bool = False
