@@ -33,7 +33,7 @@ from bitquilt.transforms.rotation import QuaRotOptions, _rowwise_float64, fuse_n
 from tests.conftest import attach_kv_quantizers, block_context, make_tiny
 from tests.test_kernels import needs_ext
 
-FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "olmoe"]
 GEMMA = ("gemma2", "gemma3_text")
 PACKAGED_SIZES = [64, 128, 576, 896, 1536, 4864, 8960]  # head_dim, hidden and FFN widths of the packaged models
 
