@@ -55,8 +55,17 @@ def write_checkpoint(folder: Path, layers: int) -> int:
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
 
-    shards = [{"model.embed_tokens.weight": rand(config.vocab_size, d), "lm_head.weight": rand(config.vocab_size, d),
-               "model.norm.weight": torch.ones(d, dtype=torch.bfloat16)}]
+    weight_map, params = {}, 0
+
+    def write(k: int, shard: dict[str, torch.Tensor]) -> None:  # one shard at a time: a layer's weights in memory
+        nonlocal params
+        name = f"model-{k + 1:05d}-of-{layers + 1:05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        params += sum(t.numel() for t in shard.values())
+
+    write(0, {"model.embed_tokens.weight": rand(config.vocab_size, d), "lm_head.weight": rand(config.vocab_size, d),
+              "model.norm.weight": torch.ones(d, dtype=torch.bfloat16)})
     for i in range(layers):
         p = f"model.layers.{i}."
         shard = {p + n: torch.ones(d, dtype=torch.bfloat16) for n in
@@ -68,13 +77,7 @@ def write_checkpoint(folder: Path, layers: int) -> int:
             q = f"{p}mlp.experts.{e}."
             shard |= {q + "gate_proj.weight": rand(width, d), q + "up_proj.weight": rand(width, d),
                       q + "down_proj.weight": rand(d, width)}
-        shards.append(shard)
-    weight_map, params = {}, 0
-    for k, shard in enumerate(shards):
-        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / name), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(shard, name)
-        params += sum(t.numel() for t in shard.values())
+        write(i + 1, shard)
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return params
 

@@ -135,3 +135,24 @@ def test_asymmetric_experts_are_refused_for_compressed_tensors(tmp_path):
                                         "points.*--sym"):
         export(saved, tmp_path / "ct", to="compressed-tensors")
     assert not (tmp_path / "ct").exists()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("recipe", [Recipe("gptq", w_bits=4, group_size=32, sym=True),
+                                    Recipe("awq", w_bits=8, group_size=32, sym=True),
+                                    Recipe("quarot+rtn", w_bits=4, group_size=32, sym=True)], ids=Recipe.label)
+def test_every_method_exports_or_is_refused_in_one_line(tmp_path, model_type, recipe):
+    """The export column of the family × method matrix (tests/test_moe.py runs quantize → save → load → generate):
+    weight-only methods export to GGUF and compressed-tensors; QuaRot's online rotations are refused by both."""
+    pytest.importorskip("compressed_tensors")
+    model = make_tiny(model_type, **FAMILIES[model_type][1])
+    quantize(model, recipe, torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(0)), progress=False)
+    save(model, tmp_path / "q")
+    for to, output in (("gguf", tmp_path / "m.gguf"), ("compressed-tensors", tmp_path / "ct")):
+        if recipe.method.startswith("quarot"):
+            with pytest.raises(UserError, match=f"cannot export .* to {to.replace('gguf', 'GGUF')}: it runs the "
+                                                "online module"):
+                export(tmp_path / "q", output, to=to)
+        else:
+            export(tmp_path / "q", output, to=to)
+            assert output.exists()
