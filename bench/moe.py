@@ -90,7 +90,9 @@ def quantize_child(checkpoint: Path, out: Path) -> dict:
     child = run_child(argv, env)
     if child.returncode:
         sys.exit(f"quantize failed: {child.stderr.strip().splitlines()[-1:]}")
-    return {"wall_s": round(child.wall_s, 1), "cpu_s": round(child.cpu_s, 1), "peak_rss_mb": round(child.peak_rss_mb)}
+    # the peak RSS quantize reports of itself (wait4's ru_maxrss would start from this process's at the fork)
+    return {"wall_s": round(child.wall_s, 1), "cpu_s": round(child.cpu_s, 1),
+            "peak_rss_mb": round(json.loads(child.stdout)["peak_rss_mb"])}
 
 
 def bitquilt_speed(saved: Path, prompt_tokens: int, new_tokens: int) -> dict:
