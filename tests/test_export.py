@@ -261,7 +261,7 @@ def test_online_modules_and_other_families_are_refused(tmp_path):
         check_exportable(model)
     with pytest.raises(UserError, match="supported families: llama, qwen2"):
         check_exportable(make_tiny("qwen3"))
-    assert set(FAMILIES) == {"llama", "qwen2", "phi3", "gemma3_text", "mixtral", "qwen3_moe", "olmoe"}
+    assert set(FAMILIES) == {"llama", "qwen2", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe"}
 
 
 def run(capsys, *argv):
