@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -14,6 +19,21 @@ from bitquilt.models.registry import DEFAULT_MODEL  # noqa: E402
 # The suite is dominated by small tensor ops, where OpenMP synchronisation costs more than a
 # second thread gains (and collapses when the machine is loaded). Tests that measure threading set it.
 torch.set_num_threads(1)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# llama.cpp's optional venv (bench/llamacpp.py): tests that run an exported GGUF in llama.cpp skip without it
+LLAMACPP_PYTHON = Path(os.environ.get("BITQUILT_LLAMACPP_PYTHON", ROOT / ".venv-llamacpp" / "bin" / "python"))
+needs_llamacpp = pytest.mark.skipif(not LLAMACPP_PYTHON.is_file(),
+                                    reason="llama.cpp's optional venv (bench/llamacpp.py) not installed")
+
+
+def llamacpp_hidden(gguf_file, ids: list[int]) -> torch.Tensor:
+    """llama.cpp's final-norm hidden states [T, hidden] of `gguf_file` on `ids` (tests/llamacpp_hidden.py)."""
+    run = subprocess.run([str(LLAMACPP_PYTHON), str(ROOT / "tests" / "llamacpp_hidden.py"), str(gguf_file),
+                          json.dumps(ids)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return torch.tensor(json.loads(run.stdout.strip().splitlines()[-1]))
 
 
 @pytest.fixture

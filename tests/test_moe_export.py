@@ -2,11 +2,6 @@
 weights; llama.cpp's hidden states when its optional venv is there), compressed-tensors' per-expert linears (loaded by
 transformers into its 3D experts exactly), and what either runtime would compute otherwise, refused in one line."""
 
-import json
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -16,11 +11,9 @@ from bitquilt.errors import UserError
 from bitquilt.io import load_quantized
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.recipes import Recipe
-from tests.conftest import make_tiny
+from tests.conftest import llamacpp_hidden, make_tiny, needs_llamacpp
 from tests.test_export import converter_permute, fields_of, read_back
 
-ROOT = Path(__file__).resolve().parents[1]
-LLAMACPP_PYTHON = Path(os.environ.get("BITQUILT_LLAMACPP_PYTHON", ROOT / ".venv-llamacpp" / "bin" / "python"))
 # configs llama.cpp's graphs compute as transformers does (olmoe: no GQA, no renormalised top-k)
 FAMILIES = {"mixtral": ("llama", {}), "qwen3_moe": ("qwen3moe", {}),
             "olmoe": ("olmoe", dict(num_key_value_heads=4, norm_topk_prob=False))}
@@ -83,7 +76,7 @@ def test_what_llama_cpps_moe_graphs_compute_otherwise_is_refused(tmp_path, model
         export(saved, tmp_path / "m.gguf")
 
 
-@pytest.mark.skipif(not LLAMACPP_PYTHON.is_file(), reason="llama.cpp's optional venv (bench/llamacpp.py) not installed")
+@needs_llamacpp
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_llama_cpp_runs_the_exported_experts_as_bitquilt_does(tmp_path, model_type):
     """llama.cpp's final-norm hidden states equal bitquilt's to within what a dense llama's export gives (llama.cpp
@@ -92,10 +85,7 @@ def test_llama_cpp_runs_the_exported_experts_as_bitquilt_does(tmp_path, model_ty
     export(saved, tmp_path / "m.gguf")
     model = load_quantized(saved)[0]
     ids = [5, 17, 200, 33, 91, 7, 150, 250, 3, 44]
-    run = subprocess.run([str(LLAMACPP_PYTHON), str(ROOT / "tests" / "llamacpp_hidden.py"), str(tmp_path / "m.gguf"),
-                          json.dumps(ids)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = torch.tensor(json.loads(run.stdout.strip().splitlines()[-1]))
+    got = llamacpp_hidden(tmp_path / "m.gguf", ids)
     with torch.no_grad():
         want = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
     assert isinstance(model.model.layers[0].mlp.experts[0].up_proj, QuantLinear)
