@@ -1,4 +1,4 @@
-"""Decode speed of a mixture-of-experts model at 1 thread: bitquilt's lean engine vs llama.cpp on its GGUF export.
+"""Decode speed of a mixture-of-experts model at 1 thread: bitquilt's engines vs llama.cpp on its GGUF export.
 
 Writes a shape-true random checkpoint of OLMoE-1B-7B's block (hidden 2048, 64 experts, 8 per token, expert width 1024,
 16 heads, vocabulary 50304; `--layers` of its 16 decoder layers), bf16 N(0, 0.02) weights in one safetensors shard
@@ -6,14 +6,16 @@ per layer with the Hub's per-expert names, then:
   quantize  `bitquilt quantize --stream --method rtn --w-bits 4 --group-size 32 --sym` in a child process (wall and
             CPU seconds, peak RSS);
   export    the saved model to GGUF (Q4_0: the same codes and scales, `bitquilt.export.gguf`);
-  decode    greedy prompt + new tokens at 1 thread, rounds interleaved: bitquilt (`measure_speed`, engine "lean":
-            the MoE block called module by module, each expert's W4 linears on the rows routed to it) and llama.cpp
-            (xllamacpp in its own venv, `bench/llamacpp.py`), the load average noted at each measurement.
+  decode    greedy prompt + new tokens at 1 thread, rounds interleaved: bitquilt (`measure_speed`) with each of
+            `--engines` ("lean": the MoE block called module by module, each expert's W4 linears on the rows routed
+            to it; "fused": every layer of a step in one compiled call, the router's top-k and each routed expert
+            once; "+int8": on int8 activations, as llama.cpp's Q4_0 × Q8_0) and llama.cpp (xllamacpp in its own
+            venv, `bench/llamacpp.py`), the load average noted at each measurement.
 The saved model borrows the default packaged model's tokenizer (SmolLM2's 49152 tokens, padded to the model's rows)
 because llama.cpp generates only with a vocabulary; prompts draw from its ids. Random weights route tokens
 near-uniformly, as a trained router does on average; the rate depends on the shape only.
 
-    python bench/moe.py --layers 4 --rounds 3
+    python bench/moe.py --layers 16 --rounds 3 --engines lean,fused+int8
 Writes bench/results/moe.{json,md}.
 """
 
@@ -95,12 +97,15 @@ def quantize_child(checkpoint: Path, out: Path) -> dict:
             "peak_rss_mb": round(json.loads(child.stdout)["peak_rss_mb"])}
 
 
-def bitquilt_speed(saved: Path, prompt_tokens: int, new_tokens: int) -> dict:
+def bitquilt_speed(saved: Path, prompt_tokens: int, new_tokens: int, engine: str) -> dict:
+    from bitquilt import kernels
     from bitquilt.eval.speed import measure_speed
     from bitquilt.io import load_quantized
 
     model, _ = load_quantized(saved)
-    result = measure_speed(model, TOKENS, prompt_tokens, new_tokens, repeats=1, engine="lean")
+    with kernels.using(int8_activations=engine.endswith("+int8")):
+        result = measure_speed(model, TOKENS, prompt_tokens, new_tokens, repeats=1,
+                               engine=engine.removesuffix("+int8"))
     return {"decode_tokens_per_s": result.decode_tokens_per_s, "prefill_tokens_per_s": result.prefill_tokens_per_s,
             "loadavg": loadavg()}
 
@@ -116,8 +121,8 @@ def llamacpp_speed(python: Path, gguf_file: Path, prompt_tokens: int, new_tokens
 
 
 def render(record: dict) -> str:
-    q, g, rounds = record["quantize"], record["gguf"], record["rounds"]
-    lines = intro("MoE decode: bitquilt lean vs llama.cpp (OLMoE-1B-7B block shape, random weights)", __doc__
+    q, g, rounds, engines = record["quantize"], record["gguf"], record["rounds"], record["engines"]
+    lines = intro("MoE decode: bitquilt vs llama.cpp (OLMoE-1B-7B block shape, random weights)", __doc__
                   .split("\n\n")[0])
     lines += [run_header(record["facts"]), "",
               f"Checkpoint: {record['layers']} of OLMoE-1B-7B's 16 layers, {record['params'] / 1e9:.2f} B parameters "
@@ -126,16 +131,16 @@ def render(record: dict) -> str:
               f"{q['peak_rss_mb']} MB. GGUF export: {g['seconds']:.1f} s, {g['size_mb']:.0f} MB, "
               f"tensors {g['tensors']}.", "",
               f"Decode at 1 thread, prompt {record['prompt_tokens']} tokens, {record['new_tokens']} new tokens:", "",
-              "| round | bitquilt lean decode tok/s | llama.cpp decode tok/s | bitquilt prefill tok/s | "
-              "llama.cpp prefill tok/s | load average (bitquilt; llama.cpp) |", "|---|---|---|---|---|---|"]
-    for i, (b, c) in enumerate(rounds):
-        lines.append(f"| {i + 1} | {b['decode_tokens_per_s']:.2f} | {c['decode_tokens_per_s']:.2f} | "
-                     f"{b['prefill_tokens_per_s']:.1f} | {c['prefill_tokens_per_s']:.1f} | {b['loadavg']}; "
-                     f"{c['loadavg']} |")
-    best_b = max(b["decode_tokens_per_s"] for b, _ in rounds)
-    best_c = max(c["decode_tokens_per_s"] for _, c in rounds)
-    lines += ["", f"Best of the rounds: bitquilt {best_b:.2f} tok/s, llama.cpp {best_c:.2f} tok/s "
-              f"(bitquilt at {best_b / best_c:.2f}× llama.cpp).", ""]
+              "| round | engine | decode tok/s | prefill tok/s | load average |", "|---|---|---:|---:|---|"]
+    for i, measured in enumerate(rounds):
+        for engine in [*engines, "llama.cpp"]:
+            m = measured[engine]
+            lines.append(f"| {i + 1} | {engine} | {m['decode_tokens_per_s']:.2f} | {m['prefill_tokens_per_s']:.1f} | "
+                         f"{m['loadavg']} |")
+    best = {e: max(r[e]["decode_tokens_per_s"] for r in rounds) for e in [*engines, "llama.cpp"]}
+    lines += ["", "Best decode of the rounds: " + ", ".join(
+        f"{e} {v:.2f} tok/s ({v / best['llama.cpp']:.2f}× llama.cpp)" for e, v in best.items() if e != "llama.cpp")
+        + f"; llama.cpp {best['llama.cpp']:.2f} tok/s.", ""]
     return "\n".join(lines)
 
 
@@ -147,7 +152,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--work", default="/tmp/bitquilt-moe-bench", help="scratch folder (removed at the end)")
     p.add_argument("--llamacpp-python", default=str(llamacpp.PYTHON), help="Python of the venv with xllamacpp")
+    p.add_argument("--engines", default="lean,fused+int8", help="bitquilt decode engines, comma-separated")
     args = p.parse_args()
+    engines = args.engines.split(",")
     from bitquilt.api import export
     from bitquilt.models.loading import TOKENIZER_FILES
     from bitquilt.models.registry import DEFAULT_MODEL, fetched_dir
@@ -166,13 +173,14 @@ def main() -> None:
             if (fetched_dir(DEFAULT_MODEL) / name).is_file():
                 shutil.copy2(fetched_dir(DEFAULT_MODEL) / name, work / "q" / name)
         gguf = export(work / "q", work / "m.gguf").to_dict()
-        rounds = [(bitquilt_speed(work / "q", args.prompt_tokens, args.new_tokens),
-                   llamacpp_speed(python, work / "m.gguf", args.prompt_tokens, args.new_tokens))
+        rounds = [{**{e: bitquilt_speed(work / "q", args.prompt_tokens, args.new_tokens, e) for e in engines},
+                   "llama.cpp": llamacpp_speed(python, work / "m.gguf", args.prompt_tokens, args.new_tokens)}
                   for _ in range(args.rounds)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     record = {"layers": args.layers, "params": params, "checkpoint_mb": checkpoint_mb, "quantize": quantized,
-              "gguf": gguf, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rounds": rounds,
+              "gguf": gguf, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "engines": engines,
+              "rounds": rounds,
               "facts": finish(facts)}
     write_report("moe", record, render)
 

@@ -73,7 +73,7 @@ def _assert_rows_alone(model) -> None:
         x = y
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "olmoe"])
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32-act", "int8-act"])
 @pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
 def test_a_batched_step_gives_each_sequence_its_step_alone_bit_for_bit(model_type, int8, recipe):

@@ -56,12 +56,13 @@ def test_lean_steps_run_quantized_linears_and_online_modules_as_transformers_doe
 @pytest.mark.parametrize("recipe", [None, Recipe("rtn", w_bits=4, group_size=64)], ids=["fp32", "w4"])
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "olmoe"])
 def test_lean_steps_route_moe_rows_to_their_experts_as_transformers_does(model_type, recipe):
-    """MoE blocks run as modules (router, then each expert's linears, quantized or not, on its rows), never fused;
-    olmoe's whole-projection q/k norms and q/k/v clipping as in transformers."""
+    """MoE blocks run as modules (router, then each expert's linears, quantized or not, on its rows); olmoe's
+    whole-projection q/k norms and q/k/v clipping as in transformers (clipping keeps the steps out of the fused
+    layers)."""
     model = make_tiny(model_type, **{"clip_qkv": 0.5} if model_type == "olmoe" else {})
     if recipe is not None:
         quantize(model, recipe, _ids(64, seed=2).view(2, 32), progress=False)
-    assert "mixture-of-experts" in LeanDecoder(model, 4).fused_reason
+    assert (LeanDecoder(model, 4).fused_reason == "q/k/v clipping (clip_qkv)") == (model_type == "olmoe")
     ids = _ids()
     ref = transformers_logits(model, ids)[8:]
     assert torch.allclose(lean_logits(model, ids, 9), ref, atol=1e-4)
@@ -112,12 +113,14 @@ FUSED_RECIPES = [None, Recipe("rtn", w_bits=4, group_size=64), Recipe("rtn", w_b
                         residual_options={"budget": 0.2, "score": "magnitude"})]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
+                                        "olmoe"])
 @pytest.mark.parametrize("recipe", FUSED_RECIPES, ids=["fp32", "w4", "w4-head8", "w8", "bpdq-w2", "slices", "mosaic"])
 def test_fused_layers_give_the_module_by_module_logits(model_type, recipe):
     """One compiled call per step (norms, biases, q/k norms, RoPE, GQA attention over the cache, MLP) equals the
     eager modules: dense fp32, uniform and bit-plane packed weights, a sliced weight's static prefix, and a
-    MosaicQuant base with its sparse residual; Gemma 3's post-norms, GELU, windows and per-layer RoPE too."""
+    MosaicQuant base with its sparse residual; Gemma's post-norms, GELU, windows, caps and per-layer RoPE; MoE
+    routing (softmax top-k, each expert once for its rows) and OLMoE's whole-projection q/k norms."""
     model = make_tiny(model_type, **WINDOWED.get(model_type, {}))
     if recipe is not None:
         quantize(model, recipe, _ids(64, seed=2).view(2, 32), progress=False)

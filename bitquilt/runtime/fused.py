@@ -2,7 +2,8 @@
 batch of them.
 
 `FusedLayers` holds, per layer, the norms' weights, the seven linears and optional q/k norms (Gemma 3's too: norms of
-the branches' outputs, a sliding window, the layer type's RoPE tables); a sequence's static KV cache joins as a handle
+the branches' outputs, a sliding window, the layer type's RoPE tables; a mixture of experts' router and experts in
+place of the MLP); a sequence's static KV cache joins as a handle
 (`cache`), and `step(x, positions, caches)` runs one token of each of B sequences (or a prompt chunk of one) through
 every layer: norms, projections, biases, RoPE, attention over each sequence's own cache (Gemma 2's scores soft-capped),
 SiLU- (or GELU-tanh-) gated MLP and residuals, without a Python call per op, each linear called once for all B rows (its
@@ -94,6 +95,13 @@ class FusedLayers:
         attn_out, mlp_out = branch_norms or (None, None)
         cos, sin = (None, None) if rope is None else (t.float().contiguous() for t in rope)
         self._decoder.add_layer(in_norm, post_norm, q_norm, k_norm, linears, attn_out, mlp_out, window or 0, cos, sin)
+
+    def set_experts(self, router: int, gates: list[int], ups: list[int], downs: list[int], top_k: int,
+                    renormalize: bool) -> None:
+        """The last layer's MLP as a mixture of experts: linear `router` [E, hidden] picks each token's `top_k`
+        experts by softmax probability (renormalised to sum 1 where `renormalize`), whose linears are gates[e],
+        ups[e], downs[e]; each expert runs once for the rows routed to it."""
+        self._decoder.set_experts(router, gates, ups, downs, top_k, renormalize)
 
     def cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> object:
         """A sequence's cache for `step`, over its per-layer keys and values [kv_heads, length, head_dim] (fp32,

@@ -54,6 +54,7 @@ from bitquilt import kernels
 from bitquilt.formats.base import WeightFormat
 from bitquilt.formats.composite import CompositeFormat
 from bitquilt.models.adapters import architecture_for
+from bitquilt.models.experts import ExpertLinears
 from bitquilt.nn.online import run_site, slots_at
 from bitquilt.nn.quant_linear import QuantLinear
 
@@ -180,14 +181,17 @@ def fuse_layers(stack: LeanLayers) -> tuple[FusedLayers | None, str | None]:
     if stack.cos.shape[-1] != stack.head_dim:
         return None, "a partial rotary embedding (fused layers rotate whole heads)"
     config, first = stack.model.config, stack.layers[0]
-    if any(not hasattr(layer.mlp, "gate_proj") for layer in stack.layers):
-        return None, "mixture-of-experts blocks (fused layers run a dense gated MLP)"  # olmoe's q/k norms too
+    if stack.clip is not None:
+        return None, "q/k/v clipping (clip_qkv)"
     norms = {_rms_eps(m) for layer in stack.layers for m in layer.modules() if type(m).__name__.endswith("Norm")}
     if None in norms or len(norms) != 1:
         return None, "norms that are not plain RMSNorms with one epsilon"
-    mlp, eps, gemma = first.mlp, norms.pop(), config.model_type in GEMMA
+    eps, gemma = norms.pop(), config.model_type in GEMMA
+    if any(not isinstance(getattr(layer.mlp, "experts", None), ExpertLinears | None) for layer in stack.layers):
+        return None, "experts not split into linears"
     try:
-        fused = FusedLayers(config.hidden_size, stack.heads, stack.kv_heads, stack.head_dim, mlp.gate_proj.out_features,
+        fused = FusedLayers(config.hidden_size, stack.heads, stack.kv_heads, stack.head_dim,
+                            _gated_mlp(first).gate_proj.out_features,
                             eps, first.self_attn.scaling, stack.cos[0], stack.sin[0],
                             gelu=stack.activation is not F.silu, score_cap=stack.score_cap)
     except RuntimeError as e:
@@ -196,25 +200,29 @@ def fuse_layers(stack: LeanLayers) -> tuple[FusedLayers | None, str | None]:
     def scale(norm: nn.Module | None) -> torch.Tensor | None:
         return None if norm is None else _norm_scale(norm, stack.offset)
 
+    def add(name: str, linear: nn.Module) -> int | str:
+        """The fused layers' index of `linear`, or why it cannot join."""
+        spec = _linear_spec(name, linear)
+        if isinstance(spec, str):
+            return spec
+        index = fused.add_linear(spec.fmts, spec.dense, spec.bias, linear.out_features, linear.in_features)
+        if index is None:
+            return f"{name}: a weight no CPU kernel takes whole"
+        if spec.router is not None:
+            r = spec.router
+            fused.route(index, r.fc1.weight, r.fc1.bias, r.fc2.weight, r.fc2.bias, r.threshold,
+                        [f.bits for f in spec.fmts])
+        return index
+
     for i, layer in enumerate(stack.layers):
         if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, layer.self_attn, layer.mlp)):
             return None, f"layer {i} has hooks"
-        attn, mlp = layer.self_attn, layer.mlp
-        indices = []
-        for name, linear in (("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("v_proj", attn.v_proj),
-                             ("o_proj", attn.o_proj), ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj),
-                             ("down_proj", mlp.down_proj)):
-            spec = _linear_spec(f"layer {i} {name}", linear)
-            if isinstance(spec, str):
-                return None, spec
-            index = fused.add_linear(spec.fmts, spec.dense, spec.bias, linear.out_features, linear.in_features)
-            if index is None:
-                return None, f"layer {i} {name}: a weight no CPU kernel takes whole"
-            if spec.router is not None:
-                r = spec.router
-                fused.route(index, r.fc1.weight, r.fc1.bias, r.fc2.weight, r.fc2.bias, r.threshold,
-                            [f.bits for f in spec.fmts])
-            indices.append(index)
+        attn, mlp = layer.self_attn, _gated_mlp(layer)
+        indices = [add(f"layer {i} {name}", linear) for name, linear in (
+            ("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("v_proj", attn.v_proj), ("o_proj", attn.o_proj),
+            ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj), ("down_proj", mlp.down_proj))]
+        if why := next((x for x in indices if isinstance(x, str)), None):
+            return None, why
         mlp_norm = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
         branch_norms = (scale(layer.post_attention_layernorm), scale(layer.post_feedforward_layernorm)) if gemma \
             else None
@@ -222,8 +230,35 @@ def fuse_layers(stack: LeanLayers) -> tuple[FusedLayers | None, str | None]:
         fused.add_layer(scale(layer.input_layernorm), scale(mlp_norm), scale(getattr(attn, "q_norm", None)),
                         scale(getattr(attn, "k_norm", None)), indices, branch_norms, stack.windows[i],
                         (cos[0], sin[0]) if gemma else None)
+        if hasattr(layer.mlp, "experts") and (why := _fuse_experts(fused, add, i, layer.mlp)):
+            return None, why
     _fuse_head(stack, fused, eps)
     return fused, None
+
+
+def _gated_mlp(layer: nn.Module) -> nn.Module:
+    """The layer's gated MLP (gate_proj, up_proj, down_proj): its own, or an MoE block's first expert (whose shapes
+    every expert shares: the layer's MLP slot in the fused layers)."""
+    experts = getattr(layer.mlp, "experts", None)
+    return layer.mlp if experts is None else experts[0]
+
+
+def _fuse_experts(fused: FusedLayers, add: Callable[[str, nn.Module], int | str], i: int,
+                  block: nn.Module) -> str | None:
+    """Layer i's MoE `block` (router `gate`, `ExpertLinears` `experts`) into `fused`'s last layer; why not, or None."""
+    router = block.gate
+    dense = nn.utils.skip_init(nn.Linear, router.weight.shape[1], router.weight.shape[0], bias=False)
+    dense.weight = nn.Parameter(router.weight.detach(), requires_grad=False)  # the router's [E, hidden], unquantized
+    indices = {"router": add(f"layer {i} router", dense)}
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        indices[part] = [add(f"layer {i} expert {e} {part}", getattr(expert, part))
+                         for e, expert in enumerate(block.experts)]
+    flat = [indices["router"], *indices["gate_proj"], *indices["up_proj"], *indices["down_proj"]]
+    if why := next((x for x in flat if isinstance(x, str)), None):
+        return why
+    fused.set_experts(indices["router"], indices["gate_proj"], indices["up_proj"], indices["down_proj"], router.top_k,
+                      getattr(router, "norm_topk_prob", True))  # Mixtral's router always renormalises
+    return None
 
 
 def _fuse_head(stack: LeanLayers, fused: FusedLayers, eps: float) -> None:

@@ -200,15 +200,18 @@ class FusedDecoder {
       keep_.push_back(fp32_vector(*t, n, what));
       return keep_.back().data_ptr<float>();
     };
+    const int64_t H = core_.dims().H, G = core_.dims().G;
+    const bool whole = q_norm && q_norm->numel() == H * hd && H * hd != hd;  // OLMoE's norms over the projection
     bitquilt_decoder::Layer layer{
         fp32_vector(in_norm, D, "input norm").data_ptr<float>(),
         fp32_vector(post_norm, D, "post-attention norm").data_ptr<float>(),
-        optional_vector(q_norm, hd, "q norm"),
-        optional_vector(k_norm, hd, "k norm"),
+        optional_vector(q_norm, whole ? H * hd : hd, "q norm"),
+        optional_vector(k_norm, whole ? G * hd : hd, "k norm"),
         linears[0], linears[1], linears[2], linears[3], linears[4], linears[5], linears[6]};
     layer.attn_out_norm = optional_vector(attn_out_norm, D, "attention output norm");
     layer.mlp_out_norm = optional_vector(mlp_out_norm, D, "MLP output norm");
     layer.window = window;
+    layer.whole_qk_norm = whole;
     if (cos) {
       check_tables(*cos, *sin, core_.dims().hd, core_.dims().max_len);
       keep_.insert(keep_.end(), {*cos, *sin});
@@ -217,6 +220,28 @@ class FusedDecoder {
     }
     keep_.insert(keep_.end(), {in_norm, post_norm});
     core_.add_layer(layer);
+  }
+
+  // The last layer's MLP as a mixture of experts: `router` a linear [E, D], expert e's linears gates[e], ups[e],
+  // downs[e] of the layer's gate, up and down shapes, each token's `top_k` (renormalised where `renormalize`).
+  void set_experts(int64_t router, const std::vector<int64_t>& gates, const std::vector<int64_t>& ups,
+                   const std::vector<int64_t>& downs, int64_t top_k, bool renormalize) {
+    TORCH_CHECK(core_.layers() > 0, "experts belong to a layer: add it first");
+    const auto E = static_cast<int64_t>(gates.size());
+    TORCH_CHECK(E > 0 && ups.size() == gates.size() && downs.size() == gates.size() && top_k >= 1 && top_k <= E,
+                "experts: as many gates, ups and downs, and 1 <= top_k <= experts");
+    const auto& d = core_.dims();
+    const auto check = [&](int64_t i, int64_t N, int64_t K, const char* what) {
+      TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(linears_.size()) && linears_[i].N == N && linears_[i].K == K,
+                  what, " linear ", i, " is not [", N, ", ", K, "]");
+    };
+    check(router, E, d.D, "router");
+    for (int64_t e = 0; e < E; ++e) {
+      check(gates[e], d.F, d.D, "expert gate");
+      check(ups[e], d.F, d.D, "expert up");
+      check(downs[e], d.D, d.F, "expert down");
+    }
+    core_.set_experts({router, top_k, renormalize, gates, ups, downs});
   }
 
   // A sequence's cache over its per-layer keys and values, each contiguous fp32 [kv_heads, length, head_dim] (one
@@ -374,6 +399,8 @@ void register_decode_step(pybind11::module& m) {
            py::arg("k_norm"), py::arg("linears"), py::arg("attn_out_norm") = py::none(),
            py::arg("mlp_out_norm") = py::none(), py::arg("window") = 0, py::arg("cos") = py::none(),
            py::arg("sin") = py::none())
+      .def("set_experts", &FusedDecoder::set_experts, py::arg("router"), py::arg("gates"), py::arg("ups"),
+           py::arg("downs"), py::arg("top_k"), py::arg("renormalize"))
       .def("cache", &FusedDecoder::cache, py::arg("keys"), py::arg("values"))
       .def("set_head", &FusedDecoder::set_head, py::arg("index"), py::arg("norm"))
       // the GIL is released while a step or the head runs (no Python object is touched there), so a server's event

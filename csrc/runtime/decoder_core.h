@@ -14,6 +14,12 @@
 //   h = RMSNorm(x) * w_post
 //   x = x + W_down (act(W_gate h) * (W_up h))               (Gemma: the sum's second term RMSNorm'd by w_mlp_out)
 //
+// A mixture-of-experts layer (Mixtral, Qwen3-MoE, OLMoE) replaces the last line: the router's logits W_r h give
+// each token p = softmax over the E experts, its top_k experts (the lower index first among equal p) weights p_e
+// (divided by their sum where the family renormalises), and x = x + sum_e p_e W_down,e (silu(W_gate,e h) *
+// (W_up,e h)) over them in ascending e; each expert's linears run once for all the rows routed to it. OLMoE norms q
+// and k over the whole projection, before the split into heads.
+//
 // act is silu(u) = u / (1 + e^-u), or Gemma's GELU with the tanh approximation, 0.5 u (1 + tanh(z)) with
 // z = sqrt(2/pi) (u + 0.044715 u^3), computed as u / (1 + e^-2z) (the same function). Gemma's norms scale by
 // (1 + w): the caller passes the vectors they multiply by. Each layer may bring its own RoPE tables (Gemma's
@@ -100,6 +106,15 @@ struct Layer {
   const float *attn_out_norm = nullptr, *mlp_out_norm = nullptr;
   int64_t window = 0;
   const float *cos = nullptr, *sin = nullptr;
+  bool whole_qk_norm = false;  // q_norm / k_norm over the whole projection [H hd] / [G hd] (OLMoE)
+};
+
+// A layer's experts in place of its gated MLP (router < 0: none): the router's linear [E, D] and each expert's gate,
+// up and down linears.
+struct Experts {
+  int64_t router = -1, top_k = 0;
+  bool renormalize = false;
+  std::vector<int64_t> gate, up, down;
 };
 
 // One sequence's KV cache: per layer, its keys and values [G, length, hd], written in place.
@@ -140,7 +155,12 @@ class Decoder {
   explicit Decoder(const Dims& d) : d_(d) {}
 
   const Dims& dims() const { return d_; }
-  void add_layer(const Layer& layer) { layers_.push_back(layer); }
+  void add_layer(const Layer& layer) {
+    layers_.push_back(layer);
+    experts_.emplace_back();
+  }
+  // The last layer's MLP becomes `experts` (the caller checks their linears' shapes).
+  void set_experts(Experts experts) { experts_.back() = std::move(experts); }
   size_t layers() const { return layers_.size(); }
 
   // Why `c` is no cache for this decoder's layers; empty if it is one.
@@ -210,11 +230,15 @@ class Decoder {
       run(layer.o, a_.data(), R, out_.data());
       add_branch(x, R, layer.attn_out_norm);
       for (int64_t t = 0; t < R; ++t) rms_norm(x + t * D, layer.post_norm, D, d_.eps, h_.data() + t * D);
-      run(layer.gate, h_.data(), R, gate_.data());
-      run(layer.up, h_.data(), R, up_.data());
-      for (int64_t t = 0; t < R; ++t)  // row by row: a row's 8-lane groups whatever rows come before it
-        gated(gate_.data() + t * F, up_.data() + t * F, F, d_.gelu, h_.data() + t * F);
-      run(layer.down, h_.data(), R, out_.data());
+      if (experts_[l].router >= 0) {
+        mixture(experts_[l], R, run);
+      } else {
+        run(layer.gate, h_.data(), R, gate_.data());
+        run(layer.up, h_.data(), R, up_.data());
+        for (int64_t t = 0; t < R; ++t)  // row by row: a row's 8-lane groups whatever rows come before it
+          gated(gate_.data() + t * F, up_.data() + t * F, F, d_.gelu, h_.data() + t * F);
+        run(layer.down, h_.data(), R, out_.data());
+      }
       add_branch(x, R, layer.mlp_out_norm);
     }
   }
@@ -225,6 +249,59 @@ class Decoder {
 
   static void fit(std::vector<float>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  }
+
+  // out_ [R, D] = the experts' weighted outputs for the MLP's inputs h_ [R, D] (the module comment): each row's top_k
+  // of the router's softmax, then expert by expert its rows gathered, its three linears run once for them, and each
+  // output times its weight added to its row, experts in ascending order.
+  template <typename Run>
+  void mixture(const Experts& ex, int64_t R, const Run& run) {
+    const int64_t D = d_.D, F = d_.F, E = static_cast<int64_t>(ex.gate.size()), k = ex.top_k;
+    fit(probs_, R * E);
+    run(ex.router, h_.data(), R, probs_.data());
+    chosen_.assign(R * k, -1);
+    weights_.assign(R * k, 0.0f);
+    for (int64_t t = 0; t < R; ++t) {
+      float* p = probs_.data() + t * E;
+      const float top = *std::max_element(p, p + E);
+      float sum = 0.0f;
+      for (int64_t e = 0; e < E; ++e) sum += p[e] = std::exp(p[e] - top);
+      for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+      float picked = 0.0f;
+      for (int64_t j = 0; j < k; ++j) {  // the j-th largest, the lower index first among equals
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e)
+          if (std::find(chosen_.begin() + t * k, chosen_.begin() + t * k + j, e) == chosen_.begin() + t * k + j &&
+              (best < 0 || p[e] > p[best]))
+            best = e;
+        chosen_[t * k + j] = best;
+        picked += weights_[t * k + j] = p[best];
+      }
+      if (ex.renormalize)
+        for (int64_t j = 0; j < k; ++j) weights_[t * k + j] /= picked;
+    }
+    std::fill_n(out_.begin(), R * D, 0.0f);
+    fit(rows_x_, R * D);
+    fit(rows_y_, R * D);
+    for (int64_t e = 0; e < E; ++e) {
+      rows_.clear();
+      for (int64_t slot = 0; slot < R * k; ++slot)
+        if (chosen_[slot] == e) rows_.push_back(slot);
+      const auto n = static_cast<int64_t>(rows_.size());
+      if (n == 0) continue;
+      for (int64_t i = 0; i < n; ++i) std::copy_n(h_.data() + rows_[i] / k * D, D, rows_x_.data() + i * D);
+      run(ex.gate[e], rows_x_.data(), n, gate_.data());
+      run(ex.up[e], rows_x_.data(), n, up_.data());
+      for (int64_t i = 0; i < n; ++i)
+        gated(gate_.data() + i * F, up_.data() + i * F, F, d_.gelu, gate_.data() + i * F);
+      run(ex.down[e], gate_.data(), n, rows_y_.data());
+      for (int64_t i = 0; i < n; ++i) {
+        float* o = out_.data() + rows_[i] / k * D;
+        const float* y = rows_y_.data() + i * D;
+        const float w = weights_[rows_[i]];
+        for (int64_t c = 0; c < D; ++c) o[c] += y[c] * w;
+      }
+    }
   }
 
   // x [R, D] += out_ [R, D], each row of out_ RMSNorm'd by `norm` first where given (Gemma's post-norms)
@@ -257,6 +334,15 @@ class Decoder {
     const int64_t hd = d_.hd, G = d_.G, H = d_.H, group = H / G;
     std::vector<int64_t> first(n + 1, 0), row0(n, 0);  // span s: tasks first[s].., rows row0[s]..
     int64_t rows_before = 0, width = 0, longest = 0;
+    if (layer.whole_qk_norm) {  // OLMoE: each row's q and k normed whole, before the split into heads
+      int64_t R = 0;
+      for (size_t s = 0; s < n; ++s) R += spans[s].T;
+      for (int64_t r = 0; r < R; ++r) {
+        rms_norm(q_.data() + r * H * hd, layer.q_norm, H * hd, d_.eps, q_.data() + r * H * hd);
+        rms_norm(k_.data() + r * G * hd, layer.k_norm, G * hd, d_.eps, k_.data() + r * G * hd);
+      }
+    }
+    const bool head_norms = layer.q_norm != nullptr && !layer.whole_qk_norm;
     for (size_t s = 0; s < n; ++s) {
       const Span& sp = spans[s];
       const int64_t L = sp.cache->length;
@@ -264,7 +350,7 @@ class Decoder {
         for (int64_t g = 0; g < G; ++g) {
           const int64_t i = (rows_before + t) * G + g, p = sp.pos + t;
           float* kg = k_.data() + i * hd;
-          if (layer.k_norm != nullptr) rms_norm(kg, layer.k_norm, hd, d_.eps, kg);
+          if (head_norms) rms_norm(kg, layer.k_norm, hd, d_.eps, kg);
           rope(layer, kg, p);
           std::copy_n(kg, hd, sp.cache->keys[l] + (g * L + p) * hd);
           std::copy_n(v_.data() + i * hd, hd, sp.cache->values[l] + (g * L + p) * hd);
@@ -296,7 +382,7 @@ class Decoder {
           for (int64_t h = g * group; h < (g + 1) * group; ++h) {
             const int64_t row = (t - t0) * group + h - g * group, i = (row0[sn] + t) * H + h;
             float* qh = q_.data() + i * hd;
-            if (layer.q_norm != nullptr) rms_norm(qh, layer.q_norm, hd, d_.eps, qh);
+            if (head_norms) rms_norm(qh, layer.q_norm, hd, d_.eps, qh);
             rope(layer, qh, pos + t);
             q[row] = qh;
             s[row] = scores.data() + row * width;
@@ -324,7 +410,10 @@ class Decoder {
 
   Dims d_;
   std::vector<Layer> layers_;
+  std::vector<Experts> experts_;  // per layer (router < 0: a dense MLP)
   std::vector<float> h_, q_, k_, v_, a_, out_, gate_, up_;
+  std::vector<float> probs_, weights_, rows_x_, rows_y_;  // a mixture's router probabilities, picks' weights, rows
+  std::vector<int64_t> chosen_, rows_;                   // each row's picked experts; an expert's (row, slot)s
 };
 
 }  // namespace bitquilt_decoder
