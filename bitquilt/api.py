@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from bitquilt.cache import release_claim
 from bitquilt.calib.compute import CalibCompute, choose_compute
 from bitquilt.calib.preserve import check_family
 from bitquilt.calib.report import QuantReport
@@ -312,17 +313,20 @@ def export(saved: str | Path, output: str | Path, to: str = "gguf", overwrite: b
         raise UserError(f"--tokenizer-from (tokenizer_from) applies to GGUF exports; a {to} export copies the saved "
                         "tokenizer files")
     refuse_moe_export(Path(saved).expanduser(), to)
-    if to == "compressed-tensors":
-        from bitquilt.export.compressed_tensors import export_compressed_tensors
+    try:
+        if to == "compressed-tensors":
+            from bitquilt.export.compressed_tensors import export_compressed_tensors
 
-        return export_compressed_tensors(saved, output, overwrite=overwrite)
-    if to == "standalone":
-        from bitquilt.export.standalone import export_standalone
+            return export_compressed_tensors(saved, output, overwrite=overwrite)
+        if to == "standalone":
+            from bitquilt.export.standalone import export_standalone
 
-        return export_standalone(saved, output, overwrite=overwrite)
-    from bitquilt.export.gguf import export_gguf
+            return export_standalone(saved, output, overwrite=overwrite)
+        from bitquilt.export.gguf import export_gguf
 
-    return export_gguf(saved, output, overwrite=overwrite, tokenizer_from=tokenizer_from, progress=progress)
+        return export_gguf(saved, output, overwrite=overwrite, tokenizer_from=tokenizer_from, progress=progress)
+    finally:  # an export refused after claiming its output leaves nothing beside it (a command drops it at its end)
+        release_claim(Path(output))
 
 
 def refuse_moe_export(saved: Path, to: str) -> None:

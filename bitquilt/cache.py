@@ -145,6 +145,13 @@ def _take_claim(path: Path, directory: bool) -> Path:
     return tmp
 
 
+def release_claim(path: Path) -> None:
+    """Drop this process's claim of the output `path` if the work never filled it (a no-op once it did)."""
+    tmp = _claims.pop(Path(path).absolute(), None)
+    if tmp is not None:
+        _delete(tmp)
+
+
 def release_claims() -> None:
     """Drop the claims this process made but did not fill (at exit, and when a command line's command ends)."""
     while _claims:

@@ -196,3 +196,18 @@ def test_the_summary_method_names_the_residual_and_the_a8_layers():
     report = SimpleNamespace(stages={"dynamic_a8": {"layers": [0, 7], "linears": 14}})
     assert method_summary(recipe, report) == "quarot+rtn+mosaic (a8 layers 0,7)"
     assert method_summary(Recipe("rtn", w_bits=4), SimpleNamespace(stages={})) == "rtn"
+
+
+def test_a_refused_api_export_drops_its_claim(tmp_path):
+    """`bitquilt.export` refused after it claimed its output (a family GGUF has no graph for) leaves nothing there."""
+    import torch
+
+    from bitquilt.api import export, quantize, save
+    from bitquilt.errors import UserError
+
+    model = make_tiny("qwen3")
+    quantize(model, "rtn", torch.randint(0, 320, (1, 8)), progress=False, w_bits=4, group_size=32)
+    save(model, tmp_path / "q")
+    with pytest.raises(UserError, match="cannot export a 'qwen3' model to GGUF"):
+        export(tmp_path / "q", tmp_path / "m.gguf")
+    assert os.listdir(tmp_path) == ["q"]
