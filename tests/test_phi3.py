@@ -151,7 +151,7 @@ def test_longrope_runs_in_the_bitquilt_runtime_as_in_transformers(tmp_path):
 
 def test_fusing_parts_of_different_grids_is_refused(tmp_path, capsys):
     model = make_tiny("phi3")
-    quantize(model, Recipe("rtn", w_bits=4, group_size=32, overrides={"*.v_proj": {"bits": 8}}), None,
+    quantize(model, Recipe("rtn", w_bits=4, group_size=32, overrides={"*.v_proj": {"bits": 8, "sym": True}}), None,
              progress=False)
     save(model, tmp_path / "q")
     capsys.readouterr()

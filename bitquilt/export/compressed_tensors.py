@@ -280,5 +280,6 @@ def export_compressed_tensors(directory: str | Path, output: str | Path, overwri
         raise UserError(f"{directory} is not a model saved by bitquilt (no {CONFIG_NAME}); export takes the output "
                         "directory of `bitquilt quantize`")
     model, _ = load_quantized(directory)
+    check_exportable(model)  # what compressed-tensors cannot hold, named by part before fusing them could fail on it
     fuse_parts(model)  # the family's own checkpoint layout (phi3: qkv_proj, gate_up_proj)
     return write_compressed_tensors(model, directory, output, overwrite)

@@ -567,6 +567,7 @@ def export_gguf(directory: str | Path, output: str | Path, overwrite: bool = Fal
         raise UserError(f"{directory} is not a model saved by bitquilt (no quantization_config.json); export takes "
                         "the output directory of `bitquilt quantize`")
     model, tokenizer = load_quantized(directory)
+    check_exportable(model)  # what GGUF cannot hold, named by part before fusing them could fail on it instead
     fuse_parts(model)  # the family's fused tensors, where llama.cpp reads them so (phi3)
     if not any((directory / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = None  # transformers makes up an empty one for a folder without tokenizer files
