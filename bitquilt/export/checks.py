@@ -36,8 +36,8 @@ def check_layers(model: nn.Module, target: str, runtime_cannot: str,
                         f"exportable: weight-only models with {exportable}")
     embeddings = [name for name, m in model.named_modules() if isinstance(m, QuantEmbedding)]
     if embeddings and not quantized_embeddings:
-        raise UserError(f"cannot export {embeddings[0]} to {target}: quantized input embeddings (--head-bits) are "
-                        "not exported yet; quantize with --head-bits 16")
+        raise UserError(f"cannot export {embeddings[0]} to {target}: quantized input embeddings (--head-bits, or a "
+                        "--gguf-type mix) are not exported yet; quantize with --head-bits 16 and no --gguf-type")
     damaged = non_finite_parameter(model)
     if damaged is not None:
         raise UserError(f"cannot export to {target}: {damaged} holds NaN or Inf (the checkpoint is damaged or was "
