@@ -120,6 +120,7 @@ def make_tiny(model_type: str = "llama", seed: int = 0, **overrides):
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        MistralConfig,
         MixtralConfig,
         OlmoeConfig,
         Phi3Config,
@@ -132,6 +133,7 @@ def make_tiny(model_type: str = "llama", seed: int = 0, **overrides):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     config_class, own = {
         "llama": (LlamaConfig, {}),
+        "mistral": (MistralConfig, {}),  # its 4,096-token window: longer than any test sequence
         "qwen2": (Qwen2Config, {}),
         "qwen3": (Qwen3Config, dict(head_dim=32)),
         "gemma2": (Gemma2Config, dict(head_dim=32, sliding_window=64)),
