@@ -1,11 +1,11 @@
 """Every supported family × every method bitquilt offers, end to end on tiny random models (docs/families.md).
 
-A cell either runs — quantize through the Python API, save → load bit-identical, a finite loss on random windows, a
-few greedy tokens from the auto engine, and each export target written or refused in one line with nothing left
-behind — or is refused in one line before any work. The function-preservation check (`bitquilt.calib.preserve`) is
-on by default and has no switch: every transform checks itself where it is applied, and each cell asserts that each
-of its transforms recorded an error within TOLERANCE. A family added to `supported_model_types` joins the matrix and
-fails here until `make_tiny` builds it.
+A cell either runs — quantize through the Python API, save → load bit-identical, a finite loss on random windows
+(the same from bitquilt's runtime), the transformers forward's greedy tokens from the auto engine, and each export
+target written or refused in one line with nothing left behind — or is refused in one line before any work. The
+function-preservation check (`bitquilt.calib.preserve`) is on by default and has no switch: every transform checks
+itself where it is applied, and each cell asserts that each of its transforms recorded an error within TOLERANCE. A
+family added to `supported_model_types` joins the matrix and fails here until `make_tiny` builds it.
 """
 
 from __future__ import annotations
@@ -164,9 +164,14 @@ def test_family_runs_method_end_to_end_or_refuses_it_first(family, method, tmp_p
     assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
     with torch.no_grad():
         assert torch.equal(loaded(WINDOWS).logits, model(WINDOWS).logits)  # online modules reload as they were
-    assert all(math.isfinite(loss) for loss in window_losses(loaded, WINDOWS))
-    tokens = decode(loaded, WINDOWS[:1, :8], 4).new_ids
-    assert len(tokens) == 4 and all(0 <= t < 320 for t in tokens)
+    losses = window_losses(loaded, WINDOWS)
+    assert all(math.isfinite(loss) for loss in losses)
+    want = decode(loaded, WINDOWS[:1, :8], 4, engine="transformers").new_ids
+    assert len(want) == 4 and all(0 <= t < 320 for t in want)
+    assert decode(loaded, WINDOWS[:1, :8], 4).new_ids == want  # the auto engine: fused or lean where they serve
+    tree, _ = load_quantized(tmp_path / "q", runtime="auto")  # bitquilt's module tree where it covers the family
+    assert window_losses(tree, WINDOWS) == pytest.approx(losses, rel=1e-5)
+    assert decode(tree, WINDOWS[:1, :8], 4).new_ids == want
 
     for to in FORMATS:
         reasons = export_reasons(family, method, to)
