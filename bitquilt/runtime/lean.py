@@ -17,7 +17,8 @@ output dataclasses. `LeanDecoder` runs the model's own modules for one sequence:
 - an RMSNorm without hooks runs as one fused `rms_norm` call;
 - with `fuse=True`, a one-token step runs every decoder layer in one compiled call
   (`bitquilt.runtime.fused`, which `bitquilt.runtime.batch` steps several sequences through at once)
-  when every layer qualifies: plain RMSNorms, no attention-site modules, no hooks, fp32, and linears
+  when every layer qualifies (an MoE block's router and experts too): plain RMSNorms, no attention-site modules, no
+  hooks, fp32, and linears
   that are `nn.Linear` or `QuantLinear` without online modules (a slice router excepted) whose weight a
   CPU kernel takes (bitplane, uniform at any width, the slices of a MoBiQuant checkpoint, static or
   routed per token); `fused_reason` says why not otherwise, and those steps run module by module.
@@ -34,8 +35,8 @@ phi3 split (`bitquilt.models.fused`; a partial rotary factor runs module by modu
 fused; LongRoPE within its original context); the mixture-of-experts families mixtral, qwen3_moe and olmoe (q/k norms
 over the whole projection, optional q/k/v clipping): a layer whose MLP is an MoE block calls the block itself on the
 normed rows (its router picks each row's experts; `bitquilt.models.experts.ExpertLinears` runs each expert's linears,
-quantized or not, on its rows), module by module (the fused step runs no MoE block); `unsupported_reason` says why
-another model stays on transformers.
+quantized or not, on its rows), and the fused step runs the same routing in C++ (`bitquilt.runtime.fused`, except
+with q/k/v clipping); `unsupported_reason` says why another model stays on transformers.
 Tested against the transformers forward (logits and greedy tokens).
 """
 
