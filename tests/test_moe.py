@@ -19,6 +19,7 @@ from bitquilt.models.registry import DEFAULT_MODEL, fetched_dir
 from bitquilt.nn.quant_linear import QuantLinear
 from bitquilt.pipeline.engine import quantize_model
 from bitquilt.recipes import Recipe
+from bitquilt.runtime.module_tree import ModuleTreeLM
 from tests.conftest import make_tiny, reload_bit_exact
 
 FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
@@ -180,9 +181,8 @@ def test_cli_quantizes_streams_evaluates_generates_exports_and_refuses_standalon
     assert main(["generate", str(tmp_path / "q0"), "--prompt", "The capital of France is", "--max-new-tokens", "4",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["new_tokens"] >= 1
-    assert main(["generate", str(tmp_path / "q0"), "--prompt", "Hi", "--runtime", "bitquilt"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "model type 'mixtral'" in err[0]
+    assert main(["generate", str(tmp_path / "q0"), "--prompt", "Hi", "--runtime", "bitquilt", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runtime"] == "bitquilt"
     assert main(["export", str(tmp_path / "q0"), "--to", "gguf", "-o", str(tmp_path / "x.gguf")]) == 0
     capsys.readouterr()
     assert main(["export", str(tmp_path / "q0"), "--to", "standalone", "-o", str(tmp_path / "x-standalone")]) == 2
@@ -190,14 +190,19 @@ def test_cli_quantizes_streams_evaluates_generates_exports_and_refuses_standalon
     assert len(err) == 1 and "mixture-of-experts model (mixtral)" in err[0], err
 
 
-def test_auto_runtime_falls_back_to_transformers(tmp_path):
-    model = make_tiny("qwen3_moe")
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_the_bitquilt_runtime_routes_as_transformers_does(tmp_path, model_type):
+    """bitquilt's module tree builds the router and the experts from config.json (no transformers import): the
+    logits of the transformers model it replaces."""
+    model = make_tiny(model_type)
     quantize(model, Recipe("rtn", w_bits=4, group_size=32), None, progress=False)
     save(model, tmp_path / "q")
-    loaded, _ = load_quantized(tmp_path / "q", runtime="auto")
-    assert isinstance(loaded.model.layers[0].mlp.experts, ExpertLinears)
-    with pytest.raises(UserError, match="the bitquilt runtime cannot run .*'qwen3_moe'"):
-        load_quantized(tmp_path / "q", runtime="bitquilt")
+    tree, _ = load_quantized(tmp_path / "q", runtime="auto")
+    reference, _ = load_quantized(tmp_path / "q", runtime="transformers")
+    assert isinstance(tree, ModuleTreeLM) and isinstance(tree.model.layers[0].mlp.experts, ExpertLinears)
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(tree(ids), reference(ids, use_cache=False).logits, rtol=0, atol=1e-5)
 
 
 def test_blocks_mixing_dense_and_routed_mlps_are_refused():

@@ -62,10 +62,9 @@ from bitquilt.nn.quant_linear import QuantLinear
 if TYPE_CHECKING:  # importing the kernels builds the extension: done on first use instead
     from bitquilt.runtime.fused import FusedLayers
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")  # a router and experts in place of the gated MLP
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", *MOE_FAMILIES)
 GEMMA = ("gemma2", "gemma3_text")  # Gemma's layer: post-norms, GELU-tanh, scaled embeddings, sliding windows
-# lean decoding runs these too, on transformers' modules; bitquilt's own module tree (which imports FAMILIES) does not
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # tables that change once a sequence passes the original context: computed once for a run, so runs within it only
@@ -90,8 +89,8 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
     """Why `LeanDecoder` cannot run `model` for `max_len` positions; None if it can."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES + MOE_FAMILIES:
-        return f"model type {model_type!r} (lean decoding covers {', '.join(FAMILIES + MOE_FAMILIES)})"
+    if model_type not in FAMILIES:
+        return f"model type {model_type!r} (lean decoding covers {', '.join(FAMILIES)})"
     if _activation(config) != family_activation(model_type):
         return f"activation {_activation(config)!r} (lean decoding runs {family_activation(model_type)} on " \
                f"{model_type})"

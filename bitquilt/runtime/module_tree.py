@@ -21,6 +21,12 @@ normalises the attention's output before the residual add, `pre_feedforward_laye
 on gemma3 with the RoPE θ of that layer type) or "full_attention" (`layer_types`), and the logits may be soft-capped
 (c·tanh(z/c)); gemma2 soft-caps the attention scores too, gemma3 has q/k norms.
 
+Mixtral, Qwen3-MoE and OLMoE (`MOE_FAMILIES`) replace the gated MLP by `mlp.gate` (a router, weight [experts, hidden]:
+softmax over the experts, each token's num_experts_per_tok most probable, renormalised to sum 1 on Mixtral and where
+norm_topk_prob says so) and `mlp.experts.{e}.{gate,up,down}_proj` (`bitquilt.models.experts.ExpertLinears`, as
+loading splits transformers' 3D experts); Qwen3-MoE norms q and k per head, OLMoE over the whole projection and may
+clip q, k and v (`clip_qkv`).
+
 Module names are transformers' so a checkpoint's tensor names, saved layer names and online-module hosts apply
 unchanged; phi3's are those of its split layout (`bitquilt.models.fused`: q/k/v and gate/up apart, as saved). Biases
 follow each family: qwen2's q/k/v carry one, mistral's and phi3's nothing; llama and qwen3 follow `attention_bias`
@@ -41,7 +47,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from bitquilt.models.adapters import architecture_for
-from bitquilt.runtime.lean import FAMILIES, GEMMA, LeanDecoder, family_activation, soft_cap
+from bitquilt.models.experts import Expert, ExpertLinears
+from bitquilt.runtime.lean import FAMILIES, GEMMA, MOE_FAMILIES, LeanDecoder, family_activation, soft_cap
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -75,6 +82,11 @@ class ModuleTreeConfig:
     query_pre_attn_scalar: float | None = None  # gemma3: scores scale by its -1/2 power instead of head_dim's
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    num_experts: int = 0  # MoE: experts per layer, each token's top k, renormalised or not, an expert's width
+    experts_per_token: int = 0
+    norm_topk_prob: bool = False
+    expert_size: int = 0
+    clip_qkv: float | None = None  # olmoe
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModuleTreeConfig:
@@ -105,7 +117,11 @@ class ModuleTreeConfig:
                    layer_types=layer_types, rope_by_type=by_type,
                    query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
                    final_logit_softcapping=d.get("final_logit_softcapping"),
-                   attn_logit_softcapping=d.get("attn_logit_softcapping"))
+                   attn_logit_softcapping=d.get("attn_logit_softcapping"),
+                   num_experts=d.get("num_local_experts") or d.get("num_experts") or 0,
+                   experts_per_token=d.get("num_experts_per_tok") or 0,
+                   norm_topk_prob=d["model_type"] == "mixtral" or bool(d.get("norm_topk_prob")),
+                   expert_size=d.get("moe_intermediate_size") or d["intermediate_size"], clip_qkv=d.get("clip_qkv"))
 
     def unsupported_reason(self) -> str | None:
         """Why this module cannot build the model; None if it can."""
@@ -121,6 +137,8 @@ class ModuleTreeConfig:
             return "layer types without their RoPE parameters (gemma3 needs them per layer type)"
         if self.attn_logit_softcapping is not None and self.model_type != "gemma2":
             return "attention logit soft-capping"
+        if self.model_type in MOE_FAMILIES and not 0 < self.experts_per_token <= self.num_experts:
+            return f"{self.experts_per_token} experts per token of {self.num_experts}"
         for rope in self.rope_by_type.values() or [self.rope]:
             if rope["rope_type"] not in ROPE_TYPES:
                 return f"RoPE type {rope['rope_type']!r} (the bitquilt runtime computes {', '.join(ROPE_TYPES)})"
@@ -290,8 +308,10 @@ class Attention(nn.Module):
         self.k_proj = Linear(hidden, kv_heads * d, bias=qkv_bias)
         self.v_proj = Linear(hidden, kv_heads * d, bias=qkv_bias)
         self.o_proj = Linear(heads * d, hidden, bias=o_bias)
-        if config.model_type in ("qwen3", "gemma3_text"):
+        if config.model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
             self.q_norm, self.k_norm = _norm(config, d), _norm(config, d)
+        elif config.model_type == "olmoe":  # over the whole projection
+            self.q_norm, self.k_norm = _norm(config, heads * d), _norm(config, kv_heads * d)
 
 
 class MLP(nn.Module):
@@ -304,10 +324,45 @@ class MLP(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=bias)
 
 
+class Router(nn.Module):
+    """An MoE layer's router: (logits, the top k's probabilities, their experts) of rows [N, hidden], as transformers'
+    TopKRouter computes them (softmax in fp32, top k, renormalised to sum 1 where `norm_topk_prob`)."""
+
+    def __init__(self, config: ModuleTreeConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.top_k, self.norm_topk_prob = config.experts_per_token, config.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        top, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), experts
+
+
+class MixtureOfExperts(nn.Module):
+    """`gate` (the router) and `experts` in place of the gated MLP: rows [B, T, hidden] in and out."""
+
+    def __init__(self, config: ModuleTreeConfig):
+        super().__init__()
+        self.gate = Router(config)
+        hidden, width = config.hidden_size, config.expert_size
+        self.experts = ExpertLinears(Expert(Linear(hidden, width, bias=False), Linear(hidden, width, bias=False),
+                                            Linear(width, hidden, bias=False), F.silu)
+                                     for _ in range(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        _, weights, experts = self.gate(rows)
+        return self.experts(rows, experts, weights).reshape(x.shape)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModuleTreeConfig, index: int):
         super().__init__()
-        self.self_attn, self.mlp = Attention(config, index), MLP(config)
+        self.self_attn = Attention(config, index)
+        self.mlp = MixtureOfExperts(config) if config.model_type in MOE_FAMILIES else MLP(config)
         self.input_layernorm = _norm(config, config.hidden_size)
         self.post_attention_layernorm = _norm(config, config.hidden_size)
         if config.model_type in GEMMA:
