@@ -293,10 +293,6 @@ def residual_recovery(model: nn.Module | str | Path) -> list:
         raise UserError(f"{model if not isinstance(model, nn.Module) else 'the model'}: {e}") from None
 
 
-# the export formats that write a mixture-of-experts model's experts and router
-MOE_EXPORTS = ("gguf", "compressed-tensors")
-
-
 def export(saved: str | Path, output: str | Path, to: str = "gguf", overwrite: bool = False,
            tokenizer_from: str | Path | None = None, progress: bool = False
            ) -> GGUFExport | CompressedTensorsExport | StandaloneExport:
@@ -312,7 +308,6 @@ def export(saved: str | Path, output: str | Path, to: str = "gguf", overwrite: b
     if to != "gguf" and tokenizer_from is not None:
         raise UserError(f"--tokenizer-from (tokenizer_from) applies to GGUF exports; a {to} export copies the saved "
                         "tokenizer files")
-    refuse_moe_export(Path(saved).expanduser(), to)
     try:
         if to == "compressed-tensors":
             from bitquilt.export.compressed_tensors import export_compressed_tensors
@@ -327,21 +322,6 @@ def export(saved: str | Path, output: str | Path, to: str = "gguf", overwrite: b
         return export_gguf(saved, output, overwrite=overwrite, tokenizer_from=tokenizer_from, progress=progress)
     finally:  # an export refused after claiming its output leaves nothing beside it (a command drops it at its end)
         release_claim(Path(output))
-
-
-def refuse_moe_export(saved: Path, to: str) -> None:
-    """UserError if `saved` holds a mixture-of-experts model and `to` is not one of `MOE_EXPORTS` (the standalone
-    runtime does not route experts)."""
-    if to in MOE_EXPORTS or not is_quantized_dir(saved):
-        return  # the exporter names what it reads
-    from bitquilt.io import saved_config
-
-    model_type = saved_config(saved).get("model_type")
-    arch = architecture_for(model_type)
-    if arch is not None and arch.experts is not None:
-        raise UserError(f"cannot export {saved} to {to}: it is a mixture-of-experts model ({model_type}) and the "
-                        f"{to} runtime does not route experts; export it with --to {' or '.join(MOE_EXPORTS)}, or run "
-                        "it with `bitquilt eval` / `generate`")
 
 
 def save(model: nn.Module, directory: str | Path, tokenizer: Any = None, overwrite: bool = False) -> Path:

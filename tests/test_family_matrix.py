@@ -78,16 +78,13 @@ METHOD_EXPORTS = {
 METHOD_EXPORTS["mxsens"] = METHOD_EXPORTS["mxint"]
 METHOD_EXPORTS["gguf-Q6_K"] = METHOD_EXPORTS["gguf-Q4_K_M"]
 # By family: what the target's runtime does not compute (docs/families.md), whatever the method.
-NO_ROUTING = "the standalone runtime does not route experts"
 FAMILY_EXPORTS = {
     "mistral": {"gguf": "supported families"},
     "qwen3": {"gguf": "supported families"},
     "gemma2": {"gguf": "queries scaled by 1/√256"},  # the tiny head_dim of 32 (and WINDOWED's layer pattern)
     "gemma3_text": {"gguf": "queries scaled by 1/√256"},
     "phi3": {"standalone": "a partial rotary factor of 0.75"},
-    "mixtral": {"standalone": NO_ROUTING},
-    "qwen3_moe": {"standalone": NO_ROUTING},
-    "olmoe": {"gguf": "grouped-query attention", "standalone": NO_ROUTING},  # llama.cpp's olmoe graph has no GQA
+    "olmoe": {"gguf": "grouped-query attention"},  # llama.cpp's olmoe graph has no GQA
 }
 # On MoE families: compressed-tensors refuses asymmetric experts (transformers decompresses them without zero points).
 MOE_EXPORTS = {"rtn": {"compressed-tensors": "decompresses expert weights without zero points"}}

@@ -70,7 +70,10 @@ def _reference(saved, monkeypatch, standalone: StandaloneModel, avg_bits: float 
     ("qwen3", Recipe("rtn", w_bits=2, group_size=64, head_bits=4), {"q4"}),
     ("gemma3_text", Recipe("rtn", w_bits=4, group_size=64, head_bits=8), {"q4", "u8"}),
     ("gemma2", Recipe("rtn", w_bits=4, group_size=64), {"q4", "dense"}),
-], ids=["llama-w4-head8", "qwen2-w4-biases", "qwen3-w2-head4-qknorms", "gemma3-w4-head8", "gemma2-w4-capped"])
+    ("mixtral", Recipe("rtn", w_bits=4, group_size=64), {"q4", "dense"}),
+    ("olmoe", Recipe("rtn", w_bits=4, group_size=64, head_bits=8), {"q4", "u8"}),
+], ids=["llama-w4-head8", "qwen2-w4-biases", "qwen3-w2-head4-qknorms", "gemma3-w4-head8", "gemma2-w4-capped",
+        "mixtral-w4-experts", "olmoe-w4-head8-whole-qknorms"])
 def test_standalone_runs_the_fused_int8_runtimes_layers_bit_for_bit(tmp_path, monkeypatch, widest_path, int8_on,
                                                                     model_type, recipe, kinds, isa):
     if isa not in ("widest", *q4_int8.supported_isas()):
@@ -102,7 +105,7 @@ def test_standalone_runs_the_fused_int8_runtimes_layers_bit_for_bit(tmp_path, mo
 
 
 # 2 query heads per KV head; qwen3: q/k norms too; gemma3: windows of 5 across the prompt's blocks
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2", "gemma3_text", "qwen3_moe"])
 def test_a_long_prompt_in_blocks_gives_the_token_by_token_results(tmp_path, monkeypatch, int8_on, model_type):
     """A 500-token prompt crosses the runner's prompt passes (256 tokens) and many attention blocks (16 queries):
     in one call, or in two at a position that is no block boundary, it leaves the caches and logits of the torch

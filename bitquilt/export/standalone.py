@@ -23,16 +23,19 @@ holds one copy of each weight (the file's pages). `standalone.safetensors` holds
   format 4 (`FORMAT_VERSIONS`); a Gemma 2 or 3 model is format 5: its metadata adds the layer types, sliding window,
   activation, embedding scale and logit caps, its file the pre- and post-feedforward norms (and Gemma 3's sliding
   layers' `rope.sliding_attention.inv_freq`); any other model is format 3, as before. Every norm is written as the
-  vector it multiplies by (Gemma's 1 + w).
+  vector it multiplies by (Gemma's 1 + w). A mixture-of-experts model (Mixtral, Qwen3-MoE, OLMoE) is format 6: per
+  layer the router `mlp.gate.weight` (fp32 [experts, hidden]) and each expert's `mlp.experts.{e}.{gate,up,down}_proj`
+  linears in place of the MLP's, metadata "experts" (count, top_k, renormalize) and "qk_norms_whole" (OLMoE's q/k
+  norms over the whole projection); intermediate_size is an expert's.
 
 4/2- and 8-bit weights and routed slices run on int8-rounded activations (the bitquilt runtime's
 `--int8-activations` engine; the slices through the same kernel and routing code as the fused torch runtime), so the
 standalone runtime computes what `bitquilt generate --int8-activations` does, in another fp32 order.
-Exportable: llama, mistral, qwen2, qwen3, gemma2, gemma3 and phi3 models (phi3 in its split layout, RoPE over whole
-heads: not a partial rotary factor) whose linears are uniform 4- or 2-bit grids (width and groups multiples of 64
-columns, fp16 scales, no act-order g_idx), uniform 8-bit grids (multiples of 32), full precision, or (decoder layers)
-MoBiQuant slices with their routers, with no other online modules; the rest is refused with one line naming the first
-layer.
+Exportable: llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3 and MoE models (without q/k/v clipping) (phi3 in its
+split layout, RoPE over whole heads: not a partial rotary factor) whose linears are uniform 4- or 2-bit grids (width and
+groups multiples of 64 columns, fp16 scales, no act-order g_idx), uniform 8-bit grids (multiples of 32), full precision,
+or (decoder layers) MoBiQuant slices with their routers, with no other online modules; the rest is refused with one line
+naming the first layer.
 The tokenizer and generation files are copied, and a byte-level BPE tokenizer is also written as tables for the
 native runner
 (`bitquilt.export.tokenizer_tables`; metadata "tokenizer", or why not); the directory is written beside the target
@@ -65,7 +68,7 @@ from bitquilt.io import CONFIG_NAME, check_output, companion_files, is_quantized
 from bitquilt.kernels import cpu, q4_int8, uniform8
 from bitquilt.nn import online
 from bitquilt.nn.slice_router import TAU_GRID, has_routers, model_curve
-from bitquilt.runtime.lean import GEMMA
+from bitquilt.runtime.lean import GEMMA, MOE_FAMILIES
 from bitquilt.runtime.module_tree import ModuleTreeConfig, ModuleTreeLM, inverse_frequencies, rotary_dim
 from bitquilt.runtime.standalone.model import FILE, METADATA_KEY, PROJECTIONS
 from bitquilt.runtime.tokenizer import TOKENIZER_FILE, FastTokenizer
@@ -198,8 +201,15 @@ def standalone_tensors(model: ModuleTreeLM) -> tuple[dict[str, torch.Tensor], di
     linears: dict[str, Any] = {}
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}"
-        for proj in PROJECTIONS:
+        experts = getattr(layer.mlp, "experts", None)
+        for proj in PROJECTIONS if experts is None else PROJECTIONS[:4]:
             linears[f"{prefix}.{proj}"] = _linear(tensors, f"{prefix}.{proj}", layer.get_submodule(proj))
+        if experts is not None:  # the router fp32 [experts, hidden], each expert's linears
+            tensors[f"{prefix}.mlp.gate.weight"] = layer.mlp.gate.weight.detach().float().contiguous()
+            for e, expert in enumerate(experts):
+                for part in ("gate_proj", "up_proj", "down_proj"):
+                    name = f"{prefix}.mlp.experts.{e}.{part}"
+                    linears[name] = _linear(tensors, name, getattr(expert, part))
         modules = dict(layer.named_modules())
         for name in NORMS:
             if name in modules:
@@ -218,17 +228,24 @@ def standalone_tensors(model: ModuleTreeLM) -> tuple[dict[str, torch.Tensor], di
     if routed:
         tensors["routing.curve"] = model_curve(model).float().contiguous()
         tensors["routing.taus"] = TAU_GRID.float().contiguous()
-    window = config.sliding_window if config.model_type in ("mistral", "phi3") or config.use_sliding_window else None
+    window = config.sliding_window if config.model_type in ("mistral", "phi3", "mixtral") or config.use_sliding_window \
+        else None
+    moe = config.model_type in MOE_FAMILIES
     metadata = {
-        "format_version": 5 if gemma else 4 if routed else 3, "model_type": config.model_type,
+        "format_version": 6 if moe else 5 if gemma else 4 if routed else 3, "model_type": config.model_type,
         "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
+        "intermediate_size": config.expert_size if moe else config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "vocab_size": config.vocab_size,
         "attention_scaling": model.model.layers[0].self_attn.scaling,
         "max_positions": min(config.max_position_embeddings, window or config.max_position_embeddings),
         "qk_norms": hasattr(model.model.layers[0].self_attn, "q_norm"), "embed": embed, "linears": linears,
     }
+    if moe:
+        metadata["experts"] = {"count": config.num_experts, "top_k": config.experts_per_token,
+                               "renormalize": config.norm_topk_prob}
+        metadata["qk_norms_whole"] = config.model_type == "olmoe"
     if gemma:
         metadata.update({"layer_types": list(config.layer_types), "sliding_window": config.sliding_window,
                          "activation": config.hidden_act, "embed_scale": config.hidden_size ** 0.5,
@@ -262,11 +279,13 @@ def export_standalone(directory: str | Path, output: str | Path, overwrite: bool
             reason = f"a partial rotary factor of {config.partial_rotary_factor}, where it rotates whole heads"
         if reason is None and config.rope["rope_type"] == "longrope":
             reason = "LongRoPE (its attention factor and its switch of factors past the original context)"
+        if reason is None and config.clip_qkv is not None:
+            reason = "q/k/v clipping (clip_qkv)"
     except ValueError as e:
         reason = str(e)
     if reason is not None:
         raise UserError(f"cannot export {directory} to the standalone runtime: {reason} (it runs llama, mistral, "
-                        "qwen2, qwen3, gemma2, gemma3 and phi3 models)")
+                        "qwen2, qwen3, gemma2, gemma3, phi3 and MoE models)")
     model, _ = load_quantized(directory, runtime="bitquilt")
     tensors, metadata = standalone_tensors(model)
     try:

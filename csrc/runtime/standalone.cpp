@@ -367,24 +367,57 @@ std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file,
   static const char* const projections[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                              "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
                                              "mlp.down_proj"};
-  const bool qk_norms = c["qk_norms"].boolean;
+  const bool qk_norms = c["qk_norms"].boolean, whole = c["qk_norms_whole"].boolean;
+  const int64_t H = dim("num_attention_heads"), G = dim("num_key_value_heads");
+  // format 6: a mixture of experts in every layer's MLP place (count, top_k, renormalize)
+  const Value& moe = c["experts"];
+  const int64_t E = moe.kind == Value::Object ? integer(f, moe["count"], "experts.count") : 0;
+  const int64_t top_k = E > 0 ? integer(f, moe["top_k"], "experts.top_k") : 0;
+  if (E > 0 && !(top_k >= 1 && top_k <= E)) refuse(f, "experts.top_k must be between 1 and experts.count");
+  const auto add_linear = [&](const std::string& name) {
+    const Linear lin = load_linear(f, name);
+    if (lin.routed) m->routed_weights += static_cast<double>(lin.N * lin.K);
+    return m->add(lin);
+  };
   for (int64_t layer = 0; layer < layers; ++layer) {
     const std::string prefix = "model.layers." + std::to_string(layer) + ".";
+    bitquilt_decoder::Experts experts;
+    if (E > 0) {  // expert 0's linears stand in the MLP's place (its shapes); the router is fp32 [E, D]
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string expert = prefix + "mlp.experts." + std::to_string(e) + ".";
+        experts.gate.push_back(add_linear(expert + "gate_proj"));
+        experts.up.push_back(add_linear(expert + "up_proj"));
+        experts.down.push_back(add_linear(expert + "down_proj"));
+      }
+      Linear router;
+      router.N = E;
+      router.K = D;
+      router.dense = floats(f, prefix + "mlp.gate.weight", {E, D});
+      experts.router = m->add(router);
+      experts.top_k = top_k;
+      experts.renormalize = moe["renormalize"].boolean;
+    }
     int64_t index[7], N[7], K[7];
     for (int j = 0; j < 7; ++j) {
-      const Linear lin = load_linear(f, prefix + projections[j]);
-      N[j] = lin.N;
-      K[j] = lin.K;
-      if (lin.routed) m->routed_weights += static_cast<double>(lin.N * lin.K);
-      index[j] = m->add(lin);
+      index[j] = j < 4 || E == 0 ? add_linear(prefix + projections[j])
+                                 : (j == 4 ? experts.gate : j == 5 ? experts.up : experts.down)[0];
+      N[j] = m->linears[index[j]].N;
+      K[j] = m->linears[index[j]].K;
     }
+    for (int64_t e = 1; e < E && error.empty(); ++e) {  // every expert of expert 0's shapes
+      const int64_t idx[3] = {experts.gate[e], experts.up[e], experts.down[e]};
+      for (int j = 0; j < 3; ++j)
+        if (m->linears[idx[j]].N != N[4 + j] || m->linears[idx[j]].K != K[4 + j])
+          error = "expert " + std::to_string(e) + "'s linears differ in shape from expert 0's";
+    }
+    if (!error.empty()) refuse(f, "layer " + std::to_string(layer) + ": " + error);
     error = bitquilt_decoder::linears_error(d, N, K);
     if (!error.empty()) refuse(f, "layer " + std::to_string(layer) + ": " + error);
     bitquilt_decoder::Layer l{floats(f, prefix + "input_layernorm.weight", {D}),
                               floats(f, prefix + (gemma ? "pre_feedforward_layernorm.weight"
                                                         : "post_attention_layernorm.weight"), {D}),
-                              qk_norms ? floats(f, prefix + "self_attn.q_norm.weight", {hd}) : nullptr,
-                              qk_norms ? floats(f, prefix + "self_attn.k_norm.weight", {hd}) : nullptr,
+                              qk_norms ? floats(f, prefix + "self_attn.q_norm.weight", {whole ? H * hd : hd}) : nullptr,
+                              qk_norms ? floats(f, prefix + "self_attn.k_norm.weight", {whole ? G * hd : hd}) : nullptr,
                               index[0], index[1], index[2], index[3], index[4], index[5], index[6]};
     if (gemma) {
       l.attn_out_norm = floats(f, prefix + "post_attention_layernorm.weight", {D});
@@ -401,7 +434,9 @@ std::unique_ptr<Model> load_model(const std::shared_ptr<const MappedFile>& file,
         }
       }
     }
+    l.whole_qk_norm = whole;
     m->core.add_layer(l);
+    if (E > 0) m->core.set_experts(std::move(experts));
     m->kv.keys.push_back(m->cache(layer, 0));
     m->kv.values.push_back(m->cache(layer, 1));
   }

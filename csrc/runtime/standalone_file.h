@@ -30,8 +30,9 @@ namespace bitquilt_standalone {
 
 constexpr const char* kMetadataKey = "bitquilt.runtime.standalone";
 // bitquilt.runtime.standalone.model.FORMAT_VERSIONS: 3 without routed linears, 4 with them (kind "slices"), 5 a
-// Gemma 2 or 3 model (post-norms, GELU-tanh, sliding-window layers, scaled embeddings, soft-capped logits)
-constexpr int kFormatVersion = 5, kOldestFormatVersion = 3;
+// Gemma 2 or 3 model (post-norms, GELU-tanh, sliding-window layers, scaled embeddings, soft-capped logits), 6 a
+// mixture of experts (a router and expert linears in each MLP's place)
+constexpr int kFormatVersion = 6, kOldestFormatVersion = 3;
 // bitquilt.runtime.loop.NON_FINITE: what a model whose activations or logits hold NaN or Inf is told.
 constexpr const char* kNonFinite =
     "the model's logits are NaN or infinite, so it has no next token: its weights or scales hold NaN/Inf (a diverged "

@@ -31,8 +31,9 @@ FILE = "standalone.safetensors"  # what bitquilt.export.standalone writes, and i
 METADATA_KEY = "bitquilt.runtime.standalone"
 # 3: 4- and 2-bit linears in 32-row tiles (csrc/kernels/q4_int8.h); 4: also routed MoBiQuant slices (kind "slices",
 # written only for a model that has them, so that a model without them still reads where only 3 does); 5: a Gemma 2
-# or 3 model (its layer types, window, RoPE tables, activation, embedding scale and caps; written only for one)
-FORMAT_VERSIONS = (3, 4, 5)
+# or 3 model (its layer types, window, RoPE tables, activation, embedding scale and caps; written only for one); 6: a
+# mixture of experts (router and experts per layer)
+FORMAT_VERSIONS = (3, 4, 5, 6)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")  # a layer's linears, as csrc/runtime/standalone.cpp's loader reads them
 
