@@ -233,7 +233,8 @@ def test_standalone_export_runs_a_full_rotary_phi3_and_refuses_a_partial_one(tmp
         model = split_fused(_phi3(partial))
         quantize(model, Recipe("rtn", w_bits=4, group_size=64), None, progress=False)
         save(model, tmp_path / f"q{partial}")
-    refused = r"standalone runtime: a partial rotary factor of 0\.75, where it rotates whole heads .*phi3 models\)$"
+    refused = (r"standalone runtime: a partial rotary factor of 0\.75, where it rotates whole heads "
+               r".*phi3 and MoE models\)$")
     with pytest.raises(UserError, match=refused):
         export(tmp_path / "q0.75", tmp_path / "out", to="standalone")
     export(tmp_path / "q1.0", tmp_path / "out", to="standalone")

@@ -15,28 +15,26 @@ output dataclasses. `LeanDecoder` runs the model's own modules for one sequence:
   modules (KV quantizers, q/k rotations) see q, k, v there as they do in transformers (after
   RoPE, keys and values the whole filled cache);
 - an RMSNorm without hooks runs as one fused `rms_norm` call;
-- with `fuse=True`, a one-token step runs every decoder layer in one compiled call
-  (`bitquilt.runtime.fused`, which `bitquilt.runtime.batch` steps several sequences through at once)
-  when every layer qualifies (an MoE block's router and experts too): plain RMSNorms, no attention-site modules, no
-  hooks, fp32, and linears
-  that are `nn.Linear` or `QuantLinear` without online modules (a slice router excepted) whose weight a
-  CPU kernel takes (bitplane, uniform at any width, the slices of a MoBiQuant checkpoint, static or
-  routed per token); `fused_reason` says why not otherwise, and those steps run module by module.
+- with `fuse=True`, a one-token step runs every decoder layer in one compiled call (`bitquilt.runtime.fused`, which
+  `bitquilt.runtime.batch` steps several sequences through at once) when every layer qualifies (an MoE block's
+  router and experts too): plain RMSNorms, no attention-site modules, no hooks, fp32, and linears that are
+  `nn.Linear` or `QuantLinear` without online modules (a slice router excepted) whose weight a CPU kernel takes
+  (bitplane, uniform at any width, the slices of a MoBiQuant checkpoint, static or routed per token); `fused_reason`
+  says why not otherwise, and those steps run module by module.
 
 `LeanLayers` is all of it but the cache: it runs the rows of several sequences, each appended to its own `KVCache`
 at its own position, every linear called once with all rows and attention per sequence (a chunk after earlier
 tokens under a causal mask); `LeanDecoder` is it over one cache, `bitquilt.runtime.batch` over a running batch.
 
-Families: llama, mistral (without a sliding window shorter than the run), qwen2 (without sliding
-window), qwen3 (q/k norms), gemma2 and gemma3 ((1 + w) norms, post-norms, GELU-tanh, sliding-window layers, soft-capped
-logits; gemma2's soft-capped attention scores, gemma3's q/k norms and RoPE tables per layer type;
-`bitquilt.runtime.module_tree`),
-phi3 split (`bitquilt.models.fused`; a partial rotary factor runs module by module, not
-fused; LongRoPE within its original context); the mixture-of-experts families mixtral, qwen3_moe and olmoe (q/k norms
-over the whole projection, optional q/k/v clipping): a layer whose MLP is an MoE block calls the block itself on the
-normed rows (its router picks each row's experts; `bitquilt.models.experts.ExpertLinears` runs each expert's linears,
-quantized or not, on its rows), and the fused step runs the same routing in C++ (`bitquilt.runtime.fused`, except
-with q/k/v clipping); `unsupported_reason` says why another model stays on transformers.
+Families: llama, mistral (without a sliding window shorter than the run), qwen2 (without sliding window), qwen3 (q/k
+norms), gemma2 and gemma3 ((1 + w) norms, post-norms, GELU-tanh, sliding-window layers, soft-capped logits; gemma2's
+soft-capped attention scores, gemma3's q/k norms and RoPE tables per layer type; `bitquilt.runtime.module_tree`), phi3
+split (`bitquilt.models.fused`; a partial rotary factor runs module by module, not fused; LongRoPE within its original
+context); the mixture-of-experts families mixtral, qwen3_moe and olmoe (q/k norms over the whole projection, optional
+q/k/v clipping): a layer whose MLP is an MoE block calls the block itself on the normed rows (its router picks each
+row's experts; `bitquilt.models.experts.ExpertLinears` runs each expert's linears, quantized or not, on its rows), and
+the fused step runs the same routing in C++ (`bitquilt.runtime.fused`, except with q/k/v clipping);
+`unsupported_reason` says why another model stays on transformers.
 Tested against the transformers forward (logits and greedy tokens).
 """
 
