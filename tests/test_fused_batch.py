@@ -113,9 +113,11 @@ def test_a_batch_steps_its_sequences_and_a_prompt_chunk_in_one_fused_call():
     assert set(map(tuple, calls[4:])) == {(1, 1, 1)}
 
 
-def test_fused_prompt_chunks_of_gemma_decode_as_module_by_module():
-    """Gemma 3's sliding windows over prompt chunks in the fused step: the tokens of module-by-module decoding."""
-    model = _model("gemma3_text", Recipe("rtn", w_bits=4, group_size=64, head_bits=8))
+@pytest.mark.parametrize("model_type", ["gemma3_text", "mixtral"])
+def test_fused_prompt_chunks_decode_as_module_by_module(model_type):
+    """Gemma 3's sliding windows and Mixtral's routed experts over prompt chunks in the fused step (as `bitquilt
+    serve` runs them): the tokens of module-by-module decoding."""
+    model = _model(model_type, Recipe("rtn", w_bits=4, group_size=64, head_bits=8))
     prompts = [list(range(3, 14)), list(range(40, 60))]
     batch = Batch(model, 64, "auto", chunk=8)
     assert batch.fused is not None
