@@ -244,18 +244,14 @@ def _gated_mlp(layer: nn.Module) -> nn.Module:
 def _fuse_experts(fused: FusedLayers, add: Callable[[str, nn.Module], int | str], i: int,
                   block: nn.Module) -> str | None:
     """Layer i's MoE `block` (router `gate`, `ExpertLinears` `experts`) into `fused`'s last layer; why not, or None."""
-    router = block.gate
-    dense = nn.utils.skip_init(nn.Linear, router.weight.shape[1], router.weight.shape[0], bias=False)
-    dense.weight = nn.Parameter(router.weight.detach(), requires_grad=False)  # the router's [E, hidden], unquantized
-    indices = {"router": add(f"layer {i} router", dense)}
-    for part in ("gate_proj", "up_proj", "down_proj"):
-        indices[part] = [add(f"layer {i} expert {e} {part}", getattr(expert, part))
-                         for e, expert in enumerate(block.experts)]
-    flat = [indices["router"], *indices["gate_proj"], *indices["up_proj"], *indices["down_proj"]]
-    if why := next((x for x in flat if isinstance(x, str)), None):
+    parts = {part: [add(f"layer {i} expert {e} {part}", getattr(expert, part))
+                    for e, expert in enumerate(block.experts)] for part in ("gate_proj", "up_proj", "down_proj")}
+    if why := next((x for linears in parts.values() for x in linears if isinstance(x, str)), None):
         return why
-    fused.set_experts(indices["router"], indices["gate_proj"], indices["up_proj"], indices["down_proj"], router.top_k,
-                      getattr(router, "norm_topk_prob", True))  # Mixtral's router always renormalises
+    router = block.gate.weight.detach().contiguous()  # [experts, hidden], full precision: a dense linear
+    fused.set_experts(fused.add_linear(None, router, None, *router.shape), parts["gate_proj"], parts["up_proj"],
+                      parts["down_proj"], block.gate.top_k,
+                      getattr(block.gate, "norm_topk_prob", True))  # Mixtral's router always renormalises
     return None
 
 
