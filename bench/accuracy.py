@@ -22,6 +22,7 @@ from common import GPTQ_ACT_ORDER_STATIC, GPTQ_PLAIN, fmt_ppl, parser, pivot, pp
 from bitquilt.api import calibration_ids, load, model_summary, quantize, save
 from bitquilt.errors import UserError
 from bitquilt.eval import perplexity
+from bitquilt.eval.precision import EVAL_DTYPES, eval_precision
 from bitquilt.eval.tasks import TASK_NAMES
 from bitquilt.eval.zeroshot import average_accuracy, evaluate_tasks
 from bitquilt.recipes import Recipe
@@ -173,12 +174,18 @@ def main() -> None:
                    help="precision of calibration's matrix products (bitquilt quantize --calib-dtype)")
     p.add_argument("--zeroshot-limit", type=int, default=0,
                    help="also score the zero-shot tasks on this many items each (bitquilt.eval.zeroshot; 0: off)")
+    p.add_argument("--eval-dtype", default="fp32", choices=EVAL_DTYPES,
+                   help="precision of evaluation's matrix products (bitquilt eval --eval-dtype); records measured in "
+                   "bf16 are kept apart from fp32 ones")
     p.add_argument("--resume-dir", type=Path, default=None,
                    help="keep each run's state after every block under RESUME_DIR, so a killed run carries on")
     args, calib, settings, bench = ppl_bench(p, "accuracy", KEY, render, calib_samples=64, ppl_windows=40)
     if args.render_only:
         bench.rerender()
         return
+    precision = eval_precision(args.eval_dtype)
+    if precision != "fp32":
+        settings["eval_precision"] = precision
 
     ids = None
     for label, method, bits, group, options in select_configs(args.suites, args.labels, args.grid):
@@ -201,10 +208,12 @@ def main() -> None:
                               calib_dtype=args.calib_dtype, resume_dir=resume)
             quant_time, quant_cpu = time.perf_counter() - t0, time.process_time() - c0
             compute = report.compute
-        ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False)
+        ppl = perplexity(model, tokenizer, args.ppl_data, args.seqlen, args.ppl_windows, progress=False,
+                         precision=precision)
         zeroshot = None
         if args.zeroshot_limit:
-            scores = evaluate_tasks(model, tokenizer, list(TASK_NAMES), limit=args.zeroshot_limit, progress=False)
+            scores = evaluate_tasks(model, tokenizer, list(TASK_NAMES), limit=args.zeroshot_limit, progress=False,
+                                    precision=precision)
             zeroshot = {"limit": args.zeroshot_limit, "tasks": scores, "average": average_accuracy(scores)}
         record = {"model": args.model, "label": label, "method": method, "w_bits": bits, "group_size": group,
                   "options": options, "ppl": ppl.ppl, "ppl_seconds": ppl.seconds, **model_summary(model),

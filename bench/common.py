@@ -141,9 +141,11 @@ def setting_header(model: str, settings: dict, rows: list[dict]) -> list[str]:
     commands = ", ".join(f"`{cmd}`" for cmd in dict.fromkeys(r["command"] for r in rows))
     calibration = (f"Calibration: {c['n_samples']} × {c['seqlen']} tokens of `{c['source']}` (seed {c['seed']})"
                    if c else "No calibration")
+    precision = (f", its matrix products in {settings['eval_precision']} (fp32 sums)"
+                 if settings.get("eval_precision") else "")
     return [f"## {model}", "",
             f"{calibration}; evaluation: first {settings['ppl_windows']} windows × {settings['seqlen']} tokens of "
-            f"`{settings['ppl_data']}`. {machines_line(rows)}", "",
+            f"`{settings['ppl_data']}`{precision}. {machines_line(rows)}", "",
             f"Command(s): {commands}", ""]
 
 

@@ -35,6 +35,12 @@ def test_quantize_eval_inspect_end_to_end(tmp_path, capsys):
     assert code == 0
     result = json.loads(stdout)
     assert 5 < result["ppl_wiki"] < 100 and result["ppl_settings"]["wiki"]["n_windows"] == 2
+    assert result["eval_precision"] == "fp32"
+    code, stdout, _ = run(capsys, "eval", out, "--ppl", "--seqlen", "128", "--ppl-windows", "2", "--json",
+                          "--eval-dtype", "bf16")
+    bf16 = json.loads(stdout)
+    assert code == 0 and bf16["eval_precision"] == "bf16" and bf16["ppl_settings"]["wiki"]["precision"] == "bf16"
+    assert bf16["ppl_wiki"] != result["ppl_wiki"] and abs(bf16["ppl_wiki"] / result["ppl_wiki"] - 1) < 0.01
     code, _, err = run(capsys, "eval", out, "--ppl", "--ppl-data", "sciq", "--seqlen", "128", "--ppl-windows", "2")
     assert code == 2 and "calibration text 'sciq'" in err  # its own calibration text: refused
     code, stdout, _ = run(capsys, "inspect", out, "--json")

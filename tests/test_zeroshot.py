@@ -164,6 +164,12 @@ def test_user_task_is_cached_per_model(tmp_path, monkeypatch):
     calls = model.calls
     evaluate_tasks(model, tok, [str(path)], progress=False, cache_key="other")  # caller's extra key
     assert model.calls > calls
+    calls = model.calls
+    evaluate_tasks(model, tok, [str(path)], progress=False, precision="bf16")  # bf16 results are kept apart
+    assert model.calls > calls
+    calls = model.calls
+    evaluate_tasks(model, tok, [str(path)], progress=False, precision="bf16")
+    assert model.calls == calls
 
 
 @pytest.mark.parametrize("content, message", [

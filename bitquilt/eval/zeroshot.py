@@ -44,6 +44,7 @@ from torch import nn
 
 from bitquilt.cache import atomic_file, cache_dir
 from bitquilt.errors import UserError
+from bitquilt.eval.precision import eval_precision, evaluating_in
 from bitquilt.eval.tasks import Item, Task, load_task, subset
 from bitquilt.progress import progress_bar
 
@@ -272,17 +273,21 @@ def _write_cached(path: Path, record: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- entry point
 def evaluate_tasks(model: nn.Module, tokenizer: Any, tasks: list[str], limit: int | None = None, seed: int = 0,
                    batch_size: int = 32, cache_key: str | None = None,
-                   progress: bool = True) -> dict[str, dict[str, float]]:
+                   progress: bool = True, precision: str = "fp32") -> dict[str, dict[str, float]]:
     """Zero-shot metrics per task: acc / acc_norm / perplexity (+ ``*_stderr``), ``n`` items and ``seconds``.
 
     ``tasks`` are built-in names (see ``bitquilt.eval.tasks``) or paths to .jsonl task files. ``limit``
     scores a fixed random subset of that many items per task (``seed`` picks it). Results are cached
     under ``cache_dir()/evals`` by the model's weight fingerprint, ``cache_key`` (an extra string the
     caller may add, e.g. a recipe), the task's data and prompts, ``limit`` and ``seed``; ``seconds``
-    is the time of the run that filled the cache.
+    is the time of the run that filled the cache. ``precision`` (fp32, bf16, auto: `bitquilt.eval.precision`) is
+    what the forward passes multiply in; results other than fp32's are cached apart.
     """
     loaded = [load_task(name) for name in tasks]
+    precision = eval_precision(precision)
     fingerprint = f"{model_fingerprint(model, tokenizer)}|{cache_key or ''}"
+    if precision != "fp32":
+        fingerprint += f"|{precision}"
     results: dict[str, dict[str, float]] = {}
     for task in loaded:
         path = _cache_path(fingerprint, task, limit, seed)
@@ -293,7 +298,8 @@ def evaluate_tasks(model: nn.Module, tokenizer: Any, tasks: list[str], limit: in
             continue
         items = subset(task.items, limit, seed)
         t0 = time.perf_counter()
-        scores = score_items(model, tokenizer, items, batch_size, desc=task.name if progress else None)
+        with evaluating_in(model, precision):
+            scores = score_items(model, tokenizer, items, batch_size, desc=task.name if progress else None)
         metrics = {**task_metrics(task, items, scores), "n": len(items), "seconds": time.perf_counter() - t0}
         _write_cached(path, {"task": task.name, "split": task.split, "limit": limit, "seed": seed,
                              "metrics": metrics})
