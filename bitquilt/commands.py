@@ -360,7 +360,8 @@ def _evaluate(model, tokenizer, args, cache_key: str) -> dict[str, Any]:
     from bitquilt.eval.ppl import calibration_source, perplexity
     from bitquilt.eval.precision import eval_precision
 
-    out: dict[str, Any] = {"eval_precision": eval_precision(args.eval_dtype)}
+    precision = eval_precision(args.eval_dtype)  # auto resolved once, for every set and task
+    out: dict[str, Any] = {"eval_precision": precision}
     tasks = _tasks(args)
     if getattr(args, "ppl", True) or not tasks:
         sources = [s for s in args.ppl_data.split(",") if s]
@@ -369,14 +370,14 @@ def _evaluate(model, tokenizer, args, cache_key: str) -> dict[str, Any]:
                 check_disjoint(calib_source, source)
         for source in sources:
             r = perplexity(model, tokenizer, source, args.seqlen, args.ppl_windows, progress=not args.json,
-                           precision=args.eval_dtype)
+                           precision=precision)
             out[f"ppl_{Path(source).stem if os.sep in source else source}"] = r.ppl
             out.setdefault("ppl_settings", {})[source] = {k: v for k, v in r.to_dict().items() if k != "ppl"}
     if tasks:
         from bitquilt.eval.zeroshot import evaluate_tasks
 
         scores = evaluate_tasks(model, tokenizer, tasks, limit=args.limit, seed=args.seed if hasattr(args, "seed")
-                                else 0, cache_key=cache_key, precision=args.eval_dtype)
+                                else 0, cache_key=cache_key, precision=precision)
         for task, metrics in scores.items():
             for metric, value in metrics.items():
                 out[f"{task}/{metric}"] = value

@@ -133,9 +133,9 @@ def perplexity(
     calib_source = calibration_source(model)
     if calib_source is not None:
         check_disjoint(calib_source, source)
+    precision = eval_precision(precision)
     seqlen = default_seqlen(model, seqlen)
     windows = eval_windows(tokenizer, source, seqlen, max_windows)
-    precision = eval_precision(precision)
     t0 = time.perf_counter()
     with evaluating_in(model, precision):
         losses = window_losses(model, windows, progress)

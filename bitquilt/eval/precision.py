@@ -13,7 +13,14 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from bitquilt.calib.compute import CALIB_DTYPES, block_device, block_pass, calibrating, choose_compute
+from bitquilt.calib.compute import (
+    CALIB_DTYPES,
+    CalibCompute,
+    block_device,
+    block_pass,
+    calibrating,
+    choose_compute,
+)
 
 EVAL_DTYPES = CALIB_DTYPES
 
@@ -31,6 +38,5 @@ def evaluating_in(model: nn.Module, precision: str) -> Iterator[None]:
     if precision == "fp32":
         yield
         return
-    compute = choose_compute(precision, "cuda" if block_device(model).type == "cuda" else "cpu")
-    with calibrating(compute), block_pass(model):
+    with calibrating(CalibCompute(precision, block_device(model).type, "evaluation")), block_pass(model):
         yield
