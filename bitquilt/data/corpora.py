@@ -42,11 +42,19 @@ def _sciq() -> list[str]:
     return _unique(_arrow_column("sciq/none/validation", "support"))
 
 
-def _lambada() -> list[str]:
-    path = eval_data_dir() / "oe_eval_tasks" / "lambada" / "bpb_0shot" / "requests.jsonl.gz"
+def _task_requests(task: str) -> list[dict]:
+    """The request records of an OLMES task's 0-shot request file."""
+    path = eval_data_dir() / "oe_eval_tasks" / task / "bpb_0shot" / "requests.jsonl.gz"
     with gzip.open(path, "rt", encoding="utf-8") as f:
-        requests = [json.loads(line)["request"] for line in f if line.strip()]
-    return _unique(r["context"] + r["continuation"] for r in requests)
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _lambada() -> list[str]:
+    return _unique(r["request"]["context"] + r["request"]["continuation"] for r in _task_requests("lambada"))
+
+
+def _coqa() -> list[str]:
+    return _unique(r["doc"]["story"] for r in _task_requests("coqa"))
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,8 @@ TEXT_SETS: dict[str, TextSet] = {
     "wiki": TextSet("perplexity: unique Wikipedia passages of BoolQ validation (2,938, 1.6 MB)", _wiki),
     "lambada": TextSet("perplexity: LAMBADA (OpenAI) test passages, book text (5,151, 1.7 MB)", _lambada),
     "sciq": TextSet("calibration: SciQ validation `support` passages, science text (887, 0.4 MB)", _sciq),
+    "coqa": TextSet("calibration: CoQA validation stories from five domains: children's stories, school exams, news, "
+                    "Wikipedia, literature (499, 0.7 MB)", _coqa),
 }
 _USER_FORMATS = ".txt (documents separated by blank lines) or .jsonl (one {\"text\": ...} object per line)"
 
