@@ -52,6 +52,8 @@ IMPROVEMENTS = [
         ("awq+gptq act-order+static", "awq+gptq", GPTQ_ACT_ORDER_STATIC),
         ("awq+gptq act-order+static mse", "awq+gptq", {**GPTQ_ACT_ORDER_STATIC, "mse": True}),
         ("bpdq damp 0.1", "bpdq", {"damp": 0.1}),
+        ("gptq act-order+static mse damp 0.1", "gptq", {"damp": 0.1}),  # GPTQ's defaults, 10× the damping
+        ("awq+gptq act-order+static mse damp 0.1", "awq+gptq", {"damp": 0.1}),
     )
 ]
 # BPDQ's extra grids, with the baselines it is compared against there

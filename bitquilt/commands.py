@@ -201,7 +201,8 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    f"({', '.join(MIXES)}); the method must end in rtn or gptq; export with --to gguf")
     c = p.add_argument_group("calibration")
     c.add_argument("--calib-data", default=CALIB["source"],
-                   help=f"calibration text: sciq, wiki, lambada, or a .txt/.jsonl file (default {CALIB['source']})")
+                   help=f"calibration text: coqa (general English), sciq (science), wiki, lambada, or a .txt/.jsonl "
+                   f"file (default {CALIB['source']})")
     c.add_argument("--calib-samples", type=int, default=CALIB["n_samples"],
                    help=f"number of calibration windows (default {CALIB['n_samples']})")
     c.add_argument("--calib-seqlen", type=int, default=CALIB["seqlen"],

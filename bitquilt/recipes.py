@@ -61,7 +61,7 @@ def solver_name(method: str) -> str:
 class CalibConfig:
     """What the statistics were collected on (recorded in saved models)."""
 
-    source: str = "sciq"
+    source: str = "coqa"  # five domains: fits text it was not calibrated on better than narrow SciQ (docs/accuracy.md)
     n_samples: int = 64
     seqlen: int = 512
     seed: int = 0
@@ -333,9 +333,10 @@ class Recipe:
     @classmethod
     def best(cls, w_bits: int = 4, **fields: Any) -> Recipe:
         """The most accurate recipe measured at `w_bits` (`BEST_RECIPES`; the class defaults at other widths), with
-        `fields` overriding it (stage options merged per stage)."""
+        `fields` overriding it (solver options merged, stage options merged per stage)."""
         best = BEST_RECIPES.get(w_bits, {})
         chosen = {k: v for k, v in best.items() if k != "stage_options"}
+        chosen["options"] = {**best.get("options", {}), **fields.pop("options", {})}
         recon = fields.get("recon_steps", best.get("recon_steps", 0))
         stage_options = {name: dict(opts) for name, opts in best.get("stage_options", {}).items()
                          if name != "recon" or recon}  # --recon-steps 0 drops the best recipe's recon settings

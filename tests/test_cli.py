@@ -41,8 +41,8 @@ def test_quantize_eval_inspect_end_to_end(tmp_path, capsys):
     bf16 = json.loads(stdout)
     assert code == 0 and bf16["eval_precision"] == "bf16" and bf16["ppl_settings"]["wiki"]["precision"] == "bf16"
     assert bf16["ppl_wiki"] != result["ppl_wiki"] and abs(bf16["ppl_wiki"] / result["ppl_wiki"] - 1) < 0.01
-    code, _, err = run(capsys, "eval", out, "--ppl", "--ppl-data", "sciq", "--seqlen", "128", "--ppl-windows", "2")
-    assert code == 2 and "calibration text 'sciq'" in err  # its own calibration text: refused
+    code, _, err = run(capsys, "eval", out, "--ppl", "--ppl-data", "coqa", "--seqlen", "128", "--ppl-windows", "2")
+    assert code == 2 and "calibration text 'coqa'" in err  # its own (default) calibration text: refused
     code, stdout, _ = run(capsys, "inspect", out, "--json")
     info = json.loads(stdout)
     assert info["summary"]["layers"] == 7 and info["summary"]["calibration"]["n_samples"] == 4
@@ -96,6 +96,19 @@ def test_default_recipe_is_the_best_measured_per_width():
     assert recipe.method == "awq+gptq" and recipe.transforms == ["awq"] and recipe.solver == "gptq"
     options = get_solver(recipe.solver).make_options(recipe.options)
     assert options.act_order and options.static_groups and options.mse
+
+
+def test_default_recipe_solver_options_merge_with_the_flags(monkeypatch):
+    """A default recipe's solver options stay unless a flag sets the same option (as its stage options do)."""
+    from bitquilt import recipes
+    from bitquilt.commands import _recipe_from_args
+
+    monkeypatch.setitem(recipes.BEST_RECIPES, 4, {"method": "gptq", "group_size": 128, "options": {"damp": 0.1}})
+    args = build_parser().parse_args(["quantize", "m", "-o", "q", "--no-act-order"])
+    recipe = _recipe_from_args(args, args.method, 4, None)
+    assert recipe.method == "gptq" and recipe.options == {"damp": 0.1, "act_order": False}
+    args = build_parser().parse_args(["quantize", "m", "-o", "q", "--damp", "0.02"])
+    assert _recipe_from_args(args, args.method, 4, None).options == {"damp": 0.02}
 
 
 def test_console_script_help():

@@ -1,7 +1,8 @@
 """Plain-text document sets for perplexity and calibration, built from the fetched eval data.
 
 The packaged sets come from different sources so calibration never sees evaluation text:
-`wiki` and `lambada` are for perplexity, `sciq` is for calibration. A user may pass a .txt
+`wiki` and `lambada` are for perplexity, `coqa` (general, the default) and `sciq` (science) are for
+calibration. A user may pass a .txt
 file (documents separated by blank lines) or a .jsonl file (a "text" field per line) instead.
 """
 
