@@ -60,6 +60,10 @@ def main() -> None:
                    help="comma-separated solver labels to run")
     p.add_argument("--eval-windows", type=int, default=8)
     args = p.parse_args()
+    wanted = args.solvers.split(",")
+    if unknown := sorted(set(wanted) - {label for label, _, _ in SOLVERS}):
+        p.error(f"unknown solver label(s) {', '.join(unknown)}; choose from {', '.join(s[0] for s in SOLVERS)}")
+    solvers = [s for s in SOLVERS if s[0] in wanted]
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model)
@@ -71,7 +75,6 @@ def main() -> None:
     calib, kwargs = block_inputs(model, arch, fit_ids, args.layer)
     heldout = {text: block_inputs(model, arch, eval_windows(tokenizer, text, 512, args.eval_windows), args.layer)[0]
                for text in args.heldout.split(",")}
-    solvers = [s for s in SOLVERS if s[0] in args.solvers.split(",")]
     block = decoder_layers(model, arch)[args.layer]
     spec = LayerSpec(args.bits, args.group_size)
     rows = []

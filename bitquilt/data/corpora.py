@@ -2,8 +2,8 @@
 
 The packaged sets come from different sources so calibration never sees evaluation text:
 `wiki` and `lambada` are for perplexity, `coqa` (general, the default) and `sciq` (science) are for
-calibration. A user may pass a .txt
-file (documents separated by blank lines) or a .jsonl file (a "text" field per line) instead.
+calibration. A user may pass a .txt file (documents separated by blank lines) or a .jsonl file (a
+"text" field per line) instead.
 """
 
 from __future__ import annotations
