@@ -6,14 +6,17 @@ fetched with pip: `pip download --no-binary :all: --no-deps llama-cpp-python`) i
 (`build_llamacpp`; once, -j2: about 30 minutes on 2 busy cores), targets llama-quantize, llama-imatrix and
 llama-perplexity.
 
-Per model: the calibration text (the first --calib-chunks × 512 tokens of SciQ's passages, written to calib.txt) feeds
-both `llama-imatrix` (512-token chunks) and bitquilt (`--calib-data calib.txt`, as many 512-token windows). Per mix:
+Per model: the calibration text (the first --calib-chunks × 512 tokens of a packaged text, --calib-data, bitquilt's
+default, written to calib.txt) feeds both `llama-imatrix` (512-token chunks) and bitquilt (`--calib-data calib.txt`,
+as many 512-token windows). Per mix:
   llama.cpp   llama-quantize --allow-requantize --imatrix on the packaged GGUF (the weights bitquilt's fp32 model
               is: llama.cpp dequantizes them before quantizing)
-  bitquilt    `bitquilt quantize --gguf-type MIX --method M` for each --methods entry, then `export --to gguf`
+  bitquilt    `bitquilt quantize --gguf-type MIX --method M [FLAGS]` for each --methods entry ("M FLAGS", entries
+              separated by ";"), then `export --to gguf`
 Every file: size and `llama-perplexity -c 512` over the first --chunks chunks of wiki (BoolQ passages) and lambada.
 
-    .venv/bin/python bench/gguf_kquants.py --model smollm2-135m --mixes Q2_K,Q3_K_M,Q4_K_M
+    .venv/bin/python bench/gguf_kquants.py --model smollm2-135m --mixes Q2_K,Q3_K_M,Q4_K_M \
+        --methods "gptq;gptq --recon-steps 50 --opt recon.lr=0.01 --opt recon.clip=False"
 Results: bench/results/gguf_kquants.{json,md}, rewritten after every file (records of other models kept); files stay
 in --workdir.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -55,9 +59,9 @@ def build_llamacpp(cache: Path) -> Path:
     return bin_dir
 
 
-def write_texts(model: str, workdir: Path, calib_chunks: int) -> dict[str, Path]:
-    """calib.txt (SciQ, about `calib_chunks` × 512 tokens), wiki.txt and lambada.txt (documents joined by blank
-    lines, as bitquilt's perplexity joins them)."""
+def write_texts(model: str, workdir: Path, calib: str, calib_chunks: int) -> dict[str, Path]:
+    """calib.txt (packaged text `calib`, about `calib_chunks` × 512 tokens), wiki.txt and lambada.txt (documents
+    joined by blank lines, as bitquilt's perplexity joins them)."""
     from transformers import AutoTokenizer
 
     from bitquilt.data.corpora import load_documents
@@ -66,19 +70,18 @@ def write_texts(model: str, workdir: Path, calib_chunks: int) -> dict[str, Path]
 
     tokenizer = AutoTokenizer.from_pretrained(registry.model_dir(model))
     paths = {}
-    for name in ("sciq", "wiki", "lambada"):
-        docs, text = load_documents(name), ""
-        if name == "sciq":
+    for key, name in (("calib", calib), ("wiki", "wiki"), ("lambada", "lambada")):
+        docs = load_documents(name)
+        if key == "calib":
             kept = []
             for doc in docs:  # whole passages until the calibration length is reached
                 kept.append(doc)
                 if len(tokenizer(SEPARATOR.join(kept))["input_ids"]) > calib_chunks * 512 + 512:
                     break
             docs = kept
-        text = SEPARATOR.join(docs)
-        path = workdir / ("calib.txt" if name == "sciq" else f"{name}.txt")
-        path.write_text(text)
-        paths[name] = path
+        path = workdir / f"{key}.txt"
+        path.write_text(SEPARATOR.join(docs))
+        paths[key] = path
     return paths
 
 
@@ -101,22 +104,25 @@ def perplexity(bin_dir: Path, gguf_file: Path, text: Path, chunks: int, threads:
     return float(found.group(1))
 
 
-def write_results(results: Path, model: str, rows: list[dict], calib_chunks: int, chunks: int, bin_dir: Path) -> None:
+def write_results(results: Path, model: str, rows: list[dict], calib: str, calib_chunks: int, chunks: int,
+                  bin_dir: Path) -> None:
     """`model`'s rows into results.json (other models' records kept) and the table of every model into results.md."""
     results.parent.mkdir(parents=True, exist_ok=True)
     record_file = results.with_suffix(".json")
     records = json.loads(record_file.read_text()) if record_file.is_file() else {}
-    records[model] = {"rows": rows, "calib_chunks": calib_chunks, "chunks": chunks, "llama.cpp": str(bin_dir)}
+    records[model] = {"rows": rows, "calib": calib, "calib_chunks": calib_chunks, "chunks": chunks,
+                      "llama.cpp": str(bin_dir)}
     record_file.write_text(json.dumps(records, indent=1))
     lines = ["# K-quant GGUF files: llama.cpp's imatrix quantization vs bitquilt's export of the same mix", "",
              "`python bench/gguf_kquants.py --model MODEL --mixes Q2_K,Q3_K_M,Q4_K_M`. Every file scored by "
              "llama.cpp's `llama-perplexity -c 512` (first N chunks of each text; wiki = BoolQ's Wikipedia "
-             "passages, lambada = LAMBADA passages). Calibration: the same SciQ text for `llama-imatrix` (512-token "
+             "passages, lambada = LAMBADA passages). Calibration: the same text for `llama-imatrix` (512-token "
              "chunks) and bitquilt (as many 512-token windows). llama.cpp requantizes the packaged GGUF, whose "
              "dequantized weights are bitquilt's fp32 model. Seconds: llama.cpp's imatrix + quantize, bitquilt's "
              "quantize (CPU, 2 cores shared with other jobs: indicative only).", ""]
     for name, record in records.items():
-        lines += [f"## {name} ({record['calib_chunks']} calibration chunks, {record['chunks']} perplexity chunks)",
+        lines += [f"## {name} ({record['calib_chunks']} calibration chunks of {record.get('calib', 'sciq')}, "
+                  f"{record['chunks']} perplexity chunks)",
                   "", "| mix | file | size MB | ppl wiki | ppl lambada | seconds |", "|---|---|---:|---:|---:|---:|"]
         ppl = [[f"{r[k]:.2f}" if k in r else "—" for k in ("ppl_wiki", "ppl_lambada")] for r in record["rows"]]
         lines += [f"| {r['mix']} | {r['file']} | {r['size_mb']:.2f} | {p[0]} | {p[1]} | {r['seconds']:.0f} |"
@@ -126,10 +132,14 @@ def write_results(results: Path, model: str, rows: list[dict], calib_chunks: int
 
 
 def main() -> None:
+    from bitquilt.recipes import CalibConfig
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--mixes", default="Q2_K,Q3_K_M,Q4_K_M")
-    p.add_argument("--methods", default="rtn,gptq", help="bitquilt methods, each run with --gguf-type")
+    p.add_argument("--methods", default="rtn;gptq",
+                   help='bitquilt methods, each run with --gguf-type: "METHOD [FLAGS]" entries separated by ";"')
+    p.add_argument("--calib-data", default=CalibConfig.source, help="packaged calibration text for both tools")
     p.add_argument("--calib-chunks", type=int, default=32, help="512-token calibration chunks/windows")
     p.add_argument("--chunks", type=int, default=20, help="512-token perplexity chunks per text")
     p.add_argument("--texts", default="wiki,lambada", help="perplexity texts: wiki, lambada")
@@ -144,10 +154,10 @@ def main() -> None:
     bin_dir = build_llamacpp(cache_dir() / "llamacpp")
     work = args.workdir / args.model
     work.mkdir(parents=True, exist_ok=True)
-    texts = write_texts(args.model, work, args.calib_chunks)
+    texts = write_texts(args.model, work, args.calib_data, args.calib_chunks)
     original = registry.model_dir(args.model) / registry.MODELS[args.model].file
     imatrix = work / "imatrix.gguf"
-    imatrix_s = run([str(bin_dir / "llama-imatrix"), "-m", str(original), "-f", str(texts["sciq"]), "-c", "512",
+    imatrix_s = run([str(bin_dir / "llama-imatrix"), "-m", str(original), "-f", str(texts["calib"]), "-c", "512",
                      "--chunks", str(args.calib_chunks), "-t", str(args.threads), "-o", str(imatrix)],
                     work / "imatrix.log")
     rows = []
@@ -160,24 +170,27 @@ def main() -> None:
                                             work / f"{gguf_file.stem}.{text}.log")
         rows.append(row)
         print(json.dumps(row), flush=True)
-        write_results(args.results, args.model, rows, args.calib_chunks, args.chunks, bin_dir)  # after every file
+        write_results(args.results, args.model, rows, args.calib_data, args.calib_chunks, args.chunks,
+                      bin_dir)  # after every file
 
     for mix in args.mixes.split(","):
         out = work / f"llamacpp-{mix}.gguf"
         seconds = run([str(bin_dir / "llama-quantize"), "--allow-requantize", "--imatrix", str(imatrix),
                        str(original), str(out), mix, str(args.threads)], work / f"quantize-{mix}.log")
         score("llama.cpp imatrix", mix, out, seconds + imatrix_s)
-        for method in args.methods.split(","):
-            saved, out = work / f"bitquilt-{method}-{mix}", work / f"bitquilt-{method}-{mix}.gguf"
+        for entry in filter(None, (e.strip() for e in args.methods.split(";"))):
+            method, *flags = shlex.split(entry)
+            slug = re.sub(r"[^A-Za-z0-9.]+", "_", entry).strip("_")
+            saved, out = work / f"bitquilt-{slug}-{mix}", work / f"bitquilt-{slug}-{mix}.gguf"
             t0 = time.perf_counter()
             bq = [sys.executable, "-m", "bitquilt.entry"]
-            run([*bq, "quantize", args.model, "--gguf-type", mix, "--method", method, "--calib-data",
-                 str(texts["sciq"]), "--calib-samples", str(args.calib_chunks), "--calib-seqlen", "512",
-                 "--threads", str(args.threads), "-o", str(saved), "--overwrite"], work / f"bq-{method}-{mix}.log")
+            run([*bq, "quantize", args.model, "--gguf-type", mix, "--method", method, *flags, "--calib-data",
+                 str(texts["calib"]), "--calib-samples", str(args.calib_chunks), "--calib-seqlen", "512",
+                 "--threads", str(args.threads), "-o", str(saved), "--overwrite"], work / f"bq-{slug}-{mix}.log")
             quantize_s = time.perf_counter() - t0
             run([*bq, "export", str(saved), "--to", "gguf", "-o", str(out), "--overwrite"],
-                work / f"export-{method}-{mix}.log")
-            score(f"bitquilt {method}", mix, out, quantize_s)
+                work / f"export-{slug}-{mix}.log")
+            score(f"bitquilt {entry}", mix, out, quantize_s)
 
 
 if __name__ == "__main__":

@@ -250,7 +250,7 @@ def _recipe_from_args(args, method: str | None, bits: int, group_size: int | Non
     method, the most accurate one measured at `bits` (`Recipe.best`), the flags given overriding it. `strict` (one
     method, `quantize`): a solver flag the method's solver does not take is an error, not ignored."""
     if method is None and args.gguf_type is not None:
-        method = "gptq"  # onto llama.cpp's blocks (gguf_gptq); the default recipe's reconstruction cannot train them
+        method = "gptq"  # onto llama.cpp's blocks (gguf_gptq); --recon-steps trains their rounding after it
     best = method is None
     if best:
         method = BEST_RECIPES.get(bits, {}).get("method", RECIPE["method"])

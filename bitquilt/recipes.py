@@ -177,16 +177,16 @@ class Recipe:
 
     def _apply_gguf_type(self) -> None:
         """`gguf_type`: the method's solver solves onto llama.cpp's blocks (rtn → gguf_rtn, gptq → gguf_gptq), each
-        linear on its mix's type (the `gguf_mix` policy), the LM head and embeddings too (`pipeline.head`)."""
+        linear on its mix's type (the `gguf_mix` policy), the LM head and embeddings too (`pipeline.head`);
+        reconstruction (`recon_steps`) then trains the rounding and super-block scales on those blocks."""
         check_mix(self.gguf_type)
         *before, last = self.method.split("+")
         solver = GGUF_SOLVERS.get(last, last)
         if solver not in GGUF_SOLVERS.values():
             raise ValueError(f"--gguf-type (gguf_type) needs a method ending in rtn or gptq, which then solve onto "
                              f"llama.cpp's blocks; got {self.method!r}")
-        for flag, value in (("--head-bits", self.head_bits < 16), ("--recon-steps", self.recon_steps > 0),
-                            ("--residual", self.residual is not None), ("--a-bits", self.a_bits < 16),
-                            ("--kv-bits", self.kv_bits < 16)):
+        for flag, value in (("--head-bits", self.head_bits < 16), ("--residual", self.residual is not None),
+                            ("--a-bits", self.a_bits < 16), ("--kv-bits", self.kv_bits < 16)):
             if value:
                 raise ValueError(f"--gguf-type (gguf_type) does not combine with {flag}: a GGUF mix fixes every "
                                  "weight's type and llama.cpp quantizes no activations")

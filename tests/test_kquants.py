@@ -94,11 +94,15 @@ def test_mixes_follow_llama_cpp():
     assert linear_type("Q2_K", "model.layers.1.mlp.down_proj", config) == "Q3_K"
 
 
-@pytest.mark.parametrize("model_type, mix, method", [("llama", "Q3_K_M", "gptq"), ("qwen2", "Q4_K_M", "rtn")])
-def test_export_reads_back_as_bitquilts_weights(tmp_path, model_type, mix, method):
+@pytest.mark.parametrize("model_type, mix, method, recon_steps", [
+    ("llama", "Q3_K_M", "gptq", 0), ("qwen2", "Q4_K_M", "rtn", 0), ("qwen2", "Q2_K", "gptq", 3),
+])
+def test_export_reads_back_as_bitquilts_weights(tmp_path, model_type, mix, method, recon_steps):
     model = make_tiny(model_type)
     ids = torch.randint(0, model.config.vocab_size, (8, 64), generator=torch.Generator().manual_seed(0))
-    quantize(model, Recipe(method, gguf_type=mix), ids, progress=False)
+    report = quantize(model, Recipe(method, gguf_type=mix, recon_steps=recon_steps), ids, progress=False)
+    if recon_steps:  # reconstruction trained every block's llama.cpp blocks and packed them back
+        assert [r["steps"] for r in report.stages["recon"].values()] == [recon_steps] * model.config.num_hidden_layers
     save(model, tmp_path / "q")
     summary = export_gguf(tmp_path / "q", tmp_path / "m.gguf")
     loaded, _ = load_quantized(tmp_path / "q")
