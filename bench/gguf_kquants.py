@@ -17,8 +17,9 @@ Every file: size and `llama-perplexity -c 512` over the first --chunks chunks of
 
     .venv/bin/python bench/gguf_kquants.py --model smollm2-135m --mixes Q2_K,Q3_K_M,Q4_K_M \
         --methods "gptq;gptq --recon-steps 50 --opt recon.lr=0.01 --opt recon.clip=False"
-Results: bench/results/gguf_kquants.{json,md}, rewritten after every file (records of other models kept); files stay
-in --workdir.
+Results: bench/results/gguf_kquants.{json,md}, rewritten after every file (records of other models kept; a model's
+files already measured with the same calibration and perplexity settings are skipped, so runs add to its table);
+files stay in --workdir.
 """
 
 from __future__ import annotations
@@ -104,14 +105,23 @@ def perplexity(bin_dir: Path, gguf_file: Path, text: Path, chunks: int, threads:
     return float(found.group(1))
 
 
-def write_results(results: Path, model: str, rows: list[dict], calib: str, calib_chunks: int, chunks: int,
-                  bin_dir: Path) -> None:
+def load_records(results: Path) -> dict:
+    record_file = results.with_suffix(".json")
+    return json.loads(record_file.read_text()) if record_file.is_file() else {}
+
+
+def earlier_rows(results: Path, model: str, settings: dict) -> list[dict]:
+    """The rows of `model`'s record when it was measured with the same `settings` (a later run adds to them)."""
+    record = load_records(results).get(model, {})
+    return record.get("rows", []) if all(record.get(k) == v for k, v in settings.items()) else []
+
+
+def write_results(results: Path, model: str, rows: list[dict], settings: dict, bin_dir: Path) -> None:
     """`model`'s rows into results.json (other models' records kept) and the table of every model into results.md."""
     results.parent.mkdir(parents=True, exist_ok=True)
+    records = load_records(results)
+    records[model] = {"rows": rows, **settings, "llama.cpp": str(bin_dir)}
     record_file = results.with_suffix(".json")
-    records = json.loads(record_file.read_text()) if record_file.is_file() else {}
-    records[model] = {"rows": rows, "calib": calib, "calib_chunks": calib_chunks, "chunks": chunks,
-                      "llama.cpp": str(bin_dir)}
     record_file.write_text(json.dumps(records, indent=1))
     lines = ["# K-quant GGUF files: llama.cpp's imatrix quantization vs bitquilt's export of the same mix", "",
              "`python bench/gguf_kquants.py --model MODEL --mixes Q2_K,Q3_K_M,Q4_K_M`. Every file scored by "
@@ -156,11 +166,11 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     texts = write_texts(args.model, work, args.calib_data, args.calib_chunks)
     original = registry.model_dir(args.model) / registry.MODELS[args.model].file
-    imatrix = work / "imatrix.gguf"
-    imatrix_s = run([str(bin_dir / "llama-imatrix"), "-m", str(original), "-f", str(texts["calib"]), "-c", "512",
-                     "--chunks", str(args.calib_chunks), "-t", str(args.threads), "-o", str(imatrix)],
-                    work / "imatrix.log")
-    rows = []
+    settings = {"calib": args.calib_data, "calib_chunks": args.calib_chunks, "chunks": args.chunks,
+                "texts": args.texts}
+    rows = earlier_rows(args.results, args.model, settings)
+    measured = {(r["mix"], r["file"]) for r in rows}
+    imatrix, imatrix_s = work / "imatrix.gguf", None
 
     def score(label: str, mix: str, gguf_file: Path, seconds: float) -> None:
         row = {"model": args.model, "mix": mix, "file": label, "size_mb": gguf_file.stat().st_size / 1e6,
@@ -170,15 +180,21 @@ def main() -> None:
                                             work / f"{gguf_file.stem}.{text}.log")
         rows.append(row)
         print(json.dumps(row), flush=True)
-        write_results(args.results, args.model, rows, args.calib_data, args.calib_chunks, args.chunks,
-                      bin_dir)  # after every file
+        write_results(args.results, args.model, rows, settings, bin_dir)  # after every file
 
     for mix in args.mixes.split(","):
-        out = work / f"llamacpp-{mix}.gguf"
-        seconds = run([str(bin_dir / "llama-quantize"), "--allow-requantize", "--imatrix", str(imatrix),
-                       str(original), str(out), mix, str(args.threads)], work / f"quantize-{mix}.log")
-        score("llama.cpp imatrix", mix, out, seconds + imatrix_s)
+        if (mix, "llama.cpp imatrix") not in measured:
+            if imatrix_s is None:  # once per run: the calibration text is the run's
+                imatrix_s = run([str(bin_dir / "llama-imatrix"), "-m", str(original), "-f", str(texts["calib"]),
+                                 "-c", "512", "--chunks", str(args.calib_chunks), "-t", str(args.threads), "-o",
+                                 str(imatrix)], work / "imatrix.log")
+            out = work / f"llamacpp-{mix}.gguf"
+            seconds = run([str(bin_dir / "llama-quantize"), "--allow-requantize", "--imatrix", str(imatrix),
+                           str(original), str(out), mix, str(args.threads)], work / f"quantize-{mix}.log")
+            score("llama.cpp imatrix", mix, out, seconds + imatrix_s)
         for entry in filter(None, (e.strip() for e in args.methods.split(";"))):
+            if (mix, f"bitquilt {entry}") in measured:
+                continue
             method, *flags = shlex.split(entry)
             slug = re.sub(r"[^A-Za-z0-9.]+", "_", entry).strip("_")
             saved, out = work / f"bitquilt-{slug}-{mix}", work / f"bitquilt-{slug}-{mix}.gguf"
