@@ -37,6 +37,7 @@ from bitquilt.formats.bitplane import BitplaneFormat, combine_groups
 from bitquilt.formats.ggml import GGMLFormat
 from bitquilt.formats.ggml_blocks import Blocks
 from bitquilt.formats.uniform import UniformFormat, UniformGrid, expand_groups
+from bitquilt.solvers.ggml_search import round_to_grid
 
 
 def round_half_up(x: torch.Tensor) -> torch.Tensor:
@@ -209,11 +210,8 @@ class LearnableGGML(LearnableRounding):
         return a, torch.zeros_like(a) if dmin is None else dmin.unsqueeze(-1) * self.mn.float()
 
     def _codes(self, a: torch.Tensor, b: torch.Tensor, round_fn: Callable) -> torch.Tensor:
-        """Codes q (float, code_zero where the step is 0, as `round_to_grid` leaves them)."""
-        a, b, t = a.unsqueeze(-1), b.unsqueeze(-1), self.type
-        x = (self.w + b) / torch.where(a == 0, 1.0, a)
-        q = torch.clamp(round_fn(x + self.v) + t.code_zero, 0, t.maxq)
-        return torch.where(a == 0, float(t.code_zero), q)
+        """Codes q (float): `round_to_grid` with the offsets V."""
+        return round_to_grid(self.w, a.unsqueeze(-1), b.unsqueeze(-1), self.type, round_fn, self.v)
 
     def forward(self) -> torch.Tensor:
         a, b = self.steps()

@@ -20,6 +20,7 @@ each value rounded to nearest on the final grid (`round_to_grid`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
 
 import torch
@@ -212,10 +213,14 @@ def column_steps(blocks: Blocks, t: BlockType) -> tuple[torch.Tensor, torch.Tens
     return a, b
 
 
-def round_to_grid(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, t: BlockType) -> torch.Tensor:
-    """Codes (float) of w on the grid (a, b), nearest level; code_zero where the step a is 0 (any code gives −b)."""
+def round_to_grid(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, t: BlockType,
+                  rounding: Callable[[torch.Tensor], torch.Tensor] = torch.round,
+                  offset: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes (float) of w on the grid (a, b), nearest level (`rounding` of the position plus `offset`, e.g. learned
+    rounding offsets); code_zero where the step a is 0 (any code gives −b)."""
     safe = torch.where(a == 0, torch.ones_like(a), a)
-    q = torch.round((w + b) / safe) + t.code_zero
+    x = (w + b) / safe
+    q = rounding(x if offset is None else x + offset) + t.code_zero
     return torch.where(a == 0, torch.full_like(q, t.code_zero), q.clamp(0, t.maxq))
 
 
