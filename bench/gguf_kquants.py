@@ -1,5 +1,5 @@
 """K-quant GGUF files side by side: llama.cpp's `llama-quantize --imatrix` against bitquilt's `--gguf-type` export of
-the same mix, every file scored by llama.cpp's own `llama-perplexity`.
+the same mix (and, with --autoround, AutoRound's GGUF export), every file scored by llama.cpp's own `llama-perplexity`.
 
 llama.cpp is built for this CPU from the sources inside the `llama-cpp-python` sdist (an optional bench dependency,
 fetched with pip: `pip download --no-binary :all: --no-deps llama-cpp-python`) into $BITQUILT_CACHE/llamacpp
@@ -13,10 +13,24 @@ as many 512-token windows). Per mix:
               is: llama.cpp dequantizes them before quantizing)
   bitquilt    `bitquilt quantize --gguf-type MIX --method M [FLAGS]` for each --methods entry ("M FLAGS", entries
               separated by ";"), then `export --to gguf`
+  autoround   with --autoround PRESET[:k=v,...] (peers.py's presets and settings: `light` = iters 50, lr 5e-3;
+              `default` = iters 200): AutoRound's `quantize_and_save(format="gguf:<mix>")` on bitquilt's fp32 model,
+              tuned in fp32 on the CPU on bitquilt's very calibration windows (`calibration_ids` of calib.txt, as
+              many 512-token windows, seed 0: the token ids bitquilt's rows tune on), in a child process of the
+              peers venv (--peers-python), which needs two packages besides peers.py's install:
+                  .venv-peers/bin/pip install gguf==0.19.0 sentencepiece==0.2.3 torch==2.13.0
+              Mixes AutoRound lacks (Q2_K: it has Q2_K_S) are skipped with a note. `light:iters=0` is the setting
+              AutoRound recommends for GGUF (its imatrix-weighted RTN search, no SignRound tuning). Where a tensor's
+              rows are no multiple of 256 (smollm2: width 576) it falls back to Q5_0 (Q6_K: Q8_0) whatever the mix,
+              where llama.cpp picks Q4_0/Q5_0/Q5_1 by mix: its Q3_K_M file is then larger than llama.cpp's.
 Every file: size and `llama-perplexity -c 512` over the first --chunks chunks of wiki (BoolQ passages) and lambada.
 
     .venv/bin/python bench/gguf_kquants.py --model smollm2-135m --mixes Q2_K,Q3_K_M,Q4_K_M \
         --methods "gptq;gptq --recon-steps 50 --opt recon.lr=0.01 --opt recon.clip=False"
+    OMP_NUM_THREADS=1 .venv/bin/python bench/gguf_kquants.py --model smollm2-135m --mixes Q3_K_M,Q4_K_M \
+        --methods "" --threads 1 --autoround light
+Seconds: wall time of the quantization (llama.cpp: imatrix + quantize; bitquilt and AutoRound: the whole child
+process, model load included); CPU seconds: the same processes' user + system time, all threads.
 Results: bench/results/gguf_kquants.{json,md}, rewritten after every file (records of other models kept; a model's
 files already measured with the same calibration and perplexity settings are skipped, so runs add to its table);
 files stay in --workdir.
@@ -26,16 +40,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
 import time
 from pathlib import Path
 
+from bitquilt.errors import UserError, run_command
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("llama-quantize", "llama-imatrix", "llama-perplexity")
+PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+# what AutoRound's GGUF writer imports and auto-round does not require: gguf-py (the version of the llama.cpp sources
+# built here) and sentencepiece (its llama vocabulary code imports it before looking for a tokenizer.model)
+GGUF_WRITER = "gguf==0.19.0 sentencepiece==0.2.3"
 
 
 def build_llamacpp(cache: Path) -> Path:
@@ -86,14 +108,20 @@ def write_texts(model: str, workdir: Path, calib: str, calib_chunks: int) -> dic
     return paths
 
 
-def run(command: list[str], log: Path) -> float:
+def run(command: list[str], log: Path, env: dict[str, str] | None = None) -> float:
     """Run to the end (output to `log`), raise with its tail on failure; wall seconds."""
     t0 = time.perf_counter()
     with log.open("w") as f:
-        proc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=env)
     if proc.returncode:
         raise RuntimeError(f"{command[0]} failed: {log.read_text()[-1500:]}")
     return time.perf_counter() - t0
+
+
+def child_cpu() -> float:
+    """User + system seconds of this process's ended (waited-for) children, all their threads."""
+    t = os.times()
+    return t.children_user + t.children_system
 
 
 def perplexity(bin_dir: Path, gguf_file: Path, text: Path, chunks: int, threads: int, log: Path) -> float:
@@ -123,25 +151,105 @@ def write_results(results: Path, model: str, rows: list[dict], settings: dict, b
     records[model] = {"rows": rows, **settings, "llama.cpp": str(bin_dir)}
     record_file = results.with_suffix(".json")
     record_file.write_text(json.dumps(records, indent=1))
-    lines = ["# K-quant GGUF files: llama.cpp's imatrix quantization vs bitquilt's export of the same mix", "",
+    lines = ["# K-quant GGUF files: llama.cpp's imatrix quantization vs bitquilt's (and AutoRound's) export of the "
+             "same mix", "",
              "`python bench/gguf_kquants.py --model MODEL --mixes Q2_K,Q3_K_M,Q4_K_M`. Every file scored by "
              "llama.cpp's `llama-perplexity -c 512` (first N chunks of each text; wiki = BoolQ's Wikipedia "
              "passages, lambada = LAMBADA passages). Calibration: the same text for `llama-imatrix` (512-token "
              "chunks) and bitquilt (as many 512-token windows). llama.cpp requantizes the packaged GGUF, whose "
-             "dequantized weights are bitquilt's fp32 model. Seconds: llama.cpp's imatrix + quantize, bitquilt's "
-             "quantize (CPU, 2 cores shared with other jobs: indicative only).", ""]
+             "dequantized weights are bitquilt's fp32 model; AutoRound (`autoround PRESET`: peers.py's settings) tunes "
+             "that fp32 model on bitquilt's calibration windows (the same token ids) and writes its GGUF export. "
+             "Seconds: wall time of llama.cpp's imatrix + quantize, of bitquilt's and AutoRound's quantize "
+             "processes (model load included); cpu s: their user + system time (2 cores shared with other "
+             "jobs: indicative only).", ""]
     for name, record in records.items():
         lines += [f"## {name} ({record['calib_chunks']} calibration chunks of {record.get('calib', 'sciq')}, "
                   f"{record['chunks']} perplexity chunks)",
-                  "", "| mix | file | size MB | ppl wiki | ppl lambada | seconds |", "|---|---|---:|---:|---:|---:|"]
-        ppl = [[f"{r[k]:.2f}" if k in r else "—" for k in ("ppl_wiki", "ppl_lambada")] for r in record["rows"]]
-        lines += [f"| {r['mix']} | {r['file']} | {r['size_mb']:.2f} | {p[0]} | {p[1]} | {r['seconds']:.0f} |"
-                  for r, p in zip(record["rows"], ppl, strict=True)]
+                  "", "| mix | file | size MB | ppl wiki | ppl lambada | seconds | cpu s |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for r in record["rows"]:  # rows measured before CPU time was recorded have none
+            ppl, cpu = ([f"{r[k]:.2f}" if k in r else "—" for k in ("ppl_wiki", "ppl_lambada")],
+                        f"{r['cpu_s']:.0f}" if "cpu_s" in r else "—")
+            lines.append(f"| {r['mix']} | {r['file']} | {r['size_mb']:.2f} | {ppl[0]} | {ppl[1]} | "
+                         f"{r['seconds']:.0f} | {cpu} |")
+        tuned = {r["file"]: r["autoround"] for r in record["rows"] if "autoround" in r}
+        lines += [f"- {label}: " + ", ".join(f"{k} {v}" for k, v in config.items()) for label, config in tuned.items()]
         lines.append("")
     results.with_suffix(".md").write_text("\n".join(lines))
 
 
-def main() -> None:
+def install_line() -> str:
+    from peers import AUTOROUND_VERSION
+
+    return ("python3 -m venv .venv-peers && .venv-peers/bin/pip install torch==2.13.0 && .venv-peers/bin/pip install "
+            f"-e . torch==2.13.0 && .venv-peers/bin/pip install auto-round=={AUTOROUND_VERSION} {GGUF_WRITER} "
+            "torch==2.13.0")
+
+
+def autoround_probe() -> None:
+    """(In the peers venv.) One JSON line: auto-round's and gguf's versions and the GGUF mixes AutoRound writes."""
+    from importlib.metadata import version
+
+    import gguf  # noqa: F401  # AutoRound's GGUF writer needs both (GGUF_WRITER)
+    import sentencepiece  # noqa: F401
+    from auto_round.export.export_to_gguf.config import GGUF_CONFIG
+
+    mixes = sorted(name.removeprefix("gguf:").upper() for name in GGUF_CONFIG)
+    print(json.dumps({"auto_round": version("auto-round"), "gguf": version("gguf"), "mixes": mixes}))
+
+
+def peers_autoround(python: Path) -> dict:
+    """What `autoround_probe` says in the peers venv `python`; a UserError with the install commands where that venv,
+    auto-round or gguf is missing."""
+    if not python.is_file():
+        raise UserError(f"--autoround runs AutoRound in a venv of its own, and {python} is missing; make it with: "
+                        f"{install_line()}")
+    proc = subprocess.run([str(python), str(Path(__file__).resolve()), "--autoround-probe"], capture_output=True,
+                          text=True)
+    if proc.returncode:
+        why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"--autoround: {python} cannot run AutoRound's GGUF export ({why}); install with: "
+                        f"{install_line()}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def autoround_worker(job: dict) -> None:
+    """(In the peers venv.) AutoRound's GGUF file of `job["model"]` at `job["mix"]` to `job["out"]`, tuned with
+    `job["settings"]` in fp32 on the CPU on the calibration windows bitquilt's rows get from the same text (the
+    `--calib-data FILE --calib-samples N --calib-seqlen 512` of `bitquilt quantize`, seed 0); its resolved settings to
+    the .json beside it."""
+    from importlib.metadata import version
+
+    import torch
+    from auto_round import AutoRound
+
+    from bitquilt.api import calibration_ids, load
+    from bitquilt.recipes import CalibConfig
+
+    torch.set_num_threads(job["threads"])
+    model, tokenizer = load(job["model"])  # fp32; name_or_path is the packaged folder (config, tokenizer) it reads
+    ids = calibration_ids(tokenizer, CalibConfig(job["calib"], job["calib_chunks"], 512))
+    if tokenizer.pad_token_id is not None and bool((ids == tokenizer.pad_token_id).any()):
+        raise UserError("the calibration windows contain the pad token, which AutoRound would mask out")
+    settings, scheme = job["settings"], f"gguf:{job['mix'].lower()}"
+    compressor = AutoRound(model, tokenizer=tokenizer, scheme=scheme, dataset=list(ids.split(settings["batch_size"])),
+                           nsamples=len(ids), seqlen=ids.shape[1], amp=False, device_map="cpu",
+                           low_cpu_mem_usage=False, **settings)
+    out, folder = Path(job["out"]), Path(job["folder"])
+    shutil.rmtree(folder, ignore_errors=True)  # no file of an earlier run to pick up
+    compressor.quantize_and_save(str(folder), format=scheme)
+    written = sorted(folder.rglob("*.gguf"))
+    if len(written) != 1:
+        raise RuntimeError(f"expected one .gguf file under {folder}, found {[str(f) for f in written]}")
+    written[0].replace(out)
+    config = compressor.quantize_config
+    resolved = {**settings, **{k: getattr(config, k, None) for k in ("lr", "minmax_lr")},
+                "algorithm": type(config).__name__, "seed": compressor.seed, "amp": False, "nsamples": len(ids),
+                "seqlen": ids.shape[1], "auto_round": version("auto-round")}  # iters=0: its imatrix RTN, no lr
+    out.with_suffix(".json").write_text(json.dumps(resolved))
+
+
+def main() -> int:
     from bitquilt.recipes import CalibConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -156,7 +264,26 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/gguf_kquants"))
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "gguf_kquants")
+    p.add_argument("--autoround", nargs="*", default=[], metavar="PRESET[:k=v,...]",
+                   help="AutoRound's GGUF export in these settings as more rows: peers.py's presets (light, default) "
+                        "and settings, e.g. light or default:iters=100")
+    p.add_argument("--peers-python", type=Path, default=PEERS_PYTHON,
+                   help="the interpreter of the venv with auto-round and gguf (default .venv-peers)")
+    p.add_argument("--autoround-probe", action="store_true", help=argparse.SUPPRESS)  # the two child modes
+    p.add_argument("--autoround-worker", metavar="JOB", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.autoround_probe:
+        autoround_probe()
+        return 0
+    if args.autoround_worker:
+        autoround_worker(json.loads(args.autoround_worker))
+        return 0
+    autoround, peer = {}, {}
+    if args.autoround:
+        from peers import autoround_settings
+
+        autoround = {spec: autoround_settings(spec) for spec in args.autoround}  # UserError on a bad spec
+        peer = peers_autoround(args.peers_python)
 
     from bitquilt.cache import cache_dir
     from bitquilt.models import registry
@@ -170,11 +297,11 @@ def main() -> None:
                 "texts": args.texts}
     rows = earlier_rows(args.results, args.model, settings)
     measured = {(r["mix"], r["file"]) for r in rows}
-    imatrix, imatrix_s = work / "imatrix.gguf", None
+    imatrix, imatrix_s, imatrix_cpu = work / "imatrix.gguf", None, 0.0
 
-    def score(label: str, mix: str, gguf_file: Path, seconds: float) -> None:
+    def score(label: str, mix: str, gguf_file: Path, seconds: float, cpu: float, **extra: dict) -> None:
         row = {"model": args.model, "mix": mix, "file": label, "size_mb": gguf_file.stat().st_size / 1e6,
-               "seconds": seconds}
+               "seconds": seconds, "cpu_s": cpu, **extra}
         for text in args.texts.split(","):
             row[f"ppl_{text}"] = perplexity(bin_dir, gguf_file, texts[text], args.chunks, args.threads,
                                             work / f"{gguf_file.stem}.{text}.log")
@@ -185,29 +312,51 @@ def main() -> None:
     for mix in args.mixes.split(","):
         if (mix, "llama.cpp imatrix") not in measured:
             if imatrix_s is None:  # once per run: the calibration text is the run's
+                cpu0 = child_cpu()
                 imatrix_s = run([str(bin_dir / "llama-imatrix"), "-m", str(original), "-f", str(texts["calib"]),
                                  "-c", "512", "--chunks", str(args.calib_chunks), "-t", str(args.threads), "-o",
                                  str(imatrix)], work / "imatrix.log")
-            out = work / f"llamacpp-{mix}.gguf"
+                imatrix_cpu = child_cpu() - cpu0
+            out, cpu0 = work / f"llamacpp-{mix}.gguf", child_cpu()
             seconds = run([str(bin_dir / "llama-quantize"), "--allow-requantize", "--imatrix", str(imatrix),
                            str(original), str(out), mix, str(args.threads)], work / f"quantize-{mix}.log")
-            score("llama.cpp imatrix", mix, out, seconds + imatrix_s)
+            score("llama.cpp imatrix", mix, out, seconds + imatrix_s, child_cpu() - cpu0 + imatrix_cpu)
         for entry in filter(None, (e.strip() for e in args.methods.split(";"))):
             if (mix, f"bitquilt {entry}") in measured:
                 continue
             method, *flags = shlex.split(entry)
             slug = re.sub(r"[^A-Za-z0-9.]+", "_", entry).strip("_")
             saved, out = work / f"bitquilt-{slug}-{mix}", work / f"bitquilt-{slug}-{mix}.gguf"
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), child_cpu()
             bq = [sys.executable, "-m", "bitquilt.entry"]
             run([*bq, "quantize", args.model, "--gguf-type", mix, "--method", method, *flags, "--calib-data",
                  str(texts["calib"]), "--calib-samples", str(args.calib_chunks), "--calib-seqlen", "512",
                  "--threads", str(args.threads), "-o", str(saved), "--overwrite"], work / f"bq-{slug}-{mix}.log")
-            quantize_s = time.perf_counter() - t0
+            quantize_s, quantize_cpu = time.perf_counter() - t0, child_cpu() - cpu0
             run([*bq, "export", str(saved), "--to", "gguf", "-o", str(out), "--overwrite"],
                 work / f"export-{slug}-{mix}.log")
-            score(f"bitquilt {entry}", mix, out, quantize_s)
+            score(f"bitquilt {entry}", mix, out, quantize_s, quantize_cpu)
+        for spec, settings_ar in autoround.items():
+            label = f"autoround {spec}"
+            if (mix, label) in measured:
+                continue
+            if mix.upper() not in peer["mixes"]:
+                print(f"{label}: no {mix} file: AutoRound {peer['auto_round']} writes no {mix} mix (its GGUF mixes: "
+                      f"{', '.join(peer['mixes'])})", file=sys.stderr, flush=True)
+                continue
+            slug = re.sub(r"[^A-Za-z0-9.]+", "_", spec).strip("_")
+            out = work / f"autoround-{slug}-{mix}.gguf"
+            job = {"model": args.model, "mix": mix, "settings": settings_ar, "calib": str(texts["calib"]),
+                   "calib_chunks": args.calib_chunks, "threads": args.threads, "out": str(out),
+                   "folder": str(work / f"autoround-{slug}-{mix}")}
+            cpu0 = child_cpu()
+            seconds = run([str(args.peers_python), str(Path(__file__).resolve()), "--autoround-worker",
+                           json.dumps(job)], work / f"ar-{slug}-{mix}.log",
+                          env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+            score(label, mix, out, seconds, child_cpu() - cpu0,
+                  autoround=json.loads(out.with_suffix(".json").read_text()))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(Path(sys.argv[0]).name, main))
