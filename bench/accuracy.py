@@ -12,6 +12,7 @@ and bench/results/accuracy.md is regenerated from all records.
 
 from __future__ import annotations
 
+import copy
 import shutil
 import time
 from collections.abc import Callable
@@ -58,9 +59,17 @@ IMPROVEMENTS = [
 ]
 # BPDQ's extra grids, with the baselines it is compared against there
 BPDQ = [(m, m, b, g, OPTIONS.get(m, {})) for b, g in ((3, 64), (2, 128)) for m in ("bpdq", "rtn", "gptq", "awq")]
-# what `bitquilt quantize` runs without --method (`Recipe.best`) at each grid
+# what `bitquilt quantize` runs without --method (`Recipe.best`) at each grid; for "default" rows the last field
+# overrides the default recipe's fields (Recipe.best), so a candidate for the default differs from it by what it names
 DEFAULT = [("default", "default", b, g, {}) for b, g in GRID]
-SUITES = {"main": MAIN, "reference": REFERENCE_EXTRAS, "improvements": IMPROVEMENTS, "bpdq": BPDQ, "default": DEFAULT}
+CANDIDATES = [
+    (label, "default", b, g, fields) for b, g in GRID for label, fields in (
+        ("gptq damp 0.1 + recon lr 0.01 no clip",
+         {"method": "gptq", "options": {"damp": 0.1}, "stage_options": {"recon": {"lr": 0.01, "clip": False}}}),
+    )
+]
+SUITES = {"main": MAIN, "reference": REFERENCE_EXTRAS, "improvements": IMPROVEMENTS, "bpdq": BPDQ, "default": DEFAULT,
+          "candidates": CANDIDATES}
 
 # The figures from the unmodified IST-DASLab GPTQ reference on smollm2-135m (same settings).
 REFERENCE_PPL = {
@@ -200,7 +209,7 @@ def main() -> None:
         quant_time = quant_cpu = compute = resume = None
         reset_peak_rss()
         if method != "fp":
-            recipe = (Recipe.best(bits) if method == "default"
+            recipe = (Recipe.best(bits, **copy.deepcopy(options)) if method == "default"
                       else Recipe(method, w_bits=bits, group_size=group, options=options))
             if ids is None and recipe.needs_calibration:
                 ids = calibration_ids(tokenizer, calib)
