@@ -17,8 +17,11 @@ as many 512-token windows). Per mix:
               `default` = iters 200): AutoRound's `quantize_and_save(format="gguf:<mix>")` on bitquilt's fp32 model,
               tuned in fp32 on the CPU on bitquilt's very calibration windows (`calibration_ids` of calib.txt, as
               many 512-token windows, seed 0: the token ids bitquilt's rows tune on), in a child process of the
-              peers venv (--peers-python), which needs two packages besides peers.py's install:
-                  .venv-peers/bin/pip install gguf==0.19.0 sentencepiece==0.2.3 torch==2.13.0
+              peers venv (--peers-python), which needs two packages besides peers.py's install: gguf-py from the
+              llama.cpp sources built here (newer than PyPI's gguf, which lacks architectures AutoRound's Qwen2
+              converter names) and sentencepiece; the worker points AutoRound at those sources (LLAMA_CPP_ROOT):
+                  .venv-peers/bin/pip install ~/.cache/bitquilt/llamacpp/llama_cpp_python-*/vendor/llama.cpp/gguf-py \
+                      sentencepiece==0.2.3 torch==2.13.0
               Mixes AutoRound lacks (Q2_K: it has Q2_K_S) are skipped with a note. `light:iters=0` is the setting
               AutoRound recommends for GGUF (its imatrix-weighted RTN search, no SignRound tuning). Where a tensor's
               rows are no multiple of 256 (smollm2: width 576) it falls back to Q5_0 (Q6_K: Q8_0) whatever the mix,
@@ -55,9 +58,16 @@ from bitquilt.errors import UserError, run_command
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("llama-quantize", "llama-imatrix", "llama-perplexity")
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
-# what AutoRound's GGUF writer imports and auto-round does not require: gguf-py (the version of the llama.cpp sources
-# built here) and sentencepiece (its llama vocabulary code imports it before looking for a tokenizer.model)
-GGUF_WRITER = "gguf==0.19.0 sentencepiece==0.2.3"
+# what AutoRound's GGUF writer imports and auto-round does not require: gguf-py from the llama.cpp sources built here
+# (its converter for Qwen2 needs architectures newer than PyPI's gguf 0.19.0; the worker points LLAMA_CPP_ROOT at the
+# same sources) and sentencepiece (its llama vocabulary code imports it before looking for a tokenizer.model)
+GGUF_WRITER = "~/.cache/bitquilt/llamacpp/llama_cpp_python-*/vendor/llama.cpp/gguf-py sentencepiece==0.2.3"
+
+
+def llamacpp_source(cache: Path) -> Path | None:
+    """The llama.cpp sources `build_llamacpp` extracted under `cache` (the newest sdist), if any."""
+    sources = sorted(cache.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    return sources[-1] if sources else None
 
 
 def build_llamacpp(cache: Path) -> Path:
@@ -352,7 +362,8 @@ def main() -> int:
             cpu0 = child_cpu()
             seconds = run([str(args.peers_python), str(Path(__file__).resolve()), "--autoround-worker",
                            json.dumps(job)], work / f"ar-{slug}-{mix}.log",
-                          env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+                          env={**os.environ, "OMP_NUM_THREADS": str(args.threads),
+                               "LLAMA_CPP_ROOT": str(llamacpp_source(cache_dir() / "llamacpp"))})
             score(label, mix, out, seconds, child_cpu() - cpu0,
                   autoround=json.loads(out.with_suffix(".json").read_text()))
     return 0
