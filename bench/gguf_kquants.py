@@ -52,6 +52,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bitquilt.errors import UserError, run_command
 
@@ -118,20 +119,26 @@ def write_texts(model: str, workdir: Path, calib: str, calib_chunks: int) -> dic
     return paths
 
 
-def run(command: list[str], log: Path, env: dict[str, str] | None = None) -> float:
-    """Run to the end (output to `log`), raise with its tail on failure; wall seconds."""
-    t0 = time.perf_counter()
+def run(command: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Run to the end (output to `log`), raise with its tail on failure; its wall seconds and CPU seconds (user +
+    system, all threads)."""
+    t0, c0 = time.perf_counter(), child_cpu()
     with log.open("w") as f:
         proc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=env)
     if proc.returncode:
         raise RuntimeError(f"{command[0]} failed: {log.read_text()[-1500:]}")
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, child_cpu() - c0
 
 
 def child_cpu() -> float:
     """User + system seconds of this process's ended (waited-for) children, all their threads."""
     t = os.times()
     return t.children_user + t.children_system
+
+
+def slug(text: str) -> str:
+    """`text` as a file-name part: runs of other characters than letters, digits and dots become one _."""
+    return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_")
 
 
 def perplexity(bin_dir: Path, gguf_file: Path, text: Path, chunks: int, threads: int, log: Path) -> float:
@@ -299,6 +306,7 @@ def main() -> int:
     from bitquilt.models import registry
 
     bin_dir = build_llamacpp(cache_dir() / "llamacpp")
+    source = str(llamacpp_source(cache_dir() / "llamacpp"))  # AutoRound's converter and gguf-py (LLAMA_CPP_ROOT)
     work = args.workdir / args.model
     work.mkdir(parents=True, exist_ok=True)
     texts = write_texts(args.model, work, args.calib_data, args.calib_chunks)
@@ -307,9 +315,9 @@ def main() -> int:
                 "texts": args.texts}
     rows = earlier_rows(args.results, args.model, settings)
     measured = {(r["mix"], r["file"]) for r in rows}
-    imatrix, imatrix_s, imatrix_cpu = work / "imatrix.gguf", None, 0.0
+    imatrix, imatrix_time = work / "imatrix.gguf", None  # (wall, CPU) seconds once computed
 
-    def score(label: str, mix: str, gguf_file: Path, seconds: float, cpu: float, **extra: dict) -> None:
+    def score(label: str, mix: str, gguf_file: Path, seconds: float, cpu: float, **extra: Any) -> None:
         row = {"model": args.model, "mix": mix, "file": label, "size_mb": gguf_file.stat().st_size / 1e6,
                "seconds": seconds, "cpu_s": cpu, **extra}
         for text in args.texts.split(","):
@@ -321,30 +329,27 @@ def main() -> int:
 
     for mix in args.mixes.split(","):
         if (mix, "llama.cpp imatrix") not in measured:
-            if imatrix_s is None:  # once per run: the calibration text is the run's
-                cpu0 = child_cpu()
-                imatrix_s = run([str(bin_dir / "llama-imatrix"), "-m", str(original), "-f", str(texts["calib"]),
-                                 "-c", "512", "--chunks", str(args.calib_chunks), "-t", str(args.threads), "-o",
-                                 str(imatrix)], work / "imatrix.log")
-                imatrix_cpu = child_cpu() - cpu0
-            out, cpu0 = work / f"llamacpp-{mix}.gguf", child_cpu()
-            seconds = run([str(bin_dir / "llama-quantize"), "--allow-requantize", "--imatrix", str(imatrix),
-                           str(original), str(out), mix, str(args.threads)], work / f"quantize-{mix}.log")
-            score("llama.cpp imatrix", mix, out, seconds + imatrix_s, child_cpu() - cpu0 + imatrix_cpu)
+            if imatrix_time is None:  # once per run: the calibration text is the run's
+                imatrix_time = run([str(bin_dir / "llama-imatrix"), "-m", str(original), "-f", str(texts["calib"]),
+                                    "-c", "512", "--chunks", str(args.calib_chunks), "-t", str(args.threads), "-o",
+                                    str(imatrix)], work / "imatrix.log")
+            out = work / f"llamacpp-{mix}.gguf"
+            seconds, cpu = run([str(bin_dir / "llama-quantize"), "--allow-requantize", "--imatrix", str(imatrix),
+                                str(original), str(out), mix, str(args.threads)], work / f"quantize-{mix}.log")
+            score("llama.cpp imatrix", mix, out, seconds + imatrix_time[0], cpu + imatrix_time[1])
         for entry in filter(None, (e.strip() for e in args.methods.split(";"))):
             if (mix, f"bitquilt {entry}") in measured:
                 continue
             method, *flags = shlex.split(entry)
-            slug = re.sub(r"[^A-Za-z0-9.]+", "_", entry).strip("_")
-            saved, out = work / f"bitquilt-{slug}-{mix}", work / f"bitquilt-{slug}-{mix}.gguf"
-            t0, cpu0 = time.perf_counter(), child_cpu()
+            name = slug(entry)
+            saved, out = work / f"bitquilt-{name}-{mix}", work / f"bitquilt-{name}-{mix}.gguf"
             bq = [sys.executable, "-m", "bitquilt.entry"]
-            run([*bq, "quantize", args.model, "--gguf-type", mix, "--method", method, *flags, "--calib-data",
-                 str(texts["calib"]), "--calib-samples", str(args.calib_chunks), "--calib-seqlen", "512",
-                 "--threads", str(args.threads), "-o", str(saved), "--overwrite"], work / f"bq-{slug}-{mix}.log")
-            quantize_s, quantize_cpu = time.perf_counter() - t0, child_cpu() - cpu0
+            quantize = [*bq, "quantize", args.model, "--gguf-type", mix, "--method", method, *flags, "--calib-data",
+                        str(texts["calib"]), "--calib-samples", str(args.calib_chunks), "--calib-seqlen", "512",
+                        "--threads", str(args.threads), "-o", str(saved), "--overwrite"]
+            quantize_s, quantize_cpu = run(quantize, work / f"bq-{name}-{mix}.log")
             run([*bq, "export", str(saved), "--to", "gguf", "-o", str(out), "--overwrite"],
-                work / f"export-{slug}-{mix}.log")
+                work / f"export-{name}-{mix}.log")
             score(f"bitquilt {entry}", mix, out, quantize_s, quantize_cpu)
         for spec, settings_ar in autoround.items():
             label = f"autoround {spec}"
@@ -354,18 +359,15 @@ def main() -> int:
                 print(f"{label}: no {mix} file: AutoRound {peer['auto_round']} writes no {mix} mix (its GGUF mixes: "
                       f"{', '.join(peer['mixes'])})", file=sys.stderr, flush=True)
                 continue
-            slug = re.sub(r"[^A-Za-z0-9.]+", "_", spec).strip("_")
-            out = work / f"autoround-{slug}-{mix}.gguf"
+            name = slug(spec)
+            out = work / f"autoround-{name}-{mix}.gguf"
             job = {"model": args.model, "mix": mix, "settings": settings_ar, "calib": str(texts["calib"]),
                    "calib_chunks": args.calib_chunks, "threads": args.threads, "out": str(out),
-                   "folder": str(work / f"autoround-{slug}-{mix}")}
-            cpu0 = child_cpu()
-            seconds = run([str(args.peers_python), str(Path(__file__).resolve()), "--autoround-worker",
-                           json.dumps(job)], work / f"ar-{slug}-{mix}.log",
-                          env={**os.environ, "OMP_NUM_THREADS": str(args.threads),
-                               "LLAMA_CPP_ROOT": str(llamacpp_source(cache_dir() / "llamacpp"))})
-            score(label, mix, out, seconds, child_cpu() - cpu0,
-                  autoround=json.loads(out.with_suffix(".json").read_text()))
+                   "folder": str(work / f"autoround-{name}-{mix}")}
+            seconds, cpu = run([str(args.peers_python), str(Path(__file__).resolve()), "--autoround-worker",
+                                json.dumps(job)], work / f"ar-{name}-{mix}.log",
+                               env={**os.environ, "OMP_NUM_THREADS": str(args.threads), "LLAMA_CPP_ROOT": source})
+            score(label, mix, out, seconds, cpu, autoround=json.loads(out.with_suffix(".json").read_text()))
     return 0
 
 
