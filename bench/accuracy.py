@@ -2,8 +2,8 @@
 
     python bench/accuracy.py --model smollm2-135m                 # the reference settings
     python bench/accuracy.py --model qwen2.5-0.5b --calib-samples 32 --ppl-windows 10
-    python bench/accuracy.py --model qwen2.5-1.5b --calib-samples 128 --suites main,default --labels rtn,awq,default \
-        --grid 4:128 --threads 2 --resume-dir out/bench/resume   # the default recipe; killed runs carry on
+    python bench/accuracy.py --model qwen2.5-1.5b --calib-samples 128 --suites main,recon --grid 3:128 \
+        --labels rtn,awq,"awq+rtn recon 50" --threads 2 --resume-dir out/bench/resume   # killed runs carry on
 
 Results are appended to bench/results/accuracy.json (one record per model × config × settings;
 a config already measured with the same settings is skipped, so an interrupted run resumes)
@@ -26,7 +26,7 @@ from bitquilt.eval import perplexity
 from bitquilt.eval.precision import EVAL_DTYPES, eval_precision
 from bitquilt.eval.tasks import TASK_NAMES
 from bitquilt.eval.zeroshot import average_accuracy, evaluate_tasks
-from bitquilt.recipes import Recipe
+from bitquilt.recipes import RECON_RECIPE, Recipe
 from bitquilt.resources import peak_rss_mb, reset_peak_rss
 
 KEY = ("model", "label", "w_bits", "group_size")  # + settings: what identifies a record
@@ -59,16 +59,18 @@ IMPROVEMENTS = [
 ]
 # BPDQ's extra grids, with the baselines it is compared against there
 BPDQ = [(m, m, b, g, OPTIONS.get(m, {})) for b, g in ((3, 64), (2, 128)) for m in ("bpdq", "rtn", "gptq", "awq")]
-# what `bitquilt quantize` runs without --method (`Recipe.best`) at each grid; for "default" rows the last field
-# overrides the default recipe's fields (Recipe.best), so a candidate for the default differs from it by what it names
-DEFAULT = [("default", "default", b, g, {}) for b, g in GRID]
+# block-wise reconstruction (RECON_RECIPE, the CLI's default at 3 and 2 bits) and candidates that change it: for rows
+# whose method is "recon" the last field overrides the recipe's fields (Recipe.based_on)
+RECON = [("awq+rtn recon 50", "recon", b, g, {}) for b, g in GRID]
 CANDIDATES = [
-    (label, "default", b, g, fields) for b, g in GRID for label, fields in (
+    (label, "recon", b, g, fields) for b, g in GRID for label, fields in (
         ("gptq damp 0.1 + recon lr 0.01 no clip",
          {"method": "gptq", "options": {"damp": 0.1}, "stage_options": {"recon": {"lr": 0.01, "clip": False}}}),
+        ("awq+rtn recon 50 + quantized-stream targets", {"stage_options": {"fp_reference": {"stream": "quantized"}}}),
+        ("awq+rtn recon 50 + last step kept", {"stage_options": {"recon": {"keep_best": False}}}),
     )
 ]
-SUITES = {"main": MAIN, "reference": REFERENCE_EXTRAS, "improvements": IMPROVEMENTS, "bpdq": BPDQ, "default": DEFAULT,
+SUITES = {"main": MAIN, "reference": REFERENCE_EXTRAS, "improvements": IMPROVEMENTS, "bpdq": BPDQ, "recon": RECON,
           "candidates": CANDIDATES}
 
 # The figures from the unmodified IST-DASLab GPTQ reference on smollm2-135m (same settings).
@@ -209,8 +211,8 @@ def main() -> None:
         quant_time = quant_cpu = compute = resume = None
         reset_peak_rss()
         if method != "fp":
-            recipe = (Recipe.best(bits, **copy.deepcopy(options)) if method == "default"
-                      else Recipe(method, w_bits=bits, group_size=group, options=options))
+            recipe = (Recipe.based_on({**RECON_RECIPE, "group_size": group}, bits, **copy.deepcopy(options))
+                      if method == "recon" else Recipe(method, w_bits=bits, group_size=group, options=options))
             if ids is None and recipe.needs_calibration:
                 ids = calibration_ids(tokenizer, calib)
             resume = args.resume_dir / saved_name(args.model, label, bits, group) if args.resume_dir else None

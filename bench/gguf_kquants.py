@@ -178,17 +178,18 @@ def write_results(results: Path, model: str, rows: list[dict], settings: dict, b
              "that fp32 model on bitquilt's calibration windows (the same token ids) and writes its GGUF export. "
              "Seconds: wall time of llama.cpp's imatrix + quantize, of bitquilt's and AutoRound's quantize "
              "processes (model load included); cpu s: their user + system time (2 cores shared with other "
-             "jobs: indicative only).", ""]
+             "jobs: indicative only); export s: wall time of `bitquilt export --to gguf` from the saved model "
+             "(process start included).", ""]
     for name, record in records.items():
         lines += [f"## {name} ({record['calib_chunks']} calibration chunks of {record.get('calib', 'sciq')}, "
                   f"{record['chunks']} perplexity chunks)",
-                  "", "| mix | file | size MB | ppl wiki | ppl lambada | seconds | cpu s |",
-                  "|---|---|---:|---:|---:|---:|---:|"]
-        for r in record["rows"]:  # rows measured before CPU time was recorded have none
-            ppl, cpu = ([f"{r[k]:.2f}" if k in r else "—" for k in ("ppl_wiki", "ppl_lambada")],
-                        f"{r['cpu_s']:.0f}" if "cpu_s" in r else "—")
+                  "", "| mix | file | size MB | ppl wiki | ppl lambada | seconds | cpu s | export s |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in record["rows"]:  # rows measured before CPU and export time were recorded have none
+            ppl = [f"{r[k]:.2f}" if k in r else "—" for k in ("ppl_wiki", "ppl_lambada")]
+            cpu, export = (f"{r[k]:.0f}" if k in r else "—" for k in ("cpu_s", "export_s"))
             lines.append(f"| {r['mix']} | {r['file']} | {r['size_mb']:.2f} | {ppl[0]} | {ppl[1]} | "
-                         f"{r['seconds']:.0f} | {cpu} |")
+                         f"{r['seconds']:.0f} | {cpu} | {export} |")
         tuned = {r["file"]: r["autoround"] for r in record["rows"] if "autoround" in r}
         lines += [f"- {label}: " + ", ".join(f"{k} {v}" for k, v in config.items()) for label, config in tuned.items()]
         lines.append("")
@@ -348,9 +349,9 @@ def main() -> int:
                         str(texts["calib"]), "--calib-samples", str(args.calib_chunks), "--calib-seqlen", "512",
                         "--threads", str(args.threads), "-o", str(saved), "--overwrite"]
             quantize_s, quantize_cpu = run(quantize, work / f"bq-{name}-{mix}.log")
-            run([*bq, "export", str(saved), "--to", "gguf", "-o", str(out), "--overwrite"],
-                work / f"export-{name}-{mix}.log")
-            score(f"bitquilt {entry}", mix, out, quantize_s, quantize_cpu)
+            export_s, _ = run([*bq, "export", str(saved), "--to", "gguf", "-o", str(out), "--overwrite"],
+                              work / f"export-{name}-{mix}.log")
+            score(f"bitquilt {entry}", mix, out, quantize_s, quantize_cpu, export_s=export_s)
         for spec, settings_ar in autoround.items():
             label = f"autoround {spec}"
             if (mix, label) in measured:

@@ -1,7 +1,7 @@
 """Quantization time before and after issue 60's calibration changes, in one interleaved run.
 
     python bench/quant_time.py                      # smollm2-135m awq+gptq W4g128, 64 × 512 SciQ windows, 1 thread
-    python bench/quant_time.py --method default --report quant_time_default   # the default recipe (Recipe.best(4))
+    python bench/quant_time.py --method recon --report quant_time_default   # block-wise reconstruction (RECON_RECIPE)
 
 Three variants of the same recipe on the same calibration windows, each in a worker process of its own, the three of
 a round at the same time (so slow and busy minutes of a shared machine fall on all of them alike):
@@ -58,7 +58,7 @@ def worker(variant: str, args: argparse.Namespace) -> dict:
     from bitquilt.api import calibration_ids, load, quantize
     from bitquilt.eval.ppl import perplexity
     from bitquilt.kernels.cpu import extension
-    from bitquilt.recipes import CalibConfig, Recipe
+    from bitquilt.recipes import RECON_RECIPE, CalibConfig, Recipe
 
     torch.set_num_threads(args.threads)
     extension()  # built (or loaded) before the clock starts: today's stream runs through it
@@ -66,7 +66,8 @@ def worker(variant: str, args: argparse.Namespace) -> dict:
     ids = calibration_ids(tokenizer, CalibConfig("sciq", args.calib_samples, 512, 0))
     extra = {} if variant == "today" else {"calib_dtype": variant}
     c0, t0 = time.process_time(), time.perf_counter()
-    recipe = Recipe.best(4) if args.method == "default" else Recipe(args.method, w_bits=4, group_size=128)
+    recipe = (Recipe.based_on({**RECON_RECIPE, "group_size": 128}, 4) if args.method == "recon"
+              else Recipe(args.method, w_bits=4, group_size=128))
     report = quantize(model, recipe, ids, progress=False, **extra)
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     with reference_matmuls(kernels):  # the same torch reference matmul evaluates every variant
@@ -76,13 +77,12 @@ def worker(variant: str, args: argparse.Namespace) -> dict:
 
 
 def method_label(method: str) -> str:
-    """The method as the report names it: `default` is what `bitquilt quantize` runs without --method."""
-    if method != "default":
+    """The method as the report names it: `recon` is block-wise reconstruction, the CLI's default at 3 and 2 bits."""
+    if method != "recon":
         return f"`{method}`"
-    from bitquilt.recipes import Recipe
+    from bitquilt.recipes import RECON_RECIPE
 
-    best = Recipe.best(4)
-    return f"`{best.method} --recon-steps {best.recon_steps}` (the default recipe, `Recipe.best(4)`)"
+    return f"`{RECON_RECIPE['method']} --recon-steps {RECON_RECIPE['recon_steps']}` (block-wise reconstruction)"
 
 
 def reference_matmuls(kernels: ModuleType) -> AbstractContextManager:

@@ -39,9 +39,14 @@ ACT_FIELDS = {"a_bits": "bits", "a_sym": "sym", "a_clip": "clip_ratio"}  # overr
 # The most accurate recipe measured per weight width (bench/results/peers.md: smollm2-135m, 64 × 512 SciQ calibration
 # windows, wiki perplexity): AWQ scales, RTN, then block-wise reconstruction (50 signed-gradient steps per block on
 # 4 windows each). What `bitquilt quantize` runs when no --method is given; `best_recipe` in Python.
+# AWQ's scales, RTN's grid, then 50 steps of block-wise reconstruction per block (docs/methods/reconstruction.md)
+RECON_RECIPE: dict[str, Any] = {"method": "awq+rtn", "recon_steps": 50, "stage_options": {"recon": {"batch": 4}}}
+# At 4 bits GPTQ with 10x the usual dampening: on qwen2.5-0.5b it ties the reconstruction recipe in 40% of the time
+# and on qwen2.5-1.5b it beats it, where reconstruction does not beat AWQ (docs/accuracy.md)
 BEST_RECIPES: dict[int, dict[str, Any]] = {
-    bits: {"method": "awq+rtn", "group_size": group, "recon_steps": 50, "stage_options": {"recon": {"batch": 4}}}
-    for bits, group in ((4, 128), (3, 128), (2, 64))
+    4: {"method": "gptq", "group_size": 128, "options": {"damp": 0.1}},
+    3: {**RECON_RECIPE, "group_size": 128},
+    2: {**RECON_RECIPE, "group_size": 64},
 }
 
 
@@ -333,13 +338,18 @@ class Recipe:
     @classmethod
     def best(cls, w_bits: int = 4, **fields: Any) -> Recipe:
         """The most accurate recipe measured at `w_bits` (`BEST_RECIPES`; the class defaults at other widths), with
-        `fields` overriding it (solver options merged, stage options merged per stage)."""
-        best = BEST_RECIPES.get(w_bits, {})
-        chosen = {k: v for k, v in best.items() if k != "stage_options"}
-        chosen["options"] = {**best.get("options", {}), **fields.pop("options", {})}
-        recon = fields.get("recon_steps", best.get("recon_steps", 0))
-        stage_options = {name: dict(opts) for name, opts in best.get("stage_options", {}).items()
-                         if name != "recon" or recon}  # --recon-steps 0 drops the best recipe's recon settings
+        `fields` overriding it (`Recipe.based_on`)."""
+        return cls.based_on(BEST_RECIPES.get(w_bits, {}), w_bits, **fields)
+
+    @classmethod
+    def based_on(cls, base: dict[str, Any], w_bits: int, **fields: Any) -> Recipe:
+        """The recipe of the fields in `base` at `w_bits`, `fields` overriding them (solver options merged, stage
+        options merged per stage)."""
+        chosen = {k: v for k, v in base.items() if k != "stage_options"}
+        chosen["options"] = {**base.get("options", {}), **fields.pop("options", {})}
+        recon = fields.get("recon_steps", base.get("recon_steps", 0))
+        stage_options = {name: dict(opts) for name, opts in base.get("stage_options", {}).items()
+                         if name != "recon" or recon}  # --recon-steps 0 drops the base recipe's recon settings
         for name, opts in fields.pop("stage_options", {}).items():
             stage_options.setdefault(name, {}).update(opts)
         return cls(**{**chosen, **fields, "w_bits": w_bits, "stage_options": stage_options})

@@ -78,18 +78,25 @@ def test_models_lists_the_default(capsys):
 
 
 def test_default_recipe_is_the_best_measured_per_width():
-    """Without --method, `quantize` runs the most accurate recipe measured at the width (bench/results/peers.md):
-    awq+rtn with 50 reconstruction steps per block; the Recipe class default stays the fast awq+gptq."""
+    """Without --method, `quantize` runs the most accurate recipe measured at the width (docs/accuracy.md): GPTQ with
+    10x the dampening at 4 bits, awq+rtn with 50 reconstruction steps per block at 3 and 2; the Recipe class default
+    stays the fast awq+gptq."""
     from bitquilt.commands import _recipe_from_args
+    from bitquilt.recipes import RECON_RECIPE
 
     for bits, group in ((4, 128), (3, 128), (2, 64)):
         args = build_parser().parse_args(["quantize", "smollm2-135m", "-o", "out/q", "--w-bits", str(bits)])
         best = _recipe_from_args(args, args.method, args.w_bits, args.group_size, args.target_bits)
-        assert args.method is None and (best.method, best.group_size, best.recon_steps) == ("awq+rtn", group, 50)
-        assert best.stage_options == {"recon": {"batch": 4}} and best == Recipe.best(bits)
-    args = build_parser().parse_args(["quantize", "m", "-o", "q", "--recon-steps", "0", "--group-size", "64"])
+        assert args.method is None and best == Recipe.best(bits) and best.group_size == group
+        if bits == 4:
+            assert (best.method, best.options, best.recon_steps, best.stage_options) == ("gptq", {"damp": 0.1}, 0, {})
+        else:
+            assert (best.method, best.recon_steps) == ("awq+rtn", 50) and best.stage_options == {"recon": {"batch": 4}}
+            assert best == Recipe.based_on({**RECON_RECIPE, "group_size": group}, bits)
+    args = build_parser().parse_args(["quantize", "m", "-o", "q", "--w-bits", "3", "--recon-steps", "0",
+                                      "--group-size", "64"])
     plain = _recipe_from_args(args, args.method, args.w_bits, args.group_size, args.target_bits)
-    assert (plain.recon_steps, plain.group_size, plain.stage_options) == (0, 64, {})  # flags override it
+    assert (plain.method, plain.recon_steps, plain.group_size, plain.stage_options) == ("awq+rtn", 0, 64, {})
     args = build_parser().parse_args(["quantize", "m", "-o", "q", "--w-bits", "8"])
     assert _recipe_from_args(args, args.method, 8, None).method == Recipe().method  # no measurement at 8 bits
     recipe = Recipe()
