@@ -26,7 +26,7 @@ from bitquilt.eval import perplexity
 from bitquilt.eval.precision import EVAL_DTYPES, eval_precision
 from bitquilt.eval.tasks import TASK_NAMES
 from bitquilt.eval.zeroshot import average_accuracy, evaluate_tasks
-from bitquilt.recipes import RECON_RECIPE, Recipe
+from bitquilt.recipes import Recipe
 from bitquilt.resources import peak_rss_mb, reset_peak_rss
 
 KEY = ("model", "label", "w_bits", "group_size")  # + settings: what identifies a record
@@ -60,7 +60,7 @@ IMPROVEMENTS = [
 # BPDQ's extra grids, with the baselines it is compared against there
 BPDQ = [(m, m, b, g, OPTIONS.get(m, {})) for b, g in ((3, 64), (2, 128)) for m in ("bpdq", "rtn", "gptq", "awq")]
 # block-wise reconstruction (RECON_RECIPE, the CLI's default at 3 and 2 bits) and candidates that change it: for rows
-# whose method is "recon" the last field overrides the recipe's fields (Recipe.based_on)
+# whose method is "recon" the last field overrides the recipe's fields (Recipe.reconstruction)
 RECON = [("awq+rtn recon 50", "recon", b, g, {}) for b, g in GRID]
 CANDIDATES = [
     (label, "recon", b, g, fields) for b, g in GRID for label, fields in (
@@ -211,8 +211,8 @@ def main() -> None:
         quant_time = quant_cpu = compute = resume = None
         reset_peak_rss()
         if method != "fp":
-            recipe = (Recipe.based_on({**RECON_RECIPE, "group_size": group}, bits, **copy.deepcopy(options))
-                      if method == "recon" else Recipe(method, w_bits=bits, group_size=group, options=options))
+            recipe = (Recipe.reconstruction(bits, group, **copy.deepcopy(options)) if method == "recon"
+                      else Recipe(method, w_bits=bits, group_size=group, options=options))
             if ids is None and recipe.needs_calibration:
                 ids = calibration_ids(tokenizer, calib)
             resume = args.resume_dir / saved_name(args.model, label, bits, group) if args.resume_dir else None

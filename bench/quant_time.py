@@ -58,7 +58,7 @@ def worker(variant: str, args: argparse.Namespace) -> dict:
     from bitquilt.api import calibration_ids, load, quantize
     from bitquilt.eval.ppl import perplexity
     from bitquilt.kernels.cpu import extension
-    from bitquilt.recipes import RECON_RECIPE, CalibConfig, Recipe
+    from bitquilt.recipes import CalibConfig, Recipe
 
     torch.set_num_threads(args.threads)
     extension()  # built (or loaded) before the clock starts: today's stream runs through it
@@ -66,8 +66,7 @@ def worker(variant: str, args: argparse.Namespace) -> dict:
     ids = calibration_ids(tokenizer, CalibConfig("sciq", args.calib_samples, 512, 0))
     extra = {} if variant == "today" else {"calib_dtype": variant}
     c0, t0 = time.process_time(), time.perf_counter()
-    recipe = (Recipe.based_on({**RECON_RECIPE, "group_size": 128}, 4) if args.method == "recon"
-              else Recipe(args.method, w_bits=4, group_size=128))
+    recipe = Recipe.reconstruction(4, 128) if args.method == "recon" else Recipe(args.method, w_bits=4, group_size=128)
     report = quantize(model, recipe, ids, progress=False, **extra)
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     with reference_matmuls(kernels):  # the same torch reference matmul evaluates every variant

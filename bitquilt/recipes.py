@@ -342,6 +342,11 @@ class Recipe:
         return cls.based_on(BEST_RECIPES.get(w_bits, {}), w_bits, **fields)
 
     @classmethod
+    def reconstruction(cls, w_bits: int, group_size: int, **fields: Any) -> Recipe:
+        """`RECON_RECIPE` at `w_bits` and `group_size`, with `fields` overriding it (`Recipe.based_on`)."""
+        return cls.based_on({**RECON_RECIPE, "group_size": group_size}, w_bits, **fields)
+
+    @classmethod
     def based_on(cls, base: dict[str, Any], w_bits: int, **fields: Any) -> Recipe:
         """The recipe of the fields in `base` at `w_bits`, `fields` overriding them (solver options merged, stage
         options merged per stage)."""

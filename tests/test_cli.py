@@ -82,7 +82,6 @@ def test_default_recipe_is_the_best_measured_per_width():
     10x the dampening at 4 bits, awq+rtn with 50 reconstruction steps per block at 3 and 2; the Recipe class default
     stays the fast awq+gptq."""
     from bitquilt.commands import _recipe_from_args
-    from bitquilt.recipes import RECON_RECIPE
 
     for bits, group in ((4, 128), (3, 128), (2, 64)):
         args = build_parser().parse_args(["quantize", "smollm2-135m", "-o", "out/q", "--w-bits", str(bits)])
@@ -92,7 +91,7 @@ def test_default_recipe_is_the_best_measured_per_width():
             assert (best.method, best.options, best.recon_steps, best.stage_options) == ("gptq", {"damp": 0.1}, 0, {})
         else:
             assert (best.method, best.recon_steps) == ("awq+rtn", 50) and best.stage_options == {"recon": {"batch": 4}}
-            assert best == Recipe.based_on({**RECON_RECIPE, "group_size": group}, bits)
+            assert best == Recipe.reconstruction(bits, group)
     args = build_parser().parse_args(["quantize", "m", "-o", "q", "--w-bits", "3", "--recon-steps", "0",
                                       "--group-size", "64"])
     plain = _recipe_from_args(args, args.method, args.w_bits, args.group_size, args.target_bits)
