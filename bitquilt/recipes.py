@@ -36,13 +36,12 @@ WEIGHT_FIELDS = {"bits", "group_size", "sym"}
 ACT_FIELDS = {"a_bits": "bits", "a_sym": "sym", "a_clip": "clip_ratio"}  # override field -> ActQuantConfig field
 
 
-# The most accurate recipe measured per weight width (bench/results/peers.md: smollm2-135m, 64 × 512 SciQ calibration
-# windows, wiki perplexity): AWQ scales, RTN, then block-wise reconstruction (50 signed-gradient steps per block on
-# 4 windows each). What `bitquilt quantize` runs when no --method is given; `best_recipe` in Python.
-# AWQ's scales, RTN's grid, then 50 steps of block-wise reconstruction per block (docs/methods/reconstruction.md)
+# AWQ's scales, RTN's grid, then block-wise reconstruction: 50 signed-gradient steps per block on 4 windows each
+# (docs/methods/reconstruction.md)
 RECON_RECIPE: dict[str, Any] = {"method": "awq+rtn", "recon_steps": 50, "stage_options": {"recon": {"batch": 4}}}
-# At 4 bits GPTQ with 10x the usual dampening: on qwen2.5-0.5b it ties the reconstruction recipe in 40% of the time
-# and on qwen2.5-1.5b it beats it, where reconstruction does not beat AWQ (docs/accuracy.md)
+# What `bitquilt quantize` runs when no --method is given (`Recipe.best` in Python), per weight width: at 4 bits GPTQ
+# with 10x the usual dampening, which matches or beats reconstruction on the qwen2.5 models in less time
+# (docs/accuracy.md); at 3 and 2 bits reconstruction, the most accurate recipe on smollm2-135m (bench/results/peers.md).
 BEST_RECIPES: dict[int, dict[str, Any]] = {
     4: {"method": "gptq", "group_size": 128, "options": {"damp": 0.1}},
     3: {**RECON_RECIPE, "group_size": 128},
