@@ -59,8 +59,9 @@ IMPROVEMENTS = [
 ]
 # BPDQ's extra grids, with the baselines it is compared against there
 BPDQ = [(m, m, b, g, OPTIONS.get(m, {})) for b, g in ((3, 64), (2, 128)) for m in ("bpdq", "rtn", "gptq", "awq")]
-# block-wise reconstruction (RECON_RECIPE, the CLI's default at 3 and 2 bits) and candidates that change it: for rows
-# whose method is "recon" the last field overrides the recipe's fields (Recipe.reconstruction)
+# block-wise reconstruction (RECON_RECIPE) and candidates that change it: for rows whose method is "recon" the last
+# field overrides the recipe's fields (Recipe.reconstruction). The CLI's default is the improvements suite's
+# "gptq act-order+static mse damp 0.1" row (BEST_RECIPES).
 RECON = [("awq+rtn recon 50", "recon", b, g, {}) for b, g in GRID]
 CANDIDATES = [
     (label, "recon", b, g, fields) for b, g in GRID for label, fields in (

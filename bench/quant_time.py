@@ -2,6 +2,7 @@
 
     python bench/quant_time.py                      # smollm2-135m awq+gptq W4g128, 64 × 512 SciQ windows, 1 thread
     python bench/quant_time.py --method recon --report quant_time_default   # block-wise reconstruction (RECON_RECIPE)
+    python bench/quant_time.py --method best ...    # what `bitquilt quantize` runs at 4 bits without --method
 
 Three variants of the same recipe on the same calibration windows, each in a worker process of its own, the three of
 a round at the same time (so slow and busy minutes of a shared machine fall on all of them alike):
@@ -66,7 +67,10 @@ def worker(variant: str, args: argparse.Namespace) -> dict:
     ids = calibration_ids(tokenizer, CalibConfig("sciq", args.calib_samples, 512, 0))
     extra = {} if variant == "today" else {"calib_dtype": variant}
     c0, t0 = time.process_time(), time.perf_counter()
-    recipe = Recipe.reconstruction(4, 128) if args.method == "recon" else Recipe(args.method, w_bits=4, group_size=128)
+    if args.method == "recon":
+        recipe = Recipe.reconstruction(4, 128)
+    else:
+        recipe = Recipe.best(4) if args.method == "best" else Recipe(args.method, w_bits=4, group_size=128)
     report = quantize(model, recipe, ids, progress=False, **extra)
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     with reference_matmuls(kernels):  # the same torch reference matmul evaluates every variant
@@ -76,12 +80,15 @@ def worker(variant: str, args: argparse.Namespace) -> dict:
 
 
 def method_label(method: str) -> str:
-    """The method as the report names it: `recon` is block-wise reconstruction, the CLI's default at 3 and 2 bits."""
-    if method != "recon":
-        return f"`{method}`"
-    from bitquilt.recipes import RECON_RECIPE
+    """The method as the report names it: `recon` is block-wise reconstruction (RECON_RECIPE), `best` what
+    `bitquilt quantize` runs at 4 bits without --method."""
+    from bitquilt.recipes import BEST_RECIPES, RECON_RECIPE, as_flags
 
-    return f"`{RECON_RECIPE['method']} --recon-steps {RECON_RECIPE['recon_steps']}` (block-wise reconstruction)"
+    if method == "recon":
+        return f"`{as_flags(RECON_RECIPE)}` (block-wise reconstruction)"
+    if method == "best":
+        return f"`{as_flags(BEST_RECIPES[4])}` (the CLI's default at 4 bits)"
+    return f"`{method}`"
 
 
 def reference_matmuls(kernels: ModuleType) -> AbstractContextManager:

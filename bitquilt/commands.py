@@ -36,7 +36,15 @@ from bitquilt.flag_checks import in_routed_range
 from bitquilt.io import model_summary
 from bitquilt.models.registry import DEFAULT_MODEL
 from bitquilt.policies.gguf_mix import MIXES
-from bitquilt.recipes import BEST_RECIPES, GGUF_SOLVERS, CalibConfig, Recipe, expand_method, solver_name
+from bitquilt.recipes import (
+    BEST_RECIPES,
+    GGUF_SOLVERS,
+    CalibConfig,
+    Recipe,
+    best_recipes_text,
+    expand_method,
+    solver_name,
+)
 from bitquilt.solvers import SOLVERS
 from bitquilt.solvers.mosaic import SCORES, parse_block
 from bitquilt.stages import register_builtins
@@ -130,10 +138,8 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     else:
         g.add_argument("--method", "--recipe", dest="method", default=None,
                        help="rtn | gptq | awq (=awq+rtn) | awq+gptq | bpdq | smoothquant+rtn | quarot+rtn | "
-                       "quarot+gptq | mxint | mxsens | mobiquant (default at 2, 3 and 4 bits: the most accurate "
-                       "measured, awq+rtn with --recon-steps 50 (4 windows a step; g64 at 2 bits), slow: about 1 "
-                       f"CPU-minute per block of a 135M model; {RECIPE['method']} at other widths. Faster: --method "
-                       "awq+gptq or gptq)")
+                       "quarot+gptq | mxint | mxsens | mobiquant (default per width, chosen on qwen2.5-1.5b: "
+                       f"{best_recipes_text()}; {RECIPE['method']} at other widths; flags given override it)")
         g.add_argument("--w-bits", type=int, default=RECIPE["w_bits"],
                        help=f"weight bits: 2, 3, 4 or 8; MXINT 4, 6 or 8 (default {RECIPE['w_bits']})")
         g.add_argument("--group-size", type=int, default=None,
@@ -147,8 +153,8 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    help="keep linears matching GLOB in full precision (repeatable), e.g. '*.down_proj'")
     g.add_argument("--recon-steps", type=int, default=None, metavar="N",
                    help="after the solver, learn each block's rounding and clipping on its output error (SignRound): "
-                   "N steps per block, e.g. 50 (default: 50 with the default method, else 0 = off; packed format "
-                   "unchanged; --opt recon.batch=8, "
+                   "N steps per block, e.g. 50 (default 0 = off, or the default recipe's: see --method; "
+                   "packed format unchanged; --opt recon.batch=8, "
                    "recon.optimizer=adam, recon.clip=false, fp_reference.stream=quantized)")
     g.add_argument("--residual", choices=("mosaic",), default=None,
                    help="MosaicQuant: add a sparse residual of 4-bit tiles to each solved linear, chosen by the "
@@ -247,7 +253,7 @@ def _recipe_from_args(args, method: str | None, bits: int, group_size: int | Non
                       strict: bool = False) -> Recipe:
     """The recipe the flags describe: derived solver flags the solver takes, then `--opt` entries
     (KEY: a solver option; STAGE.KEY: an option of one of the method's stages), then --target-bits. Without a
-    method, the most accurate one measured at `bits` (`Recipe.best`), the flags given overriding it. `strict` (one
+    method, the default at `bits` (`Recipe.best`), the flags given overriding it. `strict` (one
     method, `quantize`): a solver flag the method's solver does not take is an error, not ignored."""
     if method is None and args.gguf_type is not None:
         method = "gptq"  # onto llama.cpp's blocks (gguf_gptq); --recon-steps trains their rounding after it

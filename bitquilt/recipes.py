@@ -39,14 +39,35 @@ ACT_FIELDS = {"a_bits": "bits", "a_sym": "sym", "a_clip": "clip_ratio"}  # overr
 # AWQ's scales, RTN's grid, then block-wise reconstruction: 50 signed-gradient steps per block on 4 windows each
 # (docs/methods/reconstruction.md)
 RECON_RECIPE: dict[str, Any] = {"method": "awq+rtn", "recon_steps": 50, "stage_options": {"recon": {"batch": 4}}}
-# What `bitquilt quantize` runs when no --method is given (`Recipe.best` in Python), per weight width: at 4 bits GPTQ
-# with 10x the usual dampening, which matches or beats reconstruction on the qwen2.5 models in less time
-# (docs/accuracy.md); at 3 and 2 bits reconstruction, the most accurate recipe on smollm2-135m (bench/results/peers.md).
+# GPTQ's own sweep (act-order, static groups, MSE-searched ranges) with 10x the usual dampening
+DAMPED_GPTQ: dict[str, Any] = {"method": "gptq", "options": {"damp": 0.1}}
+# What `bitquilt quantize` runs when no --method is given (`Recipe.best` in Python), per weight width: damped GPTQ,
+# which beat RTN and AWQ at every width on qwen2.5-1.5b, in perplexity and zero-shot accuracy (docs/accuracy.md).
+# Reconstruction is more accurate on a model as small as smollm2-135m, but costs hours on a 1.5B model.
 BEST_RECIPES: dict[int, dict[str, Any]] = {
-    4: {"method": "gptq", "group_size": 128, "options": {"damp": 0.1}},
-    3: {**RECON_RECIPE, "group_size": 128},
-    2: {**RECON_RECIPE, "group_size": 64},
+    4: {**DAMPED_GPTQ, "group_size": 128},
+    3: {**DAMPED_GPTQ, "group_size": 128},
+    2: {**DAMPED_GPTQ, "group_size": 64},
 }
+
+
+def as_flags(recipe: dict[str, Any]) -> str:
+    """A `BEST_RECIPES` entry as the `bitquilt quantize` flags that ask for it, e.g.
+    "gptq --damp 0.1 --group-size 128"."""
+    flags = [recipe["method"]]
+    flags += [f"--{key.replace('_', '-')} {value}" for key, value in recipe.get("options", {}).items()]
+    if recipe.get("recon_steps"):
+        flags.append(f"--recon-steps {recipe['recon_steps']}")
+    flags += [f"--opt {stage}.{key}={value}" for stage, opts in recipe.get("stage_options", {}).items()
+              for key, value in opts.items()]
+    if "group_size" in recipe:
+        flags.append(f"--group-size {recipe['group_size']}")
+    return " ".join(flags)
+
+
+def best_recipes_text() -> str:
+    """What `bitquilt quantize` runs without --method, per width, e.g. "4 bits: gptq --damp 0.1 --group-size 128"."""
+    return "; ".join(f"{bits} bits: {as_flags(recipe)}" for bits, recipe in sorted(BEST_RECIPES.items(), reverse=True))
 
 
 def expand_method(method: str) -> str:
@@ -336,8 +357,8 @@ class Recipe:
 
     @classmethod
     def best(cls, w_bits: int = 4, **fields: Any) -> Recipe:
-        """The most accurate recipe measured at `w_bits` (`BEST_RECIPES`; the class defaults at other widths), with
-        `fields` overriding it (`Recipe.based_on`)."""
+        """The CLI's default recipe at `w_bits` (`BEST_RECIPES`; the class defaults at other widths), with `fields`
+        overriding it (`Recipe.based_on`)."""
         return cls.based_on(BEST_RECIPES.get(w_bits, {}), w_bits, **fields)
 
     @classmethod

@@ -51,8 +51,8 @@ def _one_line_error(code: int, err: str, message: str) -> None:
 @pytest.mark.parametrize("args, message", [
     (["quantize", "--method", "gptq", "--damp", "-1"], "damp must be ≥ 0 (a fraction of the Hessian's mean diagonal; "
                                                       "typical 0.01-0.1"),
-    (["quantize", "--w-bits", "3", "--damp", "0.1"], "--damp set an option that solver 'rtn' (the end of method "
-                                                     "'awq+rtn') does not take"),
+    (["quantize", "--method", "awq", "--damp", "0.1"], "--damp set an option that solver 'rtn' (the end of method "
+                                                         "'awq') does not take"),
     (["quantize", "--method", "gptq", "--opt", "damp=-0.5"], "solver 'gptq': damp must be ≥ 0"),
     (["quantize", "--method", "bpdq", "--damp", "-1"], "solver 'bpdq': damp must be ≥ 0"),
     (["quantize", "--method", "mxsens", "--damp", "-1"], "solver 'mxint': damp must be ≥ 0"),
