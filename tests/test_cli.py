@@ -116,19 +116,23 @@ def test_help_names_the_default_recipe_as_flags_that_reproduce_it(capsys):
     """`quantize --help` spells each width's default as flags (recipes.as_flags); given explicitly, those flags build
     the same recipe as the default."""
     from bitquilt.commands import _recipe_from_args
-    from bitquilt.recipes import BEST_RECIPES, as_flags
+    from bitquilt.recipes import BEST_RECIPES, RECON_RECIPE, as_flags
 
     with pytest.raises(SystemExit):
         main(["quantize", "--help"])
     help_text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, inside flags too
     parser = build_parser()
-    for bits, entry in BEST_RECIPES.items():
-        flags = as_flags(entry)
-        assert "".join(f"{bits} bits: {flags}".split()) in help_text
+
+    def from_flags(bits: int, flags: str) -> Recipe:
         method, *rest = flags.split()
         args = parser.parse_args(["quantize", "m", "-o", "q", "--w-bits", str(bits), "--method", method, *rest])
-        explicit = _recipe_from_args(args, args.method, args.w_bits, args.group_size)
-        assert explicit == Recipe.best(bits)
+        return _recipe_from_args(args, args.method, args.w_bits, args.group_size)
+
+    for bits, entry in BEST_RECIPES.items():
+        assert "".join(f"{bits} bits: {as_flags(entry)}".split()) in help_text
+        assert from_flags(bits, as_flags(entry)) == Recipe.best(bits)
+    # stage options and steps spelled out too: the reconstruction recipe
+    assert from_flags(3, as_flags({**RECON_RECIPE, "group_size": 64})) == Recipe.reconstruction(3, 64)
 
 
 def test_console_script_help():
