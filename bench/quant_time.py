@@ -54,6 +54,29 @@ def matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / seconds / 1e9
 
 
+def named_recipes() -> dict[str, tuple[dict, str]]:
+    """The W4 recipes `--method` names besides a plain method, as `Recipe` fields and the words the report uses."""
+    from bitquilt.recipes import BEST_RECIPES, RECON_RECIPE
+
+    return {"recon": ({**RECON_RECIPE, "group_size": 128}, "block-wise reconstruction"),
+            "best": (BEST_RECIPES[4], "the CLI's default at 4 bits")}
+
+
+def recipe_fields(method: str) -> dict:
+    """The `Recipe` fields of `--method` at W4 (g128 unless the named recipe says otherwise). The parent resolves
+    them once and hands them to every worker, so the baseline checkout runs the same recipe as this one."""
+    fields, _ = named_recipes().get(method, ({"method": method, "group_size": 128}, ""))
+    return {**fields, "w_bits": 4}
+
+
+def method_label(method: str) -> str:
+    """The method as the report names it: its flags, and what a named recipe is."""
+    from bitquilt.recipes import as_flags
+
+    fields, words = named_recipes().get(method, ({"method": method}, ""))
+    return f"`{as_flags(fields)}`" + (f" ({words})" if words else "")
+
+
 def worker(variant: str, args: argparse.Namespace) -> dict:
     from bitquilt import kernels
     from bitquilt.api import calibration_ids, load, quantize
@@ -66,29 +89,14 @@ def worker(variant: str, args: argparse.Namespace) -> dict:
     model, tokenizer = load(args.model)
     ids = calibration_ids(tokenizer, CalibConfig("sciq", args.calib_samples, 512, 0))
     extra = {} if variant == "today" else {"calib_dtype": variant}
+    recipe = Recipe(**json.loads(args.recipe))
     c0, t0 = time.process_time(), time.perf_counter()
-    if args.method == "recon":
-        recipe = Recipe.reconstruction(4, 128)
-    else:
-        recipe = Recipe.best(4) if args.method == "best" else Recipe(args.method, w_bits=4, group_size=128)
     report = quantize(model, recipe, ids, progress=False, **extra)
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     with reference_matmuls(kernels):  # the same torch reference matmul evaluates every variant
         ppl = perplexity(model, tokenizer, "wiki", seqlen=512, max_windows=args.ppl_windows, progress=False).ppl
     return {"variant": variant, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "ppl": ppl,
             "compute": getattr(report, "compute", None) or {"precision": "fp32", "reason": "commit " + BASE_COMMIT}}
-
-
-def method_label(method: str) -> str:
-    """The method as the report names it: `recon` is block-wise reconstruction (RECON_RECIPE), `best` what
-    `bitquilt quantize` runs at 4 bits without --method."""
-    from bitquilt.recipes import BEST_RECIPES, RECON_RECIPE, as_flags
-
-    if method == "recon":
-        return f"`{as_flags(RECON_RECIPE)}` (block-wise reconstruction)"
-    if method == "best":
-        return f"`{as_flags(BEST_RECIPES[4])}` (the CLI's default at 4 bits)"
-    return f"`{method}`"
 
 
 def reference_matmuls(kernels: ModuleType) -> AbstractContextManager:
@@ -115,7 +123,8 @@ def run_round(args: argparse.Namespace, number: int) -> list[dict]:
     for variant in args.variants:
         tree = base_tree() if variant == "today" else REPO
         procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--worker", variant, "--model", args.model, "--method", args.method,
+            [sys.executable, __file__, "--worker", variant, "--model", args.model,
+             "--recipe", json.dumps(recipe_fields(args.method)),
              "--calib-samples", str(args.calib_samples), "--threads", str(args.threads),
              "--ppl-windows", str(args.ppl_windows)],
             env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree, stdout=subprocess.PIPE, text=True))
@@ -171,6 +180,7 @@ def main() -> None:
     p.add_argument("--variants", type=lambda v: v.split(","), default=list(VARIANTS),
                    help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--recipe", help=argparse.SUPPRESS)  # a worker's Recipe fields, as JSON
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args)))
