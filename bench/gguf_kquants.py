@@ -34,8 +34,8 @@ Every file: size and `llama-perplexity -c 512` over the first --chunks chunks of
         --methods "" --threads 1 --autoround light
 Seconds: wall time of the quantization (llama.cpp: imatrix + quantize; bitquilt and AutoRound: the whole child
 process, model load included); CPU seconds: the same processes' user + system time, all threads.
-Results: bench/results/gguf_kquants.{json,md}, rewritten after every file (records of other models kept; a model's
-files already measured with the same calibration and perplexity settings are skipped, so runs add to its table);
+Results: bench/results/gguf_kquants.{json,md}, rewritten after every file, one record per model and calibration
+(others kept; a record's files already measured with the same perplexity settings are skipped, so runs add to it);
 files stay in --workdir.
 """
 
@@ -155,17 +155,23 @@ def load_records(results: Path) -> dict:
     return json.loads(record_file.read_text()) if record_file.is_file() else {}
 
 
+def record_key(model: str, settings: dict) -> str:
+    """The record of `model` measured with `settings`: one per model and calibration (chunks of which text)."""
+    return f"{model}, {settings['calib_chunks']} x {settings['calib']}"
+
+
 def earlier_rows(results: Path, model: str, settings: dict) -> list[dict]:
-    """The rows of `model`'s record when it was measured with the same `settings` (a later run adds to them)."""
-    record = load_records(results).get(model, {})
+    """The rows of `model`'s record with the same `settings` (a later run adds to them)."""
+    record = load_records(results).get(record_key(model, settings), {})
     return record.get("rows", []) if all(record.get(k) == v for k, v in settings.items()) else []
 
 
 def write_results(results: Path, model: str, rows: list[dict], settings: dict, bin_dir: Path) -> None:
-    """`model`'s rows into results.json (other models' records kept) and the table of every model into results.md."""
+    """The rows of `model` with `settings` into results.json (other records kept) and every record's table into
+    results.md."""
     results.parent.mkdir(parents=True, exist_ok=True)
     records = load_records(results)
-    records[model] = {"rows": rows, **settings, "llama.cpp": str(bin_dir)}
+    records[record_key(model, settings)] = {"model": model, "rows": rows, **settings, "llama.cpp": str(bin_dir)}
     record_file = results.with_suffix(".json")
     record_file.write_text(json.dumps(records, indent=1))
     lines = ["# K-quant GGUF files: llama.cpp's imatrix quantization vs bitquilt's (and AutoRound's) export of the "
@@ -180,8 +186,8 @@ def write_results(results: Path, model: str, rows: list[dict], settings: dict, b
              "processes (model load included); cpu s: their user + system time (2 cores shared with other "
              "jobs: indicative only); export s: wall time of `bitquilt export --to gguf` from the saved model "
              "(process start included).", ""]
-    for name, record in records.items():
-        lines += [f"## {name} ({record['calib_chunks']} calibration chunks of {record.get('calib', 'sciq')}, "
+    for record in records.values():
+        lines += [f"## {record['model']} ({record['calib_chunks']} calibration chunks of {record['calib']}, "
                   f"{record['chunks']} perplexity chunks)",
                   "", "| mix | file | size MB | ppl wiki | ppl lambada | seconds | cpu s | export s |",
                   "|---|---|---:|---:|---:|---:|---:|---:|"]

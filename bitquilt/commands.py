@@ -38,9 +38,11 @@ from bitquilt.models.registry import DEFAULT_MODEL
 from bitquilt.policies.gguf_mix import MIXES
 from bitquilt.recipes import (
     BEST_RECIPES,
+    DAMPED_GPTQ,
     GGUF_SOLVERS,
     CalibConfig,
     Recipe,
+    as_flags,
     best_recipes_text,
     expand_method,
     solver_name,
@@ -204,7 +206,8 @@ def _add_recipe_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    "group per row)")
     h.add_argument("--gguf-type", default=None, metavar="MIX",
                    help="solve onto llama.cpp's blocks as its mix MIX types each tensor, head and embeddings included "
-                   f"({', '.join(MIXES)}); the method must end in rtn or gptq; export with --to gguf")
+                   f"({', '.join(MIXES)}); the method must end in rtn or gptq (default: "
+                   f"{as_flags(DAMPED_GPTQ)}); export with --to gguf")
     c = p.add_argument_group("calibration")
     c.add_argument("--calib-data", default=CALIB["source"],
                    help=f"calibration text: coqa (general English), sciq (science), wiki, lambada, or a .txt/.jsonl "
@@ -253,13 +256,13 @@ def _recipe_from_args(args, method: str | None, bits: int, group_size: int | Non
                       strict: bool = False) -> Recipe:
     """The recipe the flags describe: derived solver flags the solver takes, then `--opt` entries
     (KEY: a solver option; STAGE.KEY: an option of one of the method's stages), then --target-bits. Without a
-    method, the default at `bits` (`Recipe.best`), the flags given overriding it. `strict` (one
-    method, `quantize`): a solver flag the method's solver does not take is an error, not ignored."""
-    if method is None and args.gguf_type is not None:
-        method = "gptq"  # onto llama.cpp's blocks (gguf_gptq); --recon-steps trains their rounding after it
+    method, the default at `bits` (`Recipe.best`; with --gguf-type, `DAMPED_GPTQ` onto llama.cpp's blocks), the
+    flags given overriding it. `strict` (one method, `quantize`): a solver flag the method's solver does not take
+    is an error, not ignored."""
     best = method is None
+    default = DAMPED_GPTQ if args.gguf_type is not None else BEST_RECIPES.get(bits, {})
     if best:
-        method = BEST_RECIPES.get(bits, {}).get("method", RECIPE["method"])
+        method = default.get("method", RECIPE["method"])
     if solver_name(method) not in SOLVERS:
         raise UserError(f"unknown method {method!r}: a method is [stage+...+]solver, solvers "
                         f"{', '.join(sorted(SOLVERS))}, e.g. rtn, gptq, awq (=awq+rtn), awq+gptq, bpdq, "
@@ -307,7 +310,7 @@ def _recipe_from_args(args, method: str | None, bits: int, group_size: int | Non
     if args.recon_steps is not None:
         fields["recon_steps"] = args.recon_steps
     if best:
-        return Recipe.best(bits, **fields, **({} if group_size is None else {"group_size": group_size}))
+        return Recipe.based_on(default, bits, **fields, **({} if group_size is None else {"group_size": group_size}))
     return Recipe(method=method, w_bits=bits, group_size=group_size, **fields)
 
 

@@ -93,6 +93,10 @@ def test_default_recipe_is_damped_gptq_at_every_measured_width():
     assert (tuned.method, tuned.options, tuned.recon_steps, tuned.group_size) == ("gptq", {"damp": 0.1}, 20, 64)
     args = build_parser().parse_args(["quantize", "m", "-o", "q", "--w-bits", "8"])
     assert _recipe_from_args(args, args.method, 8, None).method == Recipe().method  # no measurement at 8 bits
+    for extra, damp in (([], 0.1), (["--damp", "0.02"], 0.02)):  # a GGUF mix: damped GPTQ onto llama.cpp's blocks
+        args = build_parser().parse_args(["quantize", "m", "-o", "q", "--gguf-type", "Q3_K_M", *extra])
+        gguf = _recipe_from_args(args, args.method, args.w_bits, args.group_size)
+        assert (gguf.method, gguf.options, gguf.w_bits, gguf.gguf_type) == ("gguf_gptq", {"damp": damp}, 3, "Q3_K_M")
     recipe = Recipe()
     assert recipe.method == "awq+gptq" and recipe.transforms == ["awq"] and recipe.solver == "gptq"
     options = get_solver(recipe.solver).make_options(recipe.options)
