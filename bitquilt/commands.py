@@ -37,13 +37,13 @@ from bitquilt.io import model_summary
 from bitquilt.models.registry import DEFAULT_MODEL
 from bitquilt.policies.gguf_mix import MIXES
 from bitquilt.recipes import (
-    BEST_RECIPES,
     DAMPED_GPTQ,
     GGUF_SOLVERS,
     CalibConfig,
     Recipe,
     as_flags,
     best_recipes_text,
+    default_recipe,
     expand_method,
     solver_name,
 )
@@ -256,13 +256,12 @@ def _recipe_from_args(args, method: str | None, bits: int, group_size: int | Non
                       strict: bool = False) -> Recipe:
     """The recipe the flags describe: derived solver flags the solver takes, then `--opt` entries
     (KEY: a solver option; STAGE.KEY: an option of one of the method's stages), then --target-bits. Without a
-    method, the default at `bits` (`Recipe.best`; with --gguf-type, `DAMPED_GPTQ` onto llama.cpp's blocks), the
+    method, the default at `bits` (`Recipe.best`; with --gguf-type, damped GPTQ onto llama.cpp's blocks), the
     flags given overriding it. `strict` (one method, `quantize`): a solver flag the method's solver does not take
     is an error, not ignored."""
     best = method is None
-    default = DAMPED_GPTQ if args.gguf_type is not None else BEST_RECIPES.get(bits, {})
     if best:
-        method = default.get("method", RECIPE["method"])
+        method = default_recipe(bits, args.gguf_type).get("method", RECIPE["method"])
     if solver_name(method) not in SOLVERS:
         raise UserError(f"unknown method {method!r}: a method is [stage+...+]solver, solvers "
                         f"{', '.join(sorted(SOLVERS))}, e.g. rtn, gptq, awq (=awq+rtn), awq+gptq, bpdq, "
@@ -310,7 +309,7 @@ def _recipe_from_args(args, method: str | None, bits: int, group_size: int | Non
     if args.recon_steps is not None:
         fields["recon_steps"] = args.recon_steps
     if best:
-        return Recipe.based_on(default, bits, **fields, **({} if group_size is None else {"group_size": group_size}))
+        return Recipe.best(bits, **fields, **({} if group_size is None else {"group_size": group_size}))
     return Recipe(method=method, w_bits=bits, group_size=group_size, **fields)
 
 

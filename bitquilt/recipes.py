@@ -51,6 +51,12 @@ BEST_RECIPES: dict[int, dict[str, Any]] = {
 }
 
 
+def default_recipe(w_bits: int, gguf_type: str | None = None) -> dict[str, Any]:
+    """The fields of the CLI's default recipe: `BEST_RECIPES` at `w_bits` ({}: the class defaults at other widths),
+    or with a GGUF mix `DAMPED_GPTQ`, whose solver then solves onto llama.cpp's blocks (their size fixes the groups)."""
+    return DAMPED_GPTQ if gguf_type is not None else BEST_RECIPES.get(w_bits, {})
+
+
 def as_flags(recipe: dict[str, Any]) -> str:
     """A `BEST_RECIPES` entry as the `bitquilt quantize` flags that ask for it, e.g.
     "gptq --damp 0.1 --group-size 128"."""
@@ -357,9 +363,9 @@ class Recipe:
 
     @classmethod
     def best(cls, w_bits: int = 4, **fields: Any) -> Recipe:
-        """The CLI's default recipe at `w_bits` (`BEST_RECIPES`; the class defaults at other widths), with `fields`
-        overriding it (`Recipe.based_on`)."""
-        return cls.based_on(BEST_RECIPES.get(w_bits, {}), w_bits, **fields)
+        """The CLI's default recipe at `w_bits` (`default_recipe`, for the `gguf_type` among `fields` if any), with
+        `fields` overriding it (`Recipe.based_on`)."""
+        return cls.based_on(default_recipe(w_bits, fields.get("gguf_type")), w_bits, **fields)
 
     @classmethod
     def reconstruction(cls, w_bits: int, group_size: int, **fields: Any) -> Recipe:

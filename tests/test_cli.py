@@ -97,6 +97,7 @@ def test_default_recipe_is_damped_gptq_at_every_measured_width():
         args = build_parser().parse_args(["quantize", "m", "-o", "q", "--gguf-type", "Q3_K_M", *extra])
         gguf = _recipe_from_args(args, args.method, args.w_bits, args.group_size)
         assert (gguf.method, gguf.options, gguf.w_bits, gguf.gguf_type) == ("gguf_gptq", {"damp": damp}, 3, "Q3_K_M")
+        assert gguf == Recipe.best(3, gguf_type="Q3_K_M", options={"damp": damp})  # the same default in Python
     recipe = Recipe()
     assert recipe.method == "awq+gptq" and recipe.transforms == ["awq"] and recipe.solver == "gptq"
     options = get_solver(recipe.solver).make_options(recipe.options)
